@@ -1,0 +1,1 @@
+"""The four deployable tokenbus processes: edge, ingest, scheduler, worker."""

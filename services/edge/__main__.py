@@ -1,0 +1,26 @@
+"""Entry point: `python -m services.edge`."""
+
+import uvicorn
+
+from services.edge.app import build_app
+from services.edge.settings import EdgeSettings
+from shared.logs import configure_logging
+
+
+def main() -> None:
+    settings = EdgeSettings()
+    configure_logging("edge", settings.log_level)
+    uvicorn.run(
+        build_app(settings),
+        host=settings.edge_host,
+        port=settings.edge_port,
+        # Read frames up to 4x the answered limit, so an oversized frame gets a polite
+        # invalid_request instead of a closed socket.
+        ws_max_size=settings.edge_max_frame_bytes * 4,
+        log_level="warning",
+        lifespan="on",
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""The `/v1/chat` WebSocket protocol: client frames in, server frames out."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, TypeAdapter, ValidationError
+
+from shared.messages import (
+    REQUEST_ID,
+    ChatRequest,
+    ErrorCode,
+    Model,
+    RequestLimits,
+    Tier,
+    Timings,
+    Usage,
+    error_message,
+)
+
+
+class AuthFrame(Model):
+    type: Literal["auth"]
+    api_key: str = Field(min_length=1, max_length=512)
+
+
+class ChatRequestFrame(ChatRequest):
+    type: Literal["chat.request"]
+
+    def request(self) -> ChatRequest:
+        return ChatRequest.model_validate(self.model_dump(exclude={"type"}))
+
+
+class ChatCancelFrame(Model):
+    type: Literal["chat.cancel"]
+    request_id: str = Field(pattern=REQUEST_ID)
+
+
+class StreamResumeFrame(Model):
+    type: Literal["stream.resume"]
+    resume_token: str = Field(min_length=1, max_length=4096)
+    after_seq: int = Field(default=-1, ge=-1)
+
+
+ClientFrame = Annotated[
+    AuthFrame | ChatRequestFrame | ChatCancelFrame | StreamResumeFrame,
+    Field(discriminator="type"),
+]
+_client_frames: TypeAdapter[ClientFrame] = TypeAdapter(ClientFrame)
+
+
+class ProtocolError(Exception):
+    """A frame the edge cannot act on; becomes an `error` frame, the socket stays open."""
+
+    def __init__(self, message: str, client_id: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.client_id = client_id
+
+
+def parse_client_frame(data: str | bytes, limits: RequestLimits, max_bytes: int) -> ClientFrame:
+    size = len(data.encode() if isinstance(data, str) else data)
+    if size > max_bytes:
+        raise ProtocolError(f"frame: {size} bytes, above the limit of {max_bytes} bytes")
+    try:
+        return _client_frames.validate_json(data, context={"limits": limits})
+    except ValidationError as exc:
+        if any(e["type"] == "json_invalid" for e in exc.errors()):
+            raise ProtocolError("frame: not a JSON object") from None
+        raise ProtocolError(error_message(exc, skip_loc=1), _client_id(data)) from None
+
+
+def _client_id(data: str | bytes) -> str | None:
+    import json
+
+    try:
+        body = json.loads(data)
+    except ValueError:
+        return None
+    value = body.get("client_id") if isinstance(body, dict) else None
+    return value if isinstance(value, str) and len(value) <= 128 else None
+
+
+class AcceptedFrame(Model):
+    type: Literal["chat.accepted"] = "chat.accepted"
+    request_id: str
+    client_id: str | None = None
+    resume_token: str
+    tier: Tier
+
+
+class DeltaFrame(Model):
+    type: Literal["chat.delta"] = "chat.delta"
+    request_id: str
+    seq: int
+    text: str
+
+
+class ResetFrame(Model):
+    type: Literal["chat.reset"] = "chat.reset"
+    request_id: str
+    attempt: int
+
+
+class DoneFrame(Model):
+    type: Literal["chat.done"] = "chat.done"
+    request_id: str
+    finish_reason: str
+    usage: Usage
+    timings: Timings
+
+
+class ErrorFrame(Model):
+    type: Literal["error"] = "error"
+    code: ErrorCode
+    message: str
+    request_id: str | None = None
+    client_id: str | None = None
+
+
+ServerFrame = AcceptedFrame | DeltaFrame | ResetFrame | DoneFrame | ErrorFrame

@@ -1,0 +1,18 @@
+"""Entry point: `python -m services.ingest`."""
+
+import asyncio
+
+from services.ingest.app import build_app
+from services.ingest.settings import IngestSettings
+from shared.logs import configure_logging
+
+
+def main() -> None:
+    settings = IngestSettings()
+    configure_logging("ingest", settings.log_level)
+    # FastStream handles SIGINT/SIGTERM itself and closes the broker gracefully.
+    asyncio.run(build_app(settings).run())
+
+
+if __name__ == "__main__":
+    main()

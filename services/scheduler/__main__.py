@@ -1,0 +1,16 @@
+"""Entry point: `python -m services.scheduler`."""
+
+from services.scheduler.app import Scheduler
+from services.scheduler.settings import SchedulerSettings
+from shared.logs import configure_logging
+from shared.process import run_service
+
+
+def main() -> None:
+    settings = SchedulerSettings()
+    configure_logging("scheduler", settings.log_level)
+    run_service(Scheduler(settings).run())
+
+
+if __name__ == "__main__":
+    main()

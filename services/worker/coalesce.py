@@ -1,0 +1,40 @@
+"""Token coalescing: buffer a request's deltas and flush every `flush_ms` or `flush_tokens`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Coalescer:
+    """Pure buffer for one request's stream; the caller supplies the clock."""
+
+    flush_seconds: float
+    flush_tokens: int
+    _parts: list[str] = field(default_factory=list)
+    _tokens: int = 0
+    _since: float | None = None
+
+    def add(self, text: str, tokens: int, now: float) -> str | None:
+        """Buffer a delta; return the chunk to send if the buffer is now due."""
+        if self._since is None:
+            self._since = now
+        self._parts.append(text)
+        self._tokens += tokens
+        if self._tokens >= self.flush_tokens or now - self._since >= self.flush_seconds:
+            return self.take()
+        return None
+
+    def flush_at(self) -> float | None:
+        """When the oldest buffered token must leave, or None if the buffer is empty."""
+        return None if self._since is None else self._since + self.flush_seconds
+
+    def take(self) -> str | None:
+        """Empty the buffer; None if nothing was buffered."""
+        if self._since is None:
+            return None
+        text = "".join(self._parts)
+        self._parts.clear()
+        self._tokens = 0
+        self._since = None
+        return text

@@ -1,0 +1,1 @@
+"""Engines a worker can run: `sim` everywhere, `vllm` and `transformers` where installed."""

@@ -1,0 +1,1 @@
+"""What every tokenbus service imports: message models, settings, topic names, Kafka clients."""

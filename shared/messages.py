@@ -1,0 +1,253 @@
+"""Pydantic models of every record that crosses a Kafka topic."""
+
+from __future__ import annotations
+
+import time
+from enum import StrEnum
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from shared.tokens import estimate_tokens
+
+TOPIC_NAME = r"^[A-Za-z0-9._-]{1,249}$"
+REQUEST_ID = r"^[A-Za-z0-9._:-]{1,128}$"
+
+
+class Tier(StrEnum):
+    """Priority tier; interactive rides first."""
+
+    interactive = "interactive"
+    background = "background"
+
+
+class ErrorCode(StrEnum):
+    """Stable error codes of the protocol."""
+
+    invalid_request = "invalid_request"
+    unauthorized = "unauthorized"
+    rate_limited = "rate_limited"
+    overloaded = "overloaded"
+    deadline_exceeded = "deadline_exceeded"
+    cancelled = "cancelled"
+    not_found = "not_found"
+    internal = "internal"
+
+
+class RequestLimits(BaseModel):
+    """Configured bounds a request is checked against (passed as validation context)."""
+
+    max_tokens_cap: int = 4096
+    default_max_tokens: int = 256
+    max_prompt_chars: int = 65536
+
+
+class Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ChatMessage(Model):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str
+
+
+class ReplyTo(Model):
+    """Where a request's results go: a topic and, optionally, one partition of it."""
+
+    topic: str = Field(pattern=TOPIC_NAME)
+    partition: int | None = Field(default=None, ge=0)
+
+
+def _limits(info: ValidationInfo) -> RequestLimits:
+    ctx = info.context if isinstance(info.context, dict) else {}
+    limits = ctx.get("limits")
+    return limits if isinstance(limits, RequestLimits) else RequestLimits()
+
+
+class ChatRequest(Model):
+    """What a client asks for; the body of a `chat.request` frame."""
+
+    client_id: str | None = Field(default=None, max_length=128)
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    prompt: str | None = None
+    max_tokens: int | None = Field(default=None, validate_default=True)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    stop: list[Annotated[str, Field(min_length=1, max_length=64)]] = Field(
+        default_factory=list, max_length=4
+    )
+    priority: Tier | None = None
+    deadline_ms: int | None = Field(default=None, ge=1, description="Budget from acceptance.")
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_as_list(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _max_tokens_in_range(cls, value: int | None, info: ValidationInfo) -> int:
+        limits = _limits(info)
+        if value is None:
+            return min(limits.default_max_tokens, limits.max_tokens_cap)
+        if value < 1:
+            raise ValueError("must be at least 1")
+        if value > limits.max_tokens_cap:
+            raise ValueError(f"must be at most {limits.max_tokens_cap} (the configured cap)")
+        return value
+
+    @model_validator(mode="after")
+    def _one_prompt(self, info: ValidationInfo) -> ChatRequest:
+        if (self.messages is None) == (self.prompt is None):
+            raise ValueError("exactly one of messages or prompt is required")
+        size = len(self.prompt_text())
+        limit = _limits(info).max_prompt_chars
+        if size > limit:
+            field = "prompt" if self.prompt is not None else "messages"
+            raise ValueError(f"{field} is {size} characters, above the limit of {limit}")
+        return self
+
+    def prompt_text(self) -> str:
+        """The prompt as one string: the engine's input for the `sim` engine."""
+        if self.prompt is not None:
+            return self.prompt
+        return "\n".join(f"{m.role}: {m.content}" for m in self.messages or [])
+
+    @property
+    def effective_max_tokens(self) -> int:
+        # Always set by the validator; the fallback keeps the type honest.
+        return self.max_tokens if self.max_tokens is not None else RequestLimits().default_max_tokens
+
+
+class RequestRecord(ChatRequest):
+    """A request on `tokenbus.requests`, as the edge or an external producer writes it."""
+
+    request_id: str = Field(pattern=REQUEST_ID)
+    tenant: str = Field(default="default", min_length=1, max_length=128)
+    reply_to: ReplyTo | None = None
+    created_at: float = Field(default_factory=time.time, description="Unix time, seconds.")
+
+
+class QueuedRequest(RequestRecord):
+    """A validated request on a tier topic, with what the scheduler needs to place it."""
+
+    tier: Tier
+    prompt_tokens: int = Field(ge=0)
+    reply_to: ReplyTo
+    attempt: int = Field(default=0, ge=0)
+    accepted_at: float = Field(default_factory=time.time)
+
+    @property
+    def deadline_at(self) -> float | None:
+        if self.deadline_ms is None:
+            return None
+        return self.created_at + self.deadline_ms / 1000.0
+
+    @property
+    def token_cost(self) -> int:
+        """Tokens this request may occupy: its prompt plus everything it may generate."""
+        return self.prompt_tokens + self.effective_max_tokens
+
+    @classmethod
+    def from_record(cls, record: RequestRecord, *, tier: Tier, reply_to: ReplyTo) -> QueuedRequest:
+        data = record.model_dump()
+        data.update(
+            tier=tier,
+            reply_to=reply_to,
+            prompt_tokens=estimate_tokens(record.prompt_text()),
+        )
+        return cls.model_validate(data)
+
+
+class Batch(Model):
+    """Requests that ride together; what the scheduler sends to workers."""
+
+    batch_id: str
+    tier: Tier
+    requests: list[QueuedRequest] = Field(min_length=1)
+    reason: Literal["full", "tokens", "timeout", "drain"]
+    formed_at: float = Field(default_factory=time.time)
+    worker_id: str | None = None
+
+
+class Usage(Model):
+    prompt_tokens: int = Field(ge=0)
+    completion_tokens: int = Field(ge=0)
+
+
+class Timings(Model):
+    queue_ms: float
+    batch_size: int
+    ttft_ms: float
+    total_ms: float
+
+
+class ResultBase(Model):
+    """Framing every result record carries: who, which attempt, where in the stream."""
+
+    request_id: str = Field(pattern=REQUEST_ID)
+    attempt: int = Field(default=0, ge=0)
+    seq: int = Field(ge=0)
+
+
+class DeltaResult(ResultBase):
+    kind: Literal["delta"] = "delta"
+    text: str
+
+
+class DoneResult(ResultBase):
+    kind: Literal["done"] = "done"
+    finish_reason: Literal["stop", "length", "cancelled"]
+    usage: Usage
+    timings: Timings
+
+
+class ErrorResult(ResultBase):
+    kind: Literal["error"] = "error"
+    code: ErrorCode
+    message: str
+
+
+ResultRecord = Annotated[DeltaResult | DoneResult | ErrorResult, Field(discriminator="kind")]
+
+
+def error_message(exc: Exception, skip_loc: int = 0) -> str:
+    """One line naming each bad field, from a pydantic ValidationError or any exception.
+
+    `skip_loc` drops leading location parts, such as the union tag of a tagged frame.
+    """
+    from pydantic import ValidationError
+
+    if not isinstance(exc, ValidationError):
+        return str(exc)
+    parts = []
+    for err in exc.errors(include_url=False):
+        if err["type"] in ("union_tag_invalid", "union_tag_not_found"):
+            loc = "type"
+        else:
+            loc = ".".join(str(p) for p in err["loc"][skip_loc:]) or "request"
+        msg = str(err["msg"]).removeprefix("Value error, ")
+        parts.append(f"{loc}: {msg}")
+    return "; ".join(parts)
+
+
+class CancelRecord(Model):
+    """On `tokenbus.control`: stop generating for this request and free its slot."""
+
+    kind: Literal["cancel"] = "cancel"
+    request_id: str = Field(pattern=REQUEST_ID)
+    reason: Literal["client", "disconnect", "deadline"] = "client"
+    sent_at: float = Field(default_factory=time.time)
+
+
+class Heartbeat(Model):
+    """On `tokenbus.workers`: what a worker can take now."""
+
+    worker_id: str
+    model: str
+    total_slots: int = Field(ge=0)
+    free_slots: int = Field(ge=0)
+    running: int = Field(ge=0)
+    queued_tokens: int = Field(ge=0)
+    utilisation: float = Field(ge=0.0, le=1.0)
+    sent_at: float = Field(default_factory=time.time)

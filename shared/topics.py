@@ -1,0 +1,58 @@
+"""Topic names and the partition counts the project creates them with."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shared.messages import Tier
+
+
+@dataclass(frozen=True)
+class Topics:
+    """Every topic of one tokenbus deployment, named from its prefix."""
+
+    prefix: str = "tokenbus"
+
+    @property
+    def requests(self) -> str:
+        return f"{self.prefix}.requests"
+
+    @property
+    def dlq(self) -> str:
+        return f"{self.prefix}.requests.dlq"
+
+    def tier(self, tier: Tier) -> str:
+        return f"{self.prefix}.requests.{tier.value}"
+
+    @property
+    def tiers(self) -> tuple[str, ...]:
+        return tuple(self.tier(t) for t in Tier)
+
+    @property
+    def batches(self) -> str:
+        return f"{self.prefix}.batches"
+
+    @property
+    def results(self) -> str:
+        return f"{self.prefix}.results"
+
+    @property
+    def workers(self) -> str:
+        return f"{self.prefix}.workers"
+
+    @property
+    def control(self) -> str:
+        return f"{self.prefix}.control"
+
+    def partitions(self) -> dict[str, int]:
+        """Topic name -> partition count, as `tokenbus topics create` makes them."""
+        return {
+            self.requests: 4,
+            self.dlq: 1,
+            **{t: 4 for t in self.tiers},
+            self.batches: 4,
+            # One partition per edge process (reply-partition pattern).
+            self.results: 16,
+            self.workers: 1,
+            self.control: 1,
+        }

@@ -1,0 +1,34 @@
+"""Shared fixtures: a real broker for the session, a real service stack per module."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.kafka_env import kafka_bootstrap
+from tests.stack import Stack, new_prefix
+
+
+@pytest.fixture(scope="session")
+def bootstrap() -> Iterator[str]:
+    try:
+        with kafka_bootstrap() as servers:
+            yield servers
+    except RuntimeError as exc:
+        pytest.fail(str(exc), pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("service-logs")
+
+
+@pytest.fixture(scope="module")
+def stack(bootstrap: str, log_dir: Path) -> Iterator[Stack]:
+    s = Stack(bootstrap=bootstrap, prefix=new_prefix(), log_dir=log_dir)
+    try:
+        yield s.start()
+    finally:
+        s.stop()

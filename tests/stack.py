@@ -1,0 +1,141 @@
+"""A real tokenbus stack for integration tests: four service processes on a real broker."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shared.kafka import create_topics, delete_topics, wait_for_broker
+from shared.settings import TokenbusSettings
+from shared.topics import Topics
+
+ROOT = Path(__file__).resolve().parent.parent
+SERVICES = ("ingest", "scheduler", "worker", "edge")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def wait_until(predicate: object, timeout: float, what: str, interval: float = 0.05) -> None:
+    """Poll `predicate()` until it is true; fail with `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():  # type: ignore[operator]
+            return
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+@dataclass
+class Stack:
+    bootstrap: str
+    prefix: str
+    log_dir: Path
+    env_overrides: dict[str, str] = field(default_factory=dict)
+    processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    edge_port: int = 0
+
+    @property
+    def topics(self) -> Topics:
+        return Topics(self.prefix)
+
+    @property
+    def settings(self) -> TokenbusSettings:
+        return TokenbusSettings(KAFKA_BOOTSTRAP_SERVERS=self.bootstrap, topic_prefix=self.prefix)
+
+    @property
+    def ws_url(self) -> str:
+        return f"ws://127.0.0.1:{self.edge_port}/v1/chat"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.edge_port}"
+
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(
+            KAFKA_BOOTSTRAP_SERVERS=self.bootstrap,
+            TOKENBUS_TOPIC_PREFIX=self.prefix,
+            TOKENBUS_EDGE_PORT=str(self.edge_port),
+            TOKENBUS_RESUME_SECRET="test-secret",
+            TOKENBUS_WORKER_SIM_TOKEN_RATE="200",
+            TOKENBUS_LOG_LEVEL="INFO",
+            PYTHONPATH=str(ROOT),
+        )
+        env.update(self.env_overrides)
+        return env
+
+    def start_service(self, name: str, key: str | None = None, **env: str) -> None:
+        key = key or name
+        full = self.env()
+        full.update(env)
+        with open(self.log_dir / f"{self.prefix}-{key}.log", "ab") as log:
+            self.processes[key] = subprocess.Popen(
+                [sys.executable, "-m", f"services.{name}"],
+                cwd=ROOT,
+                env=full,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def start(self) -> Stack:
+        settings = self.settings
+        asyncio.run(_create(settings, self.topics))
+        self.edge_port = free_port()
+        for name in SERVICES:
+            self.start_service(name)
+        wait_until(self.edge_ready, 60, "the edge's /healthz")
+        return self
+
+    def edge_ready(self, port: int | None = None) -> bool:
+        self.check_alive()
+        try:
+            url = f"http://127.0.0.1:{port or self.edge_port}/healthz"
+            with urllib.request.urlopen(url, timeout=1) as r:
+                return bool(r.status == 200)
+        except OSError:
+            return False
+
+    def check_alive(self) -> None:
+        for key, proc in self.processes.items():
+            if proc.poll() is not None and proc.returncode not in (0, -9, -15):
+                log = (self.log_dir / f"{self.prefix}-{key}.log").read_text()[-3000:]
+                raise AssertionError(f"service {key} exited with {proc.returncode}:\n{log}")
+
+    def stop_service(self, key: str, sig: int = signal.SIGTERM) -> None:
+        proc = self.processes[key]
+        if proc.poll() is None:
+            os.killpg(proc.pid, sig)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+    def stop(self) -> None:
+        for key in list(self.processes):
+            self.stop_service(key)
+        asyncio.run(delete_topics(self.settings, self.topics.partitions()))
+
+
+async def _create(settings: TokenbusSettings, topics: Topics) -> None:
+    await wait_for_broker(settings, timeout_s=60)
+    await create_topics(settings, topics.partitions())
+
+
+def new_prefix() -> str:
+    return "t" + uuid.uuid4().hex[:10]
