@@ -65,8 +65,11 @@ def parse_client_frame(data: str | bytes, limits: RequestLimits, max_bytes: int)
     try:
         return _client_frames.validate_json(data, context={"limits": limits})
     except ValidationError as exc:
-        if any(e["type"] == "json_invalid" for e in exc.errors()):
-            raise ProtocolError("frame: not a JSON object") from None
+        errors = exc.errors()
+        if any(e["type"] == "json_invalid" for e in errors):
+            raise ProtocolError("frame: not valid JSON") from None
+        if any(not e["loc"] and not e["type"].startswith("union_tag") for e in errors):
+            raise ProtocolError("frame: must be a JSON object with a type") from None
         raise ProtocolError(error_message(exc, skip_loc=1), _client_id(data)) from None
 
 
