@@ -4,18 +4,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
+import time
 
 import structlog
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import CommitFailedError, IllegalStateError
 from pydantic import ValidationError
 
+from services.worker.cancel import CancelBook, apply_cancel
+from services.worker.drain import Drain, hand_back
 from services.worker.engines.base import Engine
-from services.worker.runner import RequestRunner
+from services.worker.runner import RequestRunner, RunOutcome
 from services.worker.settings import WorkerSettings
 from shared.kafka import encode, make_consumer, make_producer
-from shared.messages import Batch, CancelRecord, Heartbeat
+from shared.messages import Batch, CancelRecord, ErrorCode, ErrorResult, Heartbeat, QueuedRequest
 from shared.offsets import OffsetTracker
+from shared.results import send_result
 from shared.topics import Topics
 
 log = structlog.get_logger()
@@ -24,12 +29,18 @@ HEARTBEAT_SECONDS = 1.0
 
 
 class Worker:
-    def __init__(self, settings: WorkerSettings, engine: Engine) -> None:
+    def __init__(
+        self, settings: WorkerSettings, engine: Engine, *, drain_on_sigterm: bool = True
+    ) -> None:
         self.settings = settings
         self.engine = engine
         self.topics = Topics(settings.topic_prefix)
         self._offsets = OffsetTracker()
         self._commit_lock = asyncio.Lock()
+        self.drain = Drain(settings.worker_drain_timeout_s)
+        self._drain_on_sigterm = drain_on_sigterm
+        self._batch_tasks: set[asyncio.Task[None]] = set()
+        self._early_cancels = CancelBook()
 
     async def run(self) -> None:
         s = self.settings
@@ -51,11 +62,24 @@ class Worker:
             await batches.start()
             await self.engine.start()
             runner = RequestRunner(self.engine, producer, s.worker_flush_ms, s.worker_flush_tokens)
+            self._producer = producer
+            if self._drain_on_sigterm:
+                # SIGTERM drains (SIGINT still cancels at once, via run_service).
+                asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, self.drain.signal)
             log.info("worker.started", worker_id=s.worker_id, engine=self.engine.name)
             async with asyncio.TaskGroup() as tg:
-                tg.create_task(self._take_batches(batches, runner, tg))
-                tg.create_task(self._obey_cancels(control))
-                tg.create_task(self._heartbeat(producer))
+                taker = tg.create_task(self._take_batches(batches, runner, tg))
+                others = [
+                    tg.create_task(self._obey_cancels(control)),
+                    tg.create_task(self._heartbeat(producer)),
+                ]
+                await self.drain.requested.wait()
+                taker.cancel()
+                await self._send_heartbeat(producer)  # tell schedulers: no free slots here
+                await self.drain.run(self._batch_tasks, lambda: runner.running, runner.hand_back)
+                for task in others:
+                    task.cancel()
+            log.info("worker.drained", worker_id=s.worker_id)
         finally:
             await self.engine.stop()
             await batches.stop()
@@ -76,7 +100,11 @@ class Worker:
                         log.error("batch.invalid", offset=record.offset, error=str(exc))
                         await self._done(consumer, tp, record.offset)
                         continue
-                    tg.create_task(self._run_batch(consumer, runner, batch, tp, record.offset))
+                    task = tg.create_task(
+                        self._run_batch(consumer, runner, batch, tp, record.offset)
+                    )
+                    self._batch_tasks.add(task)
+                    task.add_done_callback(self._batch_tasks.discard)
 
     async def _run_batch(
         self,
@@ -88,14 +116,31 @@ class Worker:
     ) -> None:
         log.info("batch.started", batch_id=batch.batch_id, size=len(batch.requests))
         results = await asyncio.gather(
-            *(runner.run(r, len(batch.requests)) for r in batch.requests), return_exceptions=True
+            *(self._run_request(runner, r, len(batch.requests)) for r in batch.requests),
+            return_exceptions=True,
         )
         for request, result in zip(batch.requests, results, strict=True):
             if isinstance(result, BaseException):
-                log.error(
-                    "request.failed", request_id=request.request_id, error=repr(result)
-                )
+                log.error("request.failed", request_id=request.request_id, error=repr(result))
+            elif result == "handed_back":
+                await hand_back(self._producer, self.topics, request)
         await self._done(consumer, tp, offset)
+
+    async def _run_request(
+        self, runner: RequestRunner, request: QueuedRequest, batch_size: int
+    ) -> RunOutcome:
+        if self._early_cancels.take(request.request_id, time.monotonic()):
+            # Its cancel overtook the batch: answer it without running it.
+            cancelled = ErrorResult(
+                request_id=request.request_id,
+                attempt=request.attempt,
+                seq=0,
+                code=ErrorCode.cancelled,
+                message="request cancelled",
+            )
+            await (await send_result(self._producer, request.reply_to, cancelled))
+            return "answered"
+        return await runner.run(request, batch_size)
 
     async def _done(self, consumer: AIOKafkaConsumer, tp: TopicPartition, offset: int) -> None:
         self._offsets.done(tp, offset)
@@ -113,27 +158,44 @@ class Worker:
 
     async def _obey_cancels(self, consumer: AIOKafkaConsumer) -> None:
         async for record in consumer:
+            arrived_at, arrived_wall = time.perf_counter(), time.time()
             try:
                 cancel = CancelRecord.model_validate_json(record.value or b"")
             except ValidationError as exc:
                 log.error("control.invalid", offset=record.offset, error=str(exc))
                 continue
-            await self.engine.abort(cancel.request_id)
+            applied = await apply_cancel(self.engine, cancel, arrived_at, arrived_wall)
+            if not applied.found:
+                self._early_cancels.remember(cancel.request_id, time.monotonic())
+            log.info(
+                "cancel.applied",
+                request_id=applied.request_id,
+                found=applied.found,
+                free_slots_before=applied.free_slots_before,
+                free_slots_after=applied.free_slots_after,
+                total_slots=applied.total_slots,
+                arrival_to_free_ms=applied.arrival_to_free_ms,
+                record_age_ms=applied.record_age_ms,
+            )
 
     async def _heartbeat(self, producer: AIOKafkaProducer) -> None:
         while True:
-            cap = self.engine.capacity()
-            beat = Heartbeat(
-                worker_id=self.settings.worker_id,
-                model=self.settings.worker_model,
-                total_slots=cap.total_slots,
-                free_slots=cap.free_slots,
-                running=cap.running,
-                queued_tokens=cap.queued_tokens,
-                utilisation=min(1.0, cap.utilisation),
-            )
-            with contextlib.suppress(asyncio.TimeoutError):
-                await producer.send(
-                    self.topics.workers, encode(beat), key=self.settings.worker_id.encode()
-                )
+            await self._send_heartbeat(producer)
             await asyncio.sleep(HEARTBEAT_SECONDS)
+
+    async def _send_heartbeat(self, producer: AIOKafkaProducer) -> None:
+        cap = self.engine.capacity()
+        beat = Heartbeat(
+            worker_id=self.settings.worker_id,
+            model=self.settings.worker_model,
+            total_slots=cap.total_slots,
+            # A draining worker takes nothing new.
+            free_slots=0 if self.drain.requested.is_set() else cap.free_slots,
+            running=cap.running,
+            queued_tokens=cap.queued_tokens,
+            utilisation=min(1.0, cap.utilisation),
+        )
+        with contextlib.suppress(asyncio.TimeoutError):
+            await producer.send(
+                self.topics.workers, encode(beat), key=self.settings.worker_id.encode()
+            )

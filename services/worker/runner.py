@@ -5,14 +5,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from typing import Literal
 
 import structlog
 from aiokafka import AIOKafkaProducer
 from aiokafka.structs import RecordMetadata
 
 from services.worker.coalesce import Coalescer
-from services.worker.engines.base import Engine, EngineFinish, EngineOutput, EngineRequest
+from services.worker.engines.base import (
+    ChatTurn,
+    Engine,
+    EngineFinish,
+    EngineOutput,
+    EngineRequest,
+)
 from shared.messages import (
     DeltaResult,
     DoneResult,
@@ -27,8 +34,19 @@ from shared.results import send_result
 
 log = structlog.get_logger()
 
+# How a run ended: answered (done, or error `cancelled`), or stopped without an answer
+# because the worker hands the request back to be run again elsewhere.
+RunOutcome = Literal["answered", "handed_back"]
 
-def engine_request(request: QueuedRequest) -> EngineRequest:
+
+def engine_request(
+    request: QueuedRequest, trace_headers: Mapping[str, str] | None = None
+) -> EngineRequest:
+    messages = (
+        tuple(ChatTurn(m.role, m.content) for m in request.messages)
+        if request.messages is not None
+        else None
+    )
     return EngineRequest(
         request_id=request.request_id,
         prompt=request.prompt_text(),
@@ -37,6 +55,8 @@ def engine_request(request: QueuedRequest) -> EngineRequest:
         top_p=request.top_p,
         stop=tuple(request.stop),
         priority=0 if request.tier is Tier.interactive else 1,
+        messages=messages,
+        trace_headers=dict(trace_headers or {}),
     )
 
 
@@ -50,26 +70,70 @@ class RequestRunner:
         self._producer = producer
         self._flush_seconds = flush_ms / 1000.0
         self._flush_tokens = flush_tokens
+        self._running: set[str] = set()
+        self._handing_back: set[str] = set()
 
-    async def run(self, request: QueuedRequest, batch_size: int) -> None:
+    @property
+    def running(self) -> frozenset[str]:
+        """Request ids whose `run` has not returned yet."""
+        return frozenset(self._running)
+
+    async def hand_back(self, request_id: str) -> bool:
+        """Stop a running request without answering it; its `run` returns "handed_back"."""
+        if request_id not in self._running:
+            return False
+        self._handing_back.add(request_id)
+        await self._engine.abort(request_id)
+        return True
+
+    async def run(
+        self,
+        request: QueuedRequest,
+        batch_size: int,
+        trace_headers: Mapping[str, str] | None = None,
+    ) -> RunOutcome:
         """Generate and publish every chunk and the final record; return once all are stored."""
+        rid = request.request_id
+        self._running.add(rid)
+        try:
+            return await self._run(request, batch_size, trace_headers)
+        finally:
+            self._running.discard(rid)
+            self._handing_back.discard(rid)
+
+    async def _run(
+        self,
+        request: QueuedRequest,
+        batch_size: int,
+        trace_headers: Mapping[str, str] | None,
+    ) -> RunOutcome:
         started = time.time()
         coalescer = Coalescer(self._flush_seconds, self._flush_tokens)
         seq = 0
         first_token_at: float | None = None
+        last_chunk_at: float | None = None
+        max_gap = 0.0
         last: asyncio.Future[RecordMetadata] | None = None
 
         async def publish(text: str) -> None:
-            nonlocal seq, last
+            nonlocal seq, last, last_chunk_at, max_gap
+            now = time.monotonic()
+            if last_chunk_at is not None:
+                max_gap = max(max_gap, now - last_chunk_at)
+            last_chunk_at = now
             last = await send_result(
                 self._producer,
                 request.reply_to,
-                DeltaResult(request_id=request.request_id, attempt=request.attempt, seq=seq, text=text),
+                DeltaResult(
+                    request_id=request.request_id, attempt=request.attempt, seq=seq, text=text
+                ),
             )
             seq += 1
 
         finish: EngineFinish | None = None
-        stream = _with_deadlines(self._engine.generate(engine_request(request)), coalescer)
+        stream = _with_deadlines(
+            self._engine.generate(engine_request(request, trace_headers)), coalescer
+        )
         async with contextlib.aclosing(stream):
             async for out in stream:
                 now = time.time()
@@ -86,13 +150,20 @@ class RequestRunner:
                 chunk = coalescer.add(out.text, out.tokens, now)
                 if chunk:
                     await publish(chunk)
+        assert finish is not None, "engine stream ended without a finish record"
+        if request.request_id in self._handing_back:
+            # No final record: the next attempt's first record resets the client's stream.
+            if last is not None:
+                await last
+            log.info("request.stopped_for_hand_back", request_id=request.request_id, chunks=seq)
+            return "handed_back"
         rest = coalescer.take()
         if rest:
             await publish(rest)
-        assert finish is not None, "engine stream ended without a finish record"
         done_at = time.time()
+        final: DoneResult | ErrorResult
         if finish.finish_reason == "cancelled":
-            final: DoneResult | ErrorResult = ErrorResult(
+            final = ErrorResult(
                 request_id=request.request_id,
                 attempt=request.attempt,
                 seq=seq,
@@ -124,12 +195,14 @@ class RequestRunner:
             finish_reason=finish.finish_reason,
             completion_tokens=finish.completion_tokens,
             chunks=seq,
+            max_chunk_gap_ms=round(max_gap * 1000, 3),
         )
+        return "answered"
 
 
 async def _with_deadlines(
     outputs: AsyncIterator[EngineOutput], coalescer: Coalescer
-) -> AsyncIterator[EngineOutput | None]:
+) -> AsyncGenerator[EngineOutput | None]:
     """Yield engine outputs, and None whenever the coalescer's flush time passes first."""
     pending: asyncio.Task[EngineOutput] | None = None
     try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+from typing import Literal
 
 from pydantic import Field
 
@@ -18,7 +19,31 @@ class WorkerSettings(TokenbusSettings):
     worker_id: str = Field(default_factory=_default_worker_id)
     worker_engine: str = Field(default="sim", pattern="^(sim|vllm|transformers)$")
     worker_model: str = Field(default="sim-8b", description="Model name in heartbeats.")
-    worker_sim_token_rate: float = Field(default=50.0, gt=0, description="sim: tokens/s/seq.")
     worker_max_num_seqs: int = Field(default=64, ge=1, description="Sequences run at once.")
     worker_flush_ms: float = Field(default=20.0, gt=0, description="Longest a token waits.")
     worker_flush_tokens: int = Field(default=16, ge=1, description="Send a chunk at this size.")
+    worker_drain_timeout_s: float = Field(
+        default=10.0,
+        ge=0,
+        description="On SIGTERM: how long running requests may finish before being handed back.",
+    )
+
+    # sim engine
+    worker_sim_profile: str = Field(
+        default="constant",
+        pattern="^(constant|llama3-8b-h100|llama3-8b-h200)$",
+        description="constant: worker_sim_token_rate per sequence; others: GPU cost models.",
+    )
+    worker_sim_mode: Literal["continuous", "static"] = Field(default="continuous")
+    worker_sim_token_rate: float = Field(default=50.0, gt=0, description="sim: tokens/s/seq.")
+
+    # vllm and transformers engines
+    worker_model_path: str | None = Field(
+        default=None, description="Local model directory (or hub id for vLLM) to load."
+    )
+    worker_dtype: str = Field(default="auto", description="auto|bfloat16|float16|float32.")
+    worker_quantization: str | None = Field(default=None, description="vLLM: e.g. fp8, awq.")
+    worker_gpu_memory_utilization: float = Field(default=0.90, gt=0, le=1)
+    worker_max_model_len: int | None = Field(default=None, ge=1)
+    worker_tensor_parallel_size: int = Field(default=1, ge=1)
+    worker_device: str = Field(default="auto", description="transformers: auto|cpu|cuda[:n].")

@@ -10,7 +10,22 @@ FinishReason = Literal["stop", "length", "cancelled"]
 
 
 @dataclass(frozen=True)
+class ChatTurn:
+    """One message of a chat prompt; engines with a chat template render these themselves."""
+
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
 class EngineRequest:
+    """One request to generate: the prompt, its sampling settings, where it stands in line.
+
+    `prompt` is always set (for chat requests, the turns joined as `role: content` lines) so
+    engines without a chat template, and the `sim` engine's deterministic text, use it as is;
+    `messages` carries the turns for engines that apply the model's own chat template.
+    """
+
     request_id: str
     prompt: str
     max_tokens: int
@@ -18,6 +33,7 @@ class EngineRequest:
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
     priority: int = 0  # lower runs first, as in vLLM's priority scheduling
+    messages: tuple[ChatTurn, ...] | None = None
     trace_headers: Mapping[str, str] = field(default_factory=dict)
 
 
@@ -31,6 +47,8 @@ class EngineDelta:
 
 @dataclass(frozen=True)
 class EngineFinish:
+    """The last output of every stream: why it ended and the usage it is billed for."""
+
     finish_reason: FinishReason
     prompt_tokens: int
     completion_tokens: int
@@ -41,6 +59,12 @@ EngineOutput = EngineDelta | EngineFinish
 
 @dataclass(frozen=True)
 class Capacity:
+    """What an engine can take now; the worker's heartbeat is built from this.
+
+    `free_slots` counts sequences the engine could start without anyone waiting:
+    `total_slots - running - queued`, never below zero.
+    """
+
     total_slots: int
     free_slots: int
     running: int
@@ -50,7 +74,13 @@ class Capacity:
 
 
 class Engine(Protocol):
-    """What a worker needs from an engine; `generate` streams until an `EngineFinish`."""
+    """What a worker needs from an engine.
+
+    `generate` submits the request and streams its `EngineDelta`s, always ending with one
+    `EngineFinish` (finish_reason "cancelled" after `abort`). Closing the stream early
+    aborts the request. `abort` returns whether the request was still in the engine; once
+    it returns, the request's slot is counted free in `capacity()`.
+    """
 
     name: str
 
@@ -58,7 +88,7 @@ class Engine(Protocol):
 
     def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]: ...
 
-    async def abort(self, request_id: str) -> None: ...
+    async def abort(self, request_id: str) -> bool: ...
 
     def capacity(self) -> Capacity: ...
 

@@ -1,18 +1,35 @@
-"""Builds the engine the settings name."""
+"""Builds the engine the settings name; heavy engines are imported only when chosen."""
 
 from __future__ import annotations
 
 from services.worker.engines.base import Engine
-from services.worker.engines.sim import SimEngine, SimProfile
+from services.worker.engines.sim import SimEngine
+from services.worker.engines.sim_profiles import sim_profile
 from services.worker.settings import WorkerSettings
 
 
 def build_engine(settings: WorkerSettings) -> Engine:
     if settings.worker_engine == "sim":
-        return SimEngine(
-            SimProfile(
-                token_rate=settings.worker_sim_token_rate,
-                max_num_seqs=settings.worker_max_num_seqs,
-            )
+        profile = sim_profile(
+            settings.worker_sim_profile,
+            max_num_seqs=settings.worker_max_num_seqs,
+            token_rate=settings.worker_sim_token_rate,
+        )
+        return SimEngine(profile, settings.worker_sim_mode)
+    if settings.worker_engine == "vllm":
+        from services.worker.engines.vllm import VllmEngine, engine_args_from_settings, load_vllm
+
+        api = load_vllm()
+        return VllmEngine(api, engine_args_from_settings(api, settings))
+    if settings.worker_engine == "transformers":
+        from services.worker.engines.transformers import TransformersEngine
+
+        if settings.worker_model_path is None:
+            raise ValueError("the transformers engine needs TOKENBUS_WORKER_MODEL_PATH")
+        return TransformersEngine.from_pretrained(
+            settings.worker_model_path,
+            max_num_seqs=settings.worker_max_num_seqs,
+            dtype=settings.worker_dtype,
+            device=settings.worker_device,
         )
     raise ValueError(f"engine {settings.worker_engine!r} is not available in this build")

@@ -1,12 +1,21 @@
-"""The `sim` engine: continuous batching on a step clock, deterministic text, no GPU."""
+"""The `sim` engine: deterministic text on a simulated GPU's step clock, no GPU needed.
+
+Two batching modes, as real engines have them:
+- `continuous` (vLLM): waiting requests join at every step boundary while slots are free;
+  their prompts are prefilled inside that step, and each sequence leaves when it is done.
+- `static`: a batch starts only when the previous one has fully finished; its prompts are
+  padded to the longest one, and finished rows keep costing compute until the batch ends.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import heapq
 import itertools
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Literal
 
 from services.worker.engines.base import (
     Capacity,
@@ -14,20 +23,13 @@ from services.worker.engines.base import (
     EngineFinish,
     EngineOutput,
     EngineRequest,
+    FinishReason,
 )
+from services.worker.engines.sim_profiles import SimProfile
 from services.worker.engines.sim_text import Completion, complete
 from shared.tokens import estimate_tokens
 
-
-@dataclass(frozen=True)
-class SimProfile:
-    """Timing of the simulated GPU. `token_rate` is decode tokens/s per sequence."""
-
-    token_rate: float = 50.0
-    max_num_seqs: int = 64
-
-    def step_seconds(self, running: int, kv_tokens: int) -> float:
-        return 1.0 / self.token_rate
+SimMode = Literal["continuous", "static"]
 
 
 @dataclass
@@ -39,17 +41,30 @@ class _Sequence:
     position: int = 0
     finished: bool = False
 
-    def finish(self, reason: str | None = None) -> None:
+    @property
+    def done(self) -> bool:
+        return self.position >= len(self.plan.pieces)
+
+    def finish(self, reason: FinishReason | None = None) -> None:
         if self.finished:
             return
         self.finished = True
         self.outputs.put_nowait(
             EngineFinish(
-                finish_reason=self.plan.finish_reason if reason is None else "cancelled",
+                finish_reason=self.plan.finish_reason if reason is None else reason,
                 prompt_tokens=self.prompt_tokens,
                 completion_tokens=self.position,
             )
         )
+
+
+@dataclass
+class _StaticBatch:
+    """The rows of a static batch; aborted and finished rows stay until the batch ends."""
+
+    rows: list[_Sequence]
+    padded_prompt: int
+    steps: int = 0
 
 
 class SimEngine:
@@ -57,13 +72,17 @@ class SimEngine:
 
     name = "sim"
 
-    def __init__(self, profile: SimProfile | None = None) -> None:
+    def __init__(self, profile: SimProfile | None = None, mode: SimMode = "continuous") -> None:
         self.profile = profile or SimProfile()
+        self.mode = mode
         self._waiting: list[tuple[int, int, _Sequence]] = []
         self._running: dict[str, _Sequence] = {}
+        self._batch: _StaticBatch | None = None
         self._arrivals = itertools.count()
         self._wakeup = asyncio.Event()
         self._loop: asyncio.Task[None] | None = None
+        self._step_due = 0.0
+        self.steps = 0  # engine steps taken, for tests and benchmarks
 
     async def start(self) -> None:
         if self._loop is None:
@@ -72,13 +91,14 @@ class SimEngine:
     async def stop(self) -> None:
         if self._loop is not None:
             self._loop.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await self._loop
-            except asyncio.CancelledError:
-                pass
             self._loop = None
         for seq in self._all():
             seq.finish("cancelled")
+        self._running.clear()
+        self._waiting.clear()
+        self._batch = None
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
         plan = complete(
@@ -98,10 +118,12 @@ class SimEngine:
                 self._remove(request.request_id)
                 seq.finish("cancelled")
 
-    async def abort(self, request_id: str) -> None:
+    async def abort(self, request_id: str) -> bool:
         seq = self._remove(request_id)
-        if seq is not None:
-            seq.finish("cancelled")
+        if seq is None:
+            return False
+        seq.finish("cancelled")
+        return True
 
     def capacity(self) -> Capacity:
         total = self.profile.max_num_seqs
@@ -118,6 +140,10 @@ class SimEngine:
             utilisation=running / total,
         )
 
+    def step_seconds(self, running: int) -> float:
+        """Decode step time at this batch size with short prompts (for coalescing bounds)."""
+        return self.profile.step_seconds(running, 0)
+
     def _all(self) -> list[_Sequence]:
         return list(self._running.values()) + [s for _, _, s in self._waiting]
 
@@ -132,24 +158,67 @@ class SimEngine:
                 return waiting
         return None
 
+    def _admit(self, limit: int) -> list[_Sequence]:
+        joined: list[_Sequence] = []
+        while self._waiting and len(self._running) < limit:
+            _, _, seq = heapq.heappop(self._waiting)
+            self._running[seq.request.request_id] = seq
+            joined.append(seq)
+        return joined
+
     async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
-            if not self._running and not self._waiting:
+            if not self._running and not self._waiting and self._batch is None:
                 self._wakeup.clear()
                 await self._wakeup.wait()
-            while self._waiting and len(self._running) < self.profile.max_num_seqs:
-                _, _, seq = heapq.heappop(self._waiting)
-                self._running[seq.request.request_id] = seq
-            kv = sum(s.prompt_tokens + s.position for s in self._running.values())
-            await asyncio.sleep(self.profile.step_seconds(len(self._running), kv))
+                self._step_due = loop.time()
+            if self.mode == "continuous":
+                seconds = self._plan_continuous_step()
+            else:
+                seconds = self._plan_static_step()
+            await self._tick(loop, seconds)
+            self.steps += 1
             for seq in list(self._running.values()):
-                self._step(seq)
+                self._emit(seq)
+            if self._batch is not None and not any(
+                r.request.request_id in self._running for r in self._batch.rows
+            ):
+                self._batch = None
 
-    def _step(self, seq: _Sequence) -> None:
-        if seq.position < len(seq.plan.pieces):
+    def _plan_continuous_step(self) -> float:
+        joined = self._admit(self.profile.max_num_seqs)
+        prefill = sum(s.prompt_tokens for s in joined)
+        kv = sum(s.prompt_tokens + s.position for s in self._running.values())
+        decoding = len(self._running) - len(joined)
+        return self.profile.step_seconds(decoding, kv, prefill)
+
+    def _plan_static_step(self) -> float:
+        if self._batch is None:
+            rows = self._admit(self.profile.max_num_seqs)
+            padded = max((s.prompt_tokens for s in rows), default=0)
+            self._batch = _StaticBatch(rows, padded)
+            return self.profile.step_seconds(0, len(rows) * padded, len(rows) * padded)
+        batch = self._batch
+        batch.steps += 1
+        width = len(batch.rows)
+        return self.profile.step_seconds(width, width * (batch.padded_prompt + batch.steps))
+
+    async def _tick(self, loop: asyncio.AbstractEventLoop, seconds: float) -> None:
+        # Steps run on an absolute clock so timer lag does not slow the simulated GPU down;
+        # a lag beyond one step is dropped rather than caught up in a burst.
+        due = self._step_due + seconds
+        now = loop.time()
+        if now - due > seconds:
+            due = now
+        await asyncio.sleep(max(0.0, due - now))
+        self._step_due = due
+
+    def _emit(self, seq: _Sequence) -> None:
+        if not seq.done:
             seq.outputs.put_nowait(EngineDelta(seq.plan.pieces[seq.position], 1))
             seq.position += 1
-        if seq.position >= len(seq.plan.pieces):
+        if seq.done:
             seq.position = seq.plan.completion_tokens
             self._running.pop(seq.request.request_id, None)
             seq.finish()

@@ -1,0 +1,70 @@
+"""Obeying cancels: abort in the engine, time how soon the slot is free, remember early ones."""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from services.worker.engines.base import Engine
+from shared.messages import CancelRecord
+
+
+@dataclass(frozen=True)
+class CancelApplied:
+    """What one cancel did, for the `cancel.applied` log line that tests and benches read."""
+
+    request_id: str
+    found: bool  # the request was in the engine (running or queued)
+    free_slots_before: int
+    free_slots_after: int
+    total_slots: int
+    arrival_to_free_ms: float  # record handed to the worker -> engine reports the slot free
+    record_age_ms: float  # the canceller's sent_at -> arrival at the worker (the Kafka hop)
+
+
+class CancelBook:
+    """Cancels whose request is not (yet) here: a batch may arrive after its cancel.
+
+    Pure and bounded: ids are kept for `ttl_s` seconds of the caller's clock, at most `limit`.
+    """
+
+    def __init__(self, ttl_s: float = 300.0, limit: int = 10_000) -> None:
+        self._ttl_s = ttl_s
+        self._limit = limit
+        self._ids: OrderedDict[str, float] = OrderedDict()
+
+    def remember(self, request_id: str, now: float) -> None:
+        self._ids[request_id] = now
+        self._ids.move_to_end(request_id)
+        self._prune(now)
+
+    def take(self, request_id: str, now: float) -> bool:
+        """True (once) if this request was cancelled before it arrived."""
+        self._prune(now)
+        return self._ids.pop(request_id, None) is not None
+
+    def _prune(self, now: float) -> None:
+        while self._ids and (
+            len(self._ids) > self._limit or next(iter(self._ids.values())) < now - self._ttl_s
+        ):
+            self._ids.popitem(last=False)
+
+
+async def apply_cancel(
+    engine: Engine, cancel: CancelRecord, arrived_at: float, arrived_wall: float
+) -> CancelApplied:
+    """Abort the request; `arrived_at` is `time.perf_counter()` when the record was handed over."""
+    before = engine.capacity()
+    found = await engine.abort(cancel.request_id)
+    after = engine.capacity()
+    freed_at = time.perf_counter()
+    return CancelApplied(
+        request_id=cancel.request_id,
+        found=found,
+        free_slots_before=before.free_slots,
+        free_slots_after=after.free_slots,
+        total_slots=after.total_slots,
+        arrival_to_free_ms=round((freed_at - arrived_at) * 1000, 3),
+        record_age_ms=round((arrived_wall - cancel.sent_at) * 1000, 3),
+    )

@@ -1,0 +1,67 @@
+"""Graceful shutdown: stop taking batches, let running work finish, hand back the rest."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+import structlog
+from aiokafka import AIOKafkaProducer
+
+from shared.kafka import encode, key_of
+from shared.messages import QueuedRequest
+from shared.topics import Topics
+
+log = structlog.get_logger()
+
+
+def next_attempt(request: QueuedRequest) -> QueuedRequest:
+    """The request as it is run again elsewhere: same id, the next attempt number."""
+    return request.model_copy(update={"attempt": request.attempt + 1})
+
+
+async def hand_back(producer: AIOKafkaProducer, topics: Topics, request: QueuedRequest) -> None:
+    """Put the request back on its tier topic, keyed by request_id; return once stored."""
+    again = next_attempt(request)
+    await producer.send_and_wait(
+        topics.tier(request.tier), encode(again), key=key_of(request.request_id)
+    )
+    log.info("request.handed_back", request_id=request.request_id, attempt=again.attempt)
+
+
+class Drain:
+    """The shutdown sequence of one worker; `requested` is set by the first SIGTERM."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.requested = asyncio.Event()
+        self.now = asyncio.Event()  # a second SIGTERM: skip the rest of the drain window
+
+    def signal(self) -> None:
+        if self.requested.is_set():
+            self.now.set()
+        self.requested.set()
+
+    async def run(
+        self,
+        batches: set[asyncio.Task[None]],
+        running: Callable[[], frozenset[str]],
+        stop_request: Callable[[str], Awaitable[bool]],
+    ) -> None:
+        """Wait up to the drain timeout for `batches`, then stop what still runs, then wait."""
+        log.info("drain.started", batches=len(batches), running=len(running()))
+        if batches:
+            waiter = asyncio.ensure_future(asyncio.wait(set(batches)))
+            skip = asyncio.ensure_future(self.now.wait())
+            await asyncio.wait(
+                {waiter, skip}, timeout=self.timeout_s, return_when=asyncio.FIRST_COMPLETED
+            )
+            waiter.cancel()
+            skip.cancel()
+        unfinished = sorted(running())
+        for request_id in unfinished:
+            await stop_request(request_id)
+        if batches:
+            # Each batch now hands its stopped requests back and commits its offset.
+            await asyncio.wait(set(batches))
+        log.info("drain.finished", handed_back=len(unfinished))

@@ -1,0 +1,101 @@
+"""Timing profiles of the `sim` engine: a fixed token rate, or a cost model of a real GPU.
+
+Every number of the cost-model profiles is derived, with its source, in docs/sim-profiles.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+GB = 1e9
+TERA = 1e12
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Step time of one model on one GPU, from the roofline of a transformer forward pass.
+
+    A forward pass reads every weight once and the KV cache of every running sequence
+    (memory time), and does 2 FLOPs per parameter per token it processes (compute time);
+    the step takes the larger of the two, plus a fixed per-step overhead (scheduling,
+    sampling, kernel launches). Prefill tokens processed in a step add compute only.
+    """
+
+    weight_bytes: float
+    kv_bytes_per_token: float
+    flops_per_token: float
+    memory_bandwidth: float  # bytes/s, peak
+    peak_flops: float  # FLOP/s, dense, peak
+    bandwidth_efficiency: float  # achieved share of peak bandwidth in decode
+    compute_efficiency: float  # achieved share of peak FLOPs (model FLOPs utilisation)
+    step_overhead_s: float
+
+    def step_seconds(self, running: int, kv_tokens: int, prefill_tokens: int = 0) -> float:
+        """One engine step: `running` sequences decode one token, `prefill_tokens` are read."""
+        memory = (self.weight_bytes + kv_tokens * self.kv_bytes_per_token) / (
+            self.memory_bandwidth * self.bandwidth_efficiency
+        )
+        compute = (
+            (running + prefill_tokens)
+            * self.flops_per_token
+            / (self.peak_flops * self.compute_efficiency)
+        )
+        return self.step_overhead_s + max(memory, compute)
+
+
+@dataclass(frozen=True)
+class SimProfile:
+    """How long the simulated GPU takes. Without a cost model every step lasts 1/token_rate."""
+
+    name: str = "constant"
+    max_num_seqs: int = 64
+    token_rate: float = 50.0  # tokens/s per sequence; the `constant` profile only
+    cost: CostModel | None = None
+
+    def step_seconds(self, running: int, kv_tokens: int, prefill_tokens: int = 0) -> float:
+        if self.cost is None:
+            return 1.0 / self.token_rate
+        return self.cost.step_seconds(running, kv_tokens, prefill_tokens)
+
+
+# Llama-3-8B in bf16 (config.json of meta-llama/Meta-Llama-3-8B; docs/sim-profiles.md).
+LLAMA3_8B_PARAMS = 8.03e9
+LLAMA3_8B_WEIGHT_BYTES = LLAMA3_8B_PARAMS * 2  # bf16
+LLAMA3_8B_KV_BYTES_PER_TOKEN = 2 * 32 * 8 * 128 * 2  # K and V, 32 layers, 8 KV heads x 128, bf16
+LLAMA3_8B_FLOPS_PER_TOKEN = 2 * LLAMA3_8B_PARAMS
+
+# Efficiencies and overhead are assumptions until measured on the device (docs/sim-profiles.md).
+BANDWIDTH_EFFICIENCY = 0.80
+COMPUTE_EFFICIENCY = 0.50
+STEP_OVERHEAD_S = 0.0005
+
+
+def _llama3_8b(memory_bandwidth: float, peak_flops: float) -> CostModel:
+    return CostModel(
+        weight_bytes=LLAMA3_8B_WEIGHT_BYTES,
+        kv_bytes_per_token=LLAMA3_8B_KV_BYTES_PER_TOKEN,
+        flops_per_token=LLAMA3_8B_FLOPS_PER_TOKEN,
+        memory_bandwidth=memory_bandwidth,
+        peak_flops=peak_flops,
+        bandwidth_efficiency=BANDWIDTH_EFFICIENCY,
+        compute_efficiency=COMPUTE_EFFICIENCY,
+        step_overhead_s=STEP_OVERHEAD_S,
+    )
+
+
+PROFILES: dict[str, SimProfile] = {
+    "constant": SimProfile(),
+    # H100 SXM5: 3.35 TB/s HBM3, 989 TFLOPS dense bf16 (NVIDIA H100 datasheet).
+    "llama3-8b-h100": SimProfile(name="llama3-8b-h100", cost=_llama3_8b(3.35 * TERA, 989 * TERA)),
+    # H200 SXM: 4.8 TB/s HBM3e, 989 TFLOPS dense bf16 (NVIDIA H200 datasheet).
+    "llama3-8b-h200": SimProfile(name="llama3-8b-h200", cost=_llama3_8b(4.8 * TERA, 989 * TERA)),
+}
+
+
+def sim_profile(name: str, *, max_num_seqs: int, token_rate: float) -> SimProfile:
+    """The named profile with this worker's slot count (and, for `constant`, its rate)."""
+    try:
+        base = PROFILES[name]
+    except KeyError:
+        raise ValueError(f"unknown sim profile {name!r}; known: {sorted(PROFILES)}") from None
+    return replace(base, max_num_seqs=max_num_seqs, token_rate=token_rate)

@@ -1,0 +1,342 @@
+"""The `transformers` engine: a Hugging Face causal LM through PyTorch (extra `[transformers]`).
+
+For users without vLLM. Requests are run in cohorts: whenever slots are free at a step
+boundary, the waiting requests (by priority) are prefilled together, left-padded, into a
+new cohort with its own KV cache; every step decodes one token for each cohort. A row that
+finishes or is aborted is pruned from its cohort's cache, so its slot is free at once.
+The forward passes run in a worker thread, so the event loop (Kafka, cancels) stays live.
+torch and transformers are imported here only, when this engine is chosen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import heapq
+import inspect
+import itertools
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch  # type: ignore[import-not-found,unused-ignore]
+from transformers import (  # type: ignore[import-not-found,unused-ignore]
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    DynamicCache,
+)
+
+from services.worker.engines.base import (
+    Capacity,
+    EngineDelta,
+    EngineFinish,
+    EngineOutput,
+    EngineRequest,
+    FinishReason,
+)
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+@dataclass
+class _Sequence:
+    request: EngineRequest
+    prompt_ids: list[int]
+    outputs: asyncio.Queue[EngineOutput] = field(default_factory=asyncio.Queue)
+    generated: list[int] = field(default_factory=list)
+    sent_chars: int = 0
+    finished: bool = False
+    generator: Any = None  # torch.Generator for sampled requests
+
+    def finish(self, reason: FinishReason) -> None:
+        if not self.finished:
+            self.finished = True
+            self.outputs.put_nowait(EngineFinish(reason, len(self.prompt_ids), len(self.generated)))
+
+
+@dataclass
+class _Cohort:
+    """Sequences prefilled together, sharing one KV cache; rows leave as they finish."""
+
+    rows: list[_Sequence]
+    cache: Any
+    attention_mask: Any
+    next_positions: Any
+    last_tokens: Any
+
+
+class TransformersEngine:
+    """Batched streaming generation on a Hugging Face causal LM."""
+
+    name = "transformers"
+
+    def __init__(self, model: Any, tokenizer: Any, *, max_num_seqs: int) -> None:
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.max_num_seqs = max_num_seqs
+        self.device = next(model.parameters()).device
+        forward_params = inspect.signature(model.forward).parameters
+        # transformers 5 renamed the cache argument; accept both.
+        self._cache_kw = "cache" if "cache" in forward_params else "past_key_values"
+        self._pad_id = (
+            tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        ) or 0
+        self._waiting: list[tuple[int, int, _Sequence]] = []
+        self._cohorts: list[_Cohort] = []
+        self._live: dict[str, _Sequence] = {}
+        self._arrivals = itertools.count()
+        self._wakeup = asyncio.Event()
+        self._loop: asyncio.Task[None] | None = None
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str, *, max_num_seqs: int, dtype: str = "auto", device: str = "auto"
+    ) -> TransformersEngine:
+        """Load a model and tokenizer from a local directory (no download)."""
+        target = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+        if dtype == "auto":
+            torch_dtype = torch.bfloat16 if target.startswith("cuda") else torch.float32
+        else:
+            torch_dtype = getattr(torch, dtype)
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch_dtype, local_files_only=True
+        ).to(target)
+        return cls(model, tokenizer, max_num_seqs=max_num_seqs)
+
+    async def start(self) -> None:
+        if self._loop is None:
+            self._loop = asyncio.create_task(self._run(), name="transformers-engine-steps")
+
+    async def stop(self) -> None:
+        if self._loop is not None:
+            self._loop.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop
+            self._loop = None
+        for seq in list(self._live.values()) + [s for _, _, s in self._waiting]:
+            seq.finish("cancelled")
+        self._live.clear()
+        self._waiting.clear()
+        self._cohorts.clear()
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+        seq = _Sequence(request, self._encode(request))
+        if request.temperature > 0:
+            seq.generator = torch.Generator(device=self.device)
+            seq.generator.manual_seed(hash(request.request_id) & 0x7FFFFFFF)
+        heapq.heappush(self._waiting, (request.priority, next(self._arrivals), seq))
+        self._wakeup.set()
+        try:
+            while True:
+                out = await seq.outputs.get()
+                yield out
+                if isinstance(out, EngineFinish):
+                    return
+        finally:
+            if not seq.finished:
+                self._remove(request.request_id)
+                seq.finish("cancelled")
+
+    async def abort(self, request_id: str) -> bool:
+        seq = self._remove(request_id)
+        if seq is None:
+            return False
+        seq.finish("cancelled")
+        return True
+
+    def capacity(self) -> Capacity:
+        running = len(self._live)
+        waiting = [s for _, _, s in self._waiting]
+        queued_tokens = sum(
+            len(s.prompt_ids) + s.request.max_tokens - len(s.generated)
+            for s in list(self._live.values()) + waiting
+        )
+        return Capacity(
+            total_slots=self.max_num_seqs,
+            free_slots=max(0, self.max_num_seqs - running - len(waiting)),
+            running=running,
+            queued=len(waiting),
+            queued_tokens=queued_tokens,
+            utilisation=running / self.max_num_seqs,
+        )
+
+    def _encode(self, request: EngineRequest) -> list[int]:
+        tok = self.tokenizer
+        if request.messages is not None and getattr(tok, "chat_template", None):
+            ids = tok.apply_chat_template(
+                [{"role": m.role, "content": m.content} for m in request.messages],
+                tokenize=True,
+                add_generation_prompt=True,
+            )
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+            return [int(i) for i in ids]
+        return [int(i) for i in tok(request.prompt)["input_ids"]] or [self._pad_id]
+
+    def _remove(self, request_id: str) -> _Sequence | None:
+        seq = self._live.pop(request_id, None)
+        if seq is not None:
+            return seq  # its row is pruned from the cohort at the next step boundary
+        for i, (_, _, waiting) in enumerate(self._waiting):
+            if waiting.request.request_id == request_id:
+                self._waiting.pop(i)
+                heapq.heapify(self._waiting)
+                return waiting
+        return None
+
+    async def _run(self) -> None:
+        while True:
+            if not self._waiting and not self._cohorts:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+            joined: list[_Sequence] = []
+            while self._waiting and len(self._live) + len(joined) < self.max_num_seqs:
+                joined.append(heapq.heappop(self._waiting)[2])
+            for seq in joined:
+                self._live[seq.request.request_id] = seq
+            cohorts = list(self._cohorts)
+            # One thread hop per step: prefill the joiners and decode every cohort.
+            new_cohort, tokens = await asyncio.to_thread(self._step, joined, cohorts)
+            if new_cohort is not None:
+                self._cohorts.append(new_cohort)
+            for cohort, picked in tokens:
+                self._emit(cohort, picked)
+            self._cohorts = [c for c in self._cohorts if c.rows]
+
+    def _step(
+        self, joined: list[_Sequence], cohorts: list[_Cohort]
+    ) -> tuple[_Cohort | None, list[tuple[_Cohort, list[int]]]]:
+        out: list[tuple[_Cohort, list[int]]] = []
+        with torch.inference_mode():
+            for cohort in cohorts:
+                self._prune(cohort)
+                if cohort.rows:
+                    out.append((cohort, self._decode(cohort)))
+            new_cohort = None
+            if joined:
+                new_cohort, first = self._prefill(joined)
+                out.append((new_cohort, first))
+        return new_cohort, out
+
+    def _prefill(self, rows: list[_Sequence]) -> tuple[_Cohort, list[int]]:
+        width = max(len(s.prompt_ids) for s in rows)
+        ids = [[self._pad_id] * (width - len(s.prompt_ids)) + s.prompt_ids for s in rows]
+        mask = [[0] * (width - len(s.prompt_ids)) + [1] * len(s.prompt_ids) for s in rows]
+        input_ids = torch.tensor(ids, device=self.device)
+        attention_mask = torch.tensor(mask, device=self.device)
+        positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        cache = _new_cache(self.model.config)
+        logits = self._forward(input_ids, attention_mask, positions, cache)
+        picked = self._sample(rows, logits)
+        cohort = _Cohort(
+            rows=list(rows),
+            cache=cache,
+            attention_mask=attention_mask,
+            next_positions=positions[:, -1:] + 1,
+            last_tokens=torch.tensor(picked, device=self.device)[:, None],
+        )
+        return cohort, picked
+
+    def _decode(self, cohort: _Cohort) -> list[int]:
+        mask = cohort.attention_mask
+        ones = torch.ones((len(cohort.rows), 1), dtype=mask.dtype, device=self.device)
+        cohort.attention_mask = torch.cat([cohort.attention_mask, ones], dim=1)
+        logits = self._forward(
+            cohort.last_tokens, cohort.attention_mask, cohort.next_positions, cohort.cache
+        )
+        cohort.next_positions = cohort.next_positions + 1
+        picked = self._sample(cohort.rows, logits)
+        cohort.last_tokens = torch.tensor(picked, device=self.device)[:, None]
+        return picked
+
+    def _forward(self, input_ids: Any, attention_mask: Any, positions: Any, cache: Any) -> Any:
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=positions,
+            use_cache=True,
+            logits_to_keep=1,
+            **{self._cache_kw: cache},
+        )
+        return out.logits[:, -1, :].float()
+
+    def _sample(self, rows: list[_Sequence], logits: Any) -> list[int]:
+        picked: list[int] = []
+        for row, seq in enumerate(rows):
+            scores = logits[row]
+            if seq.request.temperature <= 0:
+                picked.append(int(scores.argmax()))
+                continue
+            probs = torch.softmax(scores / seq.request.temperature, dim=-1)
+            if seq.request.top_p < 1.0:
+                sorted_probs, order = probs.sort(descending=True)
+                keep = sorted_probs.cumsum(-1) - sorted_probs < seq.request.top_p
+                probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
+            picked.append(int(torch.multinomial(probs, 1, generator=seq.generator)))
+        return picked
+
+    def _prune(self, cohort: _Cohort) -> None:
+        keep = [i for i, s in enumerate(cohort.rows) if not s.finished]
+        if len(keep) == len(cohort.rows):
+            return
+        cohort.rows = [cohort.rows[i] for i in keep]
+        if not keep:
+            return
+        index = torch.tensor(keep, device=self.device)
+        cohort.cache.batch_select_indices(index)
+        cohort.attention_mask = cohort.attention_mask[index]
+        cohort.next_positions = cohort.next_positions[index]
+        cohort.last_tokens = cohort.last_tokens[index]
+
+    def _emit(self, cohort: _Cohort, picked: list[int]) -> None:
+        for seq, token in zip(cohort.rows, picked, strict=True):
+            if seq.finished:
+                continue  # aborted while the step ran
+            self._advance(seq, token)
+        if all(s.finished for s in cohort.rows):
+            cohort.rows = []
+
+    def _advance(self, seq: _Sequence, token: int) -> None:
+        request = seq.request
+        if token == self.tokenizer.eos_token_id:
+            self._flush(seq, self._text(seq), tokens=1)
+            seq.generated.append(token)
+            return self._end(seq, "stop")
+        seq.generated.append(token)
+        text = self._text(seq)
+        hits = [
+            i for s in request.stop if (i := text.find(s, max(0, seq.sent_chars - len(s)))) >= 0
+        ]
+        if hits:
+            self._flush(seq, text[: min(hits)], tokens=1)
+            return self._end(seq, "stop")
+        if len(seq.generated) >= request.max_tokens:
+            self._flush(seq, text, tokens=1)
+            return self._end(seq, "length")
+        # Hold back a partial character, and any tail that may yet become a stop string.
+        holdable = max((len(s) - 1 for s in request.stop), default=0)
+        safe = len(text) - holdable
+        while safe > seq.sent_chars and text[safe - 1] == REPLACEMENT_CHAR:
+            safe -= 1
+        self._flush(seq, text[: max(safe, seq.sent_chars)], tokens=1)
+        return None
+
+    def _flush(self, seq: _Sequence, text: str, tokens: int) -> None:
+        seq.outputs.put_nowait(EngineDelta(text[seq.sent_chars :], tokens))
+        seq.sent_chars = max(seq.sent_chars, len(text))
+
+    def _end(self, seq: _Sequence, reason: FinishReason) -> None:
+        self._live.pop(seq.request.request_id, None)
+        seq.finish(reason)
+
+    def _text(self, seq: _Sequence) -> str:
+        text: str = self.tokenizer.decode(seq.generated, skip_special_tokens=True)
+        return text
+
+
+def _new_cache(config: Any) -> Any:
+    try:
+        return DynamicCache(config=config)
+    except TypeError:  # transformers before 4.56 takes no config
+        return DynamicCache()

@@ -1,0 +1,148 @@
+"""The engines the contract suite runs against: `sim` always, real ones wherever importable.
+
+`available_engines()` is evaluated at collection time; an engine whose libraries are not
+installed is simply not in the list (no skips). The `transformers` case builds a tiny
+random-initialised Llama and a character-level tokenizer in a temporary directory, and
+loads them through the engine's own `from_pretrained` (no download). The `vllm` case loads
+the same tiny model on a GPU.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import string
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+from services.worker.engines.base import Engine, EngineRequest
+from services.worker.engines.sim import SimEngine
+from services.worker.engines.sim_profiles import sim_profile
+from services.worker.engines.sim_text import complete
+
+
+@dataclass(frozen=True)
+class EngineCase:
+    """How to build one engine for the contract tests."""
+
+    name: str
+    build: Callable[[int], Engine]  # max_num_seqs -> engine (not started)
+    # The exact text an engine must produce, where it is known in advance (the sim).
+    expected_text: Callable[[EngineRequest], str] | None = None
+
+
+def _sim_text(request: EngineRequest) -> str:
+    plan = complete(
+        request.prompt, request.max_tokens, request.stop, request.temperature, request.top_p
+    )
+    return plan.text
+
+
+def _sim(profile: str, mode: str, rate: float = 400.0) -> Callable[[int], Engine]:
+    def build(max_num_seqs: int) -> Engine:
+        p = sim_profile(profile, max_num_seqs=max_num_seqs, token_rate=rate)
+        return SimEngine(p, "static" if mode == "static" else "continuous")
+
+    return build
+
+
+def _installed(*modules: str) -> bool:
+    return all(importlib.util.find_spec(m) is not None for m in modules)
+
+
+@cache
+def tiny_model_dir() -> str:
+    """Save a tiny random Llama and a character tokenizer; return the directory."""
+    import torch  # type: ignore[import-not-found,unused-ignore]
+    from tokenizers import (  # type: ignore[import-not-found,unused-ignore]
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+    )
+    from transformers import (  # type: ignore[import-not-found,unused-ignore]
+        LlamaConfig,
+        LlamaForCausalLM,
+        PreTrainedTokenizerFast,
+    )
+
+    specials = ["<pad>", "<s>", "</s>", "<unk>"]
+    chars = list(string.ascii_letters + string.digits + " .,!?'-")
+    vocab = {t: i for i, t in enumerate(specials + chars)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+    )
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(vocab),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        pad_token_id=vocab["<pad>"],
+        bos_token_id=vocab["<s>"],
+        eos_token_id=vocab["</s>"],
+    )
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        # A random model may pick EOS at any step; a zero row keeps it from ever winning
+        # the argmax, so max_tokens is what ends greedy streams.
+        model.lm_head.weight[vocab["</s>"]].zero_()
+    path = Path(tempfile.mkdtemp(prefix="tokenbus-tiny-llama-"))
+    model.save_pretrained(path)
+    fast.save_pretrained(path)
+    return str(path)
+
+
+def _transformers(max_num_seqs: int) -> Engine:
+    from services.worker.engines.transformers import TransformersEngine
+
+    return TransformersEngine.from_pretrained(
+        tiny_model_dir(), max_num_seqs=max_num_seqs, dtype="float32", device="cpu"
+    )
+
+
+def _vllm(max_num_seqs: int) -> Engine:
+    from services.worker.engines.vllm import VllmEngine, engine_args, load_vllm
+
+    api = load_vllm()
+    args = engine_args(
+        api,
+        model=tiny_model_dir(),
+        max_num_seqs=max_num_seqs,
+        dtype="float32",
+        gpu_memory_utilization=0.3,
+        max_model_len=1024,
+    )
+    return VllmEngine(api, args)
+
+
+def available_engines() -> list[EngineCase]:
+    cases = [
+        EngineCase("sim-constant-continuous", _sim("constant", "continuous"), _sim_text),
+        EngineCase("sim-h100-continuous", _sim("llama3-8b-h100", "continuous"), _sim_text),
+        EngineCase("sim-h200-static", _sim("llama3-8b-h200", "static"), _sim_text),
+    ]
+    if _installed("torch", "transformers"):
+        cases.append(EngineCase("transformers-tiny-llama", _transformers))
+    if _installed("vllm", "torch") and _cuda_available():
+        cases.append(EngineCase("vllm-tiny-llama", _vllm))
+    return cases
+
+
+def _cuda_available() -> bool:
+    import torch  # type: ignore[import-not-found,unused-ignore]
+
+    return bool(torch.cuda.is_available())
