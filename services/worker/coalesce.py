@@ -14,6 +14,7 @@ class Coalescer:
     _parts: list[str] = field(default_factory=list)
     _tokens: int = 0
     _since: float | None = None
+    last_wait: float = 0.0  # how long the oldest token of the last chunk taken had waited
 
     def add(self, text: str, tokens: int, now: float) -> str | None:
         """Buffer a delta; return the chunk to send if the buffer is now due."""
@@ -22,17 +23,18 @@ class Coalescer:
         self._parts.append(text)
         self._tokens += tokens
         if self._tokens >= self.flush_tokens or now - self._since >= self.flush_seconds:
-            return self.take()
+            return self.take(now)
         return None
 
     def flush_at(self) -> float | None:
         """When the oldest buffered token must leave, or None if the buffer is empty."""
         return None if self._since is None else self._since + self.flush_seconds
 
-    def take(self) -> str | None:
-        """Empty the buffer; None if nothing was buffered."""
+    def take(self, now: float | None = None) -> str | None:
+        """Empty the buffer; None if nothing was buffered. `now` records the oldest's wait."""
         if self._since is None:
             return None
+        self.last_wait = 0.0 if now is None else max(0.0, now - self._since)
         text = "".join(self._parts)
         self._parts.clear()
         self._tokens = 0

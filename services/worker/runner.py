@@ -113,14 +113,24 @@ class RequestRunner:
         first_token_at: float | None = None
         last_chunk_at: float | None = None
         max_gap = 0.0
+        # The engine's own pauses (token inter-arrival) within a chunk window, so the gap
+        # that coalescing adds can be told apart from a slow or stalled engine.
+        last_token_at: float | None = None
+        token_gap = 0.0
+        max_excess = 0.0
+        flush_lateness = 0.0  # how late the flush timer fired: event-loop lag, not policy
+        waits: list[float] = []
         last: asyncio.Future[RecordMetadata] | None = None
 
         async def publish(text: str) -> None:
-            nonlocal seq, last, last_chunk_at, max_gap
+            nonlocal seq, last, last_chunk_at, max_gap, token_gap, max_excess
+            waits.append(coalescer.last_wait)
             now = time.monotonic()
             if last_chunk_at is not None:
                 max_gap = max(max_gap, now - last_chunk_at)
+                max_excess = max(max_excess, now - last_chunk_at - token_gap)
             last_chunk_at = now
+            token_gap = 0.0
             last = await send_result(
                 self._producer,
                 request.reply_to,
@@ -138,7 +148,10 @@ class RequestRunner:
             async for out in stream:
                 now = time.time()
                 if out is None:  # the oldest buffered token is due
-                    chunk = coalescer.take()
+                    due = coalescer.flush_at()
+                    if due is not None:
+                        flush_lateness = max(flush_lateness, now - due)
+                    chunk = coalescer.take(now)
                     if chunk:
                         await publish(chunk)
                     continue
@@ -147,6 +160,15 @@ class RequestRunner:
                     break
                 if first_token_at is None and out.tokens:
                     first_token_at = now
+                arrived = time.monotonic()
+                since = (
+                    last_token_at
+                    if last_chunk_at is None
+                    else max(last_chunk_at, last_token_at or last_chunk_at)
+                )
+                if since is not None:
+                    token_gap = max(token_gap, arrived - since)
+                last_token_at = arrived
                 chunk = coalescer.add(out.text, out.tokens, now)
                 if chunk:
                     await publish(chunk)
@@ -157,7 +179,7 @@ class RequestRunner:
                 await last
             log.info("request.stopped_for_hand_back", request_id=request.request_id, chunks=seq)
             return "handed_back"
-        rest = coalescer.take()
+        rest = coalescer.take(time.time())
         if rest:
             await publish(rest)
         done_at = time.time()
@@ -196,6 +218,9 @@ class RequestRunner:
             completion_tokens=finish.completion_tokens,
             chunks=seq,
             max_chunk_gap_ms=round(max_gap * 1000, 3),
+            max_chunk_gap_over_token_gap_ms=round(max_excess * 1000, 3),
+            max_flush_lateness_ms=round(flush_lateness * 1000, 3),
+            mean_chunk_wait_ms=round(sum(waits) / len(waits) * 1000, 3) if waits else 0.0,
         )
         return "answered"
 

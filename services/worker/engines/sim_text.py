@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from services.worker.engines.base import FinishReason
 
-_WORDS = (
+_SENTENCE = (
     "the bus leaves when it is full or when the first passenger has waited long enough "
     "tokens stream back through kafka to the edge and on to the socket every request "
     "carries its own reply address so any edge can deliver it batches form per tier "
@@ -17,7 +17,8 @@ _WORDS = (
     "with room a result record names its request attempt and sequence number so the "
     "client never sees a token twice a trace follows the request across every hop "
     "latency throughput and memory are measured not guessed"
-).split()
+)
+_WORDS = _SENTENCE.split()
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,7 @@ def natural_tokens(prompt: str, temperature: float = 1.0, top_p: float = 1.0) ->
         if sentence >= rng.randint(6, 14):
             tokens.append(".")
             sentence = 0
-    if not tokens[-1] == ".":
+    if tokens[-1] != ".":
         tokens.append(".")
     return tokens
 

@@ -1,0 +1,109 @@
+"""The sim engine's cost model and its two batching modes."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from services.worker.engines.base import EngineDelta, EngineFinish, EngineRequest
+from services.worker.engines.sim import SimEngine
+from services.worker.engines.sim_profiles import PROFILES, SimProfile, sim_profile
+
+H100 = PROFILES["llama3-8b-h100"]
+H200 = PROFILES["llama3-8b-h200"]
+WEIGHTS = 8.03e9 * 2  # bytes, bf16
+KV_PER_TOKEN = 131072  # bytes: 2 x 32 layers x 8 heads x 128 dims x 2 bytes
+
+
+def test_h100_decode_step_is_weight_reads_at_achieved_bandwidth() -> None:
+    assert H100.step_seconds(1, 0) == pytest.approx(0.0005 + WEIGHTS / (3.35e12 * 0.8))
+    assert H100.step_seconds(1, 0) == pytest.approx(0.006492, abs=1e-6)
+
+
+def test_kv_tokens_add_memory_time() -> None:
+    extra = H100.step_seconds(16, 10_000) - H100.step_seconds(16, 0)
+    assert extra == pytest.approx(10_000 * KV_PER_TOKEN / (3.35e12 * 0.8))
+
+
+def test_large_prefill_is_compute_bound() -> None:
+    step = H100.step_seconds(0, 512, prefill_tokens=512)
+    assert step == pytest.approx(0.0005 + 512 * 2 * 8.03e9 / (989e12 * 0.5))
+
+
+def test_h200_steps_faster_than_h100_by_its_bandwidth() -> None:
+    assert H200.step_seconds(16, 0) < H100.step_seconds(16, 0)
+    ratio = (H100.step_seconds(1, 0) - 0.0005) / (H200.step_seconds(1, 0) - 0.0005)
+    assert ratio == pytest.approx(4.8 / 3.35)
+
+
+def test_constant_profile_ignores_load() -> None:
+    p = SimProfile(token_rate=100.0)
+    assert p.step_seconds(1, 0) == p.step_seconds(64, 100_000, 4096) == pytest.approx(0.01)
+
+
+def test_unknown_profile_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown sim profile"):
+        sim_profile("llama3-8b-tpu", max_num_seqs=4, token_rate=1.0)
+
+
+async def first_tokens_and_ends(mode: str) -> list[str]:
+    """Events of two requests, the second submitted after the first's first token."""
+    engine = SimEngine(SimProfile(token_rate=500.0, max_num_seqs=4), mode)  # type: ignore[arg-type]
+    await engine.start()
+    events: list[str] = []
+
+    async def follow(name: str, request: EngineRequest, started: asyncio.Event) -> None:
+        async for out in engine.generate(request):
+            if isinstance(out, EngineDelta) and f"{name}:first" not in events:
+                events.append(f"{name}:first")
+                started.set()
+            if isinstance(out, EngineFinish):
+                events.append(f"{name}:end")
+
+    try:
+        a_started, b_started = asyncio.Event(), asyncio.Event()
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(follow("a", EngineRequest("a", "first request", 20), a_started))
+            await a_started.wait()
+            tg.create_task(follow("b", EngineRequest("b", "second request", 3), b_started))
+    finally:
+        await engine.stop()
+    return events
+
+
+async def test_continuous_mode_lets_requests_join_at_the_next_step() -> None:
+    events = await first_tokens_and_ends("continuous")
+    assert events.index("b:first") < events.index("a:end")
+    assert events.index("b:end") < events.index("a:end")
+
+
+async def test_static_mode_waits_for_the_running_batch_to_finish() -> None:
+    events = await first_tokens_and_ends("static")
+    assert events == ["a:first", "a:end", "b:first", "b:end"]
+
+
+async def test_static_batch_rows_share_steps_and_aborted_rows_stay_until_the_end() -> None:
+    engine = SimEngine(SimProfile(token_rate=500.0, max_num_seqs=4), "static")
+    await engine.start()
+    try:
+        long = engine.generate(EngineRequest("long", "long", 30))
+        short = engine.generate(EngineRequest("short", "short", 2))
+        # Submit both before the engine's next step, so they form one batch.
+        long_first = asyncio.ensure_future(anext(long))
+        short_first = asyncio.ensure_future(anext(short))
+        assert isinstance(await long_first, EngineDelta)
+        assert isinstance(await short_first, EngineDelta)
+        short_out = [o async for o in short]
+        assert isinstance(short_out[-1], EngineFinish)
+        # The short row is done, but the batch keeps running until its longest row ends.
+        late = engine.generate(EngineRequest("late", "late", 2))
+        late_first = asyncio.ensure_future(anext(late))
+        await asyncio.sleep(0.02)
+        assert not late_first.done()
+        assert await engine.abort("long") is True
+        assert isinstance(await late_first, EngineDelta)
+        await late.aclose()  # type: ignore[attr-defined]
+        await long.aclose()  # type: ignore[attr-defined]
+    finally:
+        await engine.stop()
