@@ -251,3 +251,19 @@ class Heartbeat(Model):
     queued_tokens: int = Field(ge=0)
     utilisation: float = Field(ge=0.0, le=1.0)
     sent_at: float = Field(default_factory=time.time)
+
+
+class StreamResumed(Model):
+    """On `tokenbus.control`: an edge now serves this request's stream to a resumed client.
+
+    The edge that had the stream before stops its disconnect grace timer, so it does not
+    cancel a request that a client has picked up elsewhere. Workers ignore it.
+    """
+
+    kind: Literal["resumed"] = "resumed"
+    request_id: str = Field(pattern=REQUEST_ID)
+    edge_id: str = Field(min_length=1, max_length=200)
+    sent_at: float = Field(default_factory=time.time)
+
+
+ControlRecord = Annotated[CancelRecord | StreamResumed, Field(discriminator="kind")]

@@ -37,6 +37,15 @@ class Topics:
         return f"{self.prefix}.results"
 
     @property
+    def result_leases(self) -> str:
+        """Compacted log of which edge holds which results partition (the edge creates it)."""
+        return f"{self.prefix}.results.leases"
+
+    def request_results(self, request_id: str) -> str:
+        """A per-request result topic (the edge's `topic` result topology)."""
+        return f"{self.prefix}.results.{request_id}"
+
+    @property
     def workers(self) -> str:
         return f"{self.prefix}.workers"
 

@@ -14,6 +14,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from aiokafka.admin import AIOKafkaAdminClient
+
 from shared.kafka import create_topics, delete_topics, wait_for_broker
 from shared.settings import TokenbusSettings
 from shared.topics import Topics
@@ -129,12 +131,24 @@ class Stack:
     def stop(self) -> None:
         for key in list(self.processes):
             self.stop_service(key)
-        asyncio.run(delete_topics(self.settings, self.topics.partitions()))
+        asyncio.run(_delete_all(self.settings, self.topics))
 
 
 async def _create(settings: TokenbusSettings, topics: Topics) -> None:
     await wait_for_broker(settings, timeout_s=60)
     await create_topics(settings, topics.partitions())
+
+
+async def _delete_all(settings: TokenbusSettings, topics: Topics) -> None:
+    # Services also make topics of their own under the prefix (the edge's lease log and
+    # per-request result topics), so everything under it goes.
+    admin = AIOKafkaAdminClient(bootstrap_servers=settings.bootstrap_servers)
+    await admin.start()
+    try:
+        mine = [t for t in await admin.list_topics() if t.startswith(topics.prefix + ".")]
+    finally:
+        await admin.close()
+    await delete_topics(settings, [*topics.partitions(), *mine])
 
 
 def new_prefix() -> str:

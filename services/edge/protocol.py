@@ -40,6 +40,9 @@ class StreamResumeFrame(Model):
     type: Literal["stream.resume"]
     resume_token: str = Field(min_length=1, max_length=4096)
     after_seq: int = Field(default=-1, ge=-1)
+    # `seq` restarts with every attempt, so after_seq counts in the attempt of the last
+    # `chat.reset` the client saw (0 if none).
+    attempt: int = Field(default=0, ge=0)
 
 
 ClientFrame = Annotated[
@@ -105,6 +108,15 @@ class ResetFrame(Model):
     attempt: int
 
 
+class StreamResumedFrame(Model):
+    """A resume was accepted: the deltas after `after_seq` of `attempt` follow, then the rest."""
+
+    type: Literal["stream.resumed"] = "stream.resumed"
+    request_id: str
+    attempt: int
+    after_seq: int
+
+
 class DoneFrame(Model):
     type: Literal["chat.done"] = "chat.done"
     request_id: str
@@ -121,4 +133,4 @@ class ErrorFrame(Model):
     client_id: str | None = None
 
 
-ServerFrame = AcceptedFrame | DeltaFrame | ResetFrame | DoneFrame | ErrorFrame
+ServerFrame = AcceptedFrame | DeltaFrame | ResetFrame | DoneFrame | ErrorFrame | StreamResumedFrame

@@ -1,9 +1,19 @@
-"""The edge's one Kafka consumer: reads its result partition and routes records to sockets."""
+"""The edge's one Kafka consumer: result partitions it follows, and the control topic.
+
+What it follows changes while it runs (a per-request topic per request, a foreign partition
+per resumed stream), so the consumer is touched only by `run`: others ask for changes, and
+`run` applies them between fetches. Positions are kept here, not in the consumer, because
+aiokafka forgets them on every `assign`.
+"""
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
 import structlog
-from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 from pydantic import TypeAdapter, ValidationError
 
 from services.edge.streams import StreamRouter
@@ -13,29 +23,179 @@ log = structlog.get_logger()
 
 _results: TypeAdapter[ResultRecord] = TypeAdapter(ResultRecord)
 
+OnControl = Callable[[bytes], None]
+OnCaughtUp = Callable[[], None]
+
+
+@dataclass(frozen=True)
+class _Follow:
+    tp: TopicPartition
+    offset: int
+    caught_up_at: int
+    on_caught_up: OnCaughtUp | None
+
+
+@dataclass(frozen=True)
+class _Unfollow:
+    tp: TopicPartition
+
+
+@dataclass
+class _Tail:
+    """One followed partition: where reading goes on, and who still needs it."""
+
+    position: int
+    refs: int = 1
+    permanent: bool = False
+    # (offset, callback): call once `position` reaches offset
+    waiters: list[tuple[int, OnCaughtUp]] = field(default_factory=list)
+
 
 class ResultReader:
-    """Owns the consumer of one result partition; `position` is safe to resume from."""
+    """Owns the consumer; routes result records to the router and control records out."""
 
-    def __init__(self, consumer: AIOKafkaConsumer, tp: TopicPartition, router: StreamRouter):
+    def __init__(
+        self,
+        consumer: AIOKafkaConsumer,
+        router: StreamRouter,
+        control: TopicPartition,
+        on_control: OnControl,
+    ) -> None:
         self._consumer = consumer
-        self.tp = tp
         self._router = router
-        self.position: int | None = None
+        self._control = control
+        self._on_control = on_control
+        self._tails: dict[TopicPartition, _Tail] = {}
+        self._assigned: frozenset[TopicPartition] = frozenset()
+        self._ops: list[_Follow | _Unfollow] = []
+        self._changed = asyncio.Event()
 
-    async def start(self) -> None:
-        self._consumer.assign([self.tp])
-        await self._consumer.seek_to_end(self.tp)
-        self.position = await self._consumer.position(self.tp)
+    async def start(self, own: TopicPartition | None) -> None:
+        """Follow the control topic, and `own` (the edge's result partition), from their ends."""
+        permanent = [self._control] + ([own] if own is not None else [])
+        self._consumer.assign(permanent)
+        for tp in permanent:
+            await self._consumer.seek_to_end(tp)
+            position = await self._consumer.position(tp)
+            self._tails[tp] = _Tail(position=position, permanent=True)
+        self._assigned = frozenset(permanent)
+
+    def position(self, tp: TopicPartition) -> int | None:
+        """The next offset this edge will read on `tp`: a safe start for a resume token."""
+        tail = self._tails.get(tp)
+        return None if tail is None else tail.position
+
+    def following(self) -> int:
+        return len(self._tails)
+
+    async def offsets(self, tp: TopicPartition) -> tuple[int, int]:
+        """First offset still stored and end offset (high watermark) of `tp`, now."""
+        # Offset look-ups do not touch positions or the fetch buffer: safe beside `run`.
+        begin = await self._consumer.beginning_offsets([tp])
+        end = await self._consumer.end_offsets([tp])
+        return begin[tp], end[tp]
+
+    def follow(
+        self,
+        tp: TopicPartition,
+        offset: int,
+        caught_up_at: int | None = None,
+        on_caught_up: OnCaughtUp | None = None,
+    ) -> None:
+        """Read `tp` from `offset` (or from where it is, if that is earlier) until `unfollow`.
+
+        `on_caught_up` is called once reading has passed `caught_up_at` (default `offset`).
+        Rewinding a partition others already read re-delivers records to their streams; the
+        router drops them as duplicates. Takes effect between two fetches, in order.
+        """
+        target = offset if caught_up_at is None else caught_up_at
+        self._ops.append(_Follow(tp, offset, target, on_caught_up))
+        self._changed.set()
+
+    def unfollow(self, tp: TopicPartition) -> None:
+        self._ops.append(_Unfollow(tp))
+        self._changed.set()
 
     async def run(self) -> None:
         while True:
-            fetched = await self._consumer.getmany(self.tp, timeout_ms=1000)
-            for record in fetched.get(self.tp, []):
-                self.position = record.offset + 1
+            self._apply_changes()
+            self._fire_waiters()
+            fetch = asyncio.ensure_future(self._consumer.getmany(timeout_ms=1000))
+            wake = asyncio.ensure_future(self._changed.wait())
+            try:
+                await asyncio.wait({fetch, wake}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                wake.cancel()
+                if not fetch.done():
+                    fetch.cancel()
+            try:
+                fetched = await fetch
+            except asyncio.CancelledError:
+                # Interrupted for a change of what to follow; nothing was taken from the
+                # consumer's buffer, and positions are ours, so nothing is lost.
+                if not self._changed.is_set():
+                    raise
+                continue
+            for tp, records in fetched.items():
+                self._handle(tp, records)
+
+    def _apply_changes(self) -> None:
+        self._changed.clear()
+        seeks: set[TopicPartition] = set()
+        ops, self._ops = self._ops, []
+        for op in ops:
+            tail = self._tails.get(op.tp)
+            if isinstance(op, _Unfollow):
+                if tail is not None and not tail.permanent:
+                    tail.refs -= 1
+                    if tail.refs <= 0:
+                        del self._tails[op.tp]
+                continue
+            if tail is None:
+                tail = self._tails[op.tp] = _Tail(position=op.offset, refs=0)
+                seeks.add(op.tp)
+            elif op.offset < tail.position:
+                tail.position = op.offset
+                seeks.add(op.tp)
+            tail.refs += 1
+            if op.on_caught_up is not None:
+                tail.waiters.append((op.caught_up_at, op.on_caught_up))
+        wanted = frozenset(self._tails)
+        if wanted != self._assigned:
+            self._consumer.assign(list(wanted))
+            self._assigned = wanted
+            seeks = set(wanted)  # assign forgets every position
+        for tp in seeks & wanted:
+            self._consumer.seek(tp, self._tails[tp].position)
+
+    def _handle(self, tp: TopicPartition, records: list[ConsumerRecord[bytes, bytes]]) -> None:
+        tail = self._tails.get(tp)
+        if tail is None:
+            return  # unfollowed while these were in flight
+        for record in records:
+            tail.position = record.offset + 1
+            if tp == self._control:
+                self._on_control(record.value or b"")
+                continue
+            try:
+                result = _results.validate_json(record.value or b"")
+            except ValidationError as exc:
+                log.error("result.invalid", topic=tp.topic, offset=record.offset, error=str(exc))
+                continue
+            self._router.route(result)
+        self._fire_waiters()
+
+    def _fire_waiters(self) -> None:
+        for tp, tail in list(self._tails.items()):
+            if not tail.waiters:
+                continue
+            due = [w for w in tail.waiters if tail.position >= w[0]]
+            if not due:
+                continue
+            tail.waiters = [w for w in tail.waiters if tail.position < w[0]]
+            for _, callback in due:
                 try:
-                    result = _results.validate_json(record.value or b"")
-                except ValidationError as exc:
-                    log.error("result.invalid", offset=record.offset, error=str(exc))
-                    continue
-                self._router.route(result)
+                    callback()
+                except Exception:
+                    # One stream's bookkeeping must not stop every other stream's records.
+                    log.exception("reader.caught_up_failed", topic=tp.topic)

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import base64
+import binascii
 import hashlib
 import hmac
 import json
-import time
 
 from pydantic import Field, ValidationError
 
-from shared.messages import Model
+from shared.messages import ErrorCode, Model
 
 
 class ResumeClaims(Model):
@@ -22,8 +22,13 @@ class ResumeClaims(Model):
     expires_at: float
 
 
-class ResumeTokenError(Exception):
-    """The token is malformed, tampered with or expired."""
+class ResumeRefused(Exception):
+    """A resume the edge will not serve; `code` is what the client is told."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
 
 
 def _b64(data: bytes) -> str:
@@ -40,15 +45,45 @@ def sign(claims: ResumeClaims, secret: bytes) -> str:
     return f"{body}.{_b64(mac)}"
 
 
-def verify(token: str, secret: bytes, now: float | None = None) -> ResumeClaims:
+def verify(token: str, secret: bytes, now: float) -> ResumeClaims:
+    """The token's claims if it is intact and unexpired; otherwise ResumeRefused.
+
+    Tampered or malformed: `unauthorized` (nothing in it can be trusted). Expired:
+    `not_found` (it was genuine, the stream is simply no longer offered).
+    """
+    body, dot, mac = token.partition(".")
     try:
-        body, mac = token.split(".")
-        expected = hmac.new(secret, body.encode(), hashlib.sha256).digest()
-        if not hmac.compare_digest(expected, _unb64(mac)):
-            raise ResumeTokenError("resume_token: signature does not match")
+        if not dot or "." in mac:
+            raise ValueError("not body.mac")
+        given = _unb64(mac)
+    except (ValueError, binascii.Error):
+        raise ResumeRefused(ErrorCode.unauthorized, "resume_token: malformed") from None
+    expected = hmac.new(secret, body.encode(), hashlib.sha256).digest()
+    if not hmac.compare_digest(expected, given):
+        raise ResumeRefused(ErrorCode.unauthorized, "resume_token: signature does not match")
+    try:
         claims = ResumeClaims.model_validate(json.loads(_unb64(body)))
-    except (ValueError, ValidationError) as exc:
-        raise ResumeTokenError("resume_token: malformed") from exc
-    if claims.expires_at <= (time.time() if now is None else now):
-        raise ResumeTokenError("resume_token: expired")
+    except (ValueError, binascii.Error, ValidationError):
+        # Signed by us but unreadable: only a change of claim format gets here.
+        raise ResumeRefused(ErrorCode.unauthorized, "resume_token: malformed") from None
+    if claims.expires_at <= now:
+        raise ResumeRefused(ErrorCode.not_found, "stream.resume: the resume token has expired")
+    return claims
+
+
+def check_resume(
+    token: str, secret: bytes, *, tenant: str, results_topic: str, now: float
+) -> ResumeClaims:
+    """Every check a resume passes before any record is read, as one pure function.
+
+    `results_topic` is the deployment's results topic: a token may only point at it or at a
+    per-request topic under it, so a leaked secret of another deployment reads nothing here.
+    """
+    claims = verify(token, secret, now)
+    if not hmac.compare_digest(claims.tenant.encode(), tenant.encode()):
+        raise ResumeRefused(
+            ErrorCode.unauthorized, "stream.resume: the stream belongs to another tenant"
+        )
+    if claims.topic != results_topic and not claims.topic.startswith(results_topic + "."):
+        raise ResumeRefused(ErrorCode.not_found, "stream.resume: no such stream here")
     return claims

@@ -2,17 +2,48 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, SecretStr
 
 from shared.messages import RequestLimits
 from shared.settings import TokenbusSettings
 
+ResultTopology = Literal["partition", "topic"]
+
 
 class EdgeSettings(TokenbusSettings):
     edge_host: str = Field(default="127.0.0.1")
     edge_port: int = Field(default=8000, ge=0, le=65535)
-    edge_result_partition: int = Field(
-        default=0, ge=0, description="Partition of the results topic this edge owns."
+    edge_result_topology: ResultTopology = Field(
+        default="partition",
+        description=(
+            "Where results come back: `partition` (one leased partition of the shared results"
+            " topic per edge) or `topic` (a topic per request, deleted after a retention window)."
+        ),
+    )
+    edge_result_partition: int | None = Field(
+        default=None,
+        ge=0,
+        description=(
+            "partition topology: the results partition this edge must own; unset = lease the"
+            " lowest free one. Either way it is held by a lease, so two live edges never share one."
+        ),
+    )
+    edge_lease_ttl_s: float = Field(
+        default=10.0,
+        gt=0.5,
+        description="A result-partition lease lasts this long unless renewed (every third of it).",
+    )
+    edge_result_topic_retention_s: float = Field(
+        default=300.0,
+        ge=0,
+        description="topic topology: a request's topic is deleted this long after its stream ends.",
+    )
+    edge_disconnect_grace_s: float = Field(
+        default=30.0,
+        ge=0,
+        description="A dropped socket's requests are cancelled after this long without a resume.",
     )
     edge_max_frame_bytes: int = Field(
         default=1 << 20, ge=1024, description="Largest frame answered; above it: invalid_request."

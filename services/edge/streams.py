@@ -1,14 +1,62 @@
-"""Routes result records to the streams they belong to: drops duplicates, announces attempts."""
+"""Routes result records to the streams they belong to: drops duplicates, announces attempts.
+
+Pure: no I/O and no clock, so every framing rule is tested with plain values. The rules:
+- a record of an older attempt than the one shown is dropped;
+- the first record of a newer attempt is preceded by `chat.reset`, and `seq` restarts;
+- a record whose `seq` was already shown (a replay, a duplicate) is dropped;
+- a record that would leave a hole in `seq` ends the stream with an error: a client is told
+  the stream cannot be recovered, never shown a stream with a gap.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from services.edge.protocol import DeltaFrame, DoneFrame, ErrorFrame, ResetFrame, ServerFrame
-from shared.messages import DeltaResult, DoneResult, ErrorResult
+from services.edge.protocol import (
+    DeltaFrame,
+    DoneFrame,
+    ErrorFrame,
+    ResetFrame,
+    ServerFrame,
+    StreamResumedFrame,
+)
+from shared.messages import DeltaResult, DoneResult, ErrorCode, ErrorResult
 
 Deliver = Callable[[ServerFrame], None]
+Result = DeltaResult | DoneResult | ErrorResult
+
+
+def _discard(frame: ServerFrame) -> None:
+    """Where a detached stream's frames go while its socket is gone."""
+
+
+@dataclass
+class ResumePoint:
+    """What a resuming client says it has seen, and what the replayed log shows of it.
+
+    A client can only have seen records that were in the log before it resumed, so once the
+    replay has read up to the log end of that moment, a claim beyond what was read is false.
+    """
+
+    attempt: int
+    after_seq: int
+    # attempt -> highest delta seq read for it (-1: the attempt exists, no delta yet)
+    seen: dict[int, int] = field(default_factory=dict)
+
+    def observe(self, record: Result) -> None:
+        top = self.seen.get(record.attempt, -1)
+        if isinstance(record, DeltaResult):
+            top = max(top, record.seq)
+        self.seen[record.attempt] = top
+
+    def ahead_of_log(self) -> bool:
+        """True if the client claims an attempt or a delta the log never had."""
+        if self.attempt == 0 and self.after_seq < 0:
+            return False  # claims nothing
+        if self.attempt not in self.seen:
+            return True
+        return self.seen[self.attempt] < self.after_seq
 
 
 @dataclass
@@ -21,22 +69,53 @@ class ResultStream:
     attempt: int = 0
     next_seq: int = 0
     held: list[ServerFrame] | None = field(default_factory=list)
+    resume: ResumePoint | None = None
+    ended: bool = False  # its final frame is emitted; nothing more is shown
+
+    @property
+    def detached(self) -> bool:
+        return self.owner is None
 
     def emit(self, frame: ServerFrame) -> None:
-        if self.held is not None:  # not yet accepted: keep order behind `chat.accepted`
+        if self.held is not None:  # not yet accepted / caught up: keep order behind it
             self.held.append(frame)
         else:
             self.deliver(frame)
 
 
 class StreamRouter:
-    """request_id -> stream. Pure: no I/O, so the framing rules are tested with plain values."""
+    """request_id -> stream.
 
-    def __init__(self) -> None:
+    `on_end` is called once for a stream that ended by its own final record (done or error),
+    after that record was delivered, so the edge can release what the stream held.
+    """
+
+    def __init__(self, on_end: Callable[[ResultStream], None] | None = None) -> None:
         self._streams: dict[str, ResultStream] = {}
+        self._on_end = on_end
 
     def open(self, request_id: str, deliver: Deliver, owner: object) -> ResultStream:
+        """A new request's stream; its frames wait for `release` (the `chat.accepted`)."""
         stream = ResultStream(request_id, deliver, owner)
+        self._streams[request_id] = stream
+        return stream
+
+    def resume(
+        self, request_id: str, deliver: Deliver, owner: object, point: ResumePoint
+    ) -> ResultStream:
+        """A resumed stream: shows what follows `point`; held until `caught_up`.
+
+        Replaces any stream of the same request on this edge: the resuming socket is now
+        the one the client reads.
+        """
+        stream = ResultStream(
+            request_id,
+            deliver,
+            owner,
+            attempt=point.attempt,
+            next_seq=point.after_seq + 1,
+            resume=point,
+        )
         self._streams[request_id] = stream
         return stream
 
@@ -50,13 +129,46 @@ class StreamRouter:
         for frame in held:
             stream.deliver(frame)
         if any(isinstance(f, DoneFrame | ErrorFrame) for f in held):
+            self._end(stream)
+
+    def caught_up(self, request_id: str) -> bool:
+        """The replay of a resumed stream reached the log end of its resume: check the claim.
+
+        True: the stream goes on (held frames delivered). False: the client claimed more than
+        the log holds; it gets `invalid_request` and the stream is closed.
+        """
+        stream = self._streams.get(request_id)
+        if stream is None or stream.resume is None or stream.held is None:
+            return stream is not None
+        point = stream.resume
+        if point.ahead_of_log():
+            stream.held = None
+            stream.deliver(
+                ErrorFrame(
+                    code=ErrorCode.invalid_request,
+                    message=(
+                        f"stream.resume: after_seq {point.after_seq} of attempt {point.attempt}"
+                        " is beyond what the stream has sent"
+                    ),
+                    request_id=request_id,
+                )
+            )
             self.close(request_id)
+            return False
+        self.release(
+            request_id,
+            StreamResumedFrame(
+                request_id=request_id, attempt=point.attempt, after_seq=point.after_seq
+            ),
+        )
+        return True
 
     def get(self, request_id: str) -> ResultStream | None:
         return self._streams.get(request_id)
 
-    def close(self, request_id: str) -> None:
-        self._streams.pop(request_id, None)
+    def close(self, request_id: str) -> ResultStream | None:
+        """Forget a stream without delivering anything more."""
+        return self._streams.pop(request_id, None)
 
     def close_owner(self, owner: object) -> list[str]:
         """Forget every stream of one socket; return their request ids."""
@@ -65,16 +177,49 @@ class StreamRouter:
             del self._streams[rid]
         return gone
 
-    def route(self, record: DeltaResult | DoneResult | ErrorResult) -> bool:
+    def detach_owner(self, owner: object) -> list[str]:
+        """A socket went away: keep its streams, showing nothing, until resumed or cancelled.
+
+        They still follow the records (so a stream that ends meanwhile is known to have
+        ended); return their request ids.
+        """
+        gone = [rid for rid, s in self._streams.items() if s.owner is owner]
+        for rid in gone:
+            stream = self._streams[rid]
+            stream.owner = None
+            stream.deliver = _discard
+            stream.held = None
+        return gone
+
+    def route(self, record: Result) -> bool:
         """Show a record on its stream; False if it is not shown (unknown, stale, duplicate)."""
         stream = self._streams.get(record.request_id)
-        if stream is None or record.attempt < stream.attempt:
+        if stream is None or stream.ended:
+            return False
+        if stream.resume is not None:
+            stream.resume.observe(record)
+        if record.attempt < stream.attempt:
             return False
         if record.attempt > stream.attempt:
             stream.attempt = record.attempt
             stream.next_seq = 0
             stream.emit(ResetFrame(request_id=record.request_id, attempt=record.attempt))
         if record.seq < stream.next_seq:
+            return False
+        if record.seq > stream.next_seq:
+            # Records of one attempt are written in order to one partition by an idempotent
+            # producer, so a hole means records were lost (truncated log, foreign writer).
+            stream.emit(
+                ErrorFrame(
+                    code=ErrorCode.not_found,
+                    message=(
+                        f"stream: seq {stream.next_seq} of attempt {stream.attempt} is missing;"
+                        " the stream cannot be recovered"
+                    ),
+                    request_id=record.request_id,
+                )
+            )
+            self._finish(stream)
             return False
         stream.next_seq = record.seq + 1
         if isinstance(record, DeltaResult):
@@ -93,9 +238,20 @@ class StreamRouter:
             stream.emit(
                 ErrorFrame(code=record.code, message=record.message, request_id=record.request_id)
             )
-        if stream.held is None:
-            self.close(record.request_id)
+        self._finish(stream)
         return True
+
+    def _finish(self, stream: ResultStream) -> None:
+        stream.ended = True
+        # A held stream ends when it is released: its final frame is still queued behind it.
+        if stream.held is None:
+            self._end(stream)
+
+    def _end(self, stream: ResultStream) -> None:
+        if self._streams.get(stream.request_id) is stream:
+            del self._streams[stream.request_id]
+            if self._on_end is not None:
+                self._on_end(stream)
 
     def __len__(self) -> int:
         return len(self._streams)

@@ -1,0 +1,47 @@
+"""The edge's Prometheus metrics, one registry per edge (tests run several in one process)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# Topic admin calls take milliseconds on an idle broker and seconds on a busy controller.
+ADMIN_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+
+
+@dataclass
+class EdgeMetrics:
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+
+    def __post_init__(self) -> None:
+        r = self.registry
+        self.streams_open = Gauge(
+            "tokenbus_edge_streams_open", "Result streams this edge follows", registry=r
+        )
+        self.topics_created = Counter(
+            "tokenbus_edge_result_topics_created", "Per-request result topics created", registry=r
+        )
+        self.topics_deleted = Counter(
+            "tokenbus_edge_result_topics_deleted", "Per-request result topics deleted", registry=r
+        )
+        self.topic_create_seconds = Histogram(
+            "tokenbus_edge_result_topic_create_seconds",
+            "Time to create one per-request result topic (on the request path)",
+            buckets=ADMIN_BUCKETS,
+            registry=r,
+        )
+        self.topic_delete_seconds = Histogram(
+            "tokenbus_edge_result_topic_delete_seconds",
+            "Time of one delete call for due per-request result topics",
+            buckets=ADMIN_BUCKETS,
+            registry=r,
+        )
+        self.resumes = Counter(
+            "tokenbus_edge_resumes", "stream.resume outcomes", ["outcome"], registry=r
+        )
+        self.disconnect_cancels = Counter(
+            "tokenbus_edge_disconnect_cancels",
+            "Requests cancelled because their socket dropped and no resume came",
+            registry=r,
+        )

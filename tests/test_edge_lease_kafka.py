@@ -1,0 +1,111 @@
+"""Result-partition leases on the real broker: distinct owners, release, lapse, fencing."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+from aiokafka import AIOKafkaProducer
+from aiokafka.admin import AIOKafkaAdminClient
+
+from services.edge.lease_keeper import LeaseKeeper, LeaseLost, ensure_lease_topic
+from shared.kafka import delete_topics, make_producer
+from shared.settings import TokenbusSettings
+from tests.stack import new_prefix
+
+TTL_S = 2.0
+PARTITIONS = 4
+
+
+LeaseEnv = tuple[TokenbusSettings, str, AIOKafkaProducer]
+
+
+@pytest.fixture
+async def lease_env(bootstrap: str) -> AsyncIterator[LeaseEnv]:
+    settings = TokenbusSettings(KAFKA_BOOTSTRAP_SERVERS=bootstrap, topic_prefix=new_prefix())
+    topic = f"{settings.topic_prefix}.results.leases"
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        await ensure_lease_topic(admin, topic, TTL_S)
+    finally:
+        await admin.close()
+    producer = make_producer(settings, client_id="lease-test")
+    await producer.start()
+    try:
+        yield settings, topic, producer
+    finally:
+        await producer.stop()
+        await delete_topics(settings, [topic])
+
+
+def keeper(env: LeaseEnv, name: str) -> LeaseKeeper:
+    settings, topic, producer = env
+    return LeaseKeeper(settings, topic, name, producer, TTL_S)
+
+
+async def test_racing_edges_get_distinct_partitions_and_the_extra_one_gets_none(
+    lease_env: LeaseEnv,
+) -> None:
+    keepers = [keeper(lease_env, f"edge-{i}") for i in range(PARTITIONS + 1)]
+    got = await asyncio.gather(
+        *(k.acquire(PARTITIONS, None, timeout_s=1.0) for k in keepers), return_exceptions=True
+    )
+    won = [g for g in got if isinstance(g, int)]
+    lost = [g for g in got if isinstance(g, BaseException)]
+    assert sorted(won) == list(range(PARTITIONS))
+    assert len(lost) == 1
+    assert isinstance(lost[0], RuntimeError)
+    assert "no result partition free" in str(lost[0])
+
+
+async def test_a_released_partition_is_free_at_once(
+    lease_env: LeaseEnv,
+) -> None:
+    a, b = keeper(lease_env, "a"), keeper(lease_env, "b")
+    assert await a.acquire(PARTITIONS, None, timeout_s=1.0) == 0
+    await a.release()
+    started = time.monotonic()
+    assert await b.acquire(PARTITIONS, 0, timeout_s=5.0) == 0
+    assert time.monotonic() - started < TTL_S / 2
+
+
+async def test_a_dead_edges_partition_is_taken_only_after_its_lease_lapses(
+    lease_env: LeaseEnv,
+) -> None:
+    dead, heir = keeper(lease_env, "dead"), keeper(lease_env, "heir")
+    claimed_at = time.monotonic()
+    assert await dead.acquire(PARTITIONS, 2, timeout_s=1.0) == 2
+    # `dead` never renews, as after kill -9; `heir` is configured for the same partition.
+    assert await heir.acquire(PARTITIONS, 2, timeout_s=4 * TTL_S) == 2
+    waited = time.monotonic() - claimed_at
+    assert waited >= TTL_S * 0.9, f"taken over after {waited:.2f} s, before the lease lapsed"
+
+
+async def test_a_live_edge_keeps_its_partition_against_a_configured_rival(
+    lease_env: LeaseEnv,
+) -> None:
+    holder, rival = keeper(lease_env, "holder"), keeper(lease_env, "rival")
+    assert await holder.acquire(PARTITIONS, 1, timeout_s=1.0) == 1
+    keeping = asyncio.create_task(holder.keep())
+    try:
+        with pytest.raises(RuntimeError, match="no result partition free"):
+            await rival.acquire(PARTITIONS, 1, timeout_s=1.5 * TTL_S)
+        assert not keeping.done()
+    finally:
+        keeping.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await keeping
+
+
+async def test_an_edge_that_could_not_renew_in_time_fences_itself(
+    lease_env: LeaseEnv,
+) -> None:
+    stalled = keeper(lease_env, "stalled")
+    await stalled.acquire(PARTITIONS, None, timeout_s=1.0)
+    # Time passes without a renewal (a long GC pause, a partition from the broker).
+    await asyncio.sleep(TTL_S)
+    with pytest.raises(LeaseLost):
+        await asyncio.wait_for(stalled.keep(), timeout=TTL_S)
