@@ -1,0 +1,1 @@
+"""Load generation and the benchmark report: `tokenbus bench` and `make bench`."""

@@ -1,0 +1,183 @@
+"""Stacks the bench starts for itself: the four services on fresh topics, or the direct server."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+
+from bench.observe import DeploymentObserver
+from shared.kafka import create_topics, delete_topics, wait_for_broker
+from shared.settings import TokenbusSettings
+from shared.topics import Topics
+
+ROOT = Path(__file__).resolve().parent.parent
+SERVICES = ("ingest", "scheduler", "worker", "edge")
+READY_TIMEOUT_S = 60.0
+STOP_TIMEOUT_S = 10.0
+
+
+class StackError(Exception):
+    """A stack did not start or died; the message carries the end of its log."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class Stack:
+    """Processes started for one policy; `ws_url` is where clients connect."""
+
+    def __init__(self, name: str, env: dict[str, str], log_dir: Path) -> None:
+        self.name = name
+        self.port = free_port()
+        self.log_dir = log_dir
+        self.env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+            "TOKENBUS_LOG_LEVEL": "WARNING",  # per-request INFO lines would cost CPU in the run
+            "TOKENBUS_RESUME_SECRET": secrets.token_hex(16),
+            **env,
+        }
+        self.processes: dict[str, subprocess.Popen[bytes]] = {}
+        self.observer: DeploymentObserver | None = None
+
+    @property
+    def ws_url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}/v1/chat"
+
+    async def start(self) -> None:
+        raise NotImplementedError
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        raise NotImplementedError
+
+    def _spawn(self, key: str, module: str, env: dict[str, str]) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.log_dir / f"{self.name}-{key}.log", "ab") as log:
+            # Own process group, so stopping it also ends whatever it spawned.
+            self.processes[key] = subprocess.Popen(
+                [sys.executable, "-m", module],
+                cwd=ROOT,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    async def _until_healthy(self) -> None:
+        url = f"http://127.0.0.1:{self.port}/healthz"
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not await asyncio.to_thread(_answers_200, url):
+            self.check_alive()
+            if time.monotonic() > deadline:
+                raise StackError(f"{self.name}: {url} not healthy after {READY_TIMEOUT_S:.0f} s")
+            await asyncio.sleep(0.2)
+
+    def check_alive(self) -> None:
+        for key, proc in self.processes.items():
+            if proc.poll() is not None:
+                tail = (self.log_dir / f"{self.name}-{key}.log").read_text()[-2000:]
+                raise StackError(f"{self.name}: {key} exited with {proc.returncode}:\n{tail}")
+
+    async def stop(self) -> None:
+        for proc in self.processes.values():
+            _signal_group(proc, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        while any(p.poll() is None for p in self.processes.values()):
+            if time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.05)
+        for proc in self.processes.values():
+            _signal_group(proc, signal.SIGKILL)
+            proc.wait()
+
+
+class PipelineStack(Stack):
+    """Ingest, scheduler, worker and edge on a fresh topic prefix of a running broker."""
+
+    def __init__(self, name: str, env: dict[str, str], log_dir: Path, bootstrap: str) -> None:
+        self.prefix = f"bench{name}{uuid.uuid4().hex[:8]}"
+        super().__init__(name, env, log_dir)
+        self.env.update(
+            KAFKA_BOOTSTRAP_SERVERS=bootstrap,
+            TOKENBUS_TOPIC_PREFIX=self.prefix,
+            TOKENBUS_EDGE_HOST="127.0.0.1",
+            TOKENBUS_EDGE_PORT=str(self.port),
+        )
+        self.settings = TokenbusSettings(
+            KAFKA_BOOTSTRAP_SERVERS=bootstrap, topic_prefix=self.prefix
+        )
+
+    async def start(self) -> None:
+        await wait_for_broker(self.settings, timeout_s=30)
+        await create_topics(self.settings, Topics(self.prefix).partitions())
+        for name in SERVICES:
+            self._spawn(name, f"services.{name}", self.env)
+        await self._until_healthy()
+        self.observer = DeploymentObserver(self.settings)
+        await self.observer.start()
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        assert self.observer is not None
+        return await self.observer.wait_idle(timeout_s)
+
+    async def stop(self) -> None:
+        if self.observer is not None:
+            await self.observer.stop()
+        await super().stop()
+        await delete_topics(self.settings, Topics(self.prefix).partitions())
+
+
+class DirectStack(Stack):
+    """`python -m bench.direct`: the engine behind a WebSocket, in one process."""
+
+    async def start(self) -> None:
+        env = {**self.env, "TOKENBUS_BENCH_DIRECT_PORT": str(self.port)}
+        self._spawn("direct", "bench.direct", env)
+        await self._until_healthy()
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        url = f"http://127.0.0.1:{self.port}/healthz"
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError, ValueError):
+                body = await asyncio.to_thread(_get, url)
+                state = json.loads(body)
+                if state.get("running") == 0 and state.get("queued") == 0:
+                    return True
+            await asyncio.sleep(0.1)
+        return False
+
+
+def _get(url: str) -> bytes:
+    with urllib.request.urlopen(url, timeout=1.0) as response:
+        body: bytes = response.read()
+        return body
+
+
+def _answers_200(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1.0) as response:
+            return bool(response.status == 200)
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def _signal_group(proc: subprocess.Popen[bytes], signum: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signum)

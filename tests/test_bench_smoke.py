@@ -1,0 +1,307 @@
+"""`tokenbus bench` end to end for a few seconds at a low rate: its JSON has every field.
+
+No timing assertions: the numbers belong to docs/benchmarks.md, not to the test suite.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench.findings import slo_result
+from bench.report import Distribution, PolicyReport, RunSummary
+from bench.stats import HOPS, percentile
+from bench.workload import Mix, plan, poisson_arrivals
+from tests.stack import ROOT, Stack
+
+REPORT_KEYS = {
+    "schema_version",
+    "created_at",
+    "command",
+    "target",
+    "sim_profile",
+    "sim_profile_note",
+    "workload",
+    "machine",
+    "policies",
+    "findings",
+    "elapsed_s",
+}
+MACHINE_KEYS = {"platform", "python", "cpu", "cores", "memory_gib", "load_before", "load_after"}
+POLICY_KEYS = {"name", "kind", "available", "failed", "note", "env", "max_batch_size", "runs"}
+RUN_KEYS = {
+    "policy",
+    "offered_rps",
+    "duration_s",
+    "seed",
+    "connections",
+    "concurrency_cap",
+    "sent",
+    "completed",
+    "shed",
+    "incomplete",
+    "errors",
+    "elapsed_s",
+    "achieved_rps",
+    "output_tokens_per_s",
+    "tiers",
+    "batches",
+    "generator_lag_ms",
+    "ttft_samples_ms",
+}
+TIER_KEYS = {
+    "sent",
+    "completed",
+    "errors",
+    "incomplete",
+    "output_tokens",
+    "ttft_ms",
+    "itl_ms",
+    "tpot_ms",
+    "e2e_ms",
+    "engine_ttft_ms",
+    "batch_wait_ms",
+    "overhead_ms",
+    "hops_ms",
+}
+DISTRIBUTIONS = (
+    "ttft_ms",
+    "itl_ms",
+    "tpot_ms",
+    "e2e_ms",
+    "engine_ttft_ms",
+    "batch_wait_ms",
+    "overhead_ms",
+)
+DIST_KEYS = {"count", "mean", "p50", "p95", "p99", "max"}
+BATCH_KEYS = {"source", "counts", "batches", "size", "fill", "histogram", "reasons"}
+FINDINGS_KEYS = {
+    "slo_ttft_ms",
+    "overhead",
+    "slo",
+    "saturation_tokens_per_s",
+    "low_load_ttft_p50_ms",
+    "targets",
+}
+PLOTS = ("latency_vs_load.png", "ttft_cdf.png", "batch_sizes.png")
+
+
+def _bench(*args: str, bootstrap: str | None = None, timeout: float = 120) -> None:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    if bootstrap is not None:
+        env["KAFKA_BOOTSTRAP_SERVERS"] = bootstrap
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from tokenbus.cli import main; sys.exit(main())",
+            "bench",
+            *args,
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, f"tokenbus bench {args[0]} failed:\n{proc.stdout}\n{proc.stderr}"
+
+
+def _check_run(run: dict[str, Any]) -> None:
+    assert set(run) == RUN_KEYS
+    assert run["completed"] > 0, "no request completed: the run measured nothing"
+    assert set(run["tiers"]) == {"interactive", "background", "all"}
+    for tier in run["tiers"].values():
+        assert set(tier) == TIER_KEYS
+        for name in DISTRIBUTIONS:
+            assert set(tier[name]) == DIST_KEYS, name
+    everyone = run["tiers"]["all"]
+    # Every measure the report is about has samples, even in a short run.
+    for name in ("ttft_ms", "e2e_ms", "engine_ttft_ms", "batch_wait_ms", "overhead_ms"):
+        assert everyone[name]["count"] > 0, name
+    assert set(run["batches"]) == BATCH_KEYS
+    assert set(run["batches"]["size"]) == DIST_KEYS
+    assert set(run["generator_lag_ms"]) == DIST_KEYS
+    assert set(run["ttft_samples_ms"]) == {"interactive", "background"}
+
+
+def _check_report(report: dict[str, Any]) -> None:
+    assert set(report) == REPORT_KEYS
+    assert set(report["machine"]) == MACHINE_KEYS
+    for policy in report["policies"]:
+        assert set(policy) == POLICY_KEYS
+
+
+@pytest.mark.kafka
+def test_bench_run_against_a_running_stack(stack: Stack, bootstrap: str, tmp_path: Path) -> None:
+    out = tmp_path / "run.json"
+    _bench(
+        "run",
+        "--url",
+        stack.ws_url,
+        "--rates",
+        "4",
+        "--duration",
+        "2",
+        "--seed",
+        "3",
+        "--kafka-prefix",
+        stack.prefix,
+        "--json",
+        str(out),
+        "--plots",
+        str(tmp_path),
+        bootstrap=bootstrap,
+    )
+    report = json.loads(out.read_text())
+    _check_report(report)
+    (policy,) = report["policies"]
+    (run,) = policy["runs"]
+    _check_run(run)
+    # The batches topic was read: sizes come from the scheduler itself.
+    assert run["batches"]["source"] == "scheduler"
+    assert run["batches"]["batches"] > 0
+    # ...and every request's TTFT is cut into its hops between the services.
+    assert set(run["tiers"]["all"]["hops_ms"]) == set(HOPS)
+    assert run["tiers"]["all"]["hops_ms"]["engine_first_token"]["count"] == run["completed"]
+    for name in PLOTS:
+        assert (tmp_path / name).stat().st_size > 0, name
+
+
+@pytest.mark.kafka
+def test_bench_compare_starts_its_own_stacks(bootstrap: str, tmp_path: Path) -> None:
+    out, doc = tmp_path / "compare.json", tmp_path / "benchmarks.md"
+    doc.write_text("# Benchmarks\n\nA section someone else wrote.\n")
+    _bench(
+        "compare",
+        "--policies",
+        "fixed,direct",
+        "--rates",
+        "4",
+        "--duration",
+        "2",
+        "--json",
+        str(out),
+        "--plots",
+        str(tmp_path / "img"),
+        "--docs",
+        str(doc),
+        "--log-dir",
+        str(tmp_path / "logs"),
+        bootstrap=bootstrap,
+    )
+    report = json.loads(out.read_text())
+    _check_report(report)
+    assert [p["name"] for p in report["policies"]] == ["fixed", "direct"]
+    for policy in report["policies"]:
+        assert policy["available"], policy["note"]
+        assert not policy["failed"], policy["note"]
+        (run,) = policy["runs"]
+        _check_run(run)
+    assert set(report["findings"]) == FINDINGS_KEYS
+    assert {t["name"] for t in report["findings"]["targets"]} >= {
+        "pipeline overhead p50 at 50 req/s (fixed)",
+        "adaptive saturation tokens/s vs fixed",
+    }
+    for name in PLOTS:
+        assert (tmp_path / "img" / name).stat().st_size > 0, name
+    text = doc.read_text()
+    assert "A section someone else wrote." in text
+    assert "tokenbus-bench:begin" in text
+    assert "img/latency_vs_load.png" in text
+
+
+# Pure pieces of the bench, with plain values.
+
+
+def test_percentile_interpolates_between_ranks() -> None:
+    values = [1.0, 2.0, 3.0, 4.0]
+    assert percentile(values, 0) == 1.0
+    assert percentile(values, 50) == 2.5
+    assert percentile(values, 100) == 4.0
+    with pytest.raises(ValueError, match="no values"):
+        percentile([], 50)
+
+
+def test_poisson_arrivals_have_the_asked_rate_and_stay_in_the_window() -> None:
+    times = poisson_arrivals(100.0, 50.0, random.Random(1))
+    assert all(0 <= a < b < 50.0 for a, b in itertools.pairwise(times))
+    assert 4700 < len(times) < 5300  # 5000 expected; 4 standard deviations either side
+
+
+def test_plan_is_reproducible_and_follows_the_tier_mix() -> None:
+    mix = Mix.load()
+    assert plan(mix, 50, 4, seed=9) == plan(mix, 50, 4, seed=9)
+    only_background = plan(mix.with_background_share(1.0), 50, 4, seed=9)
+    assert {p.tier.value for p in only_background} == {"background"}
+    for p in plan(mix, 50, 4, seed=9):
+        assert p.body["type"] == "chat.request"
+        assert p.body["priority"] == p.tier.value
+    with pytest.raises(ValueError, match="within"):
+        mix.with_background_share(1.5)
+
+
+def _run(rate: float, p99: float, completed: int = 10) -> RunSummary:
+    tier = {
+        "sent": 10,
+        "completed": completed,
+        "errors": 0,
+        "incomplete": 10 - completed,
+        "output_tokens": 0,
+        **{n: Distribution() for n in DISTRIBUTIONS},
+    }
+    tier["ttft_ms"] = Distribution(count=10, p50=p99 / 2, p99=p99)
+    return RunSummary.model_validate(
+        {
+            "policy": "p",
+            "offered_rps": rate,
+            "duration_s": 1,
+            "seed": 0,
+            "connections": 1,
+            "concurrency_cap": 1,
+            "sent": 10,
+            "completed": completed,
+            "shed": 0,
+            "incomplete": 10 - completed,
+            "errors": {},
+            "elapsed_s": 1,
+            "achieved_rps": 1,
+            "output_tokens_per_s": 1,
+            "tiers": {"interactive": tier, "background": tier, "all": tier},
+            "batches": {
+                "source": "none",
+                "counts": "requests",
+                "batches": 0,
+                "size": Distribution(),
+                "fill": Distribution(),
+                "histogram": {},
+                "reasons": {},
+            },
+            "generator_lag_ms": Distribution(),
+            "ttft_samples_ms": {},
+        }
+    )
+
+
+def test_slo_rate_is_the_top_of_the_passing_prefix() -> None:
+    policy = PolicyReport(
+        name="p",
+        kind="pipeline",
+        available=True,
+        runs=[_run(10, 100), _run(50, 400), _run(100, 900), _run(200, 300)],
+    )
+    result = slo_result(policy, 500)
+    # 200/s passing after 100/s failed is noise, not capacity.
+    assert (result.highest_passing_rps, result.first_failing_rps) == (50, 100)
+    unanswered = PolicyReport(
+        name="p", kind="pipeline", available=True, runs=[_run(10, 100, completed=9)]
+    )
+    assert slo_result(unanswered, 500).highest_passing_rps is None

@@ -1,0 +1,224 @@
+"""`tokenbus bench run|compare`: open-loop load over WebSocket, and the policy comparison."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shlex
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+from urllib.parse import urlparse
+
+if TYPE_CHECKING:
+    from bench.report import BenchReport
+    from bench.suite import SweepOptions
+    from tokenbus.cli import Subcommands
+
+# Load only ever goes to this machine, and never without bounds.
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+MAX_RATE = 2000.0
+MAX_DURATION_S = 600.0
+MAX_CONNECTIONS = 256
+MAX_IN_FLIGHT = 10_000
+
+
+def register(commands: Subcommands) -> None:
+    parser = commands.add_parser(
+        "bench", help="load-test a local deployment; compare scheduling policies side by side"
+    )
+    actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+
+    run = actions.add_parser(
+        "run",
+        help="open-loop load against a running deployment's /v1/chat (127.0.0.1 only)",
+        description="Poisson arrivals at each rate, sent over a pool of WebSocket connections.",
+    )
+    run.add_argument("--url", default="ws://127.0.0.1:8000/v1/chat", help="edge WebSocket URL")
+    run.add_argument(
+        "--kafka-prefix",
+        default=None,
+        help="topic prefix of the deployment: read its batches topic for batch sizes and "
+        "batch wait (broker from KAFKA_BOOTSTRAP_SERVERS); else sizes come from chat.done",
+    )
+    run.add_argument(
+        "--max-batch",
+        type=int,
+        nargs=2,
+        default=(16, 32),
+        metavar=("INTERACTIVE", "BACKGROUND"),
+        help="the scheduler's max batch sizes, for batch fill (default 16 32)",
+    )
+    _sweep_arguments(run, rates="10")
+    run.add_argument("--json", type=Path, default=Path("bench/results/run.json"))
+    run.add_argument("--plots", type=Path, default=None, help="directory for PNG plots")
+    run.set_defaults(handler=_run)
+
+    compare = actions.add_parser(
+        "compare",
+        help="start a stack per policy (batch1, fixed, adaptive, direct) and sweep each",
+        description="Each policy gets a fresh stack on the broker in KAFKA_BOOTSTRAP_SERVERS "
+        "(or a local one from deploy.kafka.launcher) and faces the same arrivals.",
+    )
+    compare.add_argument(
+        "--policies",
+        default="batch1,fixed,adaptive,direct",
+        help="comma-separated, from: batch1, fixed, adaptive, direct",
+    )
+    compare.add_argument("--profile", default="llama3-8b-h100", help="sim engine profile")
+    compare.add_argument("--slo-ms", type=float, default=500.0, help="interactive p99 TTFT SLO")
+    _sweep_arguments(compare, rates="10,25,50,75,100,150,200")
+    compare.add_argument("--json", type=Path, default=Path("bench/results/compare.json"))
+    compare.add_argument("--plots", type=Path, default=Path("bench/results"))
+    compare.add_argument(
+        "--docs",
+        type=Path,
+        default=None,
+        help="Markdown file whose generated benchmark section to rewrite",
+    )
+    compare.add_argument("--log-dir", type=Path, default=Path("bench/results/logs"))
+    compare.set_defaults(handler=_compare)
+
+
+def _sweep_arguments(parser: argparse.ArgumentParser, rates: str) -> None:
+    parser.add_argument(
+        "--rates",
+        default=rates,
+        help=f"offered requests/s, comma-separated, swept in order (default {rates})",
+    )
+    parser.add_argument("--duration", type=float, default=5.0, help="seconds of arrivals per rate")
+    parser.add_argument("--connections", type=int, default=8, help="WebSocket connections")
+    parser.add_argument(
+        "--max-in-flight",
+        type=int,
+        default=256,
+        help="concurrency cap: arrivals beyond it are counted as shed",
+    )
+    parser.add_argument(
+        "--drain",
+        type=float,
+        default=10.0,
+        help="seconds to wait for answers after the last arrival",
+    )
+    parser.add_argument(
+        "--background-share",
+        type=float,
+        default=None,
+        help="share of background arrivals (default: the mix file's)",
+    )
+    parser.add_argument("--mix", type=Path, default=None, help="workload mix JSON")
+    parser.add_argument("--seed", type=int, default=7)
+
+
+class UsageError(Exception):
+    pass
+
+
+def _sweep_options(args: argparse.Namespace) -> SweepOptions:
+    from bench.suite import SweepOptions
+
+    try:
+        rates = tuple(float(r) for r in args.rates.split(",") if r.strip())
+    except ValueError:
+        raise UsageError(f"--rates: not a list of numbers: {args.rates!r}") from None
+    if not rates or any(not 0 < r <= MAX_RATE for r in rates):
+        raise UsageError(f"--rates: each rate must be within (0, {MAX_RATE:g}]")
+    if not 0 < args.duration <= MAX_DURATION_S:
+        raise UsageError(f"--duration must be within (0, {MAX_DURATION_S:g}] seconds")
+    if not 0 <= args.drain <= MAX_DURATION_S:
+        raise UsageError(f"--drain must be within [0, {MAX_DURATION_S:g}] seconds")
+    if not 1 <= args.connections <= MAX_CONNECTIONS:
+        raise UsageError(f"--connections must be within [1, {MAX_CONNECTIONS}]")
+    if not 1 <= args.max_in_flight <= MAX_IN_FLIGHT:
+        raise UsageError(f"--max-in-flight must be within [1, {MAX_IN_FLIGHT}]")
+    return SweepOptions(
+        rates=rates,
+        duration_s=args.duration,
+        connections=args.connections,
+        concurrency_cap=args.max_in_flight,
+        drain_s=args.drain,
+        seed=args.seed,
+        background_share=args.background_share,
+        mix_path=args.mix,
+    )
+
+
+def _run(args: argparse.Namespace) -> int:
+    from bench.suite import against_running
+    from shared.settings import TokenbusSettings
+
+    try:
+        host = urlparse(args.url).hostname
+        if host not in LOCAL_HOSTS:
+            raise UsageError(f"--url: load goes to this machine only ({', '.join(LOCAL_HOSTS)})")
+        options = _sweep_options(args)
+    except (UsageError, ValueError) as exc:
+        print(f"tokenbus bench: error: {exc}", file=sys.stderr)
+        return 2
+    kafka = TokenbusSettings(topic_prefix=args.kafka_prefix) if args.kafka_prefix else None
+    max_batch = {"interactive": args.max_batch[0], "background": args.max_batch[1]}
+    report = asyncio.run(
+        against_running(args.url, options, kafka=kafka, max_batch=max_batch, command=_command())
+    )
+    _emit(report, args.json, args.plots, None, slo_ms=500.0)
+    return 0
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from bench.policies import POLICIES
+    from bench.suite import CompareOptions, compare
+
+    try:
+        policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
+        unknown = [p for p in policies if p not in POLICIES]
+        if unknown or not policies:
+            raise UsageError(f"--policies: unknown {unknown}; known: {', '.join(POLICIES)}")
+        options = CompareOptions(
+            sweep=_sweep_options(args),
+            policies=policies,
+            profile=args.profile,
+            slo_ms=args.slo_ms,
+            log_dir=args.log_dir,
+            command=_command(),
+        )
+    except (UsageError, ValueError) as exc:
+        print(f"tokenbus bench: error: {exc}", file=sys.stderr)
+        return 2
+    report = asyncio.run(compare(options))
+    _emit(report, args.json, args.plots, args.docs, slo_ms=args.slo_ms)
+    failed = [p.name for p in report.policies if p.failed]
+    if failed:
+        print(
+            f"tokenbus bench: error: stacks failed to start: {', '.join(failed)}", file=sys.stderr
+        )
+        return 1
+    return 0
+
+
+def _emit(
+    report: BenchReport, json_path: Path, plots: Path | None, docs: Path | None, slo_ms: float
+) -> None:
+    from bench import table
+
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(report.model_dump_json(indent=1))
+    print(table.text(report))
+    if report.findings is not None:
+        for t in report.findings.targets:
+            state = {True: "holds", False: "DOES NOT HOLD", None: "not measured"}[t.holds]
+            print(f"target: {t.name}: {t.measured} (wanted {t.target}): {state}")
+    print(f"wrote {json_path}")
+    if plots is not None:
+        from bench.plots import draw_all
+
+        for path in draw_all(report, plots, slo_ms):
+            print(f"wrote {path}")
+    if docs is not None and plots is not None:
+        from bench.docs import write
+
+        write(report, docs, plots)
+        print(f"wrote {docs}")
+
+
+def _command() -> str:
+    return "tokenbus " + shlex.join(sys.argv[1:])
