@@ -7,6 +7,8 @@ import sys
 
 import structlog
 
+from shared.telemetry import add_trace_ids
+
 
 def configure_logging(service: str, level: str = "INFO") -> structlog.stdlib.BoundLogger:
     logging.basicConfig(stream=sys.stderr, level=level.upper(), format="%(message)s")
@@ -15,6 +17,7 @@ def configure_logging(service: str, level: str = "INFO") -> structlog.stdlib.Bou
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
+            add_trace_ids,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.KeyValueRenderer(

@@ -136,6 +136,11 @@ class QueuedRequest(RequestRecord):
     reply_to: ReplyTo
     attempt: int = Field(default=0, ge=0)
     accepted_at: float = Field(default_factory=time.time)
+    trace: dict[str, str] = Field(
+        default_factory=dict,
+        description="W3C trace context (traceparent, tracestate) of the request's latest span;"
+        " set by the scheduler in a batch, so a worker continues each request's own trace.",
+    )
 
     @property
     def deadline_at(self) -> float | None:

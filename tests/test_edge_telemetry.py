@@ -1,0 +1,170 @@
+"""services.edge.telemetry: the root span, the accept and deliver stages, the edge metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from prometheus_client import CollectorRegistry
+
+from services.edge.protocol import DeltaFrame, DoneFrame, ErrorFrame
+from services.edge.telemetry import EdgeTelemetry
+from shared import semconv
+from shared.messages import ErrorCode, RequestRecord, Timings, Usage
+from shared.metrics import EdgeMetrics
+from shared.telemetry import extract, span_context_of
+
+WORKER = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass
+class FakeProducer:
+    """Stands in for aiokafka's producer: keeps what was sent."""
+
+    sent: list[tuple[str, bytes, list[tuple[str, bytes]]]] = field(default_factory=list)
+    fail: bool = False
+
+    async def send_and_wait(
+        self, topic: str, value: bytes, key: bytes, headers: list[tuple[str, bytes]]
+    ) -> None:
+        if self.fail:
+            raise ConnectionError("broker gone")
+        self.sent.append((topic, value, headers))
+
+
+@dataclass(frozen=True)
+class FakeRecord:
+    topic: str
+    partition: int
+    offset: int
+    timestamp: int
+    key: bytes
+    headers: tuple[tuple[str, bytes], ...]
+
+
+class FakeConsumer:
+    def highwater(self, tp: object) -> int | None:
+        return None
+
+
+@pytest.fixture
+def setup() -> tuple[EdgeTelemetry, InMemorySpanExporter, CollectorRegistry, FakeClock]:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    registry = CollectorRegistry()
+    metrics = EdgeMetrics.build(registry)
+    clock = FakeClock()
+    tel = EdgeTelemetry(
+        metrics_factory=lambda: metrics,
+        tracer_factory=lambda: provider.get_tracer("test"),
+        clock=clock,
+    )
+    return tel, exporter, registry, clock
+
+
+def record(request_id: str, created_at: float) -> RequestRecord:
+    return RequestRecord(request_id=request_id, prompt="hi", created_at=created_at)
+
+
+async def test_a_request_from_frame_to_final_frame(
+    setup: tuple[EdgeTelemetry, InMemorySpanExporter, CollectorRegistry, FakeClock],
+) -> None:
+    tel, exporter, registry, clock = setup
+    tel.begin("r1", tier="interactive", max_tokens=8)
+    producer = FakeProducer()
+    await tel.publish(producer, "t.requests", record("r1", 1000.002))  # type: ignore[arg-type]
+    (_, _, headers) = producer.sent[0]
+    clock.now = 1000.1
+    tel.frame_written(DeltaFrame(request_id="r1", seq=0, text="a"))
+    tel.fetched(
+        FakeConsumer(),
+        {
+            "tp": [
+                FakeRecord("t.results", 0, 7, 1000_250, b"r1", (("traceparent", WORKER.encode()),))
+            ]
+        },
+    )
+    clock.now = 1000.3
+    tel.frame_written(
+        DoneFrame(
+            request_id="r1",
+            finish_reason="length",
+            usage=Usage(prompt_tokens=1, completion_tokens=8),
+            timings=Timings(queue_ms=1, batch_size=1, ttft_ms=2, total_ms=3),
+        )
+    )
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    root, accept, send, deliver = (
+        spans["chat"],
+        spans["stage accept"],
+        spans["send t.requests"],
+        spans["stage deliver"],
+    )
+    assert root.start_time == 1000_000_000_000 and root.end_time == 1000_300_000_000
+    assert root.attributes[semconv.GEN_AI_USAGE_OUTPUT_TOKENS] == 8
+    assert accept.parent.span_id == root.context.span_id  # type: ignore[union-attr]
+    assert accept.end_time == 1000_002_000_000
+    # The record carries the producer span; the deliver stage continues the worker's span.
+    assert span_context_of(extract(headers)).span_id == send.context.span_id
+    assert deliver.parent.span_id == 0x00F067AA0BA902B7  # type: ignore[union-attr]
+    assert deliver.start_time == 1000_250_000_000 and deliver.end_time == 1000_300_000_000
+    t = {"tier": "interactive"}
+    assert registry.get_sample_value("tokenbus_edge_requests_total", t) == 1
+    assert (
+        registry.get_sample_value(
+            "tokenbus_edge_responses_total", {"tier": "interactive", "outcome": "length"}
+        )
+        == 1
+    )
+    assert registry.get_sample_value(
+        "tokenbus_edge_request_duration_seconds_sum", t
+    ) == pytest.approx(0.3)
+    assert registry.get_sample_value(
+        "tokenbus_edge_time_to_first_delta_seconds_sum", t
+    ) == pytest.approx(0.1)
+    assert registry.get_sample_value("tokenbus_edge_delivery_seconds_sum", t) == pytest.approx(0.05)
+    assert registry.get_sample_value("tokenbus_edge_requests_in_flight", {}) == 0
+    assert len(tel) == 0
+
+
+async def test_a_failed_produce_ends_the_trace_with_an_error(
+    setup: tuple[EdgeTelemetry, InMemorySpanExporter, CollectorRegistry, FakeClock],
+) -> None:
+    tel, exporter, registry, _ = setup
+    tel.begin("r1", tier="interactive", max_tokens=None)
+    with pytest.raises(ConnectionError):
+        await tel.publish(FakeProducer(fail=True), "t.requests", record("r1", 1000.0))  # type: ignore[arg-type]
+    root = next(s for s in exporter.get_finished_spans() if s.name == "chat")
+    assert not root.status.is_ok
+    assert len(tel) == 0
+    assert (
+        registry.get_sample_value(
+            "tokenbus_edge_responses_total", {"tier": "interactive", "outcome": "produce_failed"}
+        )
+        == 1
+    )
+
+
+def test_an_error_frame_ends_the_request_and_continues_the_parent(
+    setup: tuple[EdgeTelemetry, InMemorySpanExporter, CollectorRegistry, FakeClock],
+) -> None:
+    tel, exporter, _, _ = setup
+    tel.begin("r1", tier="background", max_tokens=4, parent={"traceparent": WORKER})
+    tel.frame_written(ErrorFrame(code=ErrorCode.deadline_exceeded, message="late", request_id="r1"))
+    (root,) = exporter.get_finished_spans()
+    assert root.context.trace_id == 0x4BF92F3577B34DA6A3CE929D0E0E4736
+    assert root.attributes[semconv.ERROR_TYPE] == "deadline_exceeded"
+    # Frames of unknown requests are ignored.
+    tel.frame_written(ErrorFrame(code=ErrorCode.not_found, message="?", request_id="zz"))

@@ -1,0 +1,112 @@
+"""services.scheduler.telemetry: each request's stages, the batch span and its links, metrics."""
+
+from __future__ import annotations
+
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from prometheus_client import CollectorRegistry
+
+from services.scheduler.telemetry import SchedulerTelemetry
+from shared import semconv
+from shared.messages import Batch, QueuedRequest, ReplyTo, Tier
+from shared.metrics import SchedulerMetrics
+from shared.telemetry import extract, span_context_of
+
+PARENTS = [
+    "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+    "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+]
+
+
+def queued(request_id: str, accepted_at: float) -> QueuedRequest:
+    return QueuedRequest(
+        request_id=request_id,
+        prompt="hi",
+        tier=Tier.interactive,
+        prompt_tokens=1,
+        reply_to=ReplyTo(topic="t.results", partition=0),
+        accepted_at=accepted_at,
+    )
+
+
+def test_batch_span_links_every_request_and_requests_carry_their_own_trace() -> None:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    registry = CollectorRegistry()
+    metrics = SchedulerMetrics.build(registry)
+    tel = SchedulerTelemetry(
+        "t.batches",
+        {Tier.interactive: 4},
+        metrics_factory=lambda: metrics,
+        tracer_factory=lambda: provider.get_tracer("test"),
+    )
+    requests = [
+        tel.arrived(queued(f"r{i}", 100.0 + i), [("traceparent", p.encode())])
+        for i, p in enumerate(PARENTS)
+    ]
+    assert registry.get_sample_value("tokenbus_tier_queue_depth", {"tier": "interactive"}) == 2
+    batch = Batch(batch_id="b1", tier=Tier.interactive, requests=requests, reason="timeout",
+                  formed_at=110.5)  # fmt: skip
+    sent, headers = tel.batch_formed(batch, departed_at=110.0)
+    tel.batch_sent(sent)
+
+    spans = exporter.get_finished_spans()
+    stages = [s for s in spans if s.attributes and semconv.STAGE in s.attributes]
+    assert len(stages) == 4
+    for request, parent in zip(sent.requests, PARENTS, strict=True):
+        # Both stages continue the request's own trace.
+        mine = [s for s in stages if s.attributes[semconv.REQUEST_ID] == request.request_id]
+        assert {s.context.trace_id for s in mine} == {int(parent.split("-")[1], 16)}
+        wait = next(s for s in mine if s.attributes[semconv.STAGE] == "queue_wait")
+        form = next(s for s in mine if s.attributes[semconv.STAGE] == "batch_form")
+        assert wait.end_time == form.start_time == 110_000_000_000
+        assert form.end_time == 110_500_000_000
+        # What the worker gets: the batch_form span as the request's parent.
+        assert span_context_of(extract(request.trace)).span_id == form.context.span_id
+
+    (batch_span,) = [s for s in spans if s.name == "send t.batches"]
+    assert batch_span.parent is None
+    linked = {link.context.span_id for link in batch_span.links}
+    assert linked == {
+        s.context.span_id for s in stages if s.attributes[semconv.STAGE] == "batch_form"
+    }
+    assert batch_span.attributes[semconv.MESSAGING_BATCH_MESSAGE_COUNT] == 2
+    assert span_context_of(extract(headers)).span_id == batch_span.context.span_id
+
+    t = {"tier": "interactive"}
+    assert registry.get_sample_value("tokenbus_tier_queue_depth", t) == 0
+    assert registry.get_sample_value("tokenbus_batch_size_sum", t) == 2
+    assert registry.get_sample_value("tokenbus_batch_fill_ratio_sum", t) == 0.5
+    assert registry.get_sample_value("tokenbus_tier_queue_wait_seconds_sum", t) == 10.0 + 9.0
+    assert (
+        registry.get_sample_value(
+            "tokenbus_batches_total", {"tier": "interactive", "reason": "timeout"}
+        )
+        == 1
+    )
+
+
+def test_a_handed_back_request_keeps_the_trace_it_carries() -> None:
+    tel = SchedulerTelemetry(
+        "t.batches",
+        {Tier.interactive: 4},
+        metrics_factory=lambda: SchedulerMetrics.build(CollectorRegistry()),
+    )
+    carried = queued("r1", 1.0).model_copy(update={"trace": {"traceparent": PARENTS[0]}})
+    assert tel.arrived(carried, []).trace == {"traceparent": PARENTS[0]}
+    assert tel.arrived(carried, [("traceparent", PARENTS[1].encode())]).trace == {
+        "traceparent": PARENTS[1]
+    }
+
+
+def test_expired_requests_leave_the_queue_depth() -> None:
+    registry = CollectorRegistry()
+    metrics = SchedulerMetrics.build(registry)
+    tel = SchedulerTelemetry("t.batches", {Tier.interactive: 4}, metrics_factory=lambda: metrics)
+    request = tel.arrived(queued("r1", 1.0), [])
+    tel.expired(request)
+    t = {"tier": "interactive"}
+    assert registry.get_sample_value("tokenbus_tier_queue_depth", t) == 0
+    assert registry.get_sample_value("tokenbus_scheduler_expired_total", t) == 1
