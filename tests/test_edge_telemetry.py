@@ -112,14 +112,16 @@ async def test_a_request_from_frame_to_final_frame(
         spans["send t.requests"],
         spans["stage deliver"],
     )
-    assert root.start_time == 1000_000_000_000 and root.end_time == 1000_300_000_000
+    assert root.start_time == 1000_000_000_000
+    assert root.end_time == 1000_300_000_000
     assert root.attributes[semconv.GEN_AI_USAGE_OUTPUT_TOKENS] == 8
     assert accept.parent.span_id == root.context.span_id  # type: ignore[union-attr]
     assert accept.end_time == 1000_002_000_000
     # The record carries the producer span; the deliver stage continues the worker's span.
     assert span_context_of(extract(headers)).span_id == send.context.span_id
     assert deliver.parent.span_id == 0x00F067AA0BA902B7  # type: ignore[union-attr]
-    assert deliver.start_time == 1000_250_000_000 and deliver.end_time == 1000_300_000_000
+    assert deliver.start_time == 1000_250_000_000
+    assert deliver.end_time == 1000_300_000_000
     t = {"tier": "interactive"}
     assert registry.get_sample_value("tokenbus_edge_requests_total", t) == 1
     assert (

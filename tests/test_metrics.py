@@ -75,16 +75,20 @@ def test_worker_latencies_are_the_timings_of_chat_done() -> None:
     assert value(registry, "gen_ai_server_request_duration_seconds_sum", **t) == 0.25
     assert value(registry, "tokenbus_request_queue_seconds_sum", **t) == 0.012
     # 200 ms of decode for the 10 tokens after the first.
-    assert abs(value(registry, "gen_ai_server_time_per_output_token_seconds_sum", **t) - 0.02) < 1e-9
-    assert value(registry, "tokenbus_worker_tokens_total", tier="interactive", type="output") == 11
-    assert value(registry, "tokenbus_worker_tokens_total", tier="interactive", type="input") == 7
-    assert value(registry, "tokenbus_worker_requests_total", tier="interactive", outcome="length") == 1
+    tpot = value(registry, "gen_ai_server_time_per_output_token_seconds_sum", **t)
+    assert abs(tpot - 0.02) < 1e-9
+    tokens = "tokenbus_worker_tokens_total"
+    assert value(registry, tokens, tier="interactive", type="output") == 11
+    assert value(registry, tokens, tier="interactive", type="input") == 7
+    requests = "tokenbus_worker_requests_total"
+    assert value(registry, requests, tier="interactive", outcome="length") == 1
 
 
 def test_a_one_token_answer_has_no_inter_token_latency() -> None:
     registry = CollectorRegistry()
     m = WorkerMetrics.build(registry)
-    m.observe_done("background", Timings(queue_ms=1, batch_size=1, ttft_ms=5, total_ms=5), "stop", 3, 1)
+    timings = Timings(queue_ms=1, batch_size=1, ttft_ms=5, total_ms=5)
+    m.observe_done("background", timings, "stop", input_tokens=3, output_tokens=1)
     assert registry.get_sample_value(
         "gen_ai_server_time_per_output_token_seconds_count", {"tier": "background"}
     ) in (None, 0.0)

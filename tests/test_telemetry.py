@@ -86,8 +86,10 @@ def test_record_span_uses_the_given_times_and_parent() -> None:
         "stage x", start=100.25, end=100.5, context=parent, attributes={"a": 1}, tracer_=tracer
     )
     (span,) = exporter.get_finished_spans()
-    assert span.start_time == 100_250_000_000 and span.end_time == 100_500_000_000
-    assert span.parent is not None and format(span.parent.span_id, "016x") == "00f067aa0ba902b7"
+    assert span.start_time == 100_250_000_000
+    assert span.end_time == 100_500_000_000
+    assert span.parent is not None
+    assert format(span.parent.span_id, "016x") == "00f067aa0ba902b7"
     assert span_context_of(child).span_id == span.context.span_id
 
 
@@ -102,18 +104,21 @@ def test_json_lines_exporter_writes_spans_that_read_back(tmp_path: Path) -> None
     exporter = JsonLinesSpanExporter(tmp_path, "worker")
     tracer = local_tracer(exporter)
     linked = span_context_of(context_from({"traceparent": TRACEPARENT}))
-    with tracer.start_as_current_span("parent", attributes={semconv.TIER: "interactive"}):
-        with tracer.start_as_current_span(
+    with (
+        tracer.start_as_current_span("parent", attributes={semconv.TIER: "interactive"}),
+        tracer.start_as_current_span(
             "child", links=[Link(linked)], attributes={"reasons": ("stop",)}
-        ):
-            pass
+        ),
+    ):
+        pass
     exporter.shutdown()
     # A writer killed mid-line leaves a torn last line; readers skip it.
     with exporter.path.open("a") as f:
         f.write('{"trace_id": "tor')
     child, parent = list(read_span_file(exporter.path))
     assert exporter.path.name.startswith("worker-")
-    assert child.parent_span_id == parent.span_id and parent.parent_span_id is None
+    assert child.parent_span_id == parent.span_id
+    assert parent.parent_span_id is None
     assert child.trace_id == parent.trace_id
     assert child.service == "tokenbus-test"
     assert child.links[0].span_id == "00f067aa0ba902b7"

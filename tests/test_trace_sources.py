@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 
 from shared import semconv
+from tests.test_waterfall import BATCH_T, T, request_spans
 from tokenbus.cli import main
 from tokenbus.trace_sources import JaegerSource, JsonLinesSource, jaeger_spans
-from tests.test_waterfall import BATCH_T, T, request_spans
 
 
 def write_spans(directory: Path) -> None:
@@ -49,7 +49,8 @@ def test_cli_json_and_slowest(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert json.loads(capsys.readouterr().out)["stage_total_ms"] == 100.0
     assert main(["trace", "--slowest", "3", "--dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "r1" in out and "decode" in out
+    assert "r1" in out
+    assert "decode" in out
 
 
 def test_cli_says_plainly_when_nothing_is_found(
@@ -105,9 +106,12 @@ def jaeger_answer() -> dict[str, Any]:
 
 def test_jaeger_answer_becomes_span_records() -> None:
     root, decode = jaeger_spans(jaeger_answer())
-    assert root.span_id == "0000000000000001" and root.kind == "SERVER"
-    assert root.service == "tokenbus-edge" and root.duration_ms == 50.0
-    assert decode.parent_span_id == root.span_id and decode.stage == "decode"
+    assert root.span_id == "0000000000000001"
+    assert root.kind == "SERVER"
+    assert root.service == "tokenbus-edge"
+    assert root.duration_ms == 50.0
+    assert decode.parent_span_id == root.span_id
+    assert decode.stage == "decode"
 
 
 class FakeJaeger(BaseHTTPRequestHandler):
@@ -151,4 +155,5 @@ def test_jaeger_source_searches_by_request_id(fake_jaeger: str) -> None:
 def test_cli_reads_from_jaeger(fake_jaeger: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["trace", "r1", "--jaeger", fake_jaeger]) == 0
     out = capsys.readouterr().out
-    assert "stage decode" in out and "worker" in out
+    assert "stage decode" in out
+    assert "worker" in out

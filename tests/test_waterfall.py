@@ -85,7 +85,8 @@ def test_waterfall_orders_spans_by_parent_then_start() -> None:
         (1, "send t.requests"),
         (2, "stage admit"),
     ]
-    assert (4, "stage queue_wait") in names and (6, "stage prefill") in names
+    assert (4, "stage queue_wait") in names
+    assert (6, "stage prefill") in names
     linked = [r.span.name for r in w.rows if r.linked]
     assert linked == ["send t.batches", "receive t.batches"]
     assert all(r.span.trace_id != "c" * 32 for r in w.rows)
@@ -104,10 +105,13 @@ def test_render_shows_services_offsets_durations_and_the_stage_sum() -> None:
     w = waterfall.build("r1", request_spans())
     assert w is not None
     text = waterfall.render(w)
-    assert "request r1" in text and T in text
+    assert "request r1" in text
+    assert T in text
     line = next(x for x in text.splitlines() if "stage queue_wait" in x)
     assert line.split()[0] == "scheduler"
-    assert "4.000" in line and "16.000" in line and "stage=queue_wait" in line
+    assert "4.000" in line
+    assert "16.000" in line
+    assert "stage=queue_wait" in line
     assert "linked (the batch this request rode):" in text
     assert "unaccounted 0.000 ms" in text
 
@@ -133,5 +137,6 @@ def test_slowest_lists_requests_by_end_to_end_time() -> None:
     assert [(r.request_id, r.total_ms) for r in rows] == [("r2", 300.0)]
     both = waterfall.slowest(spans, 5)
     assert [r.request_id for r in both] == ["r2", "r1"]
-    assert both[1].slowest_stage == "decode" and both[1].tier == "interactive"
+    assert both[1].slowest_stage == "decode"
+    assert both[1].tier == "interactive"
     assert "r2" in waterfall.render_slowest(both).splitlines()[2]

@@ -66,9 +66,8 @@ class JsonLinesSource:
                 if any(t in x for t in linked_traces)
             ]
         unique = {(s.trace_id, s.span_id): s for s in own}
-        return [
-            s for s in unique.values() if s.trace_id in traces | linked_traces or _links_to(s, traces)
-        ]
+        wanted = traces | linked_traces
+        return [s for s in unique.values() if s.trace_id in wanted or _links_to(s, traces)]
 
     def recent_spans(self, limit: int) -> list[SpanRecord]:
         spans: list[SpanRecord] = []
