@@ -17,8 +17,11 @@ def _docker_reachable() -> bool:
     try:
         import docker  # type: ignore[import-untyped]
 
-        docker.from_env(timeout=3).ping()
-        return True
+        client = docker.from_env(timeout=3)
+        try:
+            return bool(client.ping())
+        finally:
+            client.close()
     except Exception:  # any failure means: no usable engine
         return False
 

@@ -1,0 +1,43 @@
+# tokenbus developer entry points: `make run` for a local deployment, `make test` as CI runs it.
+
+VENV := .venv
+PY := $(VENV)/bin/python
+# First Python 3.11+ on PATH (a pyenv shim for a version that is not installed fails the
+# check and is skipped).
+PYTHON ?= $(shell for p in python3.13 python3.12 python3.11 python3; do \
+	$$p -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null && { echo $$p; break; }; \
+	done)
+
+.PHONY: venv run test lint bench
+
+venv: $(VENV)/.installed
+
+# Stamped: reinstalled only when pyproject.toml changes.
+$(VENV)/.installed: pyproject.toml
+	@[ -n "$(PYTHON)" ] || { echo "make: need Python 3.11 or newer on PATH" >&2; exit 1; }
+	[ -x $(PY) ] || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test,bench]'
+	touch $@
+
+run: venv
+	$(VENV)/bin/tokenbus up
+
+# PYTEST_ARGS passes through, e.g. `make test PYTEST_ARGS='-k launcher'`.
+test: venv
+	deploy/test.sh $(PYTEST_ARGS)
+
+lint: venv
+	@export PATH="$(CURDIR)/$(VENV)/bin:$$PATH"; status=0; \
+	if command -v ruff >/dev/null; then ruff check . && ruff format --check . || status=1; \
+	else echo "lint: ruff not installed, skipped"; fi; \
+	if command -v mypy >/dev/null; then mypy || status=1; \
+	else echo "lint: mypy not installed, skipped"; fi; \
+	exit $$status
+
+# The policy comparison in docs/benchmarks.md: a fresh stack per policy on the sim engine,
+# the same open-loop sweep for each; rewrites its section there and docs/img/*.png.
+# Broker: KAFKA_BOOTSTRAP_SERVERS, else a local one. BENCH_ARGS passes through.
+bench: venv
+	$(VENV)/bin/tokenbus bench compare --json bench/out/compare.json \
+		--plots docs/img --docs docs/benchmarks.md $(BENCH_ARGS)

@@ -1,0 +1,1 @@
+"""The `tokenbus` command: run a local deployment (`up`), its broker and its topics."""
