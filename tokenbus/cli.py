@@ -1,0 +1,31 @@
+"""`tokenbus` command line: a dispatcher; each subcommand lives in its own module."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Sequence
+from typing import TypeAlias
+
+Subcommands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
+# A subcommand's parser stores one of these as `handler`; its return is the exit code.
+Handler = Callable[[argparse.Namespace], int]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    # Imported here so a command module may import `Subcommands` from this one.
+    from tokenbus import bench, kafka, topics, trace, up
+
+    parser = argparse.ArgumentParser(
+        prog="tokenbus", description="LLM serving decoupled by Apache Kafka."
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    # A new subcommand is a module with `register(commands)` and one entry here.
+    for register in (up.register, kafka.register, topics.register, bench.register, trace.register):
+        register(commands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    handler: Handler = args.handler
+    return handler(args)
