@@ -10,7 +10,7 @@ matplotlib.use("Agg")  # files only: no display on servers and CI
 
 import matplotlib.pyplot as plt
 from matplotlib.axes import Axes
-from matplotlib.ticker import FuncFormatter
+from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 from bench.report import BenchReport, PolicyReport, RunSummary
 
@@ -146,6 +146,8 @@ def batch_sizes(report: BenchReport, path: Path, rate: float) -> None:
             title=f"{p.name} @ {rate:g}/s: {what}", xlabel="batch size", ylabel=run.batches.counts
         )
         ax.title.set_fontsize(9)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlim(0, max(bottom) + 1)
         ax.grid(True, axis="y", alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(_subtitle(report), fontsize=8)

@@ -81,6 +81,7 @@ class RunSummary(Model):
     tiers: dict[str, TierSummary] = Field(description="interactive, background and all.")
     batches: BatchSummary
     generator_lag_ms: Distribution = Field(description="How late arrivals were sent.")
+    load_avg_1m: float = Field(description="The machine's 1-minute load average at the end.")
     ttft_samples_ms: dict[str, list[float]] = Field(description="Sorted TTFTs per tier.")
 
 

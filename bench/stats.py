@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -117,6 +118,7 @@ def summarise(
         tiers=tiers,
         batches=_batch_summary(batches, completed, context),
         generator_lag_ms=distribution(t.lag_s * 1000 for t in traces),
+        load_avg_1m=round(os.getloadavg()[0], 2),
         ttft_samples_ms={
             tier.value: sorted(
                 round(v, 1)

@@ -30,7 +30,7 @@ from bench.stats import RunContext, summarise
 from bench.workload import Mix, plan
 from shared.settings import TokenbusSettings
 
-DEFAULT_RATES = (10.0, 25.0, 50.0, 75.0, 100.0, 150.0, 200.0)
+DEFAULT_RATES = (10.0, 20.0, 35.0, 50.0, 75.0, 100.0, 200.0)
 DEFAULT_POLICIES = ("batch1", "fixed", "adaptive", "direct")
 IDLE_TIMEOUT_S = 20.0
 
@@ -38,7 +38,7 @@ IDLE_TIMEOUT_S = 20.0
 @dataclass(frozen=True)
 class SweepOptions:
     rates: tuple[float, ...] = DEFAULT_RATES
-    duration_s: float = 5.0
+    duration_s: float = 6.0
     connections: int = 8
     concurrency_cap: int = 256
     drain_s: float = 10.0
@@ -60,7 +60,7 @@ class CompareOptions:
     policies: tuple[str, ...] = DEFAULT_POLICIES
     profile: str = GPU_PROFILE
     slo_ms: float = 500.0
-    log_dir: Path = Path("bench/results/logs")
+    log_dir: Path = Path("bench/out/logs")
     command: str = ""
 
 

@@ -24,6 +24,8 @@ HEADERS = (
     "errors",
     "incompl.",
     "shed",
+    "gen lag p99",
+    "load 1m",
 )
 
 
@@ -61,6 +63,8 @@ def _row(run: RunSummary) -> list[str]:
         errors,
         str(run.incomplete),
         str(run.shed),
+        _ms(run.generator_lag_ms, "p99"),
+        f"{run.load_avg_1m:.1f}",
     ]
 
 

@@ -55,6 +55,7 @@ RUN_KEYS = {
     "tiers",
     "batches",
     "generator_lag_ms",
+    "load_avg_1m",
     "ttft_samples_ms",
 }
 TIER_KEYS = {
@@ -286,6 +287,7 @@ def _run(rate: float, p99: float, completed: int = 10) -> RunSummary:
                 "reasons": {},
             },
             "generator_lag_ms": Distribution(),
+            "load_avg_1m": 0.0,
             "ttft_samples_ms": {},
         }
     )

@@ -49,8 +49,8 @@ def register(commands: Subcommands) -> None:
         metavar=("INTERACTIVE", "BACKGROUND"),
         help="the scheduler's max batch sizes, for batch fill (default 16 32)",
     )
-    _sweep_arguments(run, rates="10")
-    run.add_argument("--json", type=Path, default=Path("bench/results/run.json"))
+    _sweep_arguments(run, rates="10", duration=5.0)
+    run.add_argument("--json", type=Path, default=Path("bench/out/run.json"))
     run.add_argument("--plots", type=Path, default=None, help="directory for PNG plots")
     run.set_defaults(handler=_run)
 
@@ -67,26 +67,31 @@ def register(commands: Subcommands) -> None:
     )
     compare.add_argument("--profile", default="llama3-8b-h100", help="sim engine profile")
     compare.add_argument("--slo-ms", type=float, default=500.0, help="interactive p99 TTFT SLO")
-    _sweep_arguments(compare, rates="10,25,50,75,100,150,200")
-    compare.add_argument("--json", type=Path, default=Path("bench/results/compare.json"))
-    compare.add_argument("--plots", type=Path, default=Path("bench/results"))
+    _sweep_arguments(compare, rates="10,20,35,50,75,100,200", duration=6.0)
+    compare.add_argument("--json", type=Path, default=Path("bench/out/compare.json"))
+    compare.add_argument("--plots", type=Path, default=Path("bench/out"))
     compare.add_argument(
         "--docs",
         type=Path,
         default=None,
         help="Markdown file whose generated benchmark section to rewrite",
     )
-    compare.add_argument("--log-dir", type=Path, default=Path("bench/results/logs"))
+    compare.add_argument("--log-dir", type=Path, default=Path("bench/out/logs"))
     compare.set_defaults(handler=_compare)
 
 
-def _sweep_arguments(parser: argparse.ArgumentParser, rates: str) -> None:
+def _sweep_arguments(parser: argparse.ArgumentParser, rates: str, duration: float) -> None:
     parser.add_argument(
         "--rates",
         default=rates,
         help=f"offered requests/s, comma-separated, swept in order (default {rates})",
     )
-    parser.add_argument("--duration", type=float, default=5.0, help="seconds of arrivals per rate")
+    parser.add_argument(
+        "--duration",
+        type=float,
+        default=duration,
+        help=f"seconds of arrivals per rate (default {duration:g})",
+    )
     parser.add_argument("--connections", type=int, default=8, help="WebSocket connections")
     parser.add_argument(
         "--max-in-flight",
