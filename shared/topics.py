@@ -62,6 +62,8 @@ class Topics:
             self.batches: 4,
             # One partition per edge process (reply-partition pattern).
             self.results: 16,
+            # The edge sets its configs (compacted, broker append time) when it starts.
+            self.result_leases: 1,
             self.workers: 1,
             self.control: 1,
         }

@@ -11,7 +11,7 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient
 
 from services.edge.lease_keeper import LeaseKeeper, LeaseLost, ensure_lease_topic
-from shared.kafka import delete_topics, make_producer
+from shared.kafka import create_topics, delete_topics, make_producer
 from shared.settings import TokenbusSettings
 from tests.stack import new_prefix
 
@@ -109,3 +109,25 @@ async def test_an_edge_that_could_not_renew_in_time_fences_itself(
     await asyncio.sleep(TTL_S)
     with pytest.raises(LeaseLost):
         await asyncio.wait_for(stalled.keep(), timeout=TTL_S)
+
+
+async def test_a_lease_topic_made_with_default_configs_is_switched_to_append_time(
+    bootstrap: str,
+) -> None:
+    # `tokenbus topics create` and the test stacks make it as a plain topic.
+    settings = TokenbusSettings(KAFKA_BOOTSTRAP_SERVERS=bootstrap, topic_prefix=new_prefix())
+    topic = f"{settings.topic_prefix}.results.leases"
+    await create_topics(settings, {topic: 1})
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    producer = make_producer(settings, client_id="lease-test")
+    await admin.start()
+    await producer.start()
+    try:
+        await ensure_lease_topic(admin, topic, TTL_S)
+        edge = LeaseKeeper(settings, topic, "edge", producer, TTL_S)
+        # A claim checks that the broker stamped it with append time.
+        assert await edge.acquire(PARTITIONS, None, timeout_s=1.0) == 0
+    finally:
+        await producer.stop()
+        await admin.close()
+        await delete_topics(settings, [topic])

@@ -49,8 +49,15 @@ async def ensure_lease_topic(admin: AIOKafkaAdminClient, topic: str, ttl_s: floa
     if errors:
         raise RuntimeError(f"could not create the lease topic {topic}: error codes {errors}")
     if any(e == TOPIC_ALREADY_EXISTS for _, e, *_ in response.topic_errors):
-        # Made by someone else (e.g. with default configs): the edge owns this topic's configs.
-        await admin.alter_configs([ConfigResource(ConfigResourceType.TOPIC, topic, configs)])
+        # Made by someone else (`tokenbus topics create` makes it with default configs):
+        # the edge owns this topic's configs.
+        resource = ConfigResource(ConfigResourceType.TOPIC, topic, {"message.timestamp.type": None})
+        described = (await admin.describe_configs([resource]))[0].to_object()
+        entries = described["resources"][0]["config_entries"]
+        current = {e["config_names"]: e["config_value"] for e in entries}
+        if current.get("message.timestamp.type") != configs["message.timestamp.type"]:
+            await admin.alter_configs([ConfigResource(ConfigResourceType.TOPIC, topic, configs)])
+            log.info("lease_topic.configured", topic=topic, configs=configs)
 
 
 class LeaseKeeper:
@@ -96,6 +103,13 @@ class LeaseKeeper:
                     epoch = book.next_epoch(choice)
                     sent = time.monotonic()
                     meta = await self._send("claim", choice, epoch)
+                    if meta.timestamp_type != LOG_APPEND_TIME:
+                        # The topic's config change has not reached the broker's log yet;
+                        # readers ignore this claim, so claiming again is safe.
+                        if time.monotonic() >= deadline:
+                            raise RuntimeError(f"{self._tp.topic} does not use LogAppendTime")
+                        await asyncio.sleep(0.1)
+                        continue
                     await self._read_to(consumer, book, meta.offset + 1)
                     lease = book.lease(choice)
                     if lease is not None and lease.holder == self.holder and lease.epoch == epoch:
@@ -133,7 +147,7 @@ class LeaseKeeper:
             except (KafkaError, TimeoutError) as exc:
                 log.warning("lease.renew_failed", partition=self.partition, error=repr(exc))
                 continue
-            if meta.timestamp >= self._valid_until_ms:
+            if meta.timestamp_type != LOG_APPEND_TIME or meta.timestamp >= self._valid_until_ms:
                 raise LeaseLost(f"partition {self.partition}: renewal appended after the lapse")
             self._valid_until_ms = meta.timestamp + self._ttl_ms
             self._trust_until = sent + self._ttl_ms / 1000 * (1 - SAFETY_FRACTION)
@@ -162,8 +176,6 @@ class LeaseKeeper:
         meta: RecordMetadata = await self._producer.send_and_wait(
             self._tp.topic, encode(record), key=str(partition).encode(), partition=0
         )
-        if meta.timestamp_type != LOG_APPEND_TIME:
-            raise RuntimeError(f"{self._tp.topic} must use message.timestamp.type=LogAppendTime")
         return meta
 
     async def _read_to(
