@@ -20,6 +20,8 @@ from bench.workload import PlannedRequest
 # A frame larger than this is a protocol problem worth failing on, not a sample.
 MAX_FRAME_BYTES = 4 * 1024 * 1024
 PROGRESS_EVERY_S = 0.5
+# Not a protocol code: the client's own record that the server closed the socket.
+CONNECTION_CLOSED = "connection_closed"
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,12 @@ class _Run:
             self.errors += 1
             self._answered(now)
 
+    def lost(self, trace: RequestTrace, now: float) -> None:
+        """The request's socket closed before its answer: an error of the run, not a hang."""
+        trace.error_code = CONNECTION_CLOSED
+        self.errors += 1
+        self._answered(now)
+
     def _answered(self, now: float) -> None:
         self.in_flight -= 1
         self.finished += 1
@@ -151,7 +159,7 @@ async def run_load(
                 )
             )
         async with asyncio.TaskGroup() as tg:
-            readers = [tg.create_task(_read(ws, state)) for ws in connections]
+            readers = [tg.create_task(_read(ws, i, state)) for i, ws in enumerate(connections)]
             ticker = tg.create_task(_progress(state, progress)) if progress else None
             started_at, started_wall = time.monotonic(), time.time()
             await _send_all(state, connections, started_at)
@@ -195,12 +203,20 @@ async def _send_all(state: _Run, connections: list[ClientConnection], zero: floa
         trace.connection = next(pool)
         state.in_flight += 1
         state.sent += 1
-        await connections[trace.connection].send(json.dumps(trace.planned.body))
+        try:
+            await connections[trace.connection].send(json.dumps(trace.planned.body))
+        except websockets.ConnectionClosed:
+            state.lost(trace, time.monotonic())
 
 
-async def _read(ws: ClientConnection, state: _Run) -> None:
-    async for raw in ws:
-        state.on_frame(raw, time.monotonic())
+async def _read(ws: ClientConnection, index: int, state: _Run) -> None:
+    with contextlib.suppress(websockets.ConnectionClosed):  # an abnormal close ends it too
+        async for raw in ws:
+            state.on_frame(raw, time.monotonic())
+    # The server closed the socket: what it still owed on it will never come.
+    for trace in state.traces:
+        if trace.connection == index and trace.sent_at is not None and not trace.finished:
+            state.lost(trace, time.monotonic())
 
 
 async def _cancel_unanswered(state: _Run, connections: list[ClientConnection]) -> None:
