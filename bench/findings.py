@@ -8,6 +8,7 @@ from bench.report import (
     OverheadPoint,
     PolicyReport,
     RunSummary,
+    Saturation,
     SloResult,
     Target,
 )
@@ -19,6 +20,8 @@ BUS_RULE_GAIN_TARGET = 4.0
 ADAPTIVE_LOW_LOAD_RATIO = 0.5
 # "Matching" saturation throughput: within this share of the fixed rule's.
 SATURATION_MATCH = 0.9
+# A run fell behind when it answered less than this share of its offered rate.
+BEHIND = 0.7
 
 
 def passes_slo(run: RunSummary, slo_ms: float) -> bool:
@@ -46,6 +49,16 @@ def slo_result(policy: PolicyReport, slo_ms: float) -> SloResult:
     )
 
 
+def saturation_of(policy: PolicyReport) -> Saturation:
+    best = max(policy.runs, key=lambda r: r.output_tokens_per_s)
+    overloaded = any(
+        r.shed or r.incomplete or r.achieved_rps < BEHIND * r.offered_rps for r in policy.runs
+    )
+    return Saturation(
+        tokens_per_s=best.output_tokens_per_s, at_offered_rps=best.offered_rps, reached=overloaded
+    )
+
+
 def derive(report: BenchReport, slo_ms: float) -> Findings:
     ran = [p for p in report.policies if p.available and p.runs]
     overhead = {
@@ -62,7 +75,7 @@ def derive(report: BenchReport, slo_ms: float) -> Findings:
         for p in ran
     }
     slo = {p.name: slo_result(p, slo_ms) for p in ran}
-    saturation = {p.name: max(r.output_tokens_per_s for r in p.runs) for p in ran}
+    saturation = {p.name: saturation_of(p) for p in ran}
     low_load = {
         p.name: min(p.runs, key=lambda r: r.offered_rps).tiers["interactive"].ttft_ms.p50
         for p in ran
@@ -78,7 +91,7 @@ def derive(report: BenchReport, slo_ms: float) -> Findings:
         slo_ttft_ms=slo_ms,
         overhead=overhead,
         slo=slo,
-        saturation_tokens_per_s=saturation,
+        saturation=saturation,
         low_load_ttft_p50_ms=low_load,
         targets=targets,
     )
@@ -147,20 +160,24 @@ def _adaptive_latency_target(adaptive: float | None, fixed: float | None) -> Tar
     )
 
 
-def _adaptive_throughput_target(adaptive: float | None, fixed: float | None) -> Target:
+def _adaptive_throughput_target(adaptive: Saturation | None, fixed: Saturation | None) -> Target:
     name = "adaptive saturation tokens/s vs fixed"
     target = f">= {SATURATION_MATCH:g}x fixed"
-    if adaptive is None or fixed is None or fixed <= 0:
+    if adaptive is None or fixed is None or fixed.tokens_per_s <= 0:
         return Target(
             name=name, measured="not measured (adaptive not run)", target=target, holds=None
         )
-    ratio = adaptive / fixed
-    return Target(
-        name=name,
-        measured=f"{adaptive:.0f} vs {fixed:.0f} tok/s: {ratio:.2f}x",
-        target=target,
-        holds=ratio >= SATURATION_MATCH,
-    )
+    ratio = adaptive.tokens_per_s / fixed.tokens_per_s
+    measured = f"{adaptive.tokens_per_s:.0f} vs {fixed.tokens_per_s:.0f} tok/s: {ratio:.2f}x"
+    if not (adaptive.reached and fixed.reached):
+        # Below saturation both just carry the offered load: equal, and meaningless.
+        return Target(
+            name=name,
+            measured=measured + ", sweep did not saturate both",
+            target=target,
+            holds=None,
+        )
+    return Target(name=name, measured=measured, target=target, holds=ratio >= SATURATION_MATCH)
 
 
 def _fmt_ms(value: float | None) -> str:

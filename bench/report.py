@@ -113,6 +113,14 @@ class SloResult(Model):
     p99_at_highest_ms: float | None
 
 
+class Saturation(Model):
+    """The best output tokens/s of a sweep, and whether the sweep overloaded the policy."""
+
+    tokens_per_s: float
+    at_offered_rps: float
+    reached: bool = Field(description="Some run shed, left requests unanswered or fell behind.")
+
+
 class Target(Model):
     name: str
     measured: str
@@ -124,7 +132,7 @@ class Findings(Model):
     slo_ttft_ms: float
     overhead: dict[str, list[OverheadPoint]]
     slo: dict[str, SloResult]
-    saturation_tokens_per_s: dict[str, float | None]
+    saturation: dict[str, Saturation]
     low_load_ttft_p50_ms: dict[str, float | None]
     targets: list[Target]
 

@@ -88,7 +88,7 @@ FINDINGS_KEYS = {
     "slo_ttft_ms",
     "overhead",
     "slo",
-    "saturation_tokens_per_s",
+    "saturation",
     "low_load_ttft_p50_ms",
     "targets",
 }
