@@ -36,8 +36,11 @@ async def collect(engine: Engine, request: EngineRequest) -> list[EngineOutput]:
     return [out async for out in engine.generate(request)]
 
 
-def req(rid: str, prompt: str, max_tokens: int, **kw: object) -> EngineRequest:
-    return EngineRequest(request_id=rid, prompt=prompt, max_tokens=max_tokens, temperature=0.0, **kw)  # type: ignore[arg-type]
+def req(
+    rid: str, prompt: str, max_tokens: int, stop: tuple[str, ...] = (), priority: int = 0
+) -> EngineRequest:
+    """Greedy (temperature 0), so real models give the same text on every run."""
+    return EngineRequest(rid, prompt, max_tokens, temperature=0.0, stop=stop, priority=priority)
 
 
 def text_of(outputs: list[EngineOutput]) -> str:
@@ -55,8 +58,8 @@ def check_stream(outputs: list[EngineOutput]) -> EngineFinish:
     return finish
 
 
-async def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
+async def wait_for(predicate: Callable[[], bool], what: str, within_s: float = 10.0) -> None:
+    deadline = time.monotonic() + within_s
     while not predicate():
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from typing import Any
 
 import websockets
 
@@ -79,7 +80,7 @@ async def test_chat_cancel_mid_stream_frees_the_worker_slot_within_100ms(stack: 
 
     log = stack.log_dir / f"{stack.prefix}-worker.log"
 
-    def applied() -> dict[str, dict[str, object]]:
+    def applied() -> dict[str, dict[str, Any]]:
         return {e["request_id"]: e for e in events(log, "cancel.applied")}
 
     wait_until(lambda: set(cancelled) <= set(applied()), 10, "cancel.applied log lines")
@@ -89,8 +90,8 @@ async def test_chat_cancel_mid_stream_frees_the_worker_slot_within_100ms(stack: 
         # Each round had one request in flight: freeing it restores every slot.
         assert line["free_slots_before"] == line["total_slots"] - 1
         assert line["free_slots_after"] == line["total_slots"]
-    to_free = [float(line["arrival_to_free_ms"]) for line in lines]  # type: ignore[arg-type]
-    hop = [float(line["record_age_ms"]) for line in lines]  # type: ignore[arg-type]
+    to_free = [float(line["arrival_to_free_ms"]) for line in lines]
+    hop = [float(line["record_age_ms"]) for line in lines]
     print("\narrival_to_free_ms", distribution(to_free))
     print("edge->worker cancel hop ms", distribution(hop))
     print("client cancel -> error frame ms", distribution(client_ms))

@@ -40,6 +40,9 @@ class Worker:
         self.drain = Drain(settings.worker_drain_timeout_s)
         self._drain_on_sigterm = drain_on_sigterm
         self._batch_tasks: set[asyncio.Task[None]] = set()
+        # batch_id -> offsets of copies delivered again while it runs here (a rebalance
+        # rewinds to the last commit, which is behind batches still in flight).
+        self._redelivered: dict[str, list[tuple[TopicPartition, int]]] = {}
         self._early_cancels = CancelBook()
 
     async def run(self) -> None:
@@ -100,6 +103,13 @@ class Worker:
                         log.error("batch.invalid", offset=record.offset, error=str(exc))
                         await self._done(consumer, tp, record.offset)
                         continue
+                    if batch.batch_id in self._redelivered:
+                        # Running it twice would stream the same attempt twice, chunked
+                        # differently: finish the copy with the run already under way.
+                        log.info("batch.redelivered", batch_id=batch.batch_id, offset=record.offset)
+                        self._redelivered[batch.batch_id].append((tp, record.offset))
+                        continue
+                    self._redelivered[batch.batch_id] = []
                     task = tg.create_task(
                         self._run_batch(consumer, runner, batch, tp, record.offset)
                     )
@@ -124,6 +134,8 @@ class Worker:
                 log.error("request.failed", request_id=request.request_id, error=repr(result))
             elif result == "handed_back":
                 await hand_back(self._producer, self.topics, request)
+        for copy_tp, copy_offset in self._redelivered.pop(batch.batch_id, []):
+            await self._done(consumer, copy_tp, copy_offset)
         await self._done(consumer, tp, offset)
 
     async def _run_request(

@@ -99,10 +99,10 @@ class TransformersEngine:
         else:
             torch_dtype = getattr(torch, dtype)
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(
+        model: Any = AutoModelForCausalLM.from_pretrained(
             path, dtype=torch_dtype, local_files_only=True
-        ).to(target)
-        return cls(model, tokenizer, max_num_seqs=max_num_seqs)
+        )
+        return cls(model.to(target), tokenizer, max_num_seqs=max_num_seqs)
 
     async def start(self) -> None:
         if self._loop is None:
