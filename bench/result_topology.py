@@ -15,7 +15,7 @@ open-loop load (evenly spaced arrivals over a few sockets) in turn. Per step it 
 Short on purpose (fits a 2-core machine); a topology stops after failing two rates in a
 row, the run once both have; talks to 127.0.0.1 only. Prints one table, writes JSON and a PNG plot.
 
-    python -m bench.result_topology [--rates 5,10,20,40] [--step-s 4] [--out bench/out]
+    python -m bench.result_topology [--rates 5,10,20,40,80,160] [--step-s 4] [--out bench/out]
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ import websockets
 from aiokafka.admin import AIOKafkaAdminClient
 from prometheus_client.parser import text_string_to_metric_families
 
+from services.edge.metrics import ADMIN_BUCKETS
 from tests.stack import Stack, free_port, new_prefix, wait_until
 
 TOPOLOGIES = ("partition", "topic")
@@ -76,7 +77,7 @@ class Step:
     partitions_created: int
     topic_create_calls: int
     topic_create_mean_ms: float
-    topic_create_p99_ms: float
+    topic_create_p99_ms: float | None  # bucket bound; None: above the top bucket
     topic_delete_calls: int
     topic_delete_mean_ms: float
     topics_deleted: int
@@ -204,15 +205,14 @@ def histogram_delta(before: dict[str, float], after: dict[str, float], name: str
     return [b for pair in bounds for b in pair]
 
 
-def bucket_p99(flat: list[float]) -> float:
+def bucket_p99_ms(flat: list[float]) -> float | None:
+    """Upper bound of the bucket holding the 99th percentile; None above the top bucket."""
     pairs = list(zip(flat[::2], flat[1::2], strict=True))
     total = pairs[-1][1] if pairs else 0.0
-    if total <= 0:
-        return math.nan
     for bound, cumulative in pairs:
-        if cumulative >= 0.99 * total:
-            return bound
-    return math.inf
+        if total > 0 and cumulative >= 0.99 * total:
+            return None if math.isinf(bound) else round(bound * 1000, 1)
+    return None
 
 
 def delta(before: dict[str, float], after: dict[str, float], key: str) -> float:
@@ -271,17 +271,11 @@ async def run_step(
         partitions_created=int(made) if topology == "topic" else 0,
         topic_create_calls=int(create_count),
         topic_create_mean_ms=round(create_sum / create_count * 1000, 1) if create_count else 0.0,
-        topic_create_p99_ms=round(
-            bucket_p99(
-                histogram_delta(
-                    metrics_before, metrics_after, "tokenbus_edge_result_topic_create_seconds"
-                )
+        topic_create_p99_ms=bucket_p99_ms(
+            histogram_delta(
+                metrics_before, metrics_after, "tokenbus_edge_result_topic_create_seconds"
             )
-            * 1000,
-            1,
-        )
-        if create_count
-        else 0.0,
+        ),
         topic_delete_calls=int(delete_count),
         topic_delete_mean_ms=round(delete_sum / delete_count * 1000, 1) if delete_count else 0.0,
         topics_deleted=int(
@@ -363,7 +357,9 @@ def table(steps: list[Step]) -> str:
     lines = [head, "|" + "---|" * 10]
     for s in steps:
         create = (
-            f"{s.topic_create_mean_ms} / {s.topic_create_p99_ms}" if s.topic_create_calls else "-"
+            f"{s.topic_create_mean_ms} / {_p99(s.topic_create_p99_ms)}"
+            if s.topic_create_calls
+            else "-"
         )
         delete = (
             f"{s.topic_delete_calls}, {s.topic_delete_mean_ms} ({s.topics_deleted})"
@@ -383,6 +379,10 @@ def table(steps: list[Step]) -> str:
         + f" (of {max(s.rate for s in steps):g} tried)"
     )
     return "\n".join(lines)
+
+
+def _p99(value: float | None) -> str:
+    return f"> {ADMIN_BUCKETS[-1] * 1000:g}" if value is None else f"{value:g}"
 
 
 def highest_sustained(steps: list[Step]) -> float:
@@ -425,7 +425,7 @@ def plot(steps: list[Step], path: Path) -> None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    p.add_argument("--rates", default="5,10,20,40,80", help="requests/s, rising")
+    p.add_argument("--rates", default="5,10,20,40,80,160", help="requests/s, rising")
     p.add_argument("--step-s", type=float, default=4.0, help="seconds of load per step")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--token-rate", type=float, default=500.0, help="sim tokens/s per sequence")
