@@ -15,6 +15,7 @@ class Coalescer:
     _tokens: int = 0
     _since: float | None = None
     last_wait: float = 0.0  # how long the oldest token of the last chunk taken had waited
+    last_overdue: float = 0.0  # how far past its flush time the last chunk left (loop lag)
 
     def add(self, text: str, tokens: int, now: float) -> str | None:
         """Buffer a delta; return the chunk to send if the buffer is now due."""
@@ -35,6 +36,7 @@ class Coalescer:
         if self._since is None:
             return None
         self.last_wait = 0.0 if now is None else max(0.0, now - self._since)
+        self.last_overdue = max(0.0, self.last_wait - self.flush_seconds)
         text = "".join(self._parts)
         self._parts.clear()
         self._tokens = 0

@@ -118,13 +118,14 @@ class RequestRunner:
         last_token_at: float | None = None
         token_gap = 0.0
         max_excess = 0.0
-        flush_lateness = 0.0  # how late the flush timer fired: event-loop lag, not policy
+        flush_lateness = 0.0  # how far past flush time a chunk left: event-loop lag, not policy
         waits: list[float] = []
         last: asyncio.Future[RecordMetadata] | None = None
 
         async def publish(text: str) -> None:
-            nonlocal seq, last, last_chunk_at, max_gap, token_gap, max_excess
+            nonlocal seq, last, last_chunk_at, max_gap, token_gap, max_excess, flush_lateness
             waits.append(coalescer.last_wait)
+            flush_lateness = max(flush_lateness, coalescer.last_overdue)
             now = time.monotonic()
             if last_chunk_at is not None:
                 max_gap = max(max_gap, now - last_chunk_at)
@@ -148,9 +149,6 @@ class RequestRunner:
             async for out in stream:
                 now = time.time()
                 if out is None:  # the oldest buffered token is due
-                    due = coalescer.flush_at()
-                    if due is not None:
-                        flush_lateness = max(flush_lateness, now - due)
                     chunk = coalescer.take(now)
                     if chunk:
                         await publish(chunk)
