@@ -149,7 +149,7 @@ def _adaptive_latency_target(adaptive: float | None, fixed: float | None) -> Tar
     target = f"<= {ADAPTIVE_LOW_LOAD_RATIO:g}x fixed"
     if adaptive is None or fixed is None:
         return Target(
-            name=name, measured="not measured (adaptive not run)", target=target, holds=None
+            name=name, measured="not measured (needs adaptive and fixed)", target=target, holds=None
         )
     ratio = adaptive / fixed
     return Target(
@@ -165,7 +165,7 @@ def _adaptive_throughput_target(adaptive: Saturation | None, fixed: Saturation |
     target = f">= {SATURATION_MATCH:g}x fixed"
     if adaptive is None or fixed is None or fixed.tokens_per_s <= 0:
         return Target(
-            name=name, measured="not measured (adaptive not run)", target=target, holds=None
+            name=name, measured="not measured (needs adaptive and fixed)", target=target, holds=None
         )
     ratio = adaptive.tokens_per_s / fixed.tokens_per_s
     measured = f"{adaptive.tokens_per_s:.0f} vs {fixed.tokens_per_s:.0f} tok/s: {ratio:.2f}x"

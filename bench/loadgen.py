@@ -297,7 +297,12 @@ async def warm_up(url: str, requests: int = 3, timeout_s: float = 60.0) -> None:
             await ws.send(json.dumps(body))
             while True:
                 left = max(0.1, deadline - time.monotonic())
-                frame = json.loads(await asyncio.wait_for(ws.recv(), left))
+                try:
+                    frame = json.loads(await asyncio.wait_for(ws.recv(), left))
+                except TimeoutError:
+                    raise TimeoutError(
+                        f"{url}: {done}/{requests} warm-up requests answered in {timeout_s:g} s"
+                    ) from None
                 if frame.get("type") == "chat.done":
                     done += 1
                     break
