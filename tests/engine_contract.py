@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 from services.worker.engines.base import Engine, EngineRequest
 from services.worker.engines.sim import SimEngine
@@ -52,10 +53,8 @@ def _installed(*modules: str) -> bool:
     return all(importlib.util.find_spec(m) is not None for m in modules)
 
 
-@cache
-def tiny_model_dir() -> str:
-    """Save a tiny random Llama and a character tokenizer; return the directory."""
-    import torch  # type: ignore[import-not-found,unused-ignore]
+def char_tokenizer() -> Any:
+    """A character-level fast tokenizer (specials, letters, digits, punctuation)."""
     from tokenizers import (  # type: ignore[import-not-found,unused-ignore]
         Regex,
         Tokenizer,
@@ -64,8 +63,6 @@ def tiny_model_dir() -> str:
         pre_tokenizers,
     )
     from transformers import (  # type: ignore[import-not-found,unused-ignore]
-        LlamaConfig,
-        LlamaForCausalLM,
         PreTrainedTokenizerFast,
     )
 
@@ -75,34 +72,62 @@ def tiny_model_dir() -> str:
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call,unused-ignore]
+    return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call,unused-ignore]
         tokenizer_object=tok,
         pad_token="<pad>",
         bos_token="<s>",
         eos_token="</s>",
         unk_token="<unk>",
     )
-    torch.manual_seed(0)
+
+
+def random_llama(tokenizer: Any, **shape: int) -> Any:
+    """A Llama with random weights; only the tokenizer's tokens (never EOS) can win argmax.
+
+    A random model may pick EOS, or ids the tokenizer cannot decode, at any step; zeroing
+    those rows of `lm_head` keeps greedy streams going until max_tokens.
+    """
+    import torch  # type: ignore[import-not-found,unused-ignore]
+    from transformers import (  # type: ignore[import-not-found,unused-ignore]
+        LlamaConfig,
+        LlamaForCausalLM,
+    )
+
+    settings: dict[str, Any] = {"vocab_size": len(tokenizer), **shape}
     config = LlamaConfig(
-        vocab_size=len(vocab),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        pad_token_id=vocab["<pad>"],
-        bos_token_id=vocab["<s>"],
-        eos_token_id=vocab["</s>"],
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        **settings,
     )
     model = LlamaForCausalLM(config)
     with torch.no_grad():
-        # A random model may pick EOS at any step; a zero row keeps it from ever winning
-        # the argmax, so max_tokens is what ends greedy streams.
-        model.lm_head.weight[vocab["</s>"]].zero_()
+        model.lm_head.weight[tokenizer.eos_token_id].zero_()
+        model.lm_head.weight[len(tokenizer) :].zero_()
+    return model
+
+
+TINY_LLAMA = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+)
+
+
+@cache
+def tiny_model_dir() -> str:
+    """Save a tiny random Llama and a character tokenizer; return the directory."""
+    import torch  # type: ignore[import-not-found,unused-ignore]
+
+    torch.manual_seed(0)
+    tokenizer = char_tokenizer()
+    model = random_llama(tokenizer, **TINY_LLAMA)
     path = Path(tempfile.mkdtemp(prefix="tokenbus-tiny-llama-"))
     model.save_pretrained(path)
-    fast.save_pretrained(path)
+    tokenizer.save_pretrained(path)
     return str(path)
 
 

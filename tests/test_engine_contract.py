@@ -151,3 +151,14 @@ async def test_priority_orders_the_queue_when_slots_are_short(case: EngineCase) 
         assert order == ["high", "low"]
     finally:
         await engine.stop()
+
+
+async def test_sampled_requests_keep_the_contract(case: EngineCase) -> None:
+    engine = await started(case, max_num_seqs=2)
+    try:
+        request = EngineRequest("s", "sample something", 9, temperature=0.8, top_p=0.9)
+        finish = check_stream(await collect(engine, request))
+        assert finish.completion_tokens <= 9
+        assert finish.finish_reason in ("stop", "length")
+    finally:
+        await engine.stop()

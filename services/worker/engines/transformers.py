@@ -262,18 +262,18 @@ class TransformersEngine:
         return out.logits[:, -1, :].float()
 
     def _sample(self, rows: list[_Sequence], logits: Any) -> list[int]:
-        picked: list[int] = []
+        # One argmax for the whole cohort: a per-row argmax would sync the GPU per row.
+        picked: list[int] = logits.argmax(dim=-1).tolist()
         for row, seq in enumerate(rows):
-            scores = logits[row]
             if seq.request.temperature <= 0:
-                picked.append(int(scores.argmax()))
                 continue
+            scores = logits[row]
             probs = torch.softmax(scores / seq.request.temperature, dim=-1)
             if seq.request.top_p < 1.0:
                 sorted_probs, order = probs.sort(descending=True)
                 keep = sorted_probs.cumsum(-1) - sorted_probs < seq.request.top_p
                 probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
-            picked.append(int(torch.multinomial(probs, 1, generator=seq.generator)))
+            picked[row] = int(torch.multinomial(probs, 1, generator=seq.generator))
         return picked
 
     def _prune(self, cohort: _Cohort) -> None:
