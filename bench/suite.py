@@ -62,6 +62,8 @@ class CompareOptions:
     slo_ms: float = 500.0
     log_dir: Path = Path("bench/out/logs")
     command: str = ""
+    # TOKENBUS_* settings given to every stack, over the profile's and the policy's.
+    extra_env: dict[str, str] = field(default_factory=dict)
 
 
 Say = Callable[[str], None]
@@ -200,7 +202,7 @@ async def compare(options: CompareOptions, say: Say = print) -> BenchReport:
 async def _run_policy(
     policy: Policy, profile: EngineProfile, bootstrap: str | None, options: CompareOptions, say: Say
 ) -> PolicyReport:
-    env = {**profile.env, **policy.env}
+    env = {**profile.env, **policy.env, **options.extra_env}
     reason = unavailable_reason(policy)
     base = PolicyReport(
         name=policy.name,

@@ -21,6 +21,16 @@ MAX_RATE = 2000.0
 MAX_DURATION_S = 600.0
 MAX_CONNECTIONS = 256
 MAX_IN_FLIGHT = 10_000
+# Where each stack listens and which topics it uses are the bench's to choose.
+RESERVED_SETTINGS = frozenset(
+    {
+        "TOKENBUS_TOPIC_PREFIX",
+        "TOKENBUS_EDGE_PORT",
+        "TOKENBUS_EDGE_HOST",
+        "TOKENBUS_BENCH_DIRECT_PORT",
+        "TOKENBUS_BOOTSTRAP_SERVERS",
+    }
+)
 
 
 def register(commands: Subcommands) -> None:
@@ -67,6 +77,13 @@ def register(commands: Subcommands) -> None:
     )
     compare.add_argument("--profile", default="llama3-8b-h100", help="sim engine profile")
     compare.add_argument("--slo-ms", type=float, default=500.0, help="interactive p99 TTFT SLO")
+    compare.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="TOKENBUS_NAME=VALUE",
+        help="a setting for every stack started (repeatable), e.g. TOKENBUS_WORKER_FLUSH_MS=1",
+    )
     _sweep_arguments(compare, rates="10,20,35,50,75,100,200", duration=6.0)
     compare.add_argument("--json", type=Path, default=Path("bench/out/compare.json"))
     compare.add_argument("--plots", type=Path, default=Path("bench/out"))
@@ -178,6 +195,7 @@ def _compare(args: argparse.Namespace) -> int:
         unknown = [p for p in policies if p not in POLICIES]
         if unknown or not policies:
             raise UsageError(f"--policies: unknown {unknown}; known: {', '.join(POLICIES)}")
+        extra_env = dict(_setting(item) for item in args.set)
         options = CompareOptions(
             sweep=_sweep_options(args),
             policies=policies,
@@ -185,6 +203,7 @@ def _compare(args: argparse.Namespace) -> int:
             slo_ms=args.slo_ms,
             log_dir=args.log_dir,
             command=_command(),
+            extra_env=extra_env,
         )
     except (UsageError, ValueError) as exc:
         print(f"tokenbus bench: error: {exc}", file=sys.stderr)
@@ -223,6 +242,14 @@ def _emit(
 
         write(report, docs, plots)
         print(f"wrote {docs}")
+
+
+def _setting(item: str) -> tuple[str, str]:
+    name, sep, value = item.partition("=")
+    # Only tokenbus settings: the bench owns where stacks listen and which broker they use.
+    if not sep or not name.startswith("TOKENBUS_") or name in RESERVED_SETTINGS:
+        raise UsageError(f"--set {item!r}: expected TOKENBUS_NAME=VALUE (not a bench-owned one)")
+    return name, value
 
 
 def _command() -> str:
