@@ -108,7 +108,7 @@ class ConsumerLag:
 
 
 @dataclass
-class EdgeMetrics:
+class EdgeRequestMetrics:
     requests: Counter
     responses: Counter
     in_flight: Gauge
@@ -118,7 +118,7 @@ class EdgeMetrics:
     lag: ConsumerLag
 
     @classmethod
-    def build(cls, registry: CollectorRegistry = REGISTRY) -> EdgeMetrics:
+    def build(cls, registry: CollectorRegistry = REGISTRY) -> EdgeRequestMetrics:
         return cls(
             Counter(
                 "tokenbus_edge_requests",
@@ -350,8 +350,8 @@ class WorkerMetrics:
 
 # One set per process, on the default registry (which also carries process_* metrics).
 @functools.cache
-def edge_metrics() -> EdgeMetrics:
-    return EdgeMetrics.build()
+def edge_metrics() -> EdgeRequestMetrics:
+    return EdgeRequestMetrics.build()
 
 
 @functools.cache

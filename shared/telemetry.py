@@ -37,6 +37,10 @@ Headers = list[tuple[str, bytes]]
 Carrier = dict[str, str]
 
 TRACER_NAME = "tokenbus"
+# On a request's final result record: when the worker wrote it (Unix seconds, as text). The
+# worker's `result_publish` stage ends and the edge's `deliver` stage begins at this instant,
+# finer than the record's millisecond timestamp.
+SENT_AT_HEADER = "tokenbus-sent-at"
 DEFAULT_TRACE_DIR = Path(".tokenbus/traces")
 
 log = structlog.get_logger()
@@ -284,6 +288,17 @@ def carrier(context: Context | None = None) -> Carrier:
 
 def context_from(found: Mapping[str, str]) -> Context:
     return propagate.extract({k.lower(): v for k, v in found.items()})
+
+
+def sent_at(headers: Iterable[tuple[str, bytes]] | None, fallback: float) -> float:
+    """The `SENT_AT_HEADER` instant of a record, or `fallback` (its Kafka timestamp)."""
+    for name, value in headers or ():
+        if name == SENT_AT_HEADER:
+            try:
+                return float(value)
+            except ValueError:
+                break
+    return fallback
 
 
 def has_trace(context: Context) -> bool:

@@ -14,7 +14,7 @@ from services.edge.protocol import DeltaFrame, DoneFrame, ErrorFrame
 from services.edge.telemetry import EdgeTelemetry
 from shared import semconv
 from shared.messages import ErrorCode, RequestRecord, Timings, Usage
-from shared.metrics import EdgeMetrics
+from shared.metrics import EdgeRequestMetrics
 from shared.telemetry import extract, span_context_of
 
 WORKER = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
@@ -64,11 +64,11 @@ def setup() -> tuple[EdgeTelemetry, InMemorySpanExporter, CollectorRegistry, Fak
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     registry = CollectorRegistry()
-    metrics = EdgeMetrics.build(registry)
+    metrics = EdgeRequestMetrics.build(registry)
     clock = FakeClock()
     tel = EdgeTelemetry(
-        metrics_factory=lambda: metrics,
-        tracer_factory=lambda: provider.get_tracer("test"),
+        metrics=metrics,
+        tracer=provider.get_tracer("test"),
         clock=clock,
     )
     return tel, exporter, registry, clock

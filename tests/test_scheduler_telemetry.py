@@ -39,8 +39,8 @@ def test_batch_span_links_every_request_and_requests_carry_their_own_trace() -> 
     tel = SchedulerTelemetry(
         "t.batches",
         {Tier.interactive: 4},
-        metrics_factory=lambda: metrics,
-        tracer_factory=lambda: provider.get_tracer("test"),
+        metrics=metrics,
+        tracer=provider.get_tracer("test"),
     )
     requests = [
         tel.arrived(queued(f"r{i}", 100.0 + i), [("traceparent", p.encode())])
@@ -92,7 +92,7 @@ def test_a_handed_back_request_keeps_the_trace_it_carries() -> None:
     tel = SchedulerTelemetry(
         "t.batches",
         {Tier.interactive: 4},
-        metrics_factory=lambda: SchedulerMetrics.build(CollectorRegistry()),
+        metrics=SchedulerMetrics.build(CollectorRegistry()),
     )
     carried = queued("r1", 1.0).model_copy(update={"trace": {"traceparent": PARENTS[0]}})
     assert tel.arrived(carried, []).trace == {"traceparent": PARENTS[0]}
@@ -104,7 +104,7 @@ def test_a_handed_back_request_keeps_the_trace_it_carries() -> None:
 def test_expired_requests_leave_the_queue_depth() -> None:
     registry = CollectorRegistry()
     metrics = SchedulerMetrics.build(registry)
-    tel = SchedulerTelemetry("t.batches", {Tier.interactive: 4}, metrics_factory=lambda: metrics)
+    tel = SchedulerTelemetry("t.batches", {Tier.interactive: 4}, metrics=metrics)
     request = tel.arrived(queued("r1", 1.0), [])
     tel.expired(request)
     t = {"tier": "interactive"}

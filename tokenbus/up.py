@@ -109,6 +109,7 @@ class Deployment:
         env["TOKENBUS_EDGE_PORT"] = str(self.settings.edge_port)
         # Locally there is rarely a GPU: the simulator unless the user chose an engine.
         env.setdefault("TOKENBUS_WORKER_ENGINE", "sim")
+        env.setdefault("TOKENBUS_TRACE_DIR", os.path.abspath(".tokenbus/traces"))  # tokenbus trace
         for name in SERVICES:
             # Own process group: Ctrl-C reaches only `up`, which stops the services in
             # order, and killing the group also ends anything a service spawned (vLLM's

@@ -5,11 +5,13 @@ import uvicorn
 from services.edge.app import build_app
 from services.edge.settings import EdgeSettings
 from shared.logs import configure_logging
+from shared.telemetry import start_telemetry
 
 
 def main() -> None:
     settings = EdgeSettings()
     configure_logging("edge", settings.log_level)
+    start_telemetry("edge", http_metrics=False)
     uvicorn.run(
         build_app(settings),
         host=settings.edge_host,

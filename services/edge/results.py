@@ -25,6 +25,8 @@ _results: TypeAdapter[ResultRecord] = TypeAdapter(ResultRecord)
 
 OnControl = Callable[[bytes], None]
 OnCaughtUp = Callable[[], None]
+# (consumer, partition, record) of each valid result record, before it is routed (telemetry)
+OnResult = Callable[[AIOKafkaConsumer, TopicPartition, "ConsumerRecord[bytes, bytes]"], None]
 
 
 @dataclass(frozen=True)
@@ -60,8 +62,10 @@ class ResultReader:
         router: StreamRouter,
         control: TopicPartition,
         on_control: OnControl,
+        on_result: OnResult | None = None,
     ) -> None:
         self._consumer = consumer
+        self._on_result = on_result
         self._router = router
         self._control = control
         self._on_control = on_control
@@ -182,6 +186,8 @@ class ResultReader:
             except ValidationError as exc:
                 log.error("result.invalid", topic=tp.topic, offset=record.offset, error=str(exc))
                 continue
+            if self._on_result is not None:
+                self._on_result(self._consumer, tp, record)
             self._router.route(result)
         self._fire_waiters()
 

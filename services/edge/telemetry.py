@@ -6,8 +6,8 @@ producer span of the request record (whose context rides in the record's headers
 the end the `deliver` stage: from the moment the worker wrote the final result record (its
 Kafka create time) to the frame on the socket, as a child of the worker's span.
 
-One `EdgeTelemetry` per process (`TELEMETRY`), like the metrics registry: the results
-reader, the sockets and the submit path all report to it.
+One `EdgeTelemetry` per edge: the results reader, the sockets and the submit path report
+to it; its metrics go to the edge's own registry (its `/metrics`).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from services.edge.protocol import DeltaFrame, DoneFrame, ErrorFrame, ServerFram
 from shared import semconv
 from shared.kafka import encode, key_of
 from shared.messages import RequestRecord
-from shared.metrics import EdgeMetrics, edge_metrics
-from shared.telemetry import extract, has_trace, inject, record_span, tracer
+from shared.metrics import EdgeRequestMetrics, edge_metrics
+from shared.telemetry import extract, has_trace, inject, record_span, sent_at, tracer
 
 STALE_AFTER_S = 3600.0  # a request whose socket went away is forgotten after this
 
@@ -45,14 +45,13 @@ class InFlight:
 
 @dataclass
 class EdgeTelemetry:
-    metrics_factory: Callable[[], EdgeMetrics] = edge_metrics
-    tracer_factory: Callable[[], Tracer] = tracer
+    metrics: EdgeRequestMetrics = field(default_factory=edge_metrics)
+    tracer: Tracer = field(default_factory=tracer)
     clock: Callable[[], float] = time.time
+    # Lag is measured on the shared results topic only: per-request topics would each make
+    # a label value of their own.
+    results_topic: str | None = None
     _flights: dict[str, InFlight] = field(default_factory=dict)
-
-    @property
-    def metrics(self) -> EdgeMetrics:
-        return self.metrics_factory()
 
     def begin(
         self,
@@ -73,7 +72,7 @@ class EdgeTelemetry:
         }
         if max_tokens is not None:
             attributes[semconv.GEN_AI_REQUEST_MAX_TOKENS] = max_tokens
-        root = self.tracer_factory().start_span(
+        root = self.tracer.start_span(
             semconv.SPAN_CHAT,
             context=parent_ctx,
             kind=SpanKind.SERVER,
@@ -98,9 +97,9 @@ class EdgeTelemetry:
                     semconv.STAGE: semconv.STAGE_ACCEPT,
                     semconv.REQUEST_ID: record.request_id,
                 },
-                tracer_=self.tracer_factory(),
+                tracer_=self.tracer,
             )
-        span = self.tracer_factory().start_span(
+        span = self.tracer.start_span(
             semconv.messaging_span_name("send", topic),
             context=context,
             kind=SpanKind.PRODUCER,
@@ -130,14 +129,24 @@ class EdgeTelemetry:
             self.metrics.requests.labels(flight.tier).inc()
 
     def fetched(self, consumer: Any, fetched: Mapping[Any, Sequence[Any]]) -> None:
-        """After each fetch of result records: lag, and the latest record of each request."""
-        self.metrics.lag.observe(consumer, fetched)
-        for records in fetched.values():
+        """After a fetch of result records: lag, and the latest record of each request."""
+        for tp, records in fetched.items():
             for record in records:
-                request_id = record.key.decode(errors="replace") if record.key else None
-                flight = self._flights.get(request_id) if request_id else None
-                if flight is not None:
-                    flight.last_record = (record.timestamp / 1000, extract(record.headers))
+                self.result_record(consumer, tp, record)
+
+    def result_record(self, consumer: Any, tp: Any, record: Any) -> None:
+        """One result record read (before it is routed): lag, and when the worker wrote it."""
+        if record.topic == self.results_topic:
+            self.metrics.lag.observe_record(consumer, record, tp)
+        request_id = record.key.decode(errors="replace") if record.key else None
+        flight = self._flights.get(request_id) if request_id else None
+        if flight is not None:
+            written_at = sent_at(record.headers, fallback=record.timestamp / 1000)
+            flight.last_record = (written_at, extract(record.headers))
+
+    def end(self, request_id: str, *, outcome: str) -> None:
+        """The request ended before any result (no stream could be opened for it)."""
+        self._end(request_id, outcome=outcome, error=outcome)
 
     def frame_written(self, frame: ServerFrame) -> None:
         """A frame reached the socket: the first delta and the final frame are measured."""
@@ -162,7 +171,7 @@ class EdgeTelemetry:
                 end=now,
                 context=parent,
                 attributes={semconv.STAGE: semconv.STAGE_DELIVER, semconv.REQUEST_ID: request_id},
-                tracer_=self.tracer_factory(),
+                tracer_=self.tracer,
             )
             self.metrics.delivery.labels(flight.tier).observe(max(0.0, now - written_at))
         if isinstance(frame, DoneFrame):
@@ -200,6 +209,3 @@ class EdgeTelemetry:
 
     def __len__(self) -> int:
         return len(self._flights)
-
-
-TELEMETRY = EdgeTelemetry()

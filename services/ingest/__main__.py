@@ -5,11 +5,13 @@ import asyncio
 from services.ingest.app import build_app
 from services.ingest.settings import IngestSettings
 from shared.logs import configure_logging
+from shared.telemetry import start_telemetry
 
 
 def main() -> None:
     settings = IngestSettings()
     configure_logging("ingest", settings.log_level)
+    start_telemetry("ingest")
     # FastStream handles SIGINT/SIGTERM itself and closes the broker gracefully.
     asyncio.run(build_app(settings).run())
 

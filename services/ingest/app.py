@@ -6,9 +6,11 @@ import structlog
 from faststream import AckPolicy, FastStream
 from faststream.kafka import KafkaBroker
 from faststream.kafka.annotations import KafkaMessage
+from faststream.kafka.opentelemetry import KafkaTelemetryMiddleware
 
 from services.ingest.admission import Admitted, Duplicate, RecentIds, admit
 from services.ingest.settings import IngestSettings
+from services.ingest.telemetry import observe_admission
 from shared.kafka import encode, key_of
 from shared.topics import Topics
 
@@ -25,6 +27,9 @@ def build_app(settings: IngestSettings) -> FastStream:
         acks="all",
         enable_idempotence=True,
         logger=None,
+        # Traces each record (continuing its `traceparent`) and every publish: the only
+        # tracing of ingest's Kafka I/O, so nothing below propagates trace headers by hand.
+        middlewares=(KafkaTelemetryMiddleware(),),
     )
 
     # NACK_ON_ERROR: a failed publish seeks back, so the record is retried, never skipped.
@@ -38,13 +43,13 @@ def build_app(settings: IngestSettings) -> FastStream:
     async def on_request(message: KafkaMessage) -> None:
         raw = message.raw_message
         decision = admit(raw.value or b"", raw.key, topics, limits, recent)
+        observe_admission(decision, message)
         if isinstance(decision, Admitted):
             request = decision.request
             await broker.publish(
                 encode(request),
                 topic=decision.topic,
                 key=key_of(request.request_id),
-                headers=_trace_headers(raw.headers),
             )
             log.info("request.admitted", request_id=request.request_id, tier=request.tier.value)
             return
@@ -72,12 +77,3 @@ def build_app(settings: IngestSettings) -> FastStream:
         log.info("request.rejected", request_id=decision.request_id, error=decision.message)
 
     return FastStream(broker, logger=None)
-
-
-def _trace_headers(headers: object) -> dict[str, str]:
-    """Carry W3C trace context on to the tier topic."""
-    out: dict[str, str] = {}
-    for name, value in headers if isinstance(headers, list | tuple) else ():
-        if name in ("traceparent", "tracestate") and isinstance(value, bytes):
-            out[name] = value.decode(errors="replace")
-    return out

@@ -4,11 +4,13 @@ from services.scheduler.app import Scheduler
 from services.scheduler.settings import SchedulerSettings
 from shared.logs import configure_logging
 from shared.process import run_service
+from shared.telemetry import start_telemetry
 
 
 def main() -> None:
     settings = SchedulerSettings()
     configure_logging("scheduler", settings.log_level)
+    start_telemetry("scheduler")
     run_service(Scheduler(settings).run())
 
 

@@ -1,34 +1,66 @@
-"""The scheduler process: tier topics in, batches out, offsets committed once handed on."""
+"""The scheduler process: tier topics in, batches addressed to workers out, restart-safe commits.
+
+Four tasks share one event loop: the tier reader (requests into the policy), the
+heartbeat reader (workers' free slots and liveness), the stepper (runs the policy and
+carries out its plan) and the liveness watch (declares workers dead and, on the one
+scheduler that owns interactive partition 0, hands their unfinished requests back).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import structlog
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
+from aiokafka.structs import ConsumerRecord, RecordMetadata
 from pydantic import ValidationError
 
-from services.scheduler.batcher import BusRule, Departure, TierPolicy
+from services.scheduler.backlog import Passenger
+from services.scheduler.batch_log import BatchLog
+from services.scheduler.ledger import Ledger
+from services.scheduler.policy import Dispatch, Plan, Policy
+from services.scheduler.recovery import Recovery
 from services.scheduler.settings import SchedulerSettings
+from services.scheduler.telemetry import SchedulerTelemetry
+from services.scheduler.workers import WorkerRegistry
 from shared.kafka import encode, make_consumer, make_producer
-from shared.messages import Batch, ErrorCode, ErrorResult, QueuedRequest, Tier
-from shared.offsets import OffsetTracker
+from shared.messages import Batch, ErrorCode, ErrorResult, Heartbeat, QueuedRequest, Tier
 from shared.results import send_result
 from shared.topics import Topics
 
 log = structlog.get_logger()
 
-IDLE_POLL_MS = 100
+FETCH_MS = 100  # longest a reader waits in one fetch, so rebalances and stops are prompt
+LONGEST_SLEEP_S = 1.0  # the stepper re-plans at least this often
+LIVENESS_TICK_S = 0.1
+HEARTBEAT_LOOKBACK_S = 60.0  # on start, heartbeats this recent say who is alive
+RESWEEP_AFTER_S = 10.0  # a dead worker is swept once more, for batches sent in a race
+DISPATCHED_MEMORY_S = 600.0  # how long restart-scan findings are kept
+SEEN_MEMORY = 200_000  # (request_id, attempt) remembered to drop a second hand-back
 
 
 @dataclass(frozen=True)
 class Waiting:
+    """A request in the backlog, and the tier-topic record it came from."""
+
     request: QueuedRequest
     tp: TopicPartition
     offset: int
+
+
+@dataclass
+class PendingRecovery:
+    beat: Heartbeat
+    due_at: float
+    sweep: bool = False
 
 
 class Scheduler:
@@ -36,110 +68,447 @@ class Scheduler:
         s = settings
         self.settings = s
         self.topics = Topics(s.topic_prefix)
-        self.rule: BusRule[Waiting] = BusRule(
+        self.group = f"{s.topic_prefix}.scheduler"
+        self.policy: Policy[Waiting] = Policy(s.policy_config(), s.departure_rule())
+        self.ledger = Ledger()
+        self.workers = WorkerRegistry(s.scheduler_worker_missed_beats)
+        self.telemetry = SchedulerTelemetry(
+            self.topics.batches,
             {
-                Tier.interactive: TierPolicy(
-                    s.scheduler_interactive_max_batch_size, s.scheduler_interactive_max_wait_ms
-                ),
-                Tier.background: TierPolicy(
-                    s.scheduler_background_max_batch_size, s.scheduler_background_max_wait_ms
-                ),
-            }
+                Tier.interactive: s.scheduler_interactive_max_batch_size,
+                Tier.background: s.scheduler_background_max_batch_size,
+            },
         )
-        self._offsets = OffsetTracker()
+        self._wake = asyncio.Event()
+        self._wake_at: float | None = None
+        # One step (plan, send, commit) at a time; a rebalance waits for the step in flight.
+        self._step_lock = asyncio.Lock()
+        self._log_lock = asyncio.Lock()  # the batch log consumer has one reader at a time
+        self._dispatched_before: dict[tuple[str, int], float] = {}  # found by restart scans
+        # Per tier partition we own, the (request_id, attempt) read from it.
+        self._seen: dict[TopicPartition, OrderedDict[tuple[str, int], None]] = {}
+        self._last_produced: dict[int, int] = {}  # batches partition -> last offset we wrote
+        self._start_ends: dict[int, int] = {}  # batches partition -> end when we started
+        self._recoveries: dict[str, PendingRecovery] = {}
+        self._beats_live_from: dict[TopicPartition, int] = {}  # heartbeats below: replayed
+        self._last_commit = 0.0
+        self._handed_on = False  # something was handed on since the last commit
+
+    # -- wiring ------------------------------------------------------------------------
 
     async def run(self) -> None:
         s = self.settings
-        producer = make_producer(s, client_id="scheduler")
-        consumer = make_consumer(
-            s, *self.topics.tiers, group_id=f"{s.topic_prefix}.scheduler", client_id="scheduler"
+        producer = make_producer(s, client_id=f"scheduler-{s.scheduler_id}")
+        # A configured id is a stable identity: static membership lets a restarted process
+        # take its partitions back at once instead of after the session timeout.
+        static_id = s.scheduler_id if "scheduler_id" in s.model_fields_set else None
+        tiers = make_consumer(
+            s,
+            group_id=self.group,
+            client_id=f"scheduler-{s.scheduler_id}",
+            # Hand-backs of a recovery that aborted must stay invisible.
+            isolation_level="read_committed",
+            group_instance_id=static_id,
         )
-        await producer.start()
+        tiers.subscribe(list(self.topics.tiers), listener=_Rebalance(self, tiers))
+        beats = make_consumer(
+            s,
+            group_id=None,
+            client_id=f"scheduler-{s.scheduler_id}-beats",
+            auto_offset_reset="latest",
+        )
+        reader = make_consumer(s, group_id=None, client_id=f"scheduler-{s.scheduler_id}-log")
+        admin = AIOKafkaAdminClient(bootstrap_servers=s.bootstrap_servers)
+        self._producer = producer
+        self._admin = admin
+        self._batch_log = BatchLog(reader)
+        self._recovery = Recovery(s, admin, self._batch_log)
+        self._tiers = tiers
+        stops: list[Callable[[], Awaitable[None]]] = []
         try:
-            await consumer.start()
-            log.info("scheduler.started", tiers=self.topics.tiers)
-            await self._loop(consumer, producer)
+            await producer.start()
+            stops.append(producer.stop)
+            await admin.start()
+            stops.append(admin.close)
+            for consumer in (reader, beats):
+                await consumer.start()
+                stops.append(consumer.stop)
+            await self._start_floors()
+            await self._seek_recent_heartbeats(beats)
+            await tiers.start()
+            stops.append(tiers.stop)
+            log.info("scheduler.started", scheduler_id=s.scheduler_id, policy=s.scheduler_policy)
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(self._read_tiers(tiers))
+                tg.create_task(self._read_heartbeats(beats))
+                tg.create_task(self._steps())
+                tg.create_task(self._watch_liveness())
         finally:
-            await consumer.stop()
-            await producer.stop()
+            for stop in reversed(stops):
+                await stop()
 
-    async def _loop(self, consumer: AIOKafkaConsumer, producer: AIOKafkaProducer) -> None:
+    async def _start_floors(self) -> None:
+        """Whatever we produce will land at or after today's end of each batches partition."""
+        topic = self.topics.batches
+        parts = [TopicPartition(topic, p) for p in range(self.topics.partitions()[topic])]
+        ends = await self._batch_log.end_offsets(parts)
+        self._start_ends = {tp.partition: end for tp, end in ends.items()}
+
+    async def _seek_recent_heartbeats(self, beats: AIOKafkaConsumer) -> None:
+        topic = self.topics.workers
+        tps = [TopicPartition(topic, p) for p in range(self.topics.partitions()[topic])]
+        beats.assign(tps)
+        since = int((time.time() - HEARTBEAT_LOOKBACK_S) * 1000)
+        found = await beats.offsets_for_times({tp: since for tp in tps})
+        self._beats_live_from = await beats.end_offsets(tps)
+        for tp in tps:
+            at = found.get(tp)
+            if at is None:
+                await beats.seek_to_end(tp)
+            else:
+                beats.seek(tp, at.offset)
+
+    # -- intake --------------------------------------------------------------------------
+
+    async def _read_tiers(self, consumer: AIOKafkaConsumer) -> None:
         while True:
-            departure = self.rule.next_departure()
-            wait_ms = (
-                IDLE_POLL_MS
-                if departure is None
-                else max(0, min(IDLE_POLL_MS, int((departure - time.time()) * 1000)))
-            )
-            fetched = await consumer.getmany(timeout_ms=wait_ms)
+            fetched = await consumer.getmany(timeout_ms=FETCH_MS)
+            if not fetched:
+                continue
+            self.telemetry.fetched(consumer, fetched)
             now = time.time()
+            answers: list[tuple[Waiting, ErrorResult]] = []
             for tp, records in fetched.items():
                 for record in records:
-                    self._offsets.taken(tp, record.offset)
-                    await self._admit(producer, tp, record.offset, record.value or b"", now)
-            for bus in self.rule.due(time.time()):
-                await self._dispatch(producer, bus)
-            await self._commit(consumer)
+                    if not self.ledger.read(tp, record.offset):
+                        continue  # handed on before a restart or rebalance
+                    answer = self._admit(tp, record, now)
+                    if answer is not None:
+                        answers.append(answer)
+            await self._answer(answers)
+            self._pause_far_ahead(consumer)
+            self._wake.set()
 
-    async def _admit(
-        self, producer: AIOKafkaProducer, tp: TopicPartition, offset: int, raw: bytes, now: float
-    ) -> None:
+    def _admit(
+        self, tp: TopicPartition, record: ConsumerRecord[bytes, bytes], now: float
+    ) -> tuple[Waiting, ErrorResult] | None:
+        """Queue the request, or return the error it must be answered with now."""
         try:
-            request = QueuedRequest.model_validate_json(raw)
+            request = QueuedRequest.model_validate_json(record.value or b"")
         except ValidationError as exc:
-            # Only ingest writes tier topics; a bad record here is a bug, not user input.
-            log.error("tier_record.invalid", topic=tp.topic, offset=offset, error=str(exc))
-            self._offsets.done(tp, offset)
-            return
+            # Only ingest and recovery write tier topics: a bad record is a bug, not input.
+            log.error("tier_record.invalid", topic=tp.topic, offset=record.offset, error=str(exc))
+            self.ledger.handed_on(tp, record.offset)
+            return None
+        key = (request.request_id, request.attempt)
+        seen = self._seen.setdefault(tp, OrderedDict())
+        if key in seen:
+            # Handed back twice (a recovery redone after a crash): one run is enough.
+            log.info("request.duplicate", request_id=request.request_id, attempt=request.attempt)
+            self.ledger.handed_on(tp, record.offset)
+            return None
+        seen[key] = None
+        if len(seen) > SEEN_MEMORY:
+            seen.popitem(last=False)
+        if self._dispatched_before.pop(key, None) is not None:
+            # Dispatched by this partition's previous owner after its last commit.
+            log.info("request.already_dispatched", request_id=request.request_id)
+            self.ledger.handed_on(tp, record.offset)
+            return None
+        waiting = Waiting(request, tp, record.offset)
+        budget = self.policy.config.tiers[request.tier].max_batch_tokens
+        if request.token_cost > budget:
+            message = f"{request.token_cost} tokens is above the {request.tier} budget of {budget}"
+            return waiting, self._error(request, ErrorCode.invalid_request, message)
+        request = self.telemetry.arrived(request, _headers(record))
+        waiting = Waiting(request, tp, record.offset)
         deadline = request.deadline_at
         if deadline is not None and deadline <= now:
-            await self._expire(producer, request)
-            self._offsets.done(tp, offset)
-            return
-        self.rule.add(request.tier, Waiting(request, tp, offset), now)
+            self.telemetry.expired(request)
+            return waiting, self._deadline_error(request)
+        queued = self.policy.add(
+            waiting,
+            tier=request.tier,
+            cost=request.token_cost,
+            prompt_tokens=request.prompt_tokens,
+            now=now,
+            deadline_at=deadline,
+        )
+        assert queued is not None  # the budget was checked above
+        return None
 
-    async def _expire(self, producer: AIOKafkaProducer, request: QueuedRequest) -> None:
-        error = ErrorResult(
+    def _pause_far_ahead(self, consumer: AIOKafkaConsumer) -> None:
+        limit = self.settings.scheduler_max_open_offsets
+        paused = consumer.paused()
+        for tp in consumer.assignment():
+            span = self.ledger.span(tp)
+            if span >= limit and tp not in paused:
+                log.warning(
+                    "tier_partition.paused", topic=tp.topic, partition=tp.partition, span=span
+                )
+                consumer.pause(tp)
+            elif span < limit * 3 // 4 and tp in paused:
+                consumer.resume(tp)
+
+    async def _read_heartbeats(self, consumer: AIOKafkaConsumer) -> None:
+        while True:
+            fetched = await consumer.getmany(timeout_ms=FETCH_MS * 5)
+            now = time.time()
+            for tp, records in fetched.items():
+                live_from = self._beats_live_from.get(tp, 0)
+                for record in records:
+                    try:
+                        beat = Heartbeat.model_validate_json(record.value or b"")
+                    except ValidationError as exc:
+                        log.error("heartbeat.invalid", offset=record.offset, error=str(exc))
+                        continue
+                    self.workers.beat(beat, now, replayed=record.offset < live_from)
+            if fetched:
+                self._wake.set()
+
+    # -- the step: plan, carry out, commit -------------------------------------------------
+
+    async def _steps(self) -> None:
+        while True:
+            now = time.time()
+            sleep = LONGEST_SLEEP_S if self._wake_at is None else self._wake_at - now
+            if sleep > 0:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(min(sleep, LONGEST_SLEEP_S)):
+                        await self._wake.wait()
+            self._wake.clear()
+            async with self._step_lock:
+                now = time.time()
+                plan = self.policy.plan(now, self.workers.slots(now))
+                self._wake_at = plan.wake_at
+                await self._carry_out(plan, now)
+                await self._commit()
+
+    async def _carry_out(self, plan: Plan[Waiting], now: float) -> None:
+        sends: list[tuple[Dispatch[Waiting], Batch, asyncio.Future[RecordMetadata]]] = []
+        for d in plan.dispatches:
+            batch = Batch(
+                batch_id=uuid.uuid4().hex,
+                tier=d.tier,
+                requests=[p.item.request for p in d.passengers],
+                reason=d.reason,
+                worker_id=d.worker_id,
+            )
+            batch, headers = self.telemetry.batch_formed(batch, departed_at=now)
+            future = await self._producer.send(
+                self.topics.batches,
+                encode(batch),
+                key=batch.batch_id.encode(),
+                partition=self.workers.partition_of(d.worker_id),
+                headers=headers,
+            )
+            sends.append((d, batch, future))
+        expired: list[tuple[Waiting, ErrorResult]] = []
+        for p in plan.expired:
+            self.telemetry.expired(p.item.request)
+            expired.append((p.item, self._deadline_error(p.item.request)))
+        for d, batch, future in sends:
+            sent = await future
+            self.telemetry.batch_sent(batch)
+            self.workers.dispatched(d.worker_id, sent.offset, len(d.passengers))
+            self._last_produced[sent.partition] = max(
+                sent.offset, self._last_produced.get(sent.partition, -1)
+            )
+            self._hand_on(d.passengers)
+            log.info(
+                "batch.dispatched",
+                batch_id=batch.batch_id,
+                worker_id=d.worker_id,
+                tier=d.tier.value,
+                size=len(d.passengers),
+                filled=d.filled,
+                tokens=d.tokens,
+                reason=d.reason,
+                partition=sent.partition,
+                offset=sent.offset,
+            )
+        await self._answer(expired)
+
+    def _hand_on(self, passengers: Sequence[Passenger[Waiting]]) -> None:
+        for p in passengers:
+            self.ledger.handed_on(p.item.tp, p.item.offset)
+        self._handed_on = True
+
+    async def _answer(self, answers: list[tuple[Waiting, ErrorResult]]) -> None:
+        """Publish each error to its request's result stream; then it counts as handed on."""
+        sent = [
+            (w, error, await send_result(self._producer, w.request.reply_to, error))
+            for w, error in answers
+        ]
+        for w, error, future in sent:
+            await future
+            self.ledger.handed_on(w.tp, w.offset)
+            log.info("request.answered", request_id=error.request_id, code=error.code.value)
+        if answers:
+            self._handed_on = True
+
+    async def _commit(self, *, only: set[TopicPartition] | None = None) -> None:
+        """Commit positions and metadata after a hand-on, or every commit interval."""
+        now = time.time()
+        interval = self.settings.scheduler_commit_interval_ms / 1000.0
+        if only is None and not self._handed_on and now - self._last_commit < interval:
+            return
+        entries = self.ledger.committable(self._floors())
+        if only is not None:
+            entries = {tp: e for tp, e in entries.items() if tp in only}
+        if not entries:
+            return
+        try:
+            await self._tiers.commit(entries)
+        except (CommitFailedError, IllegalStateError) as exc:
+            # A rebalance is under way; its revoke callback commits what we hand over.
+            log.warning("commit.failed", error=str(exc))
+            return
+        self.ledger.mark_committed(entries)
+        self._last_commit = now
+        self._handed_on = False
+
+    def _floors(self) -> dict[int, int]:
+        """Per batches partition, an offset at or below any batch we can still produce."""
+        consumed = self.workers.consumed()
+        out: dict[int, int] = {}
+        for partition, start_end in self._start_ends.items():
+            out[partition] = max(
+                start_end,
+                consumed.get(partition, 0),
+                self._last_produced.get(partition, -1) + 1,
+            )
+        return out
+
+    # -- ownership of tier partitions -------------------------------------------------------
+
+    async def take_over(self, assigned: set[TopicPartition]) -> None:
+        """Restore the ledger of newly assigned partitions; learn what was already dispatched."""
+        if not assigned:
+            return
+        committed = await self._admin.list_consumer_group_offsets(
+            self.group, partitions=sorted(assigned)
+        )
+        starts: dict[int, int] = {}
+        for tp in assigned:
+            entry = committed.get(tp)
+            offset = None if entry is None or entry.offset < 0 else entry.offset
+            restored = self.ledger.restore(tp, offset, entry.metadata if entry else "")
+            # Any batch of this partition's requests dispatched after that commit lies at
+            # or after the commit's floors; without them, read the batches from the start.
+            for partition in self._start_ends:
+                floor = 0 if restored.floors is None else restored.floors.get(partition, 0)
+                starts[partition] = min(starts.get(partition, floor), floor)
+        topic = self.topics.batches
+        async with self._log_lock:
+            logged = await self._batch_log.read(
+                {TopicPartition(topic, p): offset for p, offset in starts.items()}
+            )
+        now = time.time()
+        for old in [k for k, t in self._dispatched_before.items() if now - t > DISPATCHED_MEMORY_S]:
+            del self._dispatched_before[old]
+        for entry_ in logged:
+            for request in entry_.batch.requests:
+                self._dispatched_before[(request.request_id, request.attempt)] = now
+        log.info(
+            "tier_partitions.assigned",
+            partitions=sorted(f"{tp.topic}/{tp.partition}" for tp in assigned),
+            batches_scanned=len(logged),
+        )
+
+    async def release(self, revoked: set[TopicPartition]) -> None:
+        """Stop scheduling revoked partitions' requests; commit what we handed on of them."""
+        if not revoked:
+            return
+        async with self._step_lock:
+            dropped = self.policy.backlog.remove_where(lambda w: w.tp in revoked)
+            await self._commit(only=revoked)
+            self.ledger.forget(revoked)
+            for tp in revoked:
+                self._seen.pop(tp, None)
+        log.info(
+            "tier_partitions.revoked",
+            partitions=sorted(f"{tp.topic}/{tp.partition}" for tp in revoked),
+            dropped=len(dropped),
+        )
+
+    def leads_recovery(self) -> bool:
+        return TopicPartition(self.topics.tier(Tier.interactive), 0) in self._tiers.assignment()
+
+    # -- dead workers ------------------------------------------------------------------------
+
+    async def _watch_liveness(self) -> None:
+        grace = self.settings.scheduler_recovery_grace_ms / 1000.0
+        while True:
+            await asyncio.sleep(LIVENESS_TICK_S)
+            now = time.time()
+            for state in self.workers.newly_dead(now):
+                log.warning(
+                    "worker.dead",
+                    worker_id=state.beat.worker_id,
+                    silent_s=round(now - state.seen_at, 3),
+                    held=len(state.beat.held),
+                )
+                self._recoveries[state.beat.worker_id] = PendingRecovery(state.beat, now + grace)
+                self._wake.set()
+            if self._recoveries and self.leads_recovery():
+                await self._recover_due(now)
+            for worker_id, pending in list(self._recoveries.items()):
+                if now - pending.due_at > DISPATCHED_MEMORY_S:
+                    del self._recoveries[worker_id]  # the leader elsewhere has done it
+
+    async def _recover_due(self, now: float) -> None:
+        for worker_id, pending in list(self._recoveries.items()):
+            if pending.due_at > now:
+                continue
+            state = self.workers.get(worker_id)
+            if state is not None and state.dead_at is None:
+                del self._recoveries[worker_id]  # it beat again before the grace ran out
+                continue
+            done = set() if state is None else state.handed_back
+            try:
+                async with self._log_lock:
+                    handed = await self._recovery.recover(pending.beat, done)
+            except KafkaError as exc:
+                log.error("worker.recovery_failed", worker_id=worker_id, error=repr(exc))
+                pending.due_at = now + 1.0
+                continue
+            done.update(handed)
+            if pending.sweep:
+                del self._recoveries[worker_id]
+            else:
+                pending.due_at, pending.sweep = now + RESWEEP_AFTER_S, True
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    @staticmethod
+    def _error(request: QueuedRequest, code: ErrorCode, message: str) -> ErrorResult:
+        return ErrorResult(
             request_id=request.request_id,
             attempt=request.attempt,
             seq=0,
-            code=ErrorCode.deadline_exceeded,
-            message=f"deadline of {request.deadline_ms} ms passed while queued",
-        )
-        await (await send_result(producer, request.reply_to, error))
-        log.info("request.expired", request_id=request.request_id)
-
-    async def _dispatch(self, producer: AIOKafkaProducer, bus: Departure[Waiting]) -> None:
-        now = time.time()
-        live: list[Waiting] = []
-        for w in bus.items:
-            deadline = w.request.deadline_at
-            if deadline is not None and deadline <= now:
-                await self._expire(producer, w.request)
-                self._offsets.done(w.tp, w.offset)
-            else:
-                live.append(w)
-        if not live:
-            return
-        batch = Batch(
-            batch_id=uuid.uuid4().hex,
-            tier=bus.tier,
-            requests=[w.request for w in live],
-            reason=bus.reason,
-        )
-        await producer.send_and_wait(self.topics.batches, encode(batch), key=batch.batch_id.encode())
-        for w in live:
-            self._offsets.done(w.tp, w.offset)
-        log.info(
-            "batch.dispatched",
-            batch_id=batch.batch_id,
-            tier=bus.tier.value,
-            size=len(live),
-            reason=bus.reason,
+            code=code,
+            message=message,
         )
 
-    async def _commit(self, consumer: AIOKafkaConsumer) -> None:
-        positions = self._offsets.committable()
-        if positions:
-            await consumer.commit(positions)
-            self._offsets.mark_committed(positions)
+    def _deadline_error(self, request: QueuedRequest) -> ErrorResult:
+        message = f"deadline of {request.deadline_ms} ms passed while queued"
+        return self._error(request, ErrorCode.deadline_exceeded, message)
+
+
+def _headers(record: ConsumerRecord[bytes, bytes]) -> Sequence[tuple[str, bytes]]:
+    return list(record.headers or ())
+
+
+class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
+    """Hands partition ownership changes to the scheduler, inside the consumer's rebalance."""
+
+    def __init__(self, scheduler: Scheduler, consumer: AIOKafkaConsumer) -> None:
+        self._scheduler = scheduler
+        self._consumer = consumer
+
+    async def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
+        await self._scheduler.release(set(revoked))
+
+    async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
+        await self._scheduler.take_over(set(assigned))

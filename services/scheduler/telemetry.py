@@ -10,7 +10,7 @@ messaging conventions for a batch), whose context rides in the batch record's he
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,14 +38,10 @@ from shared.telemetry import (
 class SchedulerTelemetry:
     topic: str  # where batches go
     max_batch_size: Mapping[Tier, int]
-    metrics_factory: Callable[[], SchedulerMetrics] = scheduler_metrics
-    tracer_factory: Callable[[], Tracer] = tracer
+    metrics: SchedulerMetrics = field(default_factory=scheduler_metrics)
+    tracer: Tracer = field(default_factory=tracer)
     _waiting: dict[str, Tier] = field(default_factory=dict)
     _sending: dict[str, Span] = field(default_factory=dict)
-
-    @property
-    def metrics(self) -> SchedulerMetrics:
-        return self.metrics_factory()
 
     def fetched(self, consumer: Any, fetched: Mapping[Any, Sequence[Any]]) -> None:
         self.metrics.lag.observe(consumer, fetched)
@@ -74,7 +70,7 @@ class SchedulerTelemetry:
         """Record each request's stages and the batch span; return the batch to send, whose
         requests carry their `batch_form` context, and the headers carrying the batch span's.
         """
-        t = self.tracer_factory()
+        t = self.tracer
         tier = batch.tier.value
         formed: list[QueuedRequest] = []
         links: list[Link] = []

@@ -9,23 +9,26 @@ import time
 
 import structlog
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
-from aiokafka.errors import CommitFailedError, IllegalStateError
 from pydantic import ValidationError
 
 from services.worker.cancel import CancelBook, apply_cancel
 from services.worker.drain import Drain, hand_back
 from services.worker.engines.base import Engine
+from services.worker.intake import BatchIntake
 from services.worker.runner import RequestRunner, RunOutcome
 from services.worker.settings import WorkerSettings
+from services.worker.telemetry import batch_received, observe_capacity, run_traced
 from shared.kafka import encode, make_consumer, make_producer
 from shared.messages import Batch, CancelRecord, ErrorCode, ErrorResult, Heartbeat, QueuedRequest
-from shared.offsets import OffsetTracker
 from shared.results import send_result
+from shared.telemetry import carrier
 from shared.topics import Topics
 
 log = structlog.get_logger()
 
-HEARTBEAT_SECONDS = 1.0
+# After a slot frees, the next heartbeat goes out this soon (not sooner), so schedulers
+# refill the slot without waiting for the regular interval.
+HEARTBEAT_MIN_GAP_S = 0.05
 
 
 class Worker:
@@ -35,8 +38,7 @@ class Worker:
         self.settings = settings
         self.engine = engine
         self.topics = Topics(settings.topic_prefix)
-        self._offsets = OffsetTracker()
-        self._commit_lock = asyncio.Lock()
+        self.intake = BatchIntake(settings)
         self.drain = Drain(settings.worker_drain_timeout_s)
         self._drain_on_sigterm = drain_on_sigterm
         self._batch_tasks: set[asyncio.Task[None]] = set()
@@ -48,9 +50,7 @@ class Worker:
     async def run(self) -> None:
         s = self.settings
         producer = make_producer(s, client_id=f"worker-{s.worker_id}")
-        batches = make_consumer(
-            s, self.topics.batches, group_id=f"{s.topic_prefix}.workers", client_id=s.worker_id
-        )
+        batches = self.intake.consumer()
         # Every worker sees every cancel: no group, from the live end.
         control = make_consumer(
             s,
@@ -63,6 +63,7 @@ class Worker:
         try:
             await control.start()
             await batches.start()
+            await self.intake.start(batches)
             await self.engine.start()
             runner = RequestRunner(self.engine, producer, s.worker_flush_ms, s.worker_flush_tokens)
             self._producer = producer
@@ -92,29 +93,20 @@ class Worker:
     async def _take_batches(
         self, consumer: AIOKafkaConsumer, runner: RequestRunner, tg: asyncio.TaskGroup
     ) -> None:
+        tp = self.intake.tp
         while True:
-            fetched = await consumer.getmany(timeout_ms=1000)
-            for tp, records in fetched.items():
-                for record in records:
-                    self._offsets.taken(tp, record.offset)
-                    try:
-                        batch = Batch.model_validate_json(record.value or b"")
-                    except ValidationError as exc:
-                        log.error("batch.invalid", offset=record.offset, error=str(exc))
-                        await self._done(consumer, tp, record.offset)
-                        continue
-                    if batch.batch_id in self._redelivered:
-                        # Running it twice would stream the same attempt twice, chunked
-                        # differently: finish the copy with the run already under way.
-                        log.info("batch.redelivered", batch_id=batch.batch_id, offset=record.offset)
-                        self._redelivered[batch.batch_id].append((tp, record.offset))
-                        continue
-                    self._redelivered[batch.batch_id] = []
-                    task = tg.create_task(
-                        self._run_batch(consumer, runner, batch, tp, record.offset)
-                    )
-                    self._batch_tasks.add(task)
-                    task.add_done_callback(self._batch_tasks.discard)
+            for record, batch in await self.intake.take(consumer):
+                batch_received(batch, record, consumer, tp)
+                if batch.batch_id in self._redelivered:
+                    # Running it twice would stream the same attempt twice, chunked
+                    # differently: finish the copy with the run already under way.
+                    log.info("batch.redelivered", batch_id=batch.batch_id, offset=record.offset)
+                    self._redelivered[batch.batch_id].append((tp, record.offset))
+                    continue
+                self._redelivered[batch.batch_id] = []
+                task = tg.create_task(self._run_batch(consumer, runner, batch, tp, record.offset))
+                self._batch_tasks.add(task)
+                task.add_done_callback(self._batch_tasks.discard)
 
     async def _run_batch(
         self,
@@ -126,7 +118,10 @@ class Worker:
     ) -> None:
         log.info("batch.started", batch_id=batch.batch_id, size=len(batch.requests))
         results = await asyncio.gather(
-            *(self._run_request(runner, r, len(batch.requests)) for r in batch.requests),
+            *(
+                run_traced(r, batch, self._run_held(runner, r, len(batch.requests)))
+                for r in batch.requests
+            ),
             return_exceptions=True,
         )
         for request, result in zip(batch.requests, results, strict=True):
@@ -134,9 +129,23 @@ class Worker:
                 log.error("request.failed", request_id=request.request_id, error=repr(result))
             elif result == "handed_back":
                 await hand_back(self._producer, self.topics, request)
+                self.intake.finished(request)
         for copy_tp, copy_offset in self._redelivered.pop(batch.batch_id, []):
             await self._done(consumer, copy_tp, copy_offset)
         await self._done(consumer, tp, offset)
+
+    async def _run_held(
+        self, runner: RequestRunner, request: QueuedRequest, batch_size: int
+    ) -> RunOutcome:
+        """Run the request; it stays held until answered (or, if handed back, until stored)."""
+        try:
+            outcome = await self._run_request(runner, request, batch_size)
+        except BaseException:
+            self.intake.finished(request)
+            raise
+        if outcome != "handed_back":
+            self.intake.finished(request)
+        return outcome
 
     async def _run_request(
         self, runner: RequestRunner, request: QueuedRequest, batch_size: int
@@ -152,21 +161,11 @@ class Worker:
             )
             await (await send_result(self._producer, request.reply_to, cancelled))
             return "answered"
-        return await runner.run(request, batch_size)
+        # The engine (vLLM) gets the request span's context, so its spans join the trace.
+        return await runner.run(request, batch_size, trace_headers=carrier())
 
     async def _done(self, consumer: AIOKafkaConsumer, tp: TopicPartition, offset: int) -> None:
-        self._offsets.done(tp, offset)
-        async with self._commit_lock:
-            positions = self._offsets.committable()
-            if not positions:
-                return
-            try:
-                await consumer.commit(positions)
-                self._offsets.mark_committed(positions)
-            except (CommitFailedError, IllegalStateError) as exc:
-                # The partition moved to another worker, which will run the batch again.
-                log.warning("commit.failed", error=str(exc))
-                self._offsets.forget(set(positions))
+        await self.intake.done(consumer, offset)
 
     async def _obey_cancels(self, consumer: AIOKafkaConsumer) -> None:
         async for record in consumer:
@@ -191,21 +190,35 @@ class Worker:
             )
 
     async def _heartbeat(self, producer: AIOKafkaProducer) -> None:
+        interval = self.settings.worker_heartbeat_ms / 1000.0
         while True:
+            self.intake.freed.clear()
             await self._send_heartbeat(producer)
-            await asyncio.sleep(HEARTBEAT_SECONDS)
+            await asyncio.sleep(HEARTBEAT_MIN_GAP_S)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(interval - HEARTBEAT_MIN_GAP_S):
+                    await self.intake.freed.wait()
 
     async def _send_heartbeat(self, producer: AIOKafkaProducer) -> None:
         cap = self.engine.capacity()
+        observe_capacity(cap.running, cap.total_slots)
+        intake = self.intake
+        # Requests taken in but not yet in the engine count as busy too.
+        free = min(cap.free_slots, max(0, cap.total_slots - len(intake)))
         beat = Heartbeat(
             worker_id=self.settings.worker_id,
             model=self.settings.worker_model,
             total_slots=cap.total_slots,
             # A draining worker takes nothing new.
-            free_slots=0 if self.drain.requested.is_set() else cap.free_slots,
+            free_slots=0 if self.drain.requested.is_set() else free,
             running=cap.running,
             queued_tokens=cap.queued_tokens,
             utilisation=min(1.0, cap.utilisation),
+            batch_partition=intake.tp.partition,
+            batches_consumed=intake.consumed,
+            held=intake.held(),
+            interval_ms=self.settings.worker_heartbeat_ms,
+            started_at=intake.started_at,
         )
         with contextlib.suppress(asyncio.TimeoutError):
             await producer.send(

@@ -20,6 +20,7 @@ from services.worker.engines.base import (
     EngineOutput,
     EngineRequest,
 )
+from services.worker.telemetry import final_record_headers, observe_answered
 from shared.messages import (
     DeltaResult,
     DoneResult,
@@ -207,8 +208,14 @@ class RequestRunner:
                     total_ms=round((done_at - request.created_at) * 1000, 3),
                 ),
             )
-        last = await send_result(self._producer, request.reply_to, final)
+        # The final record carries the request's trace context on to the edge.
+        last = await send_result(
+            self._producer, request.reply_to, final, headers=final_record_headers()
+        )
         await last
+        observe_answered(
+            request, started=started, first_token_at=first_token_at, done_at=done_at, final=final
+        )
         log.info(
             "request.finished",
             request_id=request.request_id,

@@ -4,9 +4,9 @@ Each request runs inside a `worker.request` span that continues the request's tr
 the `trace` field the scheduler put in the batch) and links to the batch's `receive` span.
 When the final record is stored, the stages are recorded from the runner's own clock
 readings: `batch_transit` (batch formed -> run starts), `prefill` (-> first token),
-`decode` (-> last token flushed), `result_publish` (-> the final record's create time, where
-the edge's `deliver` stage begins). The GenAI latency metrics are observed from the same
-`Timings` the `chat.done` record carries.
+`decode` (-> last token flushed), `result_publish` (-> the final record is sent; the instant
+rides in its headers, and the edge's `deliver` stage begins there). The GenAI latency
+metrics are observed from the same `Timings` the `chat.done` record carries.
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ from __future__ import annotations
 import contextvars
 import time
 from collections import OrderedDict
+from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, TypeVar
 
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -25,34 +26,33 @@ from shared import semconv
 from shared.messages import Batch, DoneResult, ErrorCode, ErrorResult, QueuedRequest
 from shared.metrics import worker_metrics
 from shared.telemetry import (
-    carrier,
+    SENT_AT_HEADER,
+    Headers,
     context_from,
     extract,
+    inject,
     ns,
     record_span,
     span_context_of,
     tracer,
 )
 
+T = TypeVar("T")
+
 _RECEIVED_KEEP = 1024  # batch receive spans remembered for the requests' links
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Run:
-    """What the stages of the request being run need from its batch."""
+    """What the stages of the request being run need from its batch and its final record."""
 
     formed_at: float
     incoming: Context
+    final_sent_at: float | None = None
 
 
 _run: contextvars.ContextVar[_Run | None] = contextvars.ContextVar("tokenbus_run", default=None)
 _received: OrderedDict[str, SpanContext] = OrderedDict()
-
-
-class Runner(Protocol):
-    async def run(
-        self, request: QueuedRequest, batch_size: int, trace_headers: dict[str, str] | None = None
-    ) -> str: ...
 
 
 def batch_received(batch: Batch, record: Any, consumer: Any, topic_partition: Any) -> None:
@@ -88,8 +88,12 @@ def batch_received(batch: Batch, record: Any, consumer: Any, topic_partition: An
         _received.popitem(last=False)
 
 
-async def run_traced(runner: Runner, request: QueuedRequest, batch: Batch) -> str:
-    """Run one request of `batch` inside its `worker.request` span; return the run's outcome."""
+async def run_traced(request: QueuedRequest, batch: Batch, run: Awaitable[T]) -> T:
+    """Await `run` (one request of `batch`) inside its `worker.request` span.
+
+    Inside, the current context is the request's: log lines carry its trace id, and
+    `carrier()` gives the headers an engine (vLLM) forwards.
+    """
     incoming = context_from(request.trace)
     received = _received.get(batch.batch_id)
     tier = request.tier.value
@@ -113,16 +117,24 @@ async def run_traced(runner: Runner, request: QueuedRequest, batch: Batch) -> st
         },
     ) as span:
         try:
-            # vLLM gets the request span's context, so its own spans join the trace.
-            outcome = await runner.run(request, len(batch.requests), trace_headers=carrier())
+            outcome = await run
         except Exception:
             worker_metrics().requests.labels(tier, "failed").inc()
             span.set_attribute(semconv.RUN_OUTCOME, "failed")
             raise
-        span.set_attribute(semconv.RUN_OUTCOME, outcome)
+        span.set_attribute(semconv.RUN_OUTCOME, str(outcome))
         if outcome == "handed_back":
             worker_metrics().requests.labels(tier, "handed_back").inc()
         return outcome
+
+
+def final_record_headers() -> Headers:
+    """Headers of a request's final result record: its trace context and when it was sent."""
+    now = time.time()
+    run = _run.get()
+    if run is not None:
+        run.final_sent_at = now
+    return inject([(SENT_AT_HEADER, repr(now).encode())])
 
 
 def observe_answered(
@@ -132,11 +144,11 @@ def observe_answered(
     first_token_at: float | None,
     done_at: float,
     final: DoneResult | ErrorResult,
-    final_written_at: float,
 ) -> None:
     """The final record is stored: record the request's worker stages and its metrics."""
     tier = request.tier.value
     run = _run.get()
+    sent = run.final_sent_at if run is not None and run.final_sent_at is not None else done_at
     span = trace.get_current_span()
     common = {semconv.REQUEST_ID: request.request_id, semconv.TIER: tier}
     if run is not None:
@@ -152,7 +164,7 @@ def observe_answered(
     stages = (
         (semconv.STAGE_PREFILL, started, first),
         (semconv.STAGE_DECODE, first, done_at),
-        (semconv.STAGE_RESULT_PUBLISH, done_at, final_written_at),
+        (semconv.STAGE_RESULT_PUBLISH, done_at, sent),
     )
     for stage, start, end in stages:
         record_span(
