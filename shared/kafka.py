@@ -34,6 +34,8 @@ def make_consumer(
     group_id: str | None,
     client_id: str,
     auto_offset_reset: str = "earliest",
+    isolation_level: str = "read_uncommitted",
+    **extra: object,
 ) -> AIOKafkaConsumer:
     """A consumer that never commits on its own: the owner commits what it has handed on."""
     return AIOKafkaConsumer(
@@ -44,7 +46,8 @@ def make_consumer(
         enable_auto_commit=False,
         auto_offset_reset=auto_offset_reset,
         fetch_max_wait_ms=settings.fetch_max_wait_ms,
-        isolation_level="read_uncommitted",
+        isolation_level=isolation_level,
+        **extra,
     )
 
 

@@ -40,6 +40,7 @@ class RequestLimits(BaseModel):
     max_tokens_cap: int = 4096
     default_max_tokens: int = 256
     max_prompt_chars: int = 65536
+    max_request_tokens: int | None = None  # prompt tokens + max_tokens; None: no bound
 
 
 class Model(BaseModel):
@@ -170,7 +171,7 @@ class Batch(Model):
     batch_id: str
     tier: Tier
     requests: list[QueuedRequest] = Field(min_length=1)
-    reason: Literal["full", "tokens", "timeout", "drain"]
+    reason: Literal["full", "tokens", "timeout", "deadline", "adaptive", "drain"]
     formed_at: float = Field(default_factory=time.time)
     worker_id: str | None = None
 
@@ -256,6 +257,28 @@ class Heartbeat(Model):
     queued_tokens: int = Field(ge=0)
     utilisation: float = Field(ge=0.0, le=1.0)
     sent_at: float = Field(default_factory=time.time)
+    batch_partition: int | None = Field(
+        default=None, ge=0, description="The partition of the batches topic this worker reads."
+    )
+    batches_consumed: int = Field(
+        default=0,
+        ge=0,
+        description="Next offset the worker reads on its batch partition: every batch below"
+        " it is in the worker's hands (the scheduler's acknowledgement).",
+    )
+    held: list[tuple[str, int]] = Field(
+        default_factory=list,
+        description="(request_id, attempt) of every request taken in and not yet answered or"
+        " handed back: what a scheduler hands back if this worker dies.",
+    )
+    interval_ms: float = Field(
+        default=1000.0, gt=0, description="Longest gap between two heartbeats of this worker."
+    )
+    started_at: float = Field(
+        default=0.0,
+        description="When this worker process started: the same worker_id with another"
+        " started_at is a new incarnation.",
+    )
 
 
 class StreamResumed(Model):

@@ -95,7 +95,14 @@ class ConsumerLag:
             if records:
                 self._next[tp] = records[-1].offset + 1
         by_topic: dict[str, int] = {}
-        for tp, position in self._next.items():
+        # After a rebalance, a revoked partition's lag is its new owner's to report (and
+        # aiokafka's highwater() asserts on a partition no longer assigned).
+        assignment = getattr(consumer, "assignment", None)
+        owned = set(assignment()) if callable(assignment) else None
+        for tp, position in list(self._next.items()):
+            if owned is not None and tp not in owned:
+                del self._next[tp]
+                continue
             end = consumer.highwater(tp)
             if end is not None:
                 by_topic[tp.topic] = by_topic.get(tp.topic, 0) + max(0, end - position)

@@ -30,3 +30,14 @@ class TokenbusSettings(BaseSettings):
         default=65536, ge=1, description="Largest prompt (all message contents together)."
     )
     log_level: str = Field(default="INFO")
+    # Token budgets per tier (prompt tokens + max_tokens per batch): the scheduler forms
+    # batches within them, ingest refuses a request no batch could ever hold.
+    scheduler_interactive_max_batch_tokens: int = Field(default=65536, ge=1)
+    scheduler_background_max_batch_tokens: int = Field(default=131072, ge=1)
+
+    @property
+    def largest_token_budget(self) -> int:
+        """The most tokens one request may ask for: the largest tier token budget."""
+        return max(
+            self.scheduler_interactive_max_batch_tokens, self.scheduler_background_max_batch_tokens
+        )

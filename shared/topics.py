@@ -53,6 +53,10 @@ class Topics:
     def control(self) -> str:
         return f"{self.prefix}.control"
 
+    def worker_group(self, worker_id: str) -> str:
+        """The consumer group under which one worker commits its batch partition progress."""
+        return f"{self.prefix}.worker.{worker_id}"
+
     def partitions(self) -> dict[str, int]:
         """Topic name -> partition count, as `tokenbus topics create` makes them."""
         return {

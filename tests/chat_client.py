@@ -70,3 +70,38 @@ async def run_requests(
 
     await asyncio.wait_for(pump(), timeout)
     return by_client
+
+
+class ChatSession:
+    """One socket with requests sent over time; frames filed as they arrive (any order)."""
+
+    def __init__(self, ws: websockets.ClientConnection) -> None:
+        self.ws = ws
+        self.by_client: dict[str, Transcript] = {}
+        self._by_request: dict[str, Transcript] = {}
+        self.ended: list[str] = []  # client ids in the order their streams ended
+
+    async def send(self, request: dict[str, Any]) -> None:
+        self.by_client[request["client_id"]] = Transcript(client_id=request["client_id"])
+        await self.ws.send(json.dumps({"type": "chat.request", **request}))
+
+    async def until(self, done: Any, within: float = 30) -> None:
+        """Read frames until `done()` is true; fail after `within` seconds."""
+
+        async def pump() -> None:
+            while not done():
+                frame = await recv_json(self.ws, within)
+                if frame["type"] == "chat.accepted":
+                    t = self.by_client[frame["client_id"]]
+                    t.request_id = frame["request_id"]
+                    self._by_request[frame["request_id"]] = t
+                else:
+                    t = self._by_request[frame["request_id"]]
+                t.frames.append(frame)
+                if frame["type"] in ("chat.done", "error") and t.client_id is not None:
+                    self.ended.append(t.client_id)
+
+        await asyncio.wait_for(pump(), within)
+
+    def all_ended(self) -> bool:
+        return len(self.ended) >= len(self.by_client)

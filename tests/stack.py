@@ -14,6 +14,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
 from shared.kafka import create_topics, delete_topics, wait_for_broker
@@ -128,6 +129,14 @@ class Stack:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
 
+    def read(self, topic: str) -> list[bytes]:
+        """Every record value on one of the stack's topics, read from the beginning now."""
+        return asyncio.run(read_topic(self.bootstrap, topic, self.topics.partitions()[topic]))
+
+    def log(self, key: str) -> Path:
+        """The log file of the service started under `key`."""
+        return self.log_dir / f"{self.prefix}-{key}.log"
+
     def stop(self) -> None:
         for key in list(self.processes):
             self.stop_service(key)
@@ -149,6 +158,28 @@ async def _delete_all(settings: TokenbusSettings, topics: Topics) -> None:
     finally:
         await admin.close()
     await delete_topics(settings, [*topics.partitions(), *mine])
+
+
+async def read_topic(bootstrap: str, topic: str, partitions: int) -> list[bytes]:
+    """Every record value on `topic` now, all partitions, oldest first per partition."""
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False
+    )
+    await consumer.start()
+    try:
+        parts = [TopicPartition(topic, p) for p in range(partitions)]
+        consumer.assign(parts)
+        await consumer.seek_to_beginning(*parts)
+        ends = await consumer.end_offsets(parts)
+        values: list[bytes] = []
+        todo = {tp for tp in parts if ends[tp] > 0}
+        while todo:
+            for records in (await consumer.getmany(timeout_ms=500)).values():
+                values.extend(r.value or b"" for r in records)
+            todo = {tp for tp in todo if await consumer.position(tp) < ends[tp]}
+        return values
+    finally:
+        await consumer.stop()
 
 
 def new_prefix() -> str:

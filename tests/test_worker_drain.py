@@ -15,7 +15,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 
 from services.worker.drain import next_attempt
 from services.worker.engines.sim_text import complete
-from shared.messages import QueuedRequest, ReplyTo, Tier
+from shared.messages import Heartbeat, QueuedRequest, ReplyTo, Tier
 from tests.chat_client import Transcript, recv_json
 from tests.stack import Stack, new_prefix, wait_until
 from tests.worker_logs import events
@@ -54,11 +54,14 @@ def drain_stack(bootstrap: str, log_dir: Path) -> Iterator[Stack]:
     try:
         s.start()
         s.start_service("worker", key="worker-b", TOKENBUS_WORKER_ID="worker-b")
-        # Requests sent while the group still rebalances could run on both workers.
+        # Batches are addressed to workers the scheduler has heard from: wait for both.
         wait_until(
-            lambda: asyncio.run(group_state(bootstrap, f"{s.prefix}.workers")) == ("Stable", 2),
+            lambda: (
+                len({Heartbeat.model_validate_json(v).worker_id for v in s.read(s.topics.workers)})
+                == 2
+            ),
             60,
-            "both workers to share the batches topic",
+            "heartbeats from both workers",
             interval=0.2,
         )
         yield s

@@ -87,11 +87,21 @@ def admit(
         return Rejected(
             ErrorCode.invalid_request, error_message(exc), request_id, _reply_to(body, topics)
         )
-    if recent.seen(record.request_id):
-        return Duplicate(record.request_id)
     tier = record.priority or Tier.interactive
     reply_to = record.reply_to or ReplyTo(topic=topics.results)
-    return Admitted(QueuedRequest.from_record(record, tier=tier, reply_to=reply_to), topics.tier(tier))
+    queued = QueuedRequest.from_record(record, tier=tier, reply_to=reply_to)
+    budget = limits.max_request_tokens
+    if budget is not None and queued.token_cost > budget:
+        # No batch could ever hold it: refuse now rather than let it wait forever.
+        message = (
+            f"prompt (~{queued.prompt_tokens} tokens) plus max_tokens"
+            f" ({queued.effective_max_tokens}) is {queued.token_cost} tokens, above the"
+            f" largest batch token budget of {budget}"
+        )
+        return Rejected(ErrorCode.invalid_request, message, record.request_id, reply_to)
+    if recent.seen(record.request_id):
+        return Duplicate(record.request_id)
+    return Admitted(queued, topics.tier(tier))
 
 
 def _reply_to(body: dict[str, object], topics: Topics) -> ReplyTo | None:

@@ -16,4 +16,5 @@ class IngestSettings(TokenbusSettings):
             max_tokens_cap=self.max_tokens_cap,
             default_max_tokens=self.default_max_tokens,
             max_prompt_chars=self.max_prompt_chars,
+            max_request_tokens=self.largest_token_budget,
         )

@@ -173,6 +173,13 @@ class Scheduler:
     async def _read_tiers(self, consumer: AIOKafkaConsumer) -> None:
         while True:
             fetched = await consumer.getmany(timeout_ms=FETCH_MS)
+            # Records of a partition revoked meanwhile belong to its new owner now.
+            assigned = consumer.assignment()
+            fetched = {
+                tp: records
+                for tp, records in fetched.items()
+                if tp in assigned and self.ledger.owns(tp)
+            }
             if not fetched:
                 continue
             self.telemetry.fetched(consumer, fetched)

@@ -1,14 +1,110 @@
-"""Scheduler settings (`TOKENBUS_SCHEDULER_*`)."""
+"""Scheduler settings (`TOKENBUS_SCHEDULER_*`); every default is documented in docs/scheduler.md."""
 
 from __future__ import annotations
 
-from pydantic import Field
+import os
+import socket
+from typing import Literal
 
+from pydantic import Field, model_validator
+
+from services.scheduler.departure import AdaptiveRule, CostModel, DepartureRule, FixedRule
+from services.scheduler.limits import PolicyConfig, TierLimits
+from shared.messages import Tier
 from shared.settings import TokenbusSettings
 
 
+def _default_scheduler_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
 class SchedulerSettings(TokenbusSettings):
+    """The per-tier token budgets (`scheduler_*_max_batch_tokens`) live on the shared base:
+    ingest refuses any request larger than the largest of them."""
+
+    scheduler_id: str = Field(
+        default_factory=_default_scheduler_id,
+        min_length=1,
+        max_length=200,
+        description="Stable name of this scheduler: a restart with the same id takes its"
+        " tier partitions back at once (Kafka static group membership).",
+    )
+    scheduler_policy: Literal["fixed", "adaptive"] = Field(
+        default="fixed", description="fixed: the bus rule; adaptive: cost-model wait."
+    )
+
     scheduler_interactive_max_batch_size: int = Field(default=16, ge=1)
     scheduler_interactive_max_wait_ms: float = Field(default=10.0, ge=0)
     scheduler_background_max_batch_size: int = Field(default=32, ge=1)
     scheduler_background_max_wait_ms: float = Field(default=200.0, ge=0)
+    scheduler_background_aging_ms: float = Field(
+        default=2000.0, ge=0, description="Background waiting this long outranks interactive."
+    )
+    scheduler_fill_from_other_tier: bool = Field(
+        default=True, description="Fill spare room in a leaving batch from the other tier."
+    )
+    scheduler_batching: Literal["pack", "buckets"] = Field(
+        default="pack", description="pack: one queue per tier; buckets: per prompt length."
+    )
+    scheduler_bucket_edges: tuple[int, ...] = Field(
+        default=(256, 1024, 4096), description="Prompt-token upper bounds of the buckets."
+    )
+
+    # adaptive policy: engine time of a batch of n = per_request * n + per_batch
+    scheduler_adaptive_per_request_ms: float = Field(default=2.0, ge=0)
+    scheduler_adaptive_per_batch_ms: float = Field(default=15.0, ge=0)
+
+    scheduler_worker_missed_beats: int = Field(
+        default=3, ge=1, description="Heartbeats a worker may miss before it is declared dead."
+    )
+    scheduler_recovery_grace_ms: float = Field(
+        default=1000.0,
+        ge=0,
+        description="After declaring a worker dead, wait this long (so every scheduler has"
+        " stopped sending to it) before handing its unfinished requests back.",
+    )
+    scheduler_max_open_offsets: int = Field(
+        default=16000,
+        ge=64,
+        le=20000,
+        description="Per tier partition: stop reading ahead of the oldest request not yet"
+        " handed on by this many offsets (bounds memory and the commit metadata).",
+    )
+    scheduler_commit_interval_ms: float = Field(
+        default=1000.0, gt=0, description="Commit at least this often while anything moved."
+    )
+
+    @model_validator(mode="after")
+    def _valid_policy(self) -> SchedulerSettings:
+        self.policy_config()  # raises ValueError on inconsistent limits
+        return self
+
+    def policy_config(self) -> PolicyConfig:
+        return PolicyConfig(
+            tiers={
+                Tier.interactive: TierLimits(
+                    self.scheduler_interactive_max_batch_size,
+                    self.scheduler_interactive_max_batch_tokens,
+                    self.scheduler_interactive_max_wait_ms,
+                ),
+                Tier.background: TierLimits(
+                    self.scheduler_background_max_batch_size,
+                    self.scheduler_background_max_batch_tokens,
+                    self.scheduler_background_max_wait_ms,
+                ),
+            },
+            background_aging_ms=self.scheduler_background_aging_ms,
+            fill_from_other_tier=self.scheduler_fill_from_other_tier,
+            batching=self.scheduler_batching,
+            bucket_edges=self.scheduler_bucket_edges,
+        )
+
+    def departure_rule(self) -> DepartureRule:
+        if self.scheduler_policy == "adaptive":
+            return AdaptiveRule(
+                CostModel(
+                    self.scheduler_adaptive_per_request_ms / 1000.0,
+                    self.scheduler_adaptive_per_batch_ms / 1000.0,
+                )
+            )
+        return FixedRule()

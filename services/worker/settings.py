@@ -22,6 +22,18 @@ class WorkerSettings(TokenbusSettings):
     worker_max_num_seqs: int = Field(default=64, ge=1, description="Sequences run at once.")
     worker_flush_ms: float = Field(default=20.0, gt=0, description="Longest a token waits.")
     worker_flush_tokens: int = Field(default=16, ge=1, description="Send a chunk at this size.")
+    worker_batch_partition: int = Field(
+        default=0,
+        ge=0,
+        description="The batches topic partition this worker reads; batches are addressed to"
+        " a worker id, so workers may share one, but each on its own reads only its own.",
+    )
+    worker_heartbeat_ms: float = Field(
+        default=1000.0,
+        gt=0,
+        description="Longest gap between heartbeats (one is also sent soon after a slot frees);"
+        " schedulers declare a worker dead after three silent intervals.",
+    )
     worker_drain_timeout_s: float = Field(
         default=10.0,
         ge=0,

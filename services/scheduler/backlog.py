@@ -1,0 +1,221 @@
+"""The scheduler's backlog: waiting requests in lanes (tier x length bucket), oldest first."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from bisect import bisect_left
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Generic, NamedTuple, TypeVar
+
+from services.scheduler.limits import PolicyConfig, TierLimits
+from shared.messages import Tier
+
+T = TypeVar("T")
+
+# How many requests that do not fit the token budget a batch skips before it stops
+# looking: bounds the work per batch while still letting small requests pass a big one.
+FIRST_FIT_SCAN = 64
+# Weight of the newest gap in the arrival-rate estimate (exponential moving average).
+RATE_SMOOTHING = 0.2
+
+
+class LaneKey(NamedTuple):
+    tier: Tier
+    bucket: int
+
+
+@dataclass(slots=True, eq=False)
+class Passenger(Generic[T]):
+    """One waiting request: the payload and what the policy decides on."""
+
+    item: T
+    tier: Tier
+    cost: int  # prompt tokens + max_tokens
+    prompt_tokens: int
+    arrived: float
+    deadline_at: float | None
+    number: int  # arrival order, unique per backlog
+
+
+class Lane(Generic[T]):
+    """Requests of one tier and length bucket, in arrival order."""
+
+    def __init__(self, key: LaneKey, limits: TierLimits) -> None:
+        self.key = key
+        self.limits = limits
+        self.tokens = 0
+        self._items: OrderedDict[int, Passenger[T]] = OrderedDict()
+        self._deadlines: list[tuple[float, int]] = []  # lazy min-heap
+        self.last_arrival: float | None = None
+        self.mean_gap: float | None = None  # seconds between arrivals, smoothed
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self) -> Iterator[Passenger[T]]:
+        return iter(self._items.values())
+
+    def head(self) -> Passenger[T]:
+        return next(iter(self._items.values()))
+
+    def add(self, p: Passenger[T]) -> None:
+        self._items[p.number] = p
+        self.tokens += p.cost
+        if p.deadline_at is not None:
+            heapq.heappush(self._deadlines, (p.deadline_at, p.number))
+        if self.last_arrival is not None:
+            gap = max(0.0, p.arrived - self.last_arrival)
+            self.mean_gap = (
+                gap
+                if self.mean_gap is None
+                else (1 - RATE_SMOOTHING) * self.mean_gap + RATE_SMOOTHING * gap
+            )
+        self.last_arrival = p.arrived
+
+    def remove(self, p: Passenger[T]) -> None:
+        if self._items.pop(p.number, None) is not None:
+            self.tokens -= p.cost
+
+    def earliest_deadline(self) -> float | None:
+        while self._deadlines and self._deadlines[0][1] not in self._items:
+            heapq.heappop(self._deadlines)
+        return self._deadlines[0][0] if self._deadlines else None
+
+    def select(
+        self,
+        limit: int,
+        token_budget: int,
+        admit: Callable[[Passenger[T]], bool] | None = None,
+    ) -> list[Passenger[T]]:
+        """Up to `limit` requests within `token_budget`, oldest first; nothing is removed.
+
+        First fit: a request that does not fit the remaining budget is passed over (it
+        stays at the front for the next batch), so small requests behind it can still ride.
+        `admit` stops the scan at the first request it rejects (used to take only the aged
+        prefix of a lane).
+        """
+        out: list[Passenger[T]] = []
+        tokens = 0
+        skipped = 0
+        for p in self._items.values():
+            if len(out) >= limit or tokens >= token_budget:
+                break
+            if admit is not None and not admit(p):
+                break
+            if tokens + p.cost > token_budget:
+                skipped += 1
+                if skipped > FIRST_FIT_SCAN:
+                    break
+                continue
+            out.append(p)
+            tokens += p.cost
+        return out
+
+    def discard(self, passengers: list[Passenger[T]]) -> None:
+        for p in passengers:
+            del self._items[p.number]
+            self.tokens -= p.cost
+
+    def arrival_rate(self, now: float) -> float:
+        """Requests per second: the smoothed rate, lowered while no request arrives."""
+        if self.last_arrival is None:
+            return 0.0
+        since = max(0.0, now - self.last_arrival)
+        gap = since if self.mean_gap is None else max(self.mean_gap, since)
+        return float("inf") if gap <= 0 else 1.0 / gap
+
+
+class Backlog(Generic[T]):
+    """Every waiting request of one scheduler, by lane; expires requests past deadline."""
+
+    def __init__(self, config: PolicyConfig) -> None:
+        self.config = config
+        self.lanes: dict[LaneKey, Lane[T]] = {}
+        self._numbers = itertools.count()
+        self._deadlines: list[tuple[float, int, LaneKey]] = []  # lazy min-heap
+        self._where: dict[int, Passenger[T]] = {}
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def lane_of(self, tier: Tier, prompt_tokens: int) -> LaneKey:
+        if self.config.batching == "pack":
+            return LaneKey(tier, 0)
+        return LaneKey(tier, bisect_left(self.config.bucket_edges, prompt_tokens))
+
+    def add(
+        self,
+        item: T,
+        *,
+        tier: Tier,
+        cost: int,
+        prompt_tokens: int,
+        now: float,
+        deadline_at: float | None = None,
+    ) -> Passenger[T]:
+        key = self.lane_of(tier, prompt_tokens)
+        lane = self.lanes.get(key)
+        if lane is None:
+            lane = self.lanes[key] = Lane(key, self.config.tiers[tier])
+        p = Passenger(item, tier, cost, prompt_tokens, now, deadline_at, next(self._numbers))
+        lane.add(p)
+        self._where[p.number] = p
+        if deadline_at is not None:
+            heapq.heappush(self._deadlines, (deadline_at, p.number, key))
+        return p
+
+    def select(
+        self,
+        key: LaneKey,
+        limit: int,
+        token_budget: int,
+        admit: Callable[[Passenger[T]], bool] | None = None,
+    ) -> list[Passenger[T]]:
+        return self.lanes[key].select(limit, token_budget, admit)
+
+    def discard(self, key: LaneKey, passengers: list[Passenger[T]]) -> None:
+        """Remove passengers chosen by `select` on the same lane (they ride now)."""
+        self.lanes[key].discard(passengers)
+        for p in passengers:
+            del self._where[p.number]
+
+    def take(self, key: LaneKey, limit: int, token_budget: int) -> list[Passenger[T]]:
+        taken = self.select(key, limit, token_budget)
+        self.discard(key, taken)
+        return taken
+
+    def remove(self, p: Passenger[T]) -> None:
+        if self._where.pop(p.number, None) is not None:
+            self.lanes[self.lane_of(p.tier, p.prompt_tokens)].remove(p)
+
+    def remove_where(self, predicate: Callable[[T], bool]) -> list[Passenger[T]]:
+        """Drop every waiting request whose payload matches (e.g. a revoked partition's)."""
+        gone = [p for p in self._where.values() if predicate(p.item)]
+        for p in gone:
+            self.remove(p)
+        return gone
+
+    def expire(self, now: float) -> list[Passenger[T]]:
+        """Remove and return every request whose deadline is at or before `now`."""
+        out: list[Passenger[T]] = []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, number, _ = heapq.heappop(self._deadlines)
+            p = self._where.get(number)
+            if p is not None:
+                self.remove(p)
+                out.append(p)
+        return out
+
+    def next_deadline(self) -> float | None:
+        while self._deadlines and self._deadlines[0][1] not in self._where:
+            heapq.heappop(self._deadlines)
+        return self._deadlines[0][0] if self._deadlines else None
+
+    def busy_lanes(self) -> list[Lane[T]]:
+        return [lane for lane in self.lanes.values() if len(lane)]
+
+    def waiting(self, tier: Tier) -> int:
+        return sum(len(lane) for key, lane in self.lanes.items() if key.tier is tier)

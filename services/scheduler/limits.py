@@ -1,0 +1,62 @@
+"""What the batching policy is configured with: per-tier limits and the cross-tier rules."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+from shared.messages import Tier
+
+Batching = Literal["pack", "buckets"]
+
+
+@dataclass(frozen=True)
+class TierLimits:
+    """One tier's bus rule: a batch leaves when it is full, or its oldest waited enough.
+
+    `max_batch_tokens` bounds the sum of `QueuedRequest.token_cost` (prompt tokens plus
+    `max_tokens`): what the batch may occupy in the engine's KV cache at its largest.
+    """
+
+    max_batch_size: int
+    max_batch_tokens: int
+    max_wait_ms: float
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1 or self.max_batch_tokens < 1 or self.max_wait_ms < 0:
+            raise ValueError(f"invalid tier limits: {self}")
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """Everything the pure policy needs to decide; built from `SchedulerSettings`.
+
+    - `background_aging_ms`: a background request that has waited this long outranks
+      interactive ones, so background never starves (its wait bound under saturation).
+    - `fill_from_other_tier`: free room in a leaving batch (and on its worker) is filled
+      with the other tier's waiting requests, oldest first.
+    - `batching`: `pack` keeps one queue per tier (continuous-batching engines such as
+      vLLM gain nothing from equal lengths); `buckets` keeps one queue per tier and prompt
+      length bucket, so a static-batching engine never pads a short prompt to a long one.
+    - `bucket_edges`: upper bounds (prompt tokens, inclusive) of every bucket but the last.
+    """
+
+    tiers: Mapping[Tier, TierLimits]
+    background_aging_ms: float = 2000.0
+    fill_from_other_tier: bool = True
+    batching: Batching = "pack"
+    bucket_edges: tuple[int, ...] = (256, 1024, 4096)
+
+    def __post_init__(self) -> None:
+        missing = [t for t in Tier if t not in self.tiers]
+        if missing:
+            raise ValueError(f"no limits for tiers {missing}")
+        if self.background_aging_ms < self.tiers[Tier.background].max_wait_ms:
+            raise ValueError("background_aging_ms must be at least the background max_wait_ms")
+        if list(self.bucket_edges) != sorted(set(self.bucket_edges)):
+            raise ValueError("bucket_edges must be strictly increasing")
+
+    @property
+    def largest_token_budget(self) -> int:
+        return max(limits.max_batch_tokens for limits in self.tiers.values())

@@ -1,0 +1,186 @@
+"""The batching policy: given the backlog, the clock and the workers' free slots, what leaves now.
+
+Pure: no Kafka, no clock of its own. The scheduler process calls `add` for every request
+it reads and `plan(now, workers)` whenever something changed or `Plan.wake_at` came.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+from services.scheduler.backlog import Backlog, Lane, LaneKey, Passenger
+from services.scheduler.departure import DepartureRule, DispatchReason, FixedRule
+from services.scheduler.limits import PolicyConfig
+from shared.messages import Tier
+
+T = TypeVar("T")
+
+# Lane ranks, lowest first: aged background outranks interactive (the starvation bound),
+# interactive outranks the rest of background.
+AGED, INTERACTIVE, BACKGROUND = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class WorkerSlots:
+    """What one live worker can take now, as the scheduler last learned it."""
+
+    worker_id: str
+    free: int
+    total: int
+    queued_tokens: int = 0
+
+
+@dataclass
+class Dispatch(Generic[T]):
+    """One batch, addressed to one worker."""
+
+    worker_id: str
+    tier: Tier
+    reason: DispatchReason
+    passengers: list[Passenger[T]]
+    filled: int = 0  # passengers taken from the other tier to use spare room
+
+    @property
+    def tokens(self) -> int:
+        return sum(p.cost for p in self.passengers)
+
+
+@dataclass
+class Plan(Generic[T]):
+    """What to do now. Every added request ends in exactly one list, once."""
+
+    dispatches: list[Dispatch[T]] = field(default_factory=list)
+    expired: list[Passenger[T]] = field(default_factory=list)
+    wake_at: float | None = None  # call `plan` again by then, even if nothing happens
+
+
+class Policy(Generic[T]):
+    """Per-tier bus rule with token budgets, priority, aging, fill and capacity."""
+
+    def __init__(self, config: PolicyConfig, rule: DepartureRule | None = None) -> None:
+        self.config = config
+        self.rule: DepartureRule = rule or FixedRule()
+        self.backlog: Backlog[T] = Backlog(config)
+
+    def add(
+        self,
+        item: T,
+        *,
+        tier: Tier,
+        cost: int,
+        prompt_tokens: int,
+        now: float,
+        deadline_at: float | None = None,
+    ) -> Passenger[T] | None:
+        """Queue a request; None if it can never ride (larger than its tier's token budget)."""
+        if cost > self.config.tiers[tier].max_batch_tokens:
+            return None
+        return self.backlog.add(
+            item,
+            tier=tier,
+            cost=cost,
+            prompt_tokens=prompt_tokens,
+            now=now,
+            deadline_at=deadline_at,
+        )
+
+    def plan(self, now: float, workers: Sequence[WorkerSlots]) -> Plan[T]:
+        plan: Plan[T] = Plan(expired=self.backlog.expire(now))
+        free = {w.worker_id: w.free for w in workers if w.free > 0}
+        queued = {w.worker_id: w.queued_tokens for w in workers}
+        total = sum(w.total for w in workers)
+        load = 1.0 if total <= 0 else 1.0 - min(total, sum(free.values())) / total
+        self._place(plan, now, free, queued, load)
+        self._fill(plan, now, free)
+        plan.wake_at = self._wake_at(now, load, bool(free))
+        return plan
+
+    def _place(
+        self, plan: Plan[T], now: float, free: dict[str, int], queued: dict[str, int], load: float
+    ) -> None:
+        """Due lanes, best rank first, each as batches on the workers with most room."""
+        aged_before = now - self.config.background_aging_ms / 1000.0
+        while free:
+            best: tuple[tuple[int, float, int], Lane[T], DispatchReason] | None = None
+            for lane in self.backlog.busy_lanes():
+                reason = self.rule.reason(lane, now, load)
+                if reason is None:
+                    continue
+                key = self._order(lane, aged_before)
+                if best is None or key < best[0]:
+                    best = (key, lane, reason)
+            if best is None:
+                return
+            (rank, _, _), lane, reason = best
+            limits = lane.limits
+            admit = (lambda p: p.arrived <= aged_before) if rank == AGED else None
+            chosen = self.backlog.select(
+                lane.key, limits.max_batch_size, limits.max_batch_tokens, admit
+            )
+            # The batch goes to the worker with most room; if it has too little, the rest
+            # of this same batch goes to the next one (each part is within every limit).
+            while chosen and free:
+                worker = max(free, key=lambda w: (free[w], -queued.get(w, 0), w))
+                part, chosen = chosen[: free[worker]], chosen[free[worker] :]
+                self.backlog.discard(lane.key, part)
+                plan.dispatches.append(Dispatch(worker, lane.key.tier, reason, part))
+                self._use(free, worker, len(part))
+
+    def _fill(self, plan: Plan[T], now: float, free: dict[str, int]) -> None:
+        """Spare room in leaving batches (and on their workers), best rank first.
+
+        Runs after every due lane was placed, so it only uses slots nobody due needed.
+        Candidates are the batch's own lane and, if configured, the other tier's lane of
+        the same length bucket.
+        """
+        aged_before = now - self.config.background_aging_ms / 1000.0
+        for d in plan.dispatches:
+            limits = self.config.tiers[d.tier]
+            own = self.backlog.lane_of(d.tier, d.passengers[0].prompt_tokens)
+            keys = [own]
+            if self.config.fill_from_other_tier:
+                other = Tier.background if d.tier is Tier.interactive else Tier.interactive
+                keys.append(LaneKey(other, own.bucket))
+            lanes = [lane for k in keys if (lane := self.backlog.lanes.get(k)) and len(lane)]
+            lanes.sort(key=lambda ln: self._order(ln, aged_before))
+            for lane in lanes:
+                room = min(limits.max_batch_size - len(d.passengers), free.get(d.worker_id, 0))
+                budget = limits.max_batch_tokens - d.tokens
+                if room <= 0 or budget <= 0:
+                    break
+                taken = self.backlog.take(lane.key, room, budget)
+                if lane.key.tier is not d.tier:
+                    d.filled += len(taken)
+                d.passengers.extend(taken)
+                self._use(free, d.worker_id, len(taken))
+
+    def _wake_at(self, now: float, load: float, capacity_left: bool) -> float | None:
+        """The next time a plan could differ without any new arrival or capacity."""
+        times: list[float] = []
+        deadline = self.backlog.next_deadline()
+        if deadline is not None:
+            times.append(deadline)
+        if capacity_left:
+            times.extend(self.rule.due_at(lane, now, load) for lane in self.backlog.busy_lanes())
+        return max(now, min(times)) if times else None
+
+    def _order(self, lane: Lane[T], aged_before: float) -> tuple[int, float, int]:
+        head = lane.head()
+        return (self._rank(lane.key.tier, head, aged_before), head.arrived, head.number)
+
+    @staticmethod
+    def _rank(tier: Tier, head: Passenger[T], aged_before: float) -> int:
+        if tier is Tier.interactive:
+            return INTERACTIVE
+        return AGED if head.arrived <= aged_before else BACKGROUND
+
+    @staticmethod
+    def _use(free: dict[str, int], worker: str, n: int) -> None:
+        free[worker] -= n
+        if free[worker] <= 0:
+            del free[worker]
+
+    def waiting(self) -> int:
+        return len(self.backlog)

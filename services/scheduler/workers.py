@@ -1,0 +1,117 @@
+"""What the scheduler knows of each worker: free slots from heartbeats, liveness, where to send.
+
+Pure: heartbeats and this scheduler's own dispatches in, `WorkerSlots` and deaths out.
+A heartbeat's `free_slots` already counts every batch the worker has read
+(`batches_consumed`); batches this scheduler sent beyond that are subtracted until a
+heartbeat acknowledges them, so two ticks between heartbeats never overfill a worker.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.scheduler.policy import WorkerSlots
+from shared.messages import Heartbeat
+
+
+@dataclass
+class WorkerState:
+    beat: Heartbeat
+    seen_at: float  # this scheduler's clock when the latest heartbeat arrived
+    unacked: dict[int, int] = field(default_factory=dict)  # batch offset -> requests
+    dead_at: float | None = None
+    # Only heartbeats read as they happen prove life; ones replayed at start-up only say
+    # the worker existed (it may have died while this scheduler was down).
+    heard_live: bool = False
+    # (request_id, attempt) already handed back for this worker: never twice, even if a
+    # worker wrongly declared dead comes back and later dies for real.
+    handed_back: set[tuple[str, int]] = field(default_factory=set)
+
+    @property
+    def partition(self) -> int | None:
+        return self.beat.batch_partition
+
+    def free(self) -> int:
+        return max(0, self.beat.free_slots - sum(self.unacked.values()))
+
+
+class WorkerRegistry:
+    """Live and dead workers by id; a worker is dead after `missed_beats` silent intervals."""
+
+    def __init__(self, missed_beats: int = 3) -> None:
+        self.missed_beats = missed_beats
+        self._workers: dict[str, WorkerState] = {}
+
+    def beat(self, beat: Heartbeat, now: float, *, replayed: bool = False) -> None:
+        """Record a heartbeat; it acknowledges every batch below its `batches_consumed`."""
+        state = self._workers.get(beat.worker_id)
+        if state is None or state.beat.started_at != beat.started_at:
+            # New, or a new incarnation of the id.
+            self._workers[beat.worker_id] = WorkerState(beat, now, heard_live=not replayed)
+            return
+        # A worker declared dead that beats again was only slow: it is alive again (what it
+        # held has been handed back; `handed_back` keeps that from happening twice).
+        state.dead_at = None
+        if state.beat.batch_partition != beat.batch_partition:
+            state.unacked.clear()  # offsets of another partition mean nothing here
+        state.beat = beat
+        state.seen_at = now
+        state.heard_live = state.heard_live or not replayed
+        for offset in [o for o in state.unacked if o < beat.batches_consumed]:
+            del state.unacked[offset]
+
+    def dispatched(self, worker_id: str, offset: int, requests: int) -> None:
+        state = self._workers.get(worker_id)
+        if state is not None:
+            state.unacked[offset] = requests
+
+    def slots(self, now: float) -> list[WorkerSlots]:
+        """Every live worker with a batch partition, and what it can take now."""
+        return [
+            WorkerSlots(worker_id, s.free(), s.beat.total_slots, s.beat.queued_tokens)
+            for worker_id, s in sorted(self._workers.items())
+            if s.heard_live
+            and s.dead_at is None
+            and s.partition is not None
+            and not self._silent(s, now)
+        ]
+
+    def partition_of(self, worker_id: str) -> int:
+        partition = self._workers[worker_id].partition
+        assert partition is not None, "only workers with a partition get batches"
+        return partition
+
+    def newly_dead(self, now: float) -> list[WorkerState]:
+        """Workers silent for `missed_beats` intervals, each reported once per death."""
+        out = []
+        for state in self._workers.values():
+            if state.dead_at is None and self._silent(state, now):
+                state.dead_at = now
+                out.append(state)
+        return out
+
+    def get(self, worker_id: str) -> WorkerState | None:
+        return self._workers.get(worker_id)
+
+    def forget(self, worker_id: str) -> None:
+        self._workers.pop(worker_id, None)
+
+    def consumed(self) -> dict[int, int]:
+        """Per batch partition, the furthest any worker has read (a floor for new batches)."""
+        out: dict[int, int] = {}
+        for s in self._workers.values():
+            if s.partition is not None:
+                out[s.partition] = max(out.get(s.partition, 0), s.beat.batches_consumed)
+        return out
+
+    def next_death(self) -> float | None:
+        """When the next live worker would be declared dead if it stays silent."""
+        times = [
+            s.seen_at + self.missed_beats * s.beat.interval_ms / 1000.0
+            for s in self._workers.values()
+            if s.dead_at is None
+        ]
+        return min(times) if times else None
+
+    def _silent(self, state: WorkerState, now: float) -> bool:
+        return now - state.seen_at > self.missed_beats * state.beat.interval_ms / 1000.0

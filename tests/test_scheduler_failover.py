@@ -1,0 +1,182 @@
+"""On the real broker: a scheduler killed with SIGKILL, a worker killed mid-batch, two schedulers.
+
+Every test checks what the client sees: each request ends in one `chat.done` whose final
+attempt streams the engine's exact text, and a `chat.reset` only where a worker died.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import websockets
+
+from services.worker.engines.sim_text import complete
+from shared.messages import Heartbeat
+from tests.chat_client import ChatSession, Transcript
+from tests.stack import Stack, new_prefix, wait_until
+from tests.worker_logs import events
+
+WORKER_A, WORKER_B = "worker-a", "worker-b"
+
+
+@pytest.fixture(scope="module")
+def two_workers(bootstrap: str, log_dir: Path) -> Iterator[Stack]:
+    s = Stack(
+        bootstrap=bootstrap,
+        prefix=new_prefix(),
+        log_dir=log_dir,
+        env_overrides={
+            # A stable id: the restarted scheduler takes its partitions back at once.
+            "TOKENBUS_SCHEDULER_ID": "sched-a",
+            "TOKENBUS_WORKER_ID": WORKER_A,
+            "TOKENBUS_WORKER_SIM_TOKEN_RATE": "100",
+            # Dead after 1.5 s of silence: quick, yet no false death on two busy cores.
+            "TOKENBUS_WORKER_HEARTBEAT_MS": "300",
+            "TOKENBUS_SCHEDULER_WORKER_MISSED_BEATS": "5",
+            "TOKENBUS_SCHEDULER_RECOVERY_GRACE_MS": "300",
+            # Small batches, so load spreads over both workers.
+            "TOKENBUS_SCHEDULER_INTERACTIVE_MAX_BATCH_SIZE": "2",
+        },
+    )
+    try:
+        s.start()
+        s.start_service(
+            "worker", key=WORKER_B, TOKENBUS_WORKER_ID=WORKER_B, TOKENBUS_WORKER_BATCH_PARTITION="1"
+        )
+        wait_until(lambda: _workers_heard(s) == {WORKER_A, WORKER_B}, 60, "both workers' beats")
+        yield s
+    finally:
+        s.stop()
+
+
+def _workers_heard(stack: Stack) -> set[str]:
+    return {Heartbeat.model_validate_json(v).worker_id for v in stack.read(stack.topics.workers)}
+
+
+def long_prompts(count: int, min_tokens: int, tag: str) -> list[str]:
+    """Prompts whose deterministic answers run at least `min_tokens` tokens."""
+    found = []
+    i = 0
+    while len(found) < count:
+        prompt = f"{tag} {i}"
+        if complete(prompt, 500).completion_tokens >= min_tokens:
+            found.append(prompt)
+        i += 1
+    return found
+
+
+def final_attempt(t: Transcript) -> list[dict[str, Any]]:
+    resets = [i for i, f in enumerate(t.frames) if f["type"] == "chat.reset"]
+    return t.frames[resets[-1] + 1 :] if resets else t.frames
+
+
+def resets(t: Transcript) -> list[int]:
+    return [f["attempt"] for f in t.frames if f["type"] == "chat.reset"]
+
+
+def check_complete(t: Transcript, request: dict[str, Any]) -> None:
+    """One acceptance, one final chat.done, and the last attempt is the full, ordered answer."""
+    assert [f["type"] for f in t.frames].count("chat.accepted") == 1, t.frames
+    assert t.final is not None, t.frames[-3:]
+    assert t.final["type"] == "chat.done", t.frames[-3:]
+    assert t.frames[-1] is t.final
+    last = final_attempt(t)
+    deltas = [f for f in last if f["type"] == "chat.delta"]
+    assert [d["seq"] for d in deltas] == list(range(len(deltas)))
+    plan = complete(request["prompt"], request["max_tokens"])
+    assert "".join(d["text"] for d in deltas) == plan.text
+    assert t.final["usage"]["completion_tokens"] == plan.completion_tokens
+
+
+async def test_a_scheduler_killed_mid_load_and_restarted_loses_no_request(
+    two_workers: Stack,
+) -> None:
+    stack = two_workers
+    requests = [
+        {
+            "client_id": f"k{i}",
+            "prompt": f"kill the scheduler, request {i}",
+            "max_tokens": 10 + i % 30,
+            "priority": "background" if i % 3 == 0 else "interactive",
+        }
+        for i in range(40)
+    ]
+    async with websockets.connect(stack.ws_url) as ws:
+        session = ChatSession(ws)
+        pumping = asyncio.create_task(session.until(session.all_ended, within=90))
+        for i, request in enumerate(requests):
+            await session.send(request)
+            if i == 15:  # batches are leaving all the time now
+                await asyncio.to_thread(stack.stop_service, "scheduler", signal.SIGKILL)
+                stack.start_service("scheduler")
+            await asyncio.sleep(0.025)
+        await pumping
+    for request in requests:
+        t = session.by_client[request["client_id"]]
+        check_complete(t, request)
+        # Nothing ran twice: no request was dispatched again after the restart.
+        assert resets(t) == [], t.frames
+    assert len(events(stack.log("scheduler"), "scheduler.started")) == 2
+
+
+async def test_a_worker_killed_mid_batch_has_its_requests_finished_by_another(
+    two_workers: Stack,
+) -> None:
+    stack = two_workers
+    requests = [
+        {"client_id": f"w{i}", "prompt": prompt, "max_tokens": 500}
+        for i, prompt in enumerate(long_prompts(8, 80, "kill the worker"))
+    ]
+    async with websockets.connect(stack.ws_url) as ws:
+        session = ChatSession(ws)
+        for request in requests:
+            await session.send(request)
+        # Every stream is under way (0.8 s or more each): kill worker B in the middle.
+        await session.until(lambda: all(t.deltas for t in session.by_client.values()))
+        await asyncio.to_thread(stack.stop_service, WORKER_B, signal.SIGKILL)
+        await session.until(session.all_ended, within=60)
+    moved = [t for t in session.by_client.values() if resets(t)]
+    assert moved, "worker B held none of the requests: the test proved nothing"
+    assert len(moved) < len(requests), "worker A should have run some without a reset"
+    for request in requests:
+        t = session.by_client[request["client_id"]]
+        check_complete(t, request)
+        assert resets(t) in ([], [1]), t.frames
+    recovered = events(stack.log("scheduler"), "worker.recovered")
+    assert [e["worker_id"] for e in recovered][:1] == [WORKER_B]
+    assert recovered[0]["handed_back"] == len(moved)
+
+
+async def test_two_schedulers_share_the_tier_partitions_and_lose_nothing(
+    two_workers: Stack,
+) -> None:
+    stack = two_workers
+    stack.start_service("scheduler", key="scheduler-b", TOKENBUS_SCHEDULER_ID="sched-b")
+
+    def split() -> bool:
+        mine = events(stack.log("scheduler-b"), "tier_partitions.assigned")
+        return bool(mine and mine[-1]["partitions"])
+
+    await asyncio.to_thread(wait_until, split, 60, "scheduler-b to own tier partitions")
+    before = len(events(stack.log("scheduler"), "batch.dispatched"))
+    requests = [
+        {"client_id": f"s{i}", "prompt": f"two schedulers, request {i}", "max_tokens": 8}
+        for i in range(40)
+    ]
+    async with websockets.connect(stack.ws_url) as ws:
+        session = ChatSession(ws)
+        for request in requests:
+            await session.send(request)
+        await session.until(session.all_ended, within=60)
+    for request in requests:
+        t = session.by_client[request["client_id"]]
+        check_complete(t, request)
+        assert resets(t) == []
+    # Each scheduler formed batches from the partitions it owns.
+    assert len(events(stack.log("scheduler"), "batch.dispatched")) > before
+    assert events(stack.log("scheduler-b"), "batch.dispatched")
