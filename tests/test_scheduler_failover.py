@@ -39,6 +39,9 @@ def two_workers(bootstrap: str, log_dir: Path) -> Iterator[Stack]:
             "TOKENBUS_WORKER_HEARTBEAT_MS": "300",
             "TOKENBUS_SCHEDULER_WORKER_MISSED_BEATS": "5",
             "TOKENBUS_SCHEDULER_RECOVERY_GRACE_MS": "300",
+            # Commits 3 s apart: the SIGKILL lands with dispatched requests not yet committed,
+            # which the restarted scheduler must find in the batches topic, not run again.
+            "TOKENBUS_SCHEDULER_COMMIT_INTERVAL_MS": "3000",
             # Small batches, so load spreads over both workers.
             "TOKENBUS_SCHEDULER_INTERACTIVE_MAX_BATCH_SIZE": "2",
         },
@@ -68,6 +71,17 @@ def long_prompts(count: int, min_tokens: int, tag: str) -> list[str]:
             found.append(prompt)
         i += 1
     return found
+
+
+def runs(stack: Stack, session: ChatSession) -> dict[str, int]:
+    """How many times the workers ran each of the session's requests (any attempt)."""
+    ids = {t.request_id for t in session.by_client.values()}
+    count = dict.fromkeys(ids, 0)
+    for key in ("worker", WORKER_B):
+        for e in events(stack.log(key), "request.finished"):
+            if e["request_id"] in count:
+                count[e["request_id"]] += 1
+    return count
 
 
 def final_attempt(t: Transcript) -> list[dict[str, Any]]:
@@ -121,7 +135,15 @@ async def test_a_scheduler_killed_mid_load_and_restarted_loses_no_request(
         check_complete(t, request)
         # Nothing ran twice: no request was dispatched again after the restart.
         assert resets(t) == [], t.frames
+    # Exactly once: no request was dispatched again after the restart (a second run of the
+    # same attempt could even go unseen by the client, so count the workers' runs).
+    await asyncio.to_thread(
+        wait_until, lambda: min(runs(stack, session).values()) >= 1, 10, "every run logged"
+    )
+    assert set(runs(stack, session).values()) == {1}
     assert len(events(stack.log("scheduler"), "scheduler.started")) == 2
+    # The restart mattered: it found requests dispatched after the last commit.
+    assert events(stack.log("scheduler"), "request.already_dispatched")
 
 
 async def test_a_worker_killed_mid_batch_has_its_requests_finished_by_another(
@@ -177,6 +199,10 @@ async def test_two_schedulers_share_the_tier_partitions_and_lose_nothing(
         t = session.by_client[request["client_id"]]
         check_complete(t, request)
         assert resets(t) == []
+    await asyncio.to_thread(
+        wait_until, lambda: min(runs(stack, session).values()) >= 1, 10, "every run logged"
+    )
+    assert set(runs(stack, session).values()) == {1}
     # Each scheduler formed batches from the partitions it owns.
     assert len(events(stack.log("scheduler"), "batch.dispatched")) > before
     assert events(stack.log("scheduler-b"), "batch.dispatched")

@@ -92,6 +92,7 @@ class Scheduler:
         self._recoveries: dict[str, PendingRecovery] = {}
         self._beats_live_from: dict[TopicPartition, int] = {}  # heartbeats below: replayed
         self._last_commit = 0.0
+        self._commit_interval = s.scheduler_commit_interval_ms / 1000.0
         self._handed_on = False  # something was handed on since the last commit
 
     # -- wiring ------------------------------------------------------------------------
@@ -279,6 +280,8 @@ class Scheduler:
         while True:
             now = time.time()
             sleep = LONGEST_SLEEP_S if self._wake_at is None else self._wake_at - now
+            if self._handed_on:  # a commit will be due
+                sleep = min(sleep, self._last_commit + self._commit_interval - now)
             if sleep > 0:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(min(sleep, LONGEST_SLEEP_S)):
@@ -355,10 +358,13 @@ class Scheduler:
             self._handed_on = True
 
     async def _commit(self, *, only: set[TopicPartition] | None = None) -> None:
-        """Commit positions and metadata after a hand-on, or every commit interval."""
+        """Commit what moved, at most once per commit interval (and at once on revocation).
+
+        Commits are batched: a crash loses at most an interval of commits, which costs
+        nothing but a longer read of the batches topic on restart (see ledger.py).
+        """
         now = time.time()
-        interval = self.settings.scheduler_commit_interval_ms / 1000.0
-        if only is None and not self._handed_on and now - self._last_commit < interval:
+        if only is None and now - self._last_commit < self._commit_interval:
             return
         entries = self.ledger.committable(self._floors())
         if only is not None:

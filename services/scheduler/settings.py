@@ -71,7 +71,10 @@ class SchedulerSettings(TokenbusSettings):
         " handed on by this many offsets (bounds memory and the commit metadata).",
     )
     scheduler_commit_interval_ms: float = Field(
-        default=1000.0, gt=0, description="Commit at least this often while anything moved."
+        default=200.0,
+        gt=0,
+        description="Commit tier offsets at most this often; a restart reads the batches"
+        " dispatched since the last commit, so nothing is dispatched twice either way.",
     )
 
     @model_validator(mode="after")
