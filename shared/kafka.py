@@ -8,7 +8,12 @@ from collections.abc import Iterable, Mapping
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import KafkaConnectionError, TopicAlreadyExistsError
+from aiokafka.errors import (
+    KafkaConnectionError,
+    KafkaError,
+    TopicAlreadyExistsError,
+    for_code,
+)
 from pydantic import BaseModel
 
 from shared.settings import TokenbusSettings
@@ -92,12 +97,25 @@ async def create_topics(
         ]
         if new:
             try:
-                await admin.create_topics(new)
+                response = await admin.create_topics(new)
             except TopicAlreadyExistsError:
-                pass  # Another process created them between list and create.
+                return []  # Another process created them between list and create.
+            _raise_topic_errors(response.topic_errors)
         return [t.name for t in new]
     finally:
         await admin.close()
+
+
+def _raise_topic_errors(topic_errors: Iterable[tuple[object, ...]]) -> None:
+    """The admin API reports per-topic failures in the response, not as exceptions."""
+    failures = []
+    for entry in topic_errors:
+        name, code = entry[0], int(str(entry[1]))
+        if code not in (0, TopicAlreadyExistsError.errno):
+            detail = entry[2] if len(entry) > 2 and entry[2] else for_code(code).__name__
+            failures.append(f"{name}: {detail}")
+    if failures:
+        raise KafkaError("could not create topics: " + "; ".join(failures))
 
 
 async def delete_topics(settings: TokenbusSettings, names: Iterable[str]) -> None:
