@@ -9,7 +9,7 @@ import time
 
 import structlog
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 
 from services.worker.cancel import CancelBook, apply_cancel
 from services.worker.drain import Drain, hand_back
@@ -19,12 +19,22 @@ from services.worker.runner import RequestRunner, RunOutcome
 from services.worker.settings import WorkerSettings
 from services.worker.telemetry import batch_received, observe_capacity, run_traced
 from shared.kafka import encode, make_consumer, make_producer
-from shared.messages import Batch, CancelRecord, ErrorCode, ErrorResult, Heartbeat, QueuedRequest
+from shared.messages import (
+    Batch,
+    CancelRecord,
+    ControlRecord,
+    ErrorCode,
+    ErrorResult,
+    Heartbeat,
+    QueuedRequest,
+)
 from shared.results import send_result
 from shared.telemetry import carrier
 from shared.topics import Topics
 
 log = structlog.get_logger()
+
+_control_records: TypeAdapter[ControlRecord] = TypeAdapter(ControlRecord)
 
 # After a slot frees, the next heartbeat goes out this soon (not sooner), so schedulers
 # refill the slot without waiting for the regular interval.
@@ -171,10 +181,13 @@ class Worker:
         async for record in consumer:
             arrived_at, arrived_wall = time.perf_counter(), time.time()
             try:
-                cancel = CancelRecord.model_validate_json(record.value or b"")
+                control = _control_records.validate_json(record.value or b"")
             except ValidationError as exc:
                 log.error("control.invalid", offset=record.offset, error=str(exc))
                 continue
+            if not isinstance(control, CancelRecord):
+                continue  # edge-to-edge news (a resumed stream): nothing for a worker
+            cancel = control
             applied = await apply_cancel(self.engine, cancel, arrived_at, arrived_wall)
             if not applied.found:
                 self._early_cancels.remember(cancel.request_id, time.monotonic())
