@@ -52,8 +52,12 @@ class PartitionLedger:
 
     def commit_position(self) -> int:
         """Everything below is handed on; gaps (transaction markers) count as handed on."""
-        unread = {o for o in self.restored_pending if o >= self.high}
-        return min(self.pending | unread | {max(self.high, self.position)})
+        if self.pending:
+            return min(self.pending)  # all pending offsets lie below `high`
+        unread = [o for o in self.restored_pending if o >= self.high]
+        if unread:
+            return min(unread)
+        return max(self.high, self.restored_high, self.position)
 
     def span(self) -> int:
         """How far reading has run ahead of the oldest record not handed on."""
