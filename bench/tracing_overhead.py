@@ -27,7 +27,7 @@ from typing import Any
 import websockets
 
 from bench.loadgen import warm_up
-from bench.stacks import PipelineStack
+from bench.stacks import ROOT, PipelineStack
 from bench.stats import percentile
 
 MODES = ("off", "on")
@@ -122,7 +122,8 @@ def count_lines(directory: Path) -> int:
 
 async def measure(
     bootstrap: str, rounds: int, burst: int, max_tokens: int, token_rate: float, log_dir: Path
-) -> dict[str, ModeResult]:
+) -> tuple[dict[str, ModeResult], float]:
+    """Results per mode, and the spans written per request by the `on` stack."""
     trace_dir = Path(tempfile.mkdtemp(prefix="tokenbus-traces-"))
     common = {"TOKENBUS_WORKER_SIM_TOKEN_RATE": str(token_rate)}
     envs = {
@@ -150,14 +151,51 @@ async def measure(
                 results[m].requests += 1 + burst
         for m, stack in stacks.items():
             results[m].cpu_s = cpu_seconds(stack) - cpu_before[m]
+        await asyncio.sleep(1.0)  # the exporters' last flush (every 500 ms)
         spans = await asyncio.to_thread(count_lines, trace_dir)
-        print(f"spans written by the `on` stack: {spans} ({trace_dir})")
+        warm_ups = 3
+        spans_per_request = spans / (results["on"].requests + warm_ups)
+        print(f"spans written by the `on` stack: {spans}, {spans_per_request:.1f} per request")
     finally:
         for client in clients.values():
             await client.close()
         for stack in stacks.values():
             await stack.stop()
-    return results
+    return results, spans_per_request
+
+
+def span_cost(spans: int = 20000) -> dict[str, float]:
+    """CPU microseconds per stage-like span: no SDK vs the SDK writing JSON lines.
+
+    Process CPU time, so the exporter's background thread is counted too; run in a child
+    process so the global tracer provider of this one stays untouched.
+    """
+    code = f"""
+import json, sys, tempfile, time
+from pathlib import Path
+from shared.telemetry import JsonLinesSpanExporter, TelemetrySettings, record_span, setup_tracing
+def run(n):
+    began = time.process_time()
+    for i in range(n):
+        record_span("stage decode", start=1.0, end=2.0, context=None,
+                    attributes={{"tokenbus.stage": "decode", "tokenbus.request.id": str(i)}})
+    return time.process_time() - began
+off = run({spans})
+provider = setup_tracing("bench", TelemetrySettings(trace_dir=Path(tempfile.mkdtemp())))
+began = time.process_time()
+run({spans})
+provider.shutdown()  # flushes: the export's CPU is counted
+on = time.process_time() - began
+print(json.dumps({{"off_us": 1e6 * off / {spans}, "on_us": 1e6 * on / {spans}}}))
+"""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
+    )
+    result: dict[str, float] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
 
 
 def overhead(off: float, on: float) -> str:
@@ -212,10 +250,18 @@ async def main() -> None:
     parser.add_argument("--log-dir", type=Path, default=Path("bench/out/logs"))
     args = parser.parse_args()
     bootstrap = os.environ.get("KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:9092")
-    results = await measure(
+    results, spans_per_request = await measure(
         bootstrap, args.rounds, args.burst, args.max_tokens, args.token_rate, args.log_dir
     )
     print(table(results))
+    cost = span_cost()
+    tracing_ms = spans_per_request * (cost["on_us"] - cost["off_us"]) / 1000
+    lone_p50 = results["off"].row()["lone_p50_ms"]
+    print(
+        f"one span: {cost['off_us']:.1f} us CPU without SDK, {cost['on_us']:.1f} us with JSON"
+        f" lines; x {spans_per_request:.1f} spans = {tracing_ms:.2f} ms CPU per request"
+        f" ({100 * tracing_ms / lone_p50:.1f} % of the untraced lone p50)"
+    )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(
@@ -224,6 +270,8 @@ async def main() -> None:
                     "config": vars(args) | {"json": str(args.json), "plot": str(args.plot),
                                             "log_dir": str(args.log_dir)},
                     "summary": {m: results[m].row() for m in MODES},
+                    "span_cpu_us": cost,
+                    "spans_per_request": spans_per_request,
                     "samples": {m: {"lone_ms": results[m].lone_ms, "burst_ms": results[m].burst_ms}
                                 for m in MODES},
                 },
