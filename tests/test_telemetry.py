@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
 import pytest
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -30,6 +36,7 @@ from shared.telemetry import (
     service_resource,
     span_context_of,
 )
+from tests.stack import ROOT
 
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
@@ -158,3 +165,51 @@ def test_log_lines_carry_the_trace_id_inside_a_span() -> None:
         line = add_trace_ids(None, "info", {"event": "x"})
     assert line["trace_id"] == format(span.get_span_context().trace_id, "032x")
     assert line["span_id"] == format(span.get_span_context().span_id, "016x")
+
+
+class FakeCollector(BaseHTTPRequestHandler):
+    """A fake OTLP/HTTP collector: keeps every POSTed trace export."""
+
+    received: list[tuple[str, bytes]] = []  # noqa: RUF012
+
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        FakeCollector.received.append((self.path, body))
+        self.send_response(200)
+        self.send_header("Content-Type", "application/x-protobuf")
+        self.end_headers()
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+def test_otlp_endpoint_gets_the_spans() -> None:
+    server = HTTPServer(("127.0.0.1", 0), FakeCollector)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    FakeCollector.received.clear()
+    # A child process: setting the global tracer provider is once per process.
+    code = (
+        "from shared.telemetry import setup_tracing, record_span\n"
+        "provider = setup_tracing('worker')\n"
+        "record_span('stage decode', start=1.0, end=2.0, context=None)\n"
+        "provider.shutdown()\n"
+    )
+    env = {
+        **os.environ,
+        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{server.server_address[1]}",
+        "NO_PROXY": "127.0.0.1",
+    }
+    try:
+        subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=60, cwd=ROOT)
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+    (path, body), *_ = FakeCollector.received
+    assert path == "/v1/traces"
+    export = ExportTraceServiceRequest.FromString(body)
+    resource = export.resource_spans[0]
+    names = {a.value.string_value for a in resource.resource.attributes if a.key == "service.name"}
+    assert names == {"tokenbus-worker"}
+    assert [s.name for s in resource.scope_spans[0].spans] == ["stage decode"]
