@@ -149,7 +149,9 @@ class DirectSocket:
             stop=tuple(frame.stop),
             priority=0 if tier is Tier.interactive else 1,
         )
-        coalescer = Coalescer(s.worker_flush_ms / 1000.0, s.worker_flush_tokens)
+        coalescer = Coalescer(
+            s.worker_flush_ms / 1000.0, s.worker_flush_tokens, s.worker_flush_first
+        )
         seq = 0
         first_token_at: float | None = None
         batch_size = 1

@@ -23,6 +23,15 @@ def test_coalescer_flushes_on_size_on_age_and_reports_the_wait() -> None:
     assert c.take(now=2.0) is None
 
 
+def test_first_token_leaves_at_once_then_chunks_resume() -> None:
+    c = Coalescer(flush_seconds=0.020, flush_tokens=3, first_at_once=True)
+    assert c.add("", 1, now=1.000) is None  # a token with no text yet is not 'first'
+    assert c.add("Hi", 1, now=1.001) == "Hi"
+    assert c.add(" there", 1, now=1.002) is None
+    assert c.add(" you", 1, now=1.003) is None
+    assert c.add(".", 1, now=1.004) == " there you."
+
+
 async def test_sixteen_streams_carry_at_most_one_record_per_three_tokens(
     bootstrap: str, log_dir: Path
 ) -> None:

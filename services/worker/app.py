@@ -75,7 +75,13 @@ class Worker:
             await batches.start()
             await self.intake.start(batches)
             await self.engine.start()
-            runner = RequestRunner(self.engine, producer, s.worker_flush_ms, s.worker_flush_tokens)
+            runner = RequestRunner(
+                self.engine,
+                producer,
+                s.worker_flush_ms,
+                s.worker_flush_tokens,
+                s.worker_flush_first,
+            )
             self._producer = producer
             if self._drain_on_sigterm:
                 # SIGTERM drains (SIGINT still cancels at once, via run_service).

@@ -11,6 +11,10 @@ class Coalescer:
 
     flush_seconds: float
     flush_tokens: int
+    # The first token leaves at once: time to first token is what a reader feels, and it
+    # costs one extra record per request.
+    first_at_once: bool = False
+    _sent_any: bool = False
     _parts: list[str] = field(default_factory=list)
     _tokens: int = 0
     _since: float | None = None
@@ -23,7 +27,8 @@ class Coalescer:
             self._since = now
         self._parts.append(text)
         self._tokens += tokens
-        if self._tokens >= self.flush_tokens or now - self._since >= self.flush_seconds:
+        first = self.first_at_once and not self._sent_any and bool(text)
+        if first or self._tokens >= self.flush_tokens or now - self._since >= self.flush_seconds:
             return self.take(now)
         return None
 
@@ -38,6 +43,7 @@ class Coalescer:
         self.last_wait = 0.0 if now is None else max(0.0, now - self._since)
         self.last_overdue = max(0.0, self.last_wait - self.flush_seconds)
         text = "".join(self._parts)
+        self._sent_any = self._sent_any or bool(text)
         self._parts.clear()
         self._tokens = 0
         self._since = None

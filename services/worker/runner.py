@@ -65,12 +65,18 @@ class RequestRunner:
     """Streams engine output for requests, one `run` call per request."""
 
     def __init__(
-        self, engine: Engine, producer: AIOKafkaProducer, flush_ms: float, flush_tokens: int
+        self,
+        engine: Engine,
+        producer: AIOKafkaProducer,
+        flush_ms: float,
+        flush_tokens: int,
+        flush_first: bool = True,
     ) -> None:
         self._engine = engine
         self._producer = producer
         self._flush_seconds = flush_ms / 1000.0
         self._flush_tokens = flush_tokens
+        self._flush_first = flush_first
         self._running: set[str] = set()
         self._handing_back: set[str] = set()
 
@@ -109,7 +115,7 @@ class RequestRunner:
         trace_headers: Mapping[str, str] | None,
     ) -> RunOutcome:
         started = time.time()
-        coalescer = Coalescer(self._flush_seconds, self._flush_tokens)
+        coalescer = Coalescer(self._flush_seconds, self._flush_tokens, self._flush_first)
         seq = 0
         first_token_at: float | None = None
         last_chunk_at: float | None = None

@@ -22,6 +22,9 @@ class WorkerSettings(TokenbusSettings):
     worker_max_num_seqs: int = Field(default=64, ge=1, description="Sequences run at once.")
     worker_flush_ms: float = Field(default=20.0, gt=0, description="Longest a token waits.")
     worker_flush_tokens: int = Field(default=16, ge=1, description="Send a chunk at this size.")
+    worker_flush_first: bool = Field(
+        default=True, description="Send each stream's first token at once (TTFT)."
+    )
     worker_batch_partition: int = Field(
         default=0,
         ge=0,
