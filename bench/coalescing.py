@@ -36,6 +36,7 @@ from shared.topics import Topics
 from tests.worker_logs import distribution, events
 
 ROOT = Path(__file__).resolve().parent.parent
+BATCH_PARTITION = 0  # the worker's own partition of the batches topic
 
 
 @dataclass
@@ -117,6 +118,7 @@ async def measure(
         TOKENBUS_WORKER_FLUSH_MS=str(flush_ms),
         TOKENBUS_WORKER_FLUSH_TOKENS=str(flush_tokens),
         TOKENBUS_WORKER_ID=f"{prefix}-w",
+        TOKENBUS_WORKER_BATCH_PARTITION=str(BATCH_PARTITION),
         PYTHONPATH=str(ROOT),
     )
     with log.open("ab") as out:
@@ -142,16 +144,27 @@ async def measure(
     tokens = 0
     try:
         await consumer.start()
+        # A worker reads its own batches partition from the live end at start: send only
+        # once its first heartbeat says it is reading.
+        consumer.assign([TopicPartition(topics.workers, 0)])
+        while not any((await consumer.getmany(timeout_ms=500)).values()):
+            if worker.poll() is not None:
+                raise RuntimeError(f"worker exited before its first heartbeat; see {log}")
         consumer.assign([TopicPartition(topics.results, 0)])
         await producer.start()
-        await producer.send_and_wait(topics.batches, encode(warmup), key=warmup.batch_id.encode())
+        await producer.send_and_wait(
+            topics.batches, encode(warmup), key=warmup.batch_id.encode(), partition=BATCH_PARTITION
+        )
         deadline = time.monotonic() + 120
         sent = False
         while finals < requests:
             if not sent and finals == 1:
                 finals, tokens, sent = 0, 0, True
                 await producer.send_and_wait(
-                    topics.batches, encode(batch), key=batch.batch_id.encode()
+                    topics.batches,
+                    encode(batch),
+                    key=batch.batch_id.encode(),
+                    partition=BATCH_PARTITION,
                 )
             if time.monotonic() > deadline or worker.poll() is not None:
                 raise RuntimeError(f"worker did not finish the batch; see {log}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -91,6 +91,8 @@ def simulate(
             else:
                 waiting[a.tier][i] = now
         workers = [WorkerSlots(f"w{k}", f, slots[k]) for k, f in enumerate(free)]
+        # Aged background outranks interactive while its recent share is below the minimum.
+        aging_active = policy.background_share < config.background_min_share
         plan = policy.plan(now, workers)
         wake = plan.wake_at
         for p in plan.expired:
@@ -131,7 +133,7 @@ def simulate(
             i, arrived = oldest[INT]
             if now - arrived > config.tiers[INT].max_wait_ms / 1000.0 + EPS:
                 out.violations.append(f"background rode while interactive {i} was overdue")
-        if left[INT] and oldest[BG] is not None:
+        if aging_active and left[INT] and oldest[BG] is not None:
             i, arrived = oldest[BG]
             if now - arrived > aging + EPS:
                 out.violations.append(f"interactive rode while background {i} had aged")
@@ -153,6 +155,7 @@ def configs(draw: st.DrawFn) -> tuple[PolicyConfig, DepartureRule]:
     config = PolicyConfig(
         tiers={INT: interactive, BG: background},
         background_aging_ms=draw(st.sampled_from([200.0, 400.0])),
+        background_min_share=draw(st.sampled_from([0.0, 0.1, 0.5, 1.0])),
         fill_from_other_tier=draw(st.booleans()),
         batching=draw(st.sampled_from(["pack", "buckets"])),
         bucket_edges=(64, 512),
@@ -249,6 +252,8 @@ def test_background_waits_at_most_its_aging_bound_under_an_interactive_flood(
     setup: tuple[PolicyConfig, DepartureRule], bg_at_ms: int, per_ms: int, service_ms: int
 ) -> None:
     config, rule = setup
+    # One background request among interactive ones: its share is below any positive minimum.
+    config = replace(config, background_min_share=max(config.background_min_share, 0.01))
     service = service_ms / 1000.0
     flood = [
         Arrival(ms / 1000.0, INT, 10, 10, None, service)

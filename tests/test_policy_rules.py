@@ -141,6 +141,32 @@ def test_aged_background_outranks_interactive() -> None:
     ]
 
 
+def test_aged_background_waits_like_the_rest_once_it_had_its_minimum_share() -> None:
+    clock, policy = FakeClock(), Policy[str](config(background_min_share=0.1))
+    policy.background_share = 0.5  # background had half of the recent dispatches
+    add(policy, "b-old", BG, clock)
+    clock.advance_ms(1000)
+    add(policy, "i0", INT, clock)
+    clock.advance_ms(10)
+    assert summary(policy.plan(clock.now, workers(1))) == [("w0", "interactive", "timeout", ["i0"])]
+
+
+def test_the_background_share_follows_what_was_dispatched() -> None:
+    clock, policy = FakeClock(), Policy[str](config())
+    for i in range(50):
+        add(policy, f"b{i}", BG, clock)
+    clock.advance_ms(200)
+    while policy.waiting():
+        policy.plan(clock.now, ROOMY)
+    assert 0.3 < policy.background_share < 0.5  # 50 of them, smoothed over ~100
+    for i in range(300):
+        add(policy, f"i{i}", INT, clock)
+    clock.advance_ms(10)
+    while policy.waiting():
+        policy.plan(clock.now, ROOMY)
+    assert policy.background_share < 0.05
+
+
 def test_without_free_slots_the_backlog_stays_and_leaves_by_priority_later() -> None:
     clock, policy = FakeClock(), Policy[str](config())
     for i in range(3):

@@ -33,7 +33,10 @@ class PolicyConfig:
     """Everything the pure policy needs to decide; built from `SchedulerSettings`.
 
     - `background_aging_ms`: a background request that has waited this long outranks
-      interactive ones, so background never starves (its wait bound under saturation).
+      interactive ones, so background never starves (its wait bound under saturation)...
+    - `background_min_share`: ...as long as background has had less than this share of the
+      recently dispatched requests. Under sustained overload someone must wait without
+      bound; this keeps it background, while background still gets this share at least.
     - `fill_from_other_tier`: free room in a leaving batch (and on its worker) is filled
       with the other tier's waiting requests, oldest first.
     - `batching`: `pack` keeps one queue per tier (continuous-batching engines such as
@@ -44,6 +47,7 @@ class PolicyConfig:
 
     tiers: Mapping[Tier, TierLimits]
     background_aging_ms: float = 2000.0
+    background_min_share: float = 0.1
     fill_from_other_tier: bool = True
     batching: Batching = "pack"
     bucket_edges: tuple[int, ...] = (256, 1024, 4096)
@@ -54,6 +58,8 @@ class PolicyConfig:
             raise ValueError(f"no limits for tiers {missing}")
         if self.background_aging_ms < self.tiers[Tier.background].max_wait_ms:
             raise ValueError("background_aging_ms must be at least the background max_wait_ms")
+        if not 0.0 <= self.background_min_share <= 1.0:
+            raise ValueError("background_min_share must lie in [0, 1]")
         if list(self.bucket_edges) != sorted(set(self.bucket_edges)):
             raise ValueError("bucket_edges must be strictly increasing")
 

@@ -6,6 +6,7 @@ it reads and `plan(now, workers)` whenever something changed or `Plan.wake_at` c
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
@@ -20,6 +21,9 @@ T = TypeVar("T")
 # Lane ranks, lowest first: aged background outranks interactive (the starvation bound),
 # interactive outranks the rest of background.
 AGED, INTERACTIVE, BACKGROUND = 0, 1, 2
+# Weight of one dispatched request in the background share (an exponential moving
+# average over roughly the last 1 / SHARE_SMOOTHING requests).
+SHARE_SMOOTHING = 0.01
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,7 @@ class Policy(Generic[T]):
         self.config = config
         self.rule: DepartureRule = rule or FixedRule()
         self.backlog: Backlog[T] = Backlog(config)
+        self.background_share = 0.0  # of recently dispatched requests
 
     def add(
         self,
@@ -92,16 +97,28 @@ class Policy(Generic[T]):
         queued = {w.worker_id: w.queued_tokens for w in workers}
         total = sum(w.total for w in workers)
         load = 1.0 if total <= 0 else 1.0 - min(total, sum(free.values())) / total
-        self._place(plan, now, free, queued, load)
-        self._fill(plan, now, free)
+        # Aging is decided once per plan, from the share before it.
+        aging = self.background_share < self.config.background_min_share
+        aged_before = now - self.config.background_aging_ms / 1000.0 if aging else -math.inf
+        self._place(plan, now, free, queued, load, aged_before)
+        self._fill(plan, free, aged_before)
         plan.wake_at = self._wake_at(now, load, bool(free))
+        for d in plan.dispatches:
+            for p in d.passengers:
+                background = 1.0 if p.tier is Tier.background else 0.0
+                self.background_share += SHARE_SMOOTHING * (background - self.background_share)
         return plan
 
     def _place(
-        self, plan: Plan[T], now: float, free: dict[str, int], queued: dict[str, int], load: float
+        self,
+        plan: Plan[T],
+        now: float,
+        free: dict[str, int],
+        queued: dict[str, int],
+        load: float,
+        aged_before: float,
     ) -> None:
         """Due lanes, best rank first, each as batches on the workers with most room."""
-        aged_before = now - self.config.background_aging_ms / 1000.0
         while free:
             best: tuple[tuple[int, float, int], Lane[T], DispatchReason] | None = None
             for lane in self.backlog.busy_lanes():
@@ -128,14 +145,13 @@ class Policy(Generic[T]):
                 plan.dispatches.append(Dispatch(worker, lane.key.tier, reason, part))
                 self._use(free, worker, len(part))
 
-    def _fill(self, plan: Plan[T], now: float, free: dict[str, int]) -> None:
+    def _fill(self, plan: Plan[T], free: dict[str, int], aged_before: float) -> None:
         """Spare room in leaving batches (and on their workers), best rank first.
 
         Runs after every due lane was placed, so it only uses slots nobody due needed.
         Candidates are the batch's own lane and, if configured, the other tier's lane of
         the same length bucket.
         """
-        aged_before = now - self.config.background_aging_ms / 1000.0
         for d in plan.dispatches:
             limits = self.config.tiers[d.tier]
             own = self.backlog.lane_of(d.tier, d.passengers[0].prompt_tokens)

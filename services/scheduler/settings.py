@@ -40,6 +40,13 @@ class SchedulerSettings(TokenbusSettings):
     scheduler_background_aging_ms: float = Field(
         default=2000.0, ge=0, description="Background waiting this long outranks interactive."
     )
+    scheduler_background_min_share: float = Field(
+        default=0.1,
+        ge=0,
+        le=1,
+        description="Aged background outranks interactive only while background has had"
+        " less than this share of recent dispatches (overload then falls on background).",
+    )
     scheduler_fill_from_other_tier: bool = Field(
         default=True, description="Fill spare room in a leaving batch from the other tier."
     )
@@ -50,9 +57,11 @@ class SchedulerSettings(TokenbusSettings):
         default=(256, 1024, 4096), description="Prompt-token upper bounds of the buckets."
     )
 
-    # adaptive policy: engine time of a batch of n = per_request * n + per_batch
-    scheduler_adaptive_per_request_ms: float = Field(default=2.0, ge=0)
-    scheduler_adaptive_per_batch_ms: float = Field(default=15.0, ge=0)
+    # adaptive policy: engine time of a batch of n = per_request * n + per_batch. Defaults:
+    # least-squares fit to the llama3-8b-h100 sim profile, 100-token prompts joining 32
+    # running sequences (`python -m bench.scheduler`, docs/scheduler.md).
+    scheduler_adaptive_per_request_ms: float = Field(default=3.3, ge=0)
+    scheduler_adaptive_per_batch_ms: float = Field(default=2.2, ge=0)
 
     scheduler_worker_missed_beats: int = Field(
         default=3, ge=1, description="Heartbeats a worker may miss before it is declared dead."
@@ -97,6 +106,7 @@ class SchedulerSettings(TokenbusSettings):
                 ),
             },
             background_aging_ms=self.scheduler_background_aging_ms,
+            background_min_share=self.scheduler_background_min_share,
             fill_from_other_tier=self.scheduler_fill_from_other_tier,
             batching=self.scheduler_batching,
             bucket_edges=self.scheduler_bucket_edges,
