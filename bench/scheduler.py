@@ -219,14 +219,96 @@ def simulate_load(
     return stats
 
 
-def capacity(profile: SimProfile) -> float:
-    """Requests/s one worker finishes when every slot is busy (mean request shape)."""
-    mean_prompt = sum(PROMPT_TOKENS) / 2
-    mean_output = sum(OUTPUT_TOKENS) / 2
-    n = profile.max_num_seqs
-    kv = n * (mean_prompt + mean_output / 2)
-    step = profile.step_seconds(n, int(kv), prefill_tokens=int(n * mean_prompt / mean_output))
-    return n / step / mean_output
+def capacity(profile: SimProfile, requests: int = 2000) -> float:
+    """Requests/s one worker finishes when it always has work: a burst, timed to the end."""
+    rng = random.Random(SEED)
+    running: list[Sequence] = []
+    waiting = [
+        Sequence(Tier.interactive, rng.randint(*PROMPT_TOKENS), rng.randint(*OUTPUT_TOKENS), 0.0)
+        for _ in range(requests)
+    ]
+    now = 0.0
+    while running or waiting:
+        joining = waiting[: profile.max_num_seqs - len(running)]
+        waiting = waiting[len(joining) :]
+        running.extend(joining)
+        kv = sum(s.prompt + s.done_tokens for s in running)
+        now += profile.step_seconds(len(running), kv, sum(s.prompt for s in joining))
+        for seq in running:
+            seq.done_tokens += 1
+        running = [s for s in running if s.done_tokens < s.output]
+    return requests / now
+
+
+# -- 4. dispatch cost on a real broker (optional) ---------------------------------------------
+
+
+async def dispatch_latency(bootstrap: str, rounds: int = 60) -> dict[str, dict[str, float]]:
+    """One dispatch = a batch record plus the tier offset that covers it, two ways:
+
+    - `transaction`: batch and offset commit in one Kafka transaction (exactly once, alone);
+    - `produce+commit`: idempotent produce, then a commit with metadata (what the scheduler
+      does; the restart scan of the batches topic closes the gap between the two);
+    - `produce`: the produce alone: all a worker waits for in the scheduler's design, where
+      commits are batched off the dispatch path. With a transaction, the worker
+      (read_committed) sees the batch only once the whole transaction is committed.
+    Each back to back and 20 ms apart (the broker finishes a transaction asynchronously).
+    """
+    import asyncio
+    import uuid
+
+    from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+    from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+    from aiokafka.structs import OffsetAndMetadata
+
+    prefix = "bsched" + uuid.uuid4().hex[:6]
+    tier, batches, group = f"{prefix}.tier", f"{prefix}.batches", f"{prefix}.group"
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    await admin.create_topics([NewTopic(tier, 1, 1), NewTopic(batches, 1, 1)])
+    tp = TopicPartition(tier, 0)
+    payload = b"x" * 2000
+    out: dict[str, dict[str, float]] = {}
+    txn = AIOKafkaProducer(
+        bootstrap_servers=bootstrap, transactional_id=f"{prefix}.tx", acks="all", linger_ms=0
+    )
+    plain = AIOKafkaProducer(
+        bootstrap_servers=bootstrap, enable_idempotence=True, acks="all", linger_ms=0
+    )
+    consumer = AIOKafkaConsumer(
+        tier, bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False
+    )
+    try:
+        for client in (txn, plain, consumer):
+            await client.start()
+        for gap in (0.0, 0.02):
+            for name in ("transaction", "produce+commit", "produce"):
+                samples = []
+                for i in range(rounds):
+                    await asyncio.sleep(gap)
+                    started = time.perf_counter()
+                    offset = OffsetAndMetadata(i + 1, '{"v":1}')
+                    if name == "transaction":
+                        async with txn.transaction():
+                            await (await txn.send(batches, payload, partition=0))
+                            await txn.send_offsets_to_transaction({tp: offset}, group)
+                    elif name == "produce+commit":
+                        await plain.send_and_wait(batches, payload, partition=0)
+                        await consumer.commit({tp: offset})
+                    else:
+                        await plain.send_and_wait(batches, payload, partition=0)
+                    samples.append((time.perf_counter() - started) * 1000)
+                samples.sort()
+                out[f"{name}, {gap * 1000:.0f} ms apart"] = {
+                    "p50_ms": round(samples[len(samples) // 2], 2),
+                    "p90_ms": round(samples[int(0.9 * (len(samples) - 1))], 2),
+                }
+    finally:
+        for client in (txn, plain, consumer):
+            await client.stop()
+        await admin.delete_topics([tier, batches])
+        await admin.close()
+    return out
 
 
 # -- report ---------------------------------------------------------------------------------
@@ -239,6 +321,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=60.0, help="simulated, per load")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--plot", type=Path)
+    parser.add_argument("--bootstrap", help="also time one dispatch on this Kafka broker")
     args = parser.parse_args()
 
     out: dict[str, Any] = {}
@@ -274,7 +357,7 @@ def main() -> None:
     out["fit"] = fits
 
     full = capacity(profile)
-    loads = {"low": 0.1 * full, "medium": 0.5 * full, "saturating": 1.2 * full}
+    loads = {"low": 0.1 * full, "medium": 0.5 * full, "saturating": 1.0 * full}
     print(
         f"\n## Load, `{args.profile}` sim profile, one worker of 64 slots "
         f"(capacity ~{full:.0f} req/s), {args.seconds:.0f} s simulated"
@@ -301,6 +384,16 @@ def main() -> None:
                     f"| {row['ttft_ms_p50']} | {row['ttft_ms_p99']} |"
                 )
     out["load"] = [asdict(r) for r in load_runs]
+    if args.bootstrap:
+        import asyncio
+
+        latency = asyncio.run(dispatch_latency(args.bootstrap))
+        print(f"\n## One dispatch on the broker at {args.bootstrap}")
+        print("| how | p50 ms | p90 ms |")
+        print("|---|---:|---:|")
+        for how, row in latency.items():
+            print(f"| {how} | {row['p50_ms']} | {row['p90_ms']} |")
+        out["dispatch_latency"] = latency
     out["profile"] = args.profile
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

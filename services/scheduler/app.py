@@ -270,7 +270,9 @@ class Scheduler:
                     except ValidationError as exc:
                         log.error("heartbeat.invalid", offset=record.offset, error=str(exc))
                         continue
-                    self.workers.beat(beat, now, replayed=record.offset < live_from)
+                    # Read back at start-up: proof of life only if it is this fresh.
+                    stale = now - beat.sent_at > beat.interval_ms / 1000.0
+                    self.workers.beat(beat, now, replayed=record.offset < live_from and stale)
             if fetched:
                 self._wake.set()
 
