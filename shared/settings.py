@@ -25,15 +25,21 @@ class TokenbusSettings(BaseSettings):
         default=10, ge=1, le=500, description="Longest a consumer fetch waits at the broker."
     )
     max_tokens_cap: int = Field(default=4096, ge=1, description="Largest max_tokens accepted.")
-    default_max_tokens: int = Field(default=256, ge=1)
+    default_max_tokens: int = Field(
+        default=256, ge=1, description="max_tokens of a request that names none."
+    )
     max_prompt_chars: int = Field(
         default=65536, ge=1, description="Largest prompt (all message contents together)."
     )
-    log_level: str = Field(default="INFO")
+    log_level: str = Field(default="INFO", description="DEBUG, INFO, WARNING or ERROR.")
     # Token budgets per tier (prompt tokens + max_tokens per batch): the scheduler forms
     # batches within them, ingest refuses a request no batch could ever hold.
-    scheduler_interactive_max_batch_tokens: int = Field(default=65536, ge=1)
-    scheduler_background_max_batch_tokens: int = Field(default=131072, ge=1)
+    scheduler_interactive_max_batch_tokens: int = Field(
+        default=65536, ge=1, description="Token budget of an interactive batch (prompt + max_tokens)."
+    )
+    scheduler_background_max_batch_tokens: int = Field(
+        default=131072, ge=1, description="Token budget of a background batch (prompt + max_tokens)."
+    )
 
     @property
     def largest_token_budget(self) -> int:

@@ -13,14 +13,21 @@ Handler = Callable[[argparse.Namespace], int]
 
 def build_parser() -> argparse.ArgumentParser:
     # Imported here so a command module may import `Subcommands` from this one.
-    from tokenbus import bench, kafka, topics, trace, up
+    from tokenbus import bench, config, kafka, topics, trace, up
 
     parser = argparse.ArgumentParser(
         prog="tokenbus", description="LLM serving decoupled by Apache Kafka."
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     # A new subcommand is a module with `register(commands)` and one entry here.
-    for register in (up.register, kafka.register, topics.register, bench.register, trace.register):
+    for register in (
+        up.register,
+        kafka.register,
+        topics.register,
+        bench.register,
+        trace.register,
+        config.register,
+    ):
         register(commands)
     return parser
 

@@ -13,8 +13,10 @@ ResultTopology = Literal["partition", "topic"]
 
 
 class EdgeSettings(TokenbusSettings):
-    edge_host: str = Field(default="127.0.0.1")
-    edge_port: int = Field(default=8000, ge=0, le=65535)
+    edge_host: str = Field(default="127.0.0.1", description="Bind address of the edge.")
+    edge_port: int = Field(
+        default=8000, ge=0, le=65535, description="HTTP and WebSocket port of the edge."
+    )
     edge_result_topology: ResultTopology = Field(
         default="partition",
         description=(
@@ -51,7 +53,9 @@ class EdgeSettings(TokenbusSettings):
     resume_secret: SecretStr | None = Field(
         default=None, description="HMAC key of resume tokens; the same on every edge."
     )
-    edge_resume_ttl_s: float = Field(default=600.0, gt=0)
+    edge_resume_ttl_s: float = Field(
+        default=600.0, gt=0, description="How long a resume token stays valid."
+    )
 
     def limits(self) -> RequestLimits:
         return RequestLimits(

@@ -16,8 +16,12 @@ def _default_worker_id() -> str:
 
 
 class WorkerSettings(TokenbusSettings):
-    worker_id: str = Field(default_factory=_default_worker_id)
-    worker_engine: str = Field(default="sim", pattern="^(sim|vllm|transformers)$")
+    worker_id: str = Field(
+        default_factory=_default_worker_id, description="Name in heartbeats; default host-pid."
+    )
+    worker_engine: str = Field(
+        default="sim", pattern="^(sim|vllm|transformers)$", description="sim, vllm or transformers."
+    )
     worker_model: str = Field(default="sim-8b", description="Model name in heartbeats.")
     worker_max_num_seqs: int = Field(default=64, ge=1, description="Sequences run at once.")
     worker_flush_ms: float = Field(default=20.0, gt=0, description="Longest a token waits.")
@@ -49,7 +53,9 @@ class WorkerSettings(TokenbusSettings):
         pattern="^(constant|llama3-8b-h100|llama3-8b-h200)$",
         description="constant: worker_sim_token_rate per sequence; others: GPU cost models.",
     )
-    worker_sim_mode: Literal["continuous", "static"] = Field(default="continuous")
+    worker_sim_mode: Literal["continuous", "static"] = Field(
+        default="continuous", description="sim: continuous (vLLM-like) or static batching."
+    )
     worker_sim_token_rate: float = Field(default=50.0, gt=0, description="sim: tokens/s/seq.")
 
     # vllm and transformers engines
@@ -58,7 +64,13 @@ class WorkerSettings(TokenbusSettings):
     )
     worker_dtype: str = Field(default="auto", description="auto|bfloat16|float16|float32.")
     worker_quantization: str | None = Field(default=None, description="vLLM: e.g. fp8, awq.")
-    worker_gpu_memory_utilization: float = Field(default=0.90, gt=0, le=1)
-    worker_max_model_len: int | None = Field(default=None, ge=1)
-    worker_tensor_parallel_size: int = Field(default=1, ge=1)
+    worker_gpu_memory_utilization: float = Field(
+        default=0.90, gt=0, le=1, description="vLLM: share of GPU memory it may take."
+    )
+    worker_max_model_len: int | None = Field(
+        default=None, ge=1, description="vLLM/transformers: context length; unset = the model's."
+    )
+    worker_tensor_parallel_size: int = Field(
+        default=1, ge=1, description="vLLM: GPUs per model replica."
+    )
     worker_device: str = Field(default="auto", description="transformers: auto|cpu|cuda[:n].")
