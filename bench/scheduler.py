@@ -371,15 +371,15 @@ def main() -> None:
     for rule in (FixedRule(), adaptive_rule()):
         for name, rate in loads.items():
             stats = simulate_load(rule, profile, rate, args.seconds)
-            run = LoadRun(
+            load_run = LoadRun(
                 rule.name, name, round(rate, 1), {t.value: s.row() for t, s in stats.items()}
             )
-            load_runs.append(run)
-            for tier, row in run.tiers.items():
+            load_runs.append(load_run)
+            for tier, row in load_run.tiers.items():
                 if not row:
                     continue
                 print(
-                    f"| {run.rule} | {name} | {rate:.1f} | {tier} | {row['batch_size']} "
+                    f"| {load_run.rule} | {name} | {rate:.1f} | {tier} | {row['batch_size']} "
                     f"| {row['fill']} | {row['wait_ms_mean']} | {row['wait_ms_p99']} "
                     f"| {row['ttft_ms_p50']} | {row['ttft_ms_p99']} |"
                 )

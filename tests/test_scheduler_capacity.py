@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import websockets
@@ -20,7 +21,11 @@ from tests.test_chat_e2e import check_transcript
 from tests.worker_logs import events
 
 TOKEN_RATE = 50  # tokens/s per sequence: the blocker's 121 tokens hold the slot 2.4 s
-BLOCKER = {"client_id": "blocker", "prompt": "hold the only slot 84", "max_tokens": 200}
+BLOCKER: dict[str, Any] = {
+    "client_id": "blocker",
+    "prompt": "hold the only slot 84",
+    "max_tokens": 200,
+}
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +57,12 @@ def _heartbeats(stack: Stack) -> list[Heartbeat]:
 async def test_a_request_whose_deadline_passes_in_the_backlog_is_answered_never_run(
     one_slot: Stack,
 ) -> None:
-    late = {"client_id": "late", "prompt": "too late", "max_tokens": 5, "deadline_ms": 300}
+    late: dict[str, Any] = {
+        "client_id": "late",
+        "prompt": "too late",
+        "max_tokens": 5,
+        "deadline_ms": 300,
+    }
     async with websockets.connect(one_slot.ws_url) as ws:
         session = ChatSession(ws)
         await session.send(BLOCKER)
@@ -76,11 +86,13 @@ async def test_a_request_whose_deadline_passes_in_the_backlog_is_answered_never_
 async def test_with_every_slot_busy_the_backlog_waits_and_leaves_by_priority(
     one_slot: Stack,
 ) -> None:
-    background = [
+    background: list[dict[str, Any]] = [
         {"client_id": f"b{i}", "prompt": f"bulk {i}", "max_tokens": 4, "priority": "background"}
         for i in range(3)
     ]
-    interactive = [{"client_id": f"i{i}", "prompt": f"chat {i}", "max_tokens": 4} for i in range(3)]
+    interactive: list[dict[str, Any]] = [
+        {"client_id": f"i{i}", "prompt": f"chat {i}", "max_tokens": 4} for i in range(3)
+    ]
     async with websockets.connect(one_slot.ws_url) as ws:
         session = ChatSession(ws)
         await session.send(BLOCKER)

@@ -63,7 +63,7 @@ def _workers_heard(stack: Stack) -> set[str]:
 
 def long_prompts(count: int, min_tokens: int, tag: str) -> list[str]:
     """Prompts whose deterministic answers run at least `min_tokens` tokens."""
-    found = []
+    found: list[str] = []
     i = 0
     while len(found) < count:
         prompt = f"{tag} {i}"
@@ -75,8 +75,7 @@ def long_prompts(count: int, min_tokens: int, tag: str) -> list[str]:
 
 def runs(stack: Stack, session: ChatSession) -> dict[str, int]:
     """How many times the workers ran each of the session's requests (any attempt)."""
-    ids = {t.request_id for t in session.by_client.values()}
-    count = dict.fromkeys(ids, 0)
+    count = {t.request_id: 0 for t in session.by_client.values() if t.request_id is not None}
     for key in ("worker", WORKER_B):
         for e in events(stack.log(key), "request.finished"):
             if e["request_id"] in count:
@@ -111,7 +110,7 @@ async def test_a_scheduler_killed_mid_load_and_restarted_loses_no_request(
     two_workers: Stack,
 ) -> None:
     stack = two_workers
-    requests = [
+    requests: list[dict[str, Any]] = [
         {
             "client_id": f"k{i}",
             "prompt": f"kill the scheduler, request {i}",
@@ -150,7 +149,7 @@ async def test_a_worker_killed_mid_batch_has_its_requests_finished_by_another(
     two_workers: Stack,
 ) -> None:
     stack = two_workers
-    requests = [
+    requests: list[dict[str, Any]] = [
         {"client_id": f"w{i}", "prompt": prompt, "max_tokens": 500}
         for i, prompt in enumerate(long_prompts(8, 80, "kill the worker"))
     ]
@@ -186,7 +185,7 @@ async def test_two_schedulers_share_the_tier_partitions_and_lose_nothing(
 
     await asyncio.to_thread(wait_until, split, 60, "scheduler-b to own tier partitions")
     before = len(events(stack.log("scheduler"), "batch.dispatched"))
-    requests = [
+    requests: list[dict[str, Any]] = [
         {"client_id": f"s{i}", "prompt": f"two schedulers, request {i}", "max_tokens": 8}
         for i in range(40)
     ]

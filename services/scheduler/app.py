@@ -437,6 +437,8 @@ class Scheduler:
             return
         async with self._step_lock:
             dropped = self.policy.backlog.remove_where(lambda w: w.tp in revoked)
+            for p in dropped:
+                self.telemetry.released(p.item.request)
             await self._commit(only=revoked)
             self.ledger.forget(revoked)
             for tp in revoked:

@@ -66,6 +66,10 @@ class SchedulerTelemetry:
         self._leave(request.request_id)
         self.metrics.expired.labels(request.tier.value).inc()
 
+    def released(self, request: QueuedRequest) -> None:
+        """A waiting request this process gives up (its partition moved to another scheduler)."""
+        self._leave(request.request_id)
+
     def batch_formed(self, batch: Batch, departed_at: float) -> tuple[Batch, Headers]:
         """Record each request's stages and the batch span; return the batch to send, whose
         requests carry their `batch_form` context, and the headers carrying the batch span's.
