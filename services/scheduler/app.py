@@ -148,16 +148,21 @@ class Scheduler:
             for stop in reversed(stops):
                 await stop()
 
+    async def _partitions(self, topic: str) -> list[TopicPartition]:
+        """The topic's partitions as the cluster has them (the project's count if unknown)."""
+        described = await self._admin.describe_topics([topic])
+        count = len(described[0]["partitions"]) if described else 0
+        count = count or self.topics.partitions()[topic]
+        return [TopicPartition(topic, p) for p in range(count)]
+
     async def _start_floors(self) -> None:
         """Whatever we produce will land at or after today's end of each batches partition."""
-        topic = self.topics.batches
-        parts = [TopicPartition(topic, p) for p in range(self.topics.partitions()[topic])]
+        parts = await self._partitions(self.topics.batches)
         ends = await self._batch_log.end_offsets(parts)
         self._start_ends = {tp.partition: end for tp, end in ends.items()}
 
     async def _seek_recent_heartbeats(self, beats: AIOKafkaConsumer) -> None:
-        topic = self.topics.workers
-        tps = [TopicPartition(topic, p) for p in range(self.topics.partitions()[topic])]
+        tps = await self._partitions(self.topics.workers)
         beats.assign(tps)
         since = int((time.time() - HEARTBEAT_LOOKBACK_S) * 1000)
         found = await beats.offsets_for_times({tp: since for tp in tps})
