@@ -33,10 +33,18 @@ class SchedulerSettings(TokenbusSettings):
         default="fixed", description="fixed: the bus rule; adaptive: cost-model wait."
     )
 
-    scheduler_interactive_max_batch_size: int = Field(default=16, ge=1)
-    scheduler_interactive_max_wait_ms: float = Field(default=10.0, ge=0)
-    scheduler_background_max_batch_size: int = Field(default=32, ge=1)
-    scheduler_background_max_wait_ms: float = Field(default=200.0, ge=0)
+    scheduler_interactive_max_batch_size: int = Field(
+        default=16, ge=1, description="Requests per interactive batch, at most."
+    )
+    scheduler_interactive_max_wait_ms: float = Field(
+        default=10.0, ge=0, description="Longest an interactive request waits for its bus."
+    )
+    scheduler_background_max_batch_size: int = Field(
+        default=32, ge=1, description="Requests per background batch, at most."
+    )
+    scheduler_background_max_wait_ms: float = Field(
+        default=200.0, ge=0, description="Longest a background request waits for its bus."
+    )
     scheduler_background_aging_ms: float = Field(
         default=2000.0, ge=0, description="Background waiting this long outranks interactive."
     )
@@ -60,8 +68,12 @@ class SchedulerSettings(TokenbusSettings):
     # adaptive policy: engine time of a batch of n = per_request * n + per_batch. Defaults:
     # least-squares fit to the llama3-8b-h100 sim profile, 100-token prompts joining 32
     # running sequences (`python -m bench.scheduler`, docs/scheduler.md).
-    scheduler_adaptive_per_request_ms: float = Field(default=3.3, ge=0)
-    scheduler_adaptive_per_batch_ms: float = Field(default=2.2, ge=0)
+    scheduler_adaptive_per_request_ms: float = Field(
+        default=3.3, ge=0, description="adaptive: engine time each request adds to a batch."
+    )
+    scheduler_adaptive_per_batch_ms: float = Field(
+        default=2.2, ge=0, description="adaptive: engine time of a batch beyond its requests."
+    )
 
     scheduler_worker_missed_beats: int = Field(
         default=3, ge=1, description="Heartbeats a worker may miss before it is declared dead."
