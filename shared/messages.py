@@ -117,7 +117,9 @@ class ChatRequest(Model):
     @property
     def effective_max_tokens(self) -> int:
         # Always set by the validator; the fallback keeps the type honest.
-        return self.max_tokens if self.max_tokens is not None else RequestLimits().default_max_tokens
+        return (
+            self.max_tokens if self.max_tokens is not None else RequestLimits().default_max_tokens
+        )
 
 
 class RequestRecord(ChatRequest):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 from collections.abc import Coroutine
 from typing import Any
@@ -17,9 +18,7 @@ def run_service(main: Coroutine[Any, Any, None]) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, task.cancel)
-        try:
+        with contextlib.suppress(asyncio.CancelledError):
             await main
-        except asyncio.CancelledError:
-            pass
 
     asyncio.run(runner())

@@ -35,10 +35,14 @@ class TokenbusSettings(BaseSettings):
     # Token budgets per tier (prompt tokens + max_tokens per batch): the scheduler forms
     # batches within them, ingest refuses a request no batch could ever hold.
     scheduler_interactive_max_batch_tokens: int = Field(
-        default=65536, ge=1, description="Token budget of an interactive batch (prompt + max_tokens)."
+        default=65536,
+        ge=1,
+        description="Token budget of an interactive batch (prompt + max_tokens).",
     )
     scheduler_background_max_batch_tokens: int = Field(
-        default=131072, ge=1, description="Token budget of a background batch (prompt + max_tokens)."
+        default=131072,
+        ge=1,
+        description="Token budget of a background batch (prompt + max_tokens).",
     )
 
     @property

@@ -1,4 +1,4 @@
-"""Finding a Kafka broker for the tests: KAFKA_BOOTSTRAP_SERVERS, else Docker, else a clear failure."""
+"""Finding a broker for the tests: KAFKA_BOOTSTRAP_SERVERS, else Docker, else a clear failure."""
 
 from __future__ import annotations
 

@@ -19,28 +19,48 @@ BAD_FRAMES: list[tuple[str, str | bytes, str]] = [
     ("unknown type", json.dumps({"type": "chat.wat"}), "type"),
     ("missing type", json.dumps({"prompt": "hi"}), "type"),
     ("missing prompt", json.dumps({"type": "chat.request"}), "prompt"),
-    ("both prompt and messages", json.dumps(
-        {"type": "chat.request", "prompt": "a", "messages": [{"role": "user", "content": "b"}]}
-    ), "prompt"),
-    ("max_tokens wrong type", json.dumps(
-        {"type": "chat.request", "prompt": "hi", "max_tokens": "many"}
-    ), "max_tokens"),
-    ("max_tokens zero", json.dumps({"type": "chat.request", "prompt": "hi", "max_tokens": 0}),
-     "max_tokens"),
-    ("max_tokens above cap", json.dumps(
-        {"type": "chat.request", "prompt": "hi", "max_tokens": 10**6}
-    ), "max_tokens"),
-    ("temperature wrong type", json.dumps(
-        {"type": "chat.request", "prompt": "hi", "temperature": "hot"}
-    ), "temperature"),
-    ("bad message role", json.dumps(
-        {"type": "chat.request", "messages": [{"role": "wizard", "content": "x"}]}
-    ), "messages.0.role"),
-    ("unknown field", json.dumps({"type": "chat.request", "prompt": "hi", "colour": "red"}),
-     "colour"),
-    ("prompt above the size limit", json.dumps(
-        {"type": "chat.request", "prompt": "word " * 20000}
-    ), "prompt"),
+    (
+        "both prompt and messages",
+        json.dumps(
+            {"type": "chat.request", "prompt": "a", "messages": [{"role": "user", "content": "b"}]}
+        ),
+        "prompt",
+    ),
+    (
+        "max_tokens wrong type",
+        json.dumps({"type": "chat.request", "prompt": "hi", "max_tokens": "many"}),
+        "max_tokens",
+    ),
+    (
+        "max_tokens zero",
+        json.dumps({"type": "chat.request", "prompt": "hi", "max_tokens": 0}),
+        "max_tokens",
+    ),
+    (
+        "max_tokens above cap",
+        json.dumps({"type": "chat.request", "prompt": "hi", "max_tokens": 10**6}),
+        "max_tokens",
+    ),
+    (
+        "temperature wrong type",
+        json.dumps({"type": "chat.request", "prompt": "hi", "temperature": "hot"}),
+        "temperature",
+    ),
+    (
+        "bad message role",
+        json.dumps({"type": "chat.request", "messages": [{"role": "wizard", "content": "x"}]}),
+        "messages.0.role",
+    ),
+    (
+        "unknown field",
+        json.dumps({"type": "chat.request", "prompt": "hi", "colour": "red"}),
+        "colour",
+    ),
+    (
+        "prompt above the size limit",
+        json.dumps({"type": "chat.request", "prompt": "word " * 20000}),
+        "prompt",
+    ),
     ("2 MiB frame", json.dumps({"type": "chat.request", "prompt": "x" * (2 << 20)}), "frame"),
     ("binary garbage", b"\xff\xfe\x00garbage", "frame"),
     ("cancel without id", json.dumps({"type": "chat.cancel"}), "request_id"),
@@ -99,12 +119,24 @@ async def test_malformed_records_land_on_the_dlq_and_nothing_else_stops(stack: S
     try:
         await producer.send_and_wait(topics.requests, b"{not json", key=b"garbage-1")
         await producer.send_and_wait(topics.requests, b'"a string"', key=b"garbage-2")
-        invalid = {"request_id": bad_id, "prompt": "hi", "max_tokens": "lots",
-                   "reply_to": {"topic": reply_topic, "partition": 5}}
-        await producer.send_and_wait(topics.requests, json.dumps(invalid).encode(), key=bad_id.encode())
-        good = {"request_id": good_id, "prompt": "after the bad ones", "max_tokens": 4,
-                "reply_to": {"topic": reply_topic, "partition": 5}}
-        await producer.send_and_wait(topics.requests, json.dumps(good).encode(), key=good_id.encode())
+        invalid = {
+            "request_id": bad_id,
+            "prompt": "hi",
+            "max_tokens": "lots",
+            "reply_to": {"topic": reply_topic, "partition": 5},
+        }
+        await producer.send_and_wait(
+            topics.requests, json.dumps(invalid).encode(), key=bad_id.encode()
+        )
+        good = {
+            "request_id": good_id,
+            "prompt": "after the bad ones",
+            "max_tokens": 4,
+            "reply_to": {"topic": reply_topic, "partition": 5},
+        }
+        await producer.send_and_wait(
+            topics.requests, json.dumps(good).encode(), key=good_id.encode()
+        )
     finally:
         await producer.stop()
 

@@ -17,7 +17,11 @@ from tests.stack import Stack
 def expected(request: dict[str, Any]) -> tuple[str, int, str]:
     body = ChatRequest.model_validate(request)
     plan = complete(
-        body.prompt_text(), body.effective_max_tokens, tuple(body.stop), body.temperature, body.top_p
+        body.prompt_text(),
+        body.effective_max_tokens,
+        tuple(body.stop),
+        body.temperature,
+        body.top_p,
     )
     return plan.text, plan.completion_tokens, plan.finish_reason
 
@@ -41,7 +45,11 @@ def check_transcript(t: Transcript, request: dict[str, Any]) -> None:
 
 def make_request(i: int) -> dict[str, Any]:
     if i % 2:
-        return {"client_id": f"c{i}", "prompt": f"tell me about buses, number {i}", "max_tokens": 30}
+        return {
+            "client_id": f"c{i}",
+            "prompt": f"tell me about buses, number {i}",
+            "max_tokens": 30,
+        }
     messages = [
         ChatMessage(role="system", content="be brief").model_dump(),
         ChatMessage(role="user", content=f"question {i}: why kafka?").model_dump(),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import subprocess
@@ -22,9 +23,9 @@ def kcat(*args: str, stdin: bytes | None = None, timeout: float = 30) -> bytes:
     return done.stdout
 
 
-async def test_kcat_request_gets_its_full_result_on_reply_to(stack: Stack) -> None:
+def test_kcat_request_gets_its_full_result_on_reply_to(stack: Stack) -> None:
     reply_topic = f"{stack.prefix}.my-app-replies"
-    await create_topics(stack.settings, {reply_topic: 1})
+    asyncio.run(create_topics(stack.settings, {reply_topic: 1}))
     request_id = "kcat-" + uuid.uuid4().hex[:8]
     record = {
         "request_id": request_id,
@@ -35,15 +36,32 @@ async def test_kcat_request_gets_its_full_result_on_reply_to(stack: Stack) -> No
     }
     # The README's example: key = request_id, value = the JSON request, on one line.
     kcat(
-        "-P", "-b", stack.bootstrap, "-t", stack.topics.requests, "-K", "\t",
+        "-P",
+        "-b",
+        stack.bootstrap,
+        "-t",
+        stack.topics.requests,
+        "-K",
+        "\t",
         stdin=f"{request_id}\t{json.dumps(record)}\n".encode(),
     )
 
     results: list[dict[str, object]] = []
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        out = kcat("-C", "-b", stack.bootstrap, "-t", reply_topic, "-o", "beginning", "-e",
-                   "-q", "-f", "%s\n")
+        out = kcat(
+            "-C",
+            "-b",
+            stack.bootstrap,
+            "-t",
+            reply_topic,
+            "-o",
+            "beginning",
+            "-e",
+            "-q",
+            "-f",
+            "%s\n",
+        )
         results = [json.loads(line) for line in out.decode().splitlines() if line.strip()]
         if results and results[-1]["kind"] in ("done", "error"):
             break

@@ -33,8 +33,13 @@ def test_chat_request_gets_defaults_from_the_limits() -> None:
 
 def test_messages_render_as_role_lines() -> None:
     frame = parse(
-        {"type": "chat.request", "messages": [
-            {"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]}
+        {
+            "type": "chat.request",
+            "messages": [
+                {"role": "system", "content": "be brief"},
+                {"role": "user", "content": "hi"},
+            ],
+        }
     )
     assert isinstance(frame, ChatRequestFrame)
     assert frame.prompt_text() == "system: be brief\nuser: hi"

@@ -42,6 +42,8 @@ def build_app(settings: IngestSettings) -> FastStream:
     )
     async def on_request(message: KafkaMessage) -> None:
         raw = message.raw_message
+        if isinstance(raw, tuple):  # only batch subscribers get several records at once
+            raise TypeError("ingest subscribes one record at a time")
         decision = admit(raw.value or b"", raw.key, topics, limits, recent)
         observe_admission(decision, message)
         if isinstance(decision, Admitted):
