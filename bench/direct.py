@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncIterator
 
 import uvicorn
 from pydantic import Field
@@ -33,8 +33,8 @@ from services.edge.protocol import (
     StreamResumeFrame,
     parse_client_frame,
 )
-from services.worker.coalesce import Coalescer
-from services.worker.engines.base import Engine, EngineFinish, EngineOutput, EngineRequest
+from services.worker.coalesce import Coalescer, with_flushes
+from services.worker.engines.base import Engine, EngineFinish, EngineRequest
 from services.worker.engines.factory import build_engine
 from services.worker.settings import WorkerSettings
 from shared.messages import ErrorCode, RequestLimits, Tier, Timings, Usage
@@ -163,7 +163,7 @@ class DirectSocket:
             seq += 1
 
         self.running.add(request_id)
-        stream = _with_flushes(engine.generate(request), coalescer)
+        stream = with_flushes(engine.generate(request), coalescer)
         try:
             async with contextlib.aclosing(stream):
                 async for out in stream:
@@ -207,35 +207,6 @@ class DirectSocket:
                 ),
             )
         )
-
-
-async def _with_flushes(
-    outputs: AsyncIterator[EngineOutput], coalescer: Coalescer
-) -> AsyncGenerator[EngineOutput | None, None]:
-    """Engine outputs, and None whenever the coalescer's oldest token is due first."""
-    pending: asyncio.Task[EngineOutput] | None = None
-    try:
-        while True:
-            if pending is None:
-                pending = asyncio.ensure_future(anext(outputs))
-            flush_at = coalescer.flush_at()
-            timeout = None if flush_at is None else max(0.0, flush_at - time.time())
-            done, _ = await asyncio.wait({pending}, timeout=timeout)
-            if not done:
-                yield None
-                continue
-            try:
-                out = pending.result()
-            except StopAsyncIteration:
-                return
-            pending = None
-            yield out
-    finally:
-        if pending is not None and not pending.done():
-            pending.cancel()
-            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
-                await pending
-        await outputs.aclose()  # type: ignore[attr-defined]
 
 
 def build_app(settings: DirectSettings) -> Starlette:

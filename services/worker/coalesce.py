@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
+
+from services.worker.engines.base import EngineOutput
 
 
 @dataclass
@@ -48,3 +54,32 @@ class Coalescer:
         self._tokens = 0
         self._since = None
         return text
+
+
+async def with_flushes(
+    outputs: AsyncIterator[EngineOutput], coalescer: Coalescer
+) -> AsyncGenerator[EngineOutput | None]:
+    """Yield engine outputs, and None whenever the coalescer's flush time passes first."""
+    pending: asyncio.Task[EngineOutput] | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(anext(outputs))
+            flush_at = coalescer.flush_at()
+            timeout = None if flush_at is None else max(0.0, flush_at - time.time())
+            done, _ = await asyncio.wait({pending}, timeout=timeout)
+            if not done:
+                yield None
+                continue
+            try:
+                out = pending.result()
+            except StopAsyncIteration:
+                return
+            pending = None
+            yield out
+    finally:
+        if pending is not None and not pending.done():
+            pending.cancel()
+            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                await pending
+        await outputs.aclose()  # type: ignore[attr-defined]

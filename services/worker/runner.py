@@ -5,19 +5,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from collections.abc import Mapping
 from typing import Literal
 
 import structlog
 from aiokafka import AIOKafkaProducer
 from aiokafka.structs import RecordMetadata
 
-from services.worker.coalesce import Coalescer
+from services.worker.coalesce import Coalescer, with_flushes
 from services.worker.engines.base import (
     ChatTurn,
     Engine,
     EngineFinish,
-    EngineOutput,
     EngineRequest,
 )
 from services.worker.telemetry import final_record_headers, observe_answered
@@ -149,7 +148,7 @@ class RequestRunner:
             seq += 1
 
         finish: EngineFinish | None = None
-        stream = _with_deadlines(
+        stream = with_flushes(
             self._engine.generate(engine_request(request, trace_headers)), coalescer
         )
         async with contextlib.aclosing(stream):
@@ -234,32 +233,3 @@ class RequestRunner:
             mean_chunk_wait_ms=round(sum(waits) / len(waits) * 1000, 3) if waits else 0.0,
         )
         return "answered"
-
-
-async def _with_deadlines(
-    outputs: AsyncIterator[EngineOutput], coalescer: Coalescer
-) -> AsyncGenerator[EngineOutput | None]:
-    """Yield engine outputs, and None whenever the coalescer's flush time passes first."""
-    pending: asyncio.Task[EngineOutput] | None = None
-    try:
-        while True:
-            if pending is None:
-                pending = asyncio.ensure_future(anext(outputs))
-            flush_at = coalescer.flush_at()
-            timeout = None if flush_at is None else max(0.0, flush_at - time.time())
-            done, _ = await asyncio.wait({pending}, timeout=timeout)
-            if not done:
-                yield None
-                continue
-            try:
-                out = pending.result()
-            except StopAsyncIteration:
-                return
-            pending = None
-            yield out
-    finally:
-        if pending is not None and not pending.done():
-            pending.cancel()
-            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
-                await pending
-        await outputs.aclose()  # type: ignore[attr-defined]
