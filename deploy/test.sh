@@ -12,6 +12,9 @@ TEST_STATE=.tokenbus/test-kafka
 # Tools the tests and the local broker run; installed only when missing (root in CI).
 missing=()
 command -v kcat >/dev/null || missing+=(kcat)
+# The chat page is tested in a real headless browser (Debian's, driven by chromedriver).
+command -v chromium >/dev/null || missing+=(chromium)
+command -v chromedriver >/dev/null || missing+=(chromium-driver)
 if [ -z "${KAFKA_BOOTSTRAP_SERVERS:-}" ]; then
   command -v java >/dev/null || missing+=(default-jre-headless)
   command -v mvn >/dev/null || missing+=(maven)

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -110,6 +111,8 @@ class Deployment:
         # Locally there is rarely a GPU: the simulator unless the user chose an engine.
         env.setdefault("TOKENBUS_WORKER_ENGINE", "sim")
         env.setdefault("TOKENBUS_TRACE_DIR", os.path.abspath(".tokenbus/traces"))  # tokenbus trace
+        # One resume key for every edge this deployment runs, unless the operator set one.
+        env.setdefault("TOKENBUS_RESUME_SECRET", secrets.token_urlsafe(32))
         for name in SERVICES:
             # Own process group: Ctrl-C reaches only `up`, which stops the services in
             # order, and killing the group also ends anything a service spawned (vLLM's
