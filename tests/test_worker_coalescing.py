@@ -18,9 +18,22 @@ def test_coalescer_flushes_on_size_on_age_and_reports_the_wait() -> None:
     assert c.add("b", 1, now=1.005) is None
     assert c.add("c", 1, now=1.010) == "abc"  # size
     assert c.last_wait == pytest.approx(0.010)
-    assert c.add("d", 1, now=1.100) is None
-    assert c.add("e", 1, now=1.121) == "de"  # age: the oldest waited 21 ms
+    assert c.add("d", 1, now=1.015) is None
+    assert c.take(now=1.036) == "d"  # age: the timer's flush, 1 ms late
+    assert c.last_overdue == pytest.approx(0.001)
     assert c.take(now=2.0) is None
+
+
+def test_chunk_leaves_when_the_next_token_would_find_it_overdue() -> None:
+    c = Coalescer(flush_seconds=0.020, flush_tokens=16)
+    steps = [c.add(t, 1, now=1.0 + 0.0066 * i) for i, t in enumerate("abcdefgh")]
+    # Tokens every 6.6 ms: the 4th (age 19.8 ms) leaves with the chunk, since the 5th would
+    # make the oldest wait 26.4 ms; chunks are then 4 steps apart, within 20 ms + one step.
+    assert steps == [None, None, None, "abcd", None, None, None, "efgh"]
+    slow = Coalescer(flush_seconds=0.020, flush_tokens=16)
+    assert slow.add("x", 1, now=1.0) is None
+    assert slow.add("y", 1, now=1.030) == "xy"  # overdue already
+    assert slow.add("z", 1, now=1.060) == "z"  # a 30 ms step: holding z gains nothing
 
 
 def test_first_token_leaves_at_once_then_chunks_resume() -> None:

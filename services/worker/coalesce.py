@@ -24,17 +24,29 @@ class Coalescer:
     _parts: list[str] = field(default_factory=list)
     _tokens: int = 0
     _since: float | None = None
+    _last_token: float | None = None
+    _step: float | None = None  # the engine's latest gap between tokens
     last_wait: float = 0.0  # how long the oldest token of the last chunk taken had waited
     last_overdue: float = 0.0  # how far past its flush time the last chunk left (loop lag)
 
     def add(self, text: str, tokens: int, now: float) -> str | None:
-        """Buffer a delta; return the chunk to send if the buffer is now due."""
+        """Buffer a delta; return the chunk to send if the buffer is now due.
+
+        A chunk also leaves when the next token, expected one engine step from now, would
+        find it overdue: sent on a token's arrival instead of by a timer that fires late, the
+        gap between chunks stays within `flush_ms` plus one step.
+        """
+        if self._last_token is not None:
+            self._step = now - self._last_token
+        self._last_token = now
         if self._since is None:
             self._since = now
         self._parts.append(text)
         self._tokens += tokens
+        age = now - self._since
         first = self.first_at_once and not self._sent_any and bool(text)
-        if first or self._tokens >= self.flush_tokens or now - self._since >= self.flush_seconds:
+        next_late = self._step is not None and age + self._step > self.flush_seconds
+        if first or self._tokens >= self.flush_tokens or age >= self.flush_seconds or next_late:
             return self.take(now)
         return None
 
