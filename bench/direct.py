@@ -37,7 +37,7 @@ from services.worker.coalesce import Coalescer, with_flushes
 from services.worker.engines.base import Engine, EngineFinish, EngineRequest
 from services.worker.engines.factory import build_engine
 from services.worker.settings import WorkerSettings
-from shared.messages import ErrorCode, RequestLimits, Tier, Timings, Usage
+from shared.messages import ErrorCode, Tier, Timings, Usage
 
 
 class DirectSettings(WorkerSettings):
@@ -46,13 +46,6 @@ class DirectSettings(WorkerSettings):
     bench_direct_host: str = Field(default="127.0.0.1")
     bench_direct_port: int = Field(default=8100, ge=0, le=65535)
     bench_direct_max_frame_bytes: int = Field(default=1 << 20, ge=1024)
-
-    def limits(self) -> RequestLimits:
-        return RequestLimits(
-            max_tokens_cap=self.max_tokens_cap,
-            default_max_tokens=self.default_max_tokens,
-            max_prompt_chars=self.max_prompt_chars,
-        )
 
 
 class DirectServer:

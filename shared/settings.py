@@ -5,6 +5,8 @@ from __future__ import annotations
 from pydantic import AliasChoices, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from shared.messages import RequestLimits
+
 
 class TokenbusSettings(BaseSettings):
     """Base of every service's settings; read from `TOKENBUS_*` environment variables."""
@@ -50,4 +52,12 @@ class TokenbusSettings(BaseSettings):
         """The most tokens one request may ask for: the largest tier token budget."""
         return max(
             self.scheduler_interactive_max_batch_tokens, self.scheduler_background_max_batch_tokens
+        )
+
+    def limits(self) -> RequestLimits:
+        """The request bounds every validating process checks against."""
+        return RequestLimits(
+            max_tokens_cap=self.max_tokens_cap,
+            default_max_tokens=self.default_max_tokens,
+            max_prompt_chars=self.max_prompt_chars,
         )

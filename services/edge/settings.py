@@ -6,7 +6,6 @@ from typing import Literal
 
 from pydantic import Field, SecretStr
 
-from shared.messages import RequestLimits
 from shared.settings import TokenbusSettings
 
 ResultTopology = Literal["partition", "topic"]
@@ -56,10 +55,3 @@ class EdgeSettings(TokenbusSettings):
     edge_resume_ttl_s: float = Field(
         default=600.0, gt=0, description="How long a resume token stays valid."
     )
-
-    def limits(self) -> RequestLimits:
-        return RequestLimits(
-            max_tokens_cap=self.max_tokens_cap,
-            default_max_tokens=self.default_max_tokens,
-            max_prompt_chars=self.max_prompt_chars,
-        )

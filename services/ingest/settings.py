@@ -12,9 +12,5 @@ class IngestSettings(TokenbusSettings):
     ingest_dedupe_window: int = Field(default=100_000, ge=1, description="Request ids remembered.")
 
     def limits(self) -> RequestLimits:
-        return RequestLimits(
-            max_tokens_cap=self.max_tokens_cap,
-            default_max_tokens=self.default_max_tokens,
-            max_prompt_chars=self.max_prompt_chars,
-            max_request_tokens=self.largest_token_budget,
-        )
+        # Ingest also refuses a request no tier's batch could ever carry.
+        return super().limits().model_copy(update={"max_request_tokens": self.largest_token_budget})
