@@ -33,6 +33,7 @@ class Arrival:
     prompt_tokens: int
     deadline_in: float | None
     service: float  # seconds it holds a worker slot once dispatched
+    tenant: str = "default"
 
 
 @dataclass
@@ -84,6 +85,7 @@ def simulate(
                 prompt_tokens=a.prompt_tokens,
                 now=now,
                 deadline_at=deadline,
+                tenant=a.tenant,
             )
             if queued is None:
                 out.refused.add(i)
@@ -160,6 +162,8 @@ def configs(draw: st.DrawFn) -> tuple[PolicyConfig, DepartureRule]:
         background_aging_ms=draw(st.sampled_from([200.0, 400.0])),
         background_min_share=draw(st.sampled_from([0.0, 0.1, 0.5, 1.0])),
         fill_from_other_tier=draw(st.booleans()),
+        fair_share=draw(st.booleans()),
+        tenant_weights=draw(st.sampled_from([{}, {"a": 3.0, "b": 0.5}])),
         batching=draw(st.sampled_from(["pack", "buckets"])),
         bucket_edges=(64, 512),
     )
@@ -185,6 +189,7 @@ def arrival_lists(draw: st.DrawFn, max_service: float = 0.05) -> list[Arrival]:
                 prompt_tokens=draw(st.integers(1, 1000)),
                 deadline_in=draw(st.none() | st.integers(1, 300).map(lambda ms: ms / 1000.0)),
                 service=draw(st.integers(1, int(max_service * 1000))) / 1000.0,
+                tenant=draw(st.sampled_from(["a", "b", "c"])),
             )
         )
     return out

@@ -246,6 +246,7 @@ class Scheduler:
             prompt_tokens=request.prompt_tokens,
             now=now,
             deadline_at=deadline,
+            tenant=request.tenant,
         )
         assert queued is not None  # the budget was checked above
         return None

@@ -1,4 +1,8 @@
-"""The scheduler's backlog: waiting requests in lanes (tier x length bucket), oldest first."""
+"""The scheduler's backlog: waiting requests in lanes (tier x length bucket), shared fairly.
+
+A lane's bus leaves by its oldest request (arrival order); who rides it is decided by fair
+share between the lane's tenants (`fairness.FairQueue`), oldest first within a tenant.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Generic, NamedTuple, TypeVar
 
+from services.scheduler.fairness import FairQueue
 from services.scheduler.limits import PolicyConfig, TierLimits
 from shared.messages import Tier
 
@@ -18,6 +23,8 @@ T = TypeVar("T")
 # How many requests that do not fit the token budget a batch skips before it stops
 # looking: bounds the work per batch while still letting small requests pass a big one.
 FIRST_FIT_SCAN = 64
+# The tenant of a request that names none (shared/messages.py RequestRecord's default).
+DEFAULT_TENANT = "default"
 # Weight of the newest gap in the arrival-rate estimate (exponential moving average).
 RATE_SMOOTHING = 0.2
 
@@ -38,15 +45,22 @@ class Passenger(Generic[T]):
     arrived: float
     deadline_at: float | None
     number: int  # arrival order, unique per backlog
+    tenant: str = DEFAULT_TENANT  # whose fair share it rides on
 
 
 class Lane(Generic[T]):
-    """Requests of one tier and length bucket, in arrival order."""
+    """Requests of one tier and length bucket: in arrival order, and in per-tenant queues."""
 
-    def __init__(self, key: LaneKey, limits: TierLimits) -> None:
+    def __init__(
+        self,
+        key: LaneKey,
+        limits: TierLimits,
+        fair: FairQueue[Passenger[T]] | None = None,
+    ) -> None:
         self.key = key
         self.limits = limits
         self.tokens = 0
+        self.fair: FairQueue[Passenger[T]] = fair or FairQueue({}, FIRST_FIT_SCAN)
         self._items: OrderedDict[int, Passenger[T]] = OrderedDict()
         self._deadlines: list[tuple[float, int]] = []  # lazy min-heap
         self.last_arrival: float | None = None
@@ -63,6 +77,7 @@ class Lane(Generic[T]):
 
     def add(self, p: Passenger[T]) -> None:
         self._items[p.number] = p
+        self.fair.add(p)
         self.tokens += p.cost
         if p.deadline_at is not None:
             heapq.heappush(self._deadlines, (p.deadline_at, p.number))
@@ -77,6 +92,7 @@ class Lane(Generic[T]):
 
     def remove(self, p: Passenger[T]) -> None:
         if self._items.pop(p.number, None) is not None:
+            self.fair.remove(p)
             self.tokens -= p.cost
 
     def earliest_deadline(self) -> float | None:
@@ -90,33 +106,20 @@ class Lane(Generic[T]):
         token_budget: int,
         admit: Callable[[Passenger[T]], bool] | None = None,
     ) -> list[Passenger[T]]:
-        """Up to `limit` requests within `token_budget`, oldest first; nothing is removed.
+        """Up to `limit` requests within `token_budget`; nothing is removed.
 
-        First fit: a request that does not fit the remaining budget is passed over (it
-        stays at the front for the next batch), so small requests behind it can still ride.
-        `admit` stops the scan at the first request it rejects (used to take only the aged
-        prefix of a lane).
+        Fair share first (the tenant with the fewest tokens per weight served), oldest
+        first within a tenant. First fit: a request that does not fit the remaining budget
+        is passed over (it stays at the front for the next batch), so small requests behind
+        it can still ride. `admit` stops a tenant's scan at the first request it rejects
+        (used to take only the aged prefix of a lane).
         """
-        out: list[Passenger[T]] = []
-        tokens = 0
-        skipped = 0
-        for p in self._items.values():
-            if len(out) >= limit or tokens >= token_budget:
-                break
-            if admit is not None and not admit(p):
-                break
-            if tokens + p.cost > token_budget:
-                skipped += 1
-                if skipped > FIRST_FIT_SCAN:
-                    break
-                continue
-            out.append(p)
-            tokens += p.cost
-        return out
+        return self.fair.select(limit, token_budget, admit)
 
     def discard(self, passengers: list[Passenger[T]]) -> None:
         for p in passengers:
             del self._items[p.number]
+            self.fair.charge(p)
             self.tokens -= p.cost
 
     def arrival_rate(self, now: float) -> float:
@@ -155,12 +158,17 @@ class Backlog(Generic[T]):
         prompt_tokens: int,
         now: float,
         deadline_at: float | None = None,
+        tenant: str = DEFAULT_TENANT,
     ) -> Passenger[T]:
         key = self.lane_of(tier, prompt_tokens)
         lane = self.lanes.get(key)
         if lane is None:
-            lane = self.lanes[key] = Lane(key, self.config.tiers[tier])
-        p = Passenger(item, tier, cost, prompt_tokens, now, deadline_at, next(self._numbers))
+            fair: FairQueue[Passenger[T]] = FairQueue(
+                self.config.tenant_weights, FIRST_FIT_SCAN, fair=self.config.fair_share
+            )
+            lane = self.lanes[key] = Lane(key, self.config.tiers[tier], fair)
+        number = next(self._numbers)
+        p = Passenger(item, tier, cost, prompt_tokens, now, deadline_at, number, tenant)
         lane.add(p)
         self._where[p.number] = p
         if deadline_at is not None:

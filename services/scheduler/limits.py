@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from shared.messages import Tier
@@ -43,6 +43,9 @@ class PolicyConfig:
       vLLM gain nothing from equal lengths); `buckets` keeps one queue per tier and prompt
       length bucket, so a static-batching engine never pads a short prompt to a long one.
     - `bucket_edges`: upper bounds (prompt tokens, inclusive) of every bucket but the last.
+    - `fair_share`: inside a lane, tenants share it by weighted fair queuing on tokens
+      (fairness.py); off, requests ride in arrival order.
+    - `tenant_weights`: a tenant's share relative to others; unnamed tenants weigh 1.
     """
 
     tiers: Mapping[Tier, TierLimits]
@@ -51,6 +54,8 @@ class PolicyConfig:
     fill_from_other_tier: bool = True
     batching: Batching = "pack"
     bucket_edges: tuple[int, ...] = (256, 1024, 4096)
+    fair_share: bool = True
+    tenant_weights: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         missing = [t for t in Tier if t not in self.tiers]
@@ -62,6 +67,8 @@ class PolicyConfig:
             raise ValueError("background_min_share must lie in [0, 1]")
         if list(self.bucket_edges) != sorted(set(self.bucket_edges)):
             raise ValueError("bucket_edges must be strictly increasing")
+        if any(not 0 < w < float("inf") for w in self.tenant_weights.values()):
+            raise ValueError("tenant weights must be positive and finite")
 
     @property
     def largest_token_budget(self) -> int:

@@ -1,5 +1,8 @@
 """The batching policy: given the backlog, the clock and the workers' free slots, what leaves now.
 
+Tiers are served by rank (aged background, interactive, background); inside a lane, who
+rides is fair share between tenants (backlog.py, fairness.py).
+
 Pure: no Kafka, no clock of its own. The scheduler process calls `add` for every request
 it reads and `plan(now, workers)` whenever something changed or `Plan.wake_at` came.
 """
@@ -11,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from services.scheduler.backlog import Backlog, Lane, LaneKey, Passenger
+from services.scheduler.backlog import DEFAULT_TENANT, Backlog, Lane, LaneKey, Passenger
 from services.scheduler.departure import DepartureRule, DispatchReason, FixedRule
 from services.scheduler.limits import PolicyConfig
 from shared.messages import Tier
@@ -78,6 +81,7 @@ class Policy(Generic[T]):
         prompt_tokens: int,
         now: float,
         deadline_at: float | None = None,
+        tenant: str = DEFAULT_TENANT,
     ) -> Passenger[T] | None:
         """Queue a request; None if it can never ride (larger than its tier's token budget)."""
         if cost > self.config.tiers[tier].max_batch_tokens:
@@ -89,6 +93,7 @@ class Policy(Generic[T]):
             prompt_tokens=prompt_tokens,
             now=now,
             deadline_at=deadline_at,
+            tenant=tenant,
         )
 
     def plan(self, now: float, workers: Sequence[WorkerSlots]) -> Plan[T]:

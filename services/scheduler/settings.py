@@ -64,6 +64,16 @@ class SchedulerSettings(TokenbusSettings):
     scheduler_bucket_edges: tuple[int, ...] = Field(
         default=(256, 1024, 4096), description="Prompt-token upper bounds of the buckets."
     )
+    scheduler_fair_share: bool = Field(
+        default=True,
+        description="Inside a tier, share capacity between tenants by weighted fair queuing"
+        " on tokens (prompt + max_tokens); false: first come, first served.",
+    )
+    scheduler_tenant_weights: dict[str, float] = Field(
+        default_factory=dict,
+        description='Fair-share weight per tenant, JSON (e.g. `{"key-ab12": 3}`); unnamed'
+        " tenants weigh 1.",
+    )
 
     # adaptive policy: engine time of a batch of n = per_request * n + per_batch. Defaults:
     # least-squares fit to the llama3-8b-h100 sim profile, 100-token prompts joining 32
@@ -122,6 +132,8 @@ class SchedulerSettings(TokenbusSettings):
             fill_from_other_tier=self.scheduler_fill_from_other_tier,
             batching=self.scheduler_batching,
             bucket_edges=self.scheduler_bucket_edges,
+            fair_share=self.scheduler_fair_share,
+            tenant_weights=dict(self.scheduler_tenant_weights),
         )
 
     def departure_rule(self) -> DepartureRule:
