@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -16,7 +17,9 @@ from pathlib import Path
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
+from pydantic import SecretStr
 
+from services.edge.resume import ResumeKeys
 from shared.kafka import create_topics, delete_topics, wait_for_broker
 from shared.settings import TokenbusSettings
 from shared.topics import Topics
@@ -50,6 +53,8 @@ class Stack:
     env_overrides: dict[str, str] = field(default_factory=dict)
     processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     edge_port: int = 0
+    # One per stack, strong (the edge refuses weak ones), shared by all its edges.
+    resume_secret: str = field(default_factory=lambda: secrets.token_urlsafe(32))
 
     @property
     def topics(self) -> Topics:
@@ -58,6 +63,11 @@ class Stack:
     @property
     def settings(self) -> TokenbusSettings:
         return TokenbusSettings(KAFKA_BOOTSTRAP_SERVERS=self.bootstrap, topic_prefix=self.prefix)
+
+    @property
+    def resume_keys(self) -> ResumeKeys:
+        """The keys the stack's edges sign resume tokens with (to forge or read tokens)."""
+        return ResumeKeys.from_settings(SecretStr(self.resume_secret), None)
 
     @property
     def ws_url(self) -> str:
@@ -73,7 +83,7 @@ class Stack:
             KAFKA_BOOTSTRAP_SERVERS=self.bootstrap,
             TOKENBUS_TOPIC_PREFIX=self.prefix,
             TOKENBUS_EDGE_PORT=str(self.edge_port),
-            TOKENBUS_RESUME_SECRET="test-secret",
+            TOKENBUS_RESUME_SECRET=self.resume_secret,
             TOKENBUS_WORKER_SIM_TOKEN_RATE="200",
             TOKENBUS_LOG_LEVEL="INFO",
             PYTHONPATH=str(ROOT),

@@ -1,16 +1,23 @@
-"""Resume-token checks (pure, property-based): tampered, expired, other tenant, future seq."""
+"""Resume tokens (pure, property-based): tampered, expired, other tenant, future seq, and
+the keys: required and strong, rotated by key id, never shown."""
 
 from __future__ import annotations
+
+import secrets
 
 import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
+from pydantic import SecretStr, ValidationError
 
-from services.edge.resume import ResumeClaims, ResumeRefused, check_resume, sign
+from services.edge.resume import ResumeClaims, ResumeKeys, ResumeRefused, check_resume, sign
+from services.edge.settings import EdgeSettings
 from services.edge.streams import ResumePoint
 from shared.messages import DeltaResult, ErrorCode
 
-SECRET = b"edge-secret"
+OLD_SECRET = secrets.token_urlsafe(32)
+NEW_SECRET = secrets.token_urlsafe(32)
+SECRET = ResumeKeys(signing_kid="0", keys={"0": SecretStr(OLD_SECRET)})
 RESULTS = "tokenbus.results"
 NOW = 1_000_000.0
 
@@ -57,13 +64,14 @@ def test_any_change_to_a_token_is_refused_as_unauthorized(
     assert outcome in (ErrorCode.unauthorized, claims)
 
 
-@given(claims_st, st.binary(min_size=1, max_size=64))
+@given(claims_st, st.text(min_size=1, max_size=64))
 def test_a_token_signed_with_another_secret_is_unauthorized(
-    claims: ResumeClaims, other: bytes
+    claims: ResumeClaims, other: str
 ) -> None:
-    assume(other != SECRET)
+    assume(other != OLD_SECRET)
+    forged = ResumeKeys(signing_kid="0", keys={"0": SecretStr(other)})
     with pytest.raises(ResumeRefused) as refused:
-        check(sign(claims, other), claims.tenant)
+        check(sign(claims, forged), claims.tenant)
     assert refused.value.code == ErrorCode.unauthorized
 
 
@@ -118,3 +126,104 @@ def test_after_seq_beyond_the_log_is_refused_and_anything_within_is_not(
     if sent == 0 and not claims_nothing:
         possible = False
     assert point.ahead_of_log() is not possible
+
+
+# -- the keys ------------------------------------------------------------------------------
+
+CLAIMS = ResumeClaims(tenant="t", request_id="r", topic=RESULTS, offset=0, expires_at=NOW + 60)
+
+
+def keys(listed: str) -> ResumeKeys:
+    return ResumeKeys.from_settings(None, SecretStr(listed))
+
+
+def refused_code(token: str, ring: ResumeKeys) -> ErrorCode | None:
+    try:
+        check_resume(token, ring, tenant="t", results_topic=RESULTS, now=NOW)
+    except ResumeRefused as exc:
+        return exc.code
+    return None
+
+
+def test_during_a_rollover_old_tokens_verify_and_new_ones_are_signed_with_the_new_key() -> None:
+    before = keys(f"k1:{OLD_SECRET}")
+    during = keys(f"k2:{NEW_SECRET},k1:{OLD_SECRET}")
+    after = keys(f"k2:{NEW_SECRET}")
+    old_token = sign(CLAIMS, before)
+    assert refused_code(old_token, during) is None
+    new_token = sign(CLAIMS, during)
+    assert new_token.startswith("k2.")
+    assert refused_code(new_token, after) is None
+    assert refused_code(old_token, after) is ErrorCode.unauthorized  # old key removed
+
+
+def test_a_tampered_key_id_is_refused() -> None:
+    ring = keys(f"k2:{NEW_SECRET},k1:{OLD_SECRET}")
+    token = sign(CLAIMS, ring)
+    _, rest = token.split(".", 1)
+    for kid in ("k1", "k3", "0", ""):
+        assert refused_code(f"{kid}.{rest}", ring) is ErrorCode.unauthorized, kid
+
+
+def test_the_single_key_form_is_key_id_0_and_the_list_wins_over_it() -> None:
+    single = ResumeKeys.from_settings(SecretStr(OLD_SECRET), None)
+    assert single.signing_kid == "0"
+    both = ResumeKeys.from_settings(SecretStr(OLD_SECRET), SecretStr(f"n:{NEW_SECRET}"))
+    assert both.signing_kid == "n"
+    assert set(both.keys) == {"n"}
+    # Rotating away from the single form: name the old key `0` in the list.
+    rotating = keys(f"n:{NEW_SECRET},0:{OLD_SECRET}")
+    assert refused_code(sign(CLAIMS, single), rotating) is None
+
+
+@pytest.mark.parametrize(
+    ("single", "listed", "complaint"),
+    [
+        (None, None, "TOKENBUS_RESUME_SECRET is unset"),
+        ("", None, "0 bytes"),
+        ("change-me", None, "placeholder"),
+        ("test-secret", None, "placeholder"),
+        ("Secret", None, "placeholder"),
+        ("abcdefghij" * 3 + "k", None, "31 bytes"),
+        ("ab" * 20, None, "too few characters"),
+        (None, f"k1:{NEW_SECRET},k2:short", "key 'k2' is 5 bytes"),
+        (None, f"k1:{NEW_SECRET},k1:{OLD_SECRET}", "twice"),
+        (None, f"{NEW_SECRET}", "entry 1 is not `kid:secret`"),
+        (None, f"k.1:{NEW_SECRET}", "entry 1 is not `kid:secret`"),
+        ("ok" * 20, f"k1:{NEW_SECRET},change-me", "entry 2"),
+    ],
+)
+def test_the_edge_refuses_to_start_without_a_strong_secret(
+    single: str | None, listed: str | None, complaint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("TOKENBUS_RESUME_SECRET", raising=False)
+    monkeypatch.delenv("TOKENBUS_RESUME_SECRETS", raising=False)
+    given_ = {"resume_secret": single, "resume_secrets": listed}
+    with pytest.raises(ValidationError) as refused:
+        EdgeSettings(**{k: v for k, v in given_.items() if v is not None})
+    message = str(refused.value)
+    assert complaint in message
+    for secret in (NEW_SECRET, OLD_SECRET, single, "short"):
+        if secret:
+            assert secret not in message  # the error names the problem, never the value
+
+
+def test_secrets_never_show_in_reprs_dumps_or_strings() -> None:
+    settings = EdgeSettings(
+        resume_secret=SecretStr(OLD_SECRET),
+        resume_secrets=SecretStr(f"k2:{NEW_SECRET},k1:{OLD_SECRET}"),
+    )
+    ring = settings.resume_keys()
+    shown = [
+        repr(settings),
+        str(settings),
+        settings.model_dump_json(),
+        repr(settings.model_dump()),
+        repr(ring),
+        str(ring),
+        ring.model_dump_json(),
+    ]
+    for text in shown:
+        assert OLD_SECRET not in text
+        assert NEW_SECRET not in text
+    assert ring.keys["k1"].get_secret_value() == OLD_SECRET  # ...though it is there to use

@@ -33,7 +33,6 @@ from shared.messages import (
 from tests.chat_client import recv_json
 from tests.stack import Stack, free_port, new_prefix, wait_until
 
-SECRET = b"test-secret"  # tests/stack.py gives every service this resume secret
 TOKEN_RATE = 20  # sim tokens/s: a delta every 50 ms, so "read 5 then kill" is easy
 GRACE_S = 3.0
 
@@ -129,8 +128,8 @@ def check_continuation(before: list[Frame], after: list[Frame], prompt: str, n: 
     assert after[-1]["usage"]["completion_tokens"] == plan.completion_tokens, "ran to the end"
 
 
-def claims_of(token: str) -> ResumeClaims:
-    return verify(token, SECRET, now=time.time())
+def claims_of(stack: Stack, token: str) -> ResumeClaims:
+    return verify(token, stack.resume_keys, now=time.time())
 
 
 async def read_results(
@@ -215,7 +214,7 @@ async def test_injected_duplicates_and_old_attempt_records_are_never_shown(
         async with websockets.connect(edges.url_a) as ws:
             accepted = await submit(ws, "outlive the grace period", n)
             shown = await read_deltas(ws, 2)
-            claims = claims_of(accepted["resume_token"])
+            claims = claims_of(stack, accepted["resume_token"])
             rid = claims.request_id
 
             async def inject(record: DeltaResult | DoneResult) -> None:
@@ -271,7 +270,7 @@ async def test_dropped_socket_without_resume_is_cancelled_after_the_grace_period
         accepted = await submit(ws, "nobody comes back", n)
         await read_deltas(ws, 2)
     dropped_at = time.time()
-    claims = claims_of(accepted["resume_token"])
+    claims = claims_of(edges.stack, accepted["resume_token"])
     log = await read_results(edges.stack.bootstrap, claims, ErrorResult, within_s=GRACE_S + 20)
     cancelled_at, final = log[-1]
     assert isinstance(final, ErrorResult)
@@ -309,7 +308,7 @@ async def test_resume_refusals(edges: TwoEdges) -> None:
         frames = await read_to_end(ws)
     assert frames[-1]["type"] == "chat.done"
     token = accepted["resume_token"]
-    claims = claims_of(token)
+    claims = claims_of(stack, token)
 
     # The owner may replay it whole, on either edge.
     for url in (edges.url_a, edges.url_b):
@@ -325,7 +324,7 @@ async def test_resume_refusals(edges: TwoEdges) -> None:
     assert await refused(token, key="mallory-key") == "unauthorized"
     assert await refused(token[:-3] + ("AAA" if token[-3:] != "AAA" else "BBB")) == "unauthorized"
     expired = claims.model_copy(update={"expires_at": time.time() - 1})
-    assert await refused(sign(expired, SECRET)) == "not_found"
+    assert await refused(sign(expired, stack.resume_keys)) == "not_found"
     assert await refused(token, after_seq=n + 5) == "invalid_request"
 
     # Truncated: the stream's records are gone from the log.
@@ -344,4 +343,4 @@ async def test_resume_refusals(edges: TwoEdges) -> None:
         await admin.close()
     assert await refused(token) == "not_found"
     gone = claims.model_copy(update={"topic": f"{stack.topics.results}.{'0' * 32}"})
-    assert await refused(sign(gone, SECRET)) == "not_found"
+    assert await refused(sign(gone, stack.resume_keys)) == "not_found"

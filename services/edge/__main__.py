@@ -1,6 +1,7 @@
 """Entry point: `python -m services.edge`."""
 
 import uvicorn
+from pydantic import ValidationError
 
 from services.edge.app import build_app
 from services.edge.settings import EdgeSettings
@@ -9,7 +10,10 @@ from shared.telemetry import start_telemetry
 
 
 def main() -> None:
-    settings = EdgeSettings()
+    try:
+        settings = EdgeSettings()
+    except ValidationError as exc:  # e.g. no resume secret: say so, without a traceback
+        raise SystemExit(f"edge: refusing to start: {exc}") from None
     configure_logging("edge", settings.log_level)
     start_telemetry("edge", http_metrics=False)
     uvicorn.run(

@@ -87,10 +87,7 @@ class Edge:
             results_topic=self.topics.results,
         )
         self.router = StreamRouter(on_end=self._stream_ended)
-        secret = settings.resume_secret
-        if secret is None:
-            log.warning("resume_secret.unset", hint="set TOKENBUS_RESUME_SECRET on every edge")
-        self.secret = secret.get_secret_value().encode() if secret else secrets.token_bytes(32)
+        self.resume_keys = settings.resume_keys()
         # request_id -> partition read for it alone (per-request topic, resumed stream)
         self.followed: dict[str, TopicPartition] = {}
         self.grace: Deadlines[str] = Deadlines()
@@ -478,7 +475,7 @@ class ChatSocket:
             AcceptedFrame(
                 request_id=request_id,
                 client_id=frame.client_id,
-                resume_token=sign(claims, edge.secret),
+                resume_token=sign(claims, edge.resume_keys),
                 tier=frame.priority or Tier.interactive,
             ),
         )
@@ -506,7 +503,7 @@ class ChatSocket:
         try:
             claims = check_resume(
                 frame.resume_token,
-                edge.secret,
+                edge.resume_keys,
                 tenant=self.tenant,
                 results_topic=edge.topics.results,
                 now=time.time(),

@@ -4,14 +4,19 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, model_validator
+from pydantic_settings import SettingsConfigDict
 
+from services.edge.resume import ResumeKeys
 from shared.settings import TokenbusSettings
 
 ResultTopology = Literal["partition", "topic"]
 
 
 class EdgeSettings(TokenbusSettings):
+    # An error message must never carry a secret it was given.
+    model_config = SettingsConfigDict(hide_input_in_errors=True)
+
     edge_host: str = Field(default="127.0.0.1", description="Bind address of the edge.")
     edge_port: int = Field(
         default=8000, ge=0, le=65535, description="HTTP and WebSocket port of the edge."
@@ -50,8 +55,23 @@ class EdgeSettings(TokenbusSettings):
         default=1 << 20, ge=1024, description="Largest frame answered; above it: invalid_request."
     )
     resume_secret: SecretStr | None = Field(
-        default=None, description="HMAC key of resume tokens; the same on every edge."
+        default=None,
+        description="HMAC key of resume tokens, the same on every edge: required, at least 32"
+        " random bytes (`tokenbus up` generates one); the edge refuses to start without it.",
+    )
+    resume_secrets: SecretStr | None = Field(
+        default=None,
+        description="Key rotation: `kid:secret,kid:secret` (each secret 32+ bytes, no commas);"
+        " the first signs, all verify. Set, it replaces TOKENBUS_RESUME_SECRET (key id `0`).",
     )
     edge_resume_ttl_s: float = Field(
         default=600.0, gt=0, description="How long a resume token stays valid."
     )
+
+    @model_validator(mode="after")
+    def _resume_keys_configured(self) -> EdgeSettings:
+        self.resume_keys()  # ValueError naming what is missing or weak, never the secret
+        return self
+
+    def resume_keys(self) -> ResumeKeys:
+        return ResumeKeys.from_settings(self.resume_secret, self.resume_secrets)
