@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Generic, Protocol, TypeVar
 
 
@@ -117,6 +117,9 @@ class FairQueue(Generic[F]):
         its tenant's turn for the next batch. `admit` ends a tenant's scan at the first of
         its requests it rejects (the aged prefix of each tenant's queue).
         """
+        if len(self.queues) == 1:  # the common case, and fair share off: arrival order
+            (queue,) = self.queues.values()
+            return first_fit(queue.values(), limit, token_budget, admit, self.first_fit_scan)
         # (scratch counter, arrival number of the tenant's next candidate, tenant): ties go
         # to the older request, so equal counters are served in arrival order.
         heap: list[tuple[float, int, str]] = []
@@ -149,3 +152,29 @@ class FairQueue(Generic[F]):
                 peeked[tenant] = following
                 heapq.heappush(heap, (counter, following.number, tenant))
         return out
+
+
+def first_fit(
+    queue: Iterable[F],
+    limit: int,
+    token_budget: int,
+    admit: Callable[[F], bool] | None,
+    scan: int,
+) -> list[F]:
+    """`FairQueue.select` for one queue: oldest first, first fit, same limits."""
+    out: list[F] = []
+    tokens = 0
+    skipped = 0
+    for p in queue:
+        if len(out) >= limit or tokens >= token_budget:
+            break
+        if admit is not None and not admit(p):
+            break
+        if tokens + p.cost > token_budget:
+            skipped += 1
+            if skipped > scan:
+                break
+            continue
+        out.append(p)
+        tokens += p.cost
+    return out
