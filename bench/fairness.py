@@ -1,7 +1,7 @@
 """Fair share between tenants: one tenant's flood against another's short requests.
 
 Two stacks on one broker, fair share on (the default) and off (first come, first served),
-each with one sim worker small enough to be the bottleneck. In each:
+each with one sim worker small enough to be the bottleneck, driven in turn. In each:
 
 1. `b alone`: tenant B sends short requests at a steady pace, nobody else is there;
 2. `a alone`: tenant A sends a flood of long requests at once (its throughput, B idle);
@@ -273,22 +273,30 @@ async def run_phase(url: str, phase: str, s: Scenario, tiers: TierTopics) -> Pha
     return result
 
 
-async def measure(
-    bootstrap: str, s: Scenario, log_dir: Path, modes: tuple[str, ...] = MODES
-) -> dict[str, dict[str, PhaseResult]]:
-    results: dict[str, dict[str, PhaseResult]] = {}
-    for mode in modes:
+async def measure(bootstrap: str, s: Scenario, log_dir: Path) -> dict[str, dict[str, PhaseResult]]:
+    """Both stacks up at once, driven in turn (the first mode switching every phase), so
+    both see the same machine noise; only one is loaded at a time."""
+    stacks: dict[str, PipelineStack] = {}
+    for mode in MODES:
         env = s.stack_env() | {"TOKENBUS_SCHEDULER_FAIR_SHARE": str(mode == "fair").lower()}
-        stack = PipelineStack(f"fair{mode}", env, log_dir, bootstrap)
-        try:
-            await stack.start()
-            await warm_up(stack.ws_url)
-            results[mode] = {}
-            async with TierTopics(bootstrap, stack.prefix) as tiers:
-                for phase in PHASES:
-                    results[mode][phase] = await run_phase(stack.ws_url, phase, s, tiers)
+        stacks[mode] = PipelineStack(f"fair{mode}", env, log_dir, bootstrap)
+    results: dict[str, dict[str, PhaseResult]] = {mode: {} for mode in MODES}
+    try:
+        async with contextlib.AsyncExitStack() as tiers_of:
+            tiers: dict[str, TierTopics] = {}
+            for mode, stack in stacks.items():
+                await stack.start()
+                await warm_up(stack.ws_url)
+                tiers[mode] = await tiers_of.enter_async_context(
+                    TierTopics(bootstrap, stack.prefix)
+                )
+            for n, phase in enumerate(PHASES):
+                for mode in MODES[n % 2 :] + MODES[: n % 2]:
+                    url = stacks[mode].ws_url
+                    results[mode][phase] = await run_phase(url, phase, s, tiers[mode])
                     print(f"  {mode:5} {phase:8} {results[mode][phase].row()}", flush=True)
-        finally:
+    finally:
+        for stack in stacks.values():
             await stack.stop()
     return results
 
