@@ -352,7 +352,8 @@ def plot(results: dict[str, dict[str, PhaseResult]], path: Path) -> None:
             if ttft:
                 ys = [(i + 1) / len(ttft) for i in range(len(ttft))]
                 style = "-" if phase == "a + b" else ":"
-                left.step(ttft, ys, style, where="post", label=f"{mode}: B {phase}")
+                label = f"{mode}: B " + ("with A's flood" if phase == "a + b" else "alone")
+                left.step(ttft, ys, style, where="post", label=label)
     left.set_xscale("log")
     left.set_xlabel("B time to first token, ms (log)")
     left.set_ylabel("share of B's requests")
