@@ -60,7 +60,7 @@ class Lane(Generic[T]):
         self.key = key
         self.limits = limits
         self.tokens = 0
-        self.fair: FairQueue[Passenger[T]] = fair or FairQueue({}, FIRST_FIT_SCAN)
+        self.fair: FairQueue[Passenger[T]] = FairQueue({}, FIRST_FIT_SCAN) if fair is None else fair
         self._items: OrderedDict[int, Passenger[T]] = OrderedDict()
         self._deadlines: list[tuple[float, int]] = []  # lazy min-heap
         self.last_arrival: float | None = None
