@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import os
 import secrets
 import signal
@@ -24,9 +23,12 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route, WebSocketRoute
+from starlette.types import Message
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from services.edge.auth import Close, Guard, unauthorized
 from services.edge.deadlines import Deadlines
+from services.edge.keys import Principal
 from services.edge.lease_keeper import LeaseKeeper, LeaseLost, ensure_lease_topic
 from services.edge.metrics import EdgeMetrics
 from services.edge.protocol import (
@@ -91,6 +93,8 @@ class Edge:
         if secret is None:
             log.warning("resume_secret.unset", hint="set TOKENBUS_RESUME_SECRET on every edge")
         self.secret = secret.get_secret_value().encode() if secret else secrets.token_bytes(32)
+        # Keys, origins, quotas (auth.py); tenant ids are keyed by the resume secret.
+        self.guard = Guard(settings, self.secret)
         # request_id -> partition read for it alone (per-request topic, resumed stream)
         self.followed: dict[str, TopicPartition] = {}
         self.grace: Deadlines[str] = Deadlines()
@@ -239,6 +243,7 @@ class Edge:
         """
         assert self.reader is not None
         assert self.topology is not None
+        self.guard.release(request_id)
         tp = self.followed.pop(request_id, None)
         self.metrics.streams_open.set(len(self.router))
         if tp is None:
@@ -362,18 +367,29 @@ class Edge:
         return FileResponse(STATIC / "index.html")
 
     async def chat(self, ws: WebSocket) -> None:
+        upgrade = self.guard.upgrade(dict(ws.headers), ws.headers.getlist("authorization"))
+        if upgrade.refused is not None:
+            # Closed before accept: the client gets HTTP 403 and no frame.
+            log.info("socket.refused", reason=upgrade.refused, origin=ws.headers.get("origin"))
+            await ws.close(code=1008)
+            return
         await ws.accept()
-        await ChatSocket(self, ws).serve()
+        await ChatSocket(self, ws, upgrade.principal).serve()
 
 
 class ChatSocket:
     """One client connection: a reader of frames and a single writer of frames."""
 
-    def __init__(self, edge: Edge, ws: WebSocket) -> None:
+    def __init__(self, edge: Edge, ws: WebSocket, principal: Principal | None) -> None:
         self.edge = edge
         self.ws = ws
         self.outbox: asyncio.Queue[ServerFrame] = asyncio.Queue()
-        self.tenant = _tenant(ws.headers.get("authorization", "").removeprefix("Bearer ").strip())
+        # -- auth: who this socket speaks for; nothing but `auth` is read before it is known
+        self.principal: Principal | None = None
+        self.tenant = ""  # keyed hash of the tenant's name: what Kafka and resume tokens see
+        self.presented = principal  # from the upgrade's Authorization header
+        self.auth_deadline = time.monotonic() + edge.guard.auth_timeout_s
+        self.unauthenticated_frames = 0
 
     def send(self, frame: ServerFrame) -> None:
         self.outbox.put_nowait(frame)
@@ -382,13 +398,17 @@ class ChatSocket:
         try:
             async with asyncio.TaskGroup() as tg:
                 writer = tg.create_task(self._write())
-                await self._read(tg)
+                close = await self._read(tg)
                 writer.cancel()
+            if close is not None:
+                await self.ws.close(close.code, close.reason)
         except* (WebSocketDisconnect, ConnectionError):
             pass
         finally:
             # Not a cancel: the client may resume, here or on another edge, within the grace.
             self.edge.detach(self)
+            if self.principal is not None:
+                self.edge.guard.close_socket(self.principal)
 
     async def _write(self) -> None:
         while True:
@@ -396,15 +416,23 @@ class ChatSocket:
             await self.ws.send_text(frame.model_dump_json())
             self.edge.telemetry.frame_written(frame)
 
-    async def _read(self, tg: asyncio.TaskGroup) -> None:
+    async def _read(self, tg: asyncio.TaskGroup) -> Close | None:
         edge = self.edge
+        if self.presented is not None and (refused := self._authenticated(self.presented)):
+            return refused
         while True:
-            message = await self.ws.receive()
+            message = await self._receive()
+            if message is None:
+                return Close(1008, "no valid API key within the auth timeout")
             if message["type"] == "websocket.disconnect":
-                return
+                return None
             data = message.get("text")
             if data is None:
                 data = message.get("bytes") or b""
+            if self.principal is None:
+                if refused := self._before_auth(data):
+                    return refused
+                continue
             try:
                 frame = parse_client_frame(data, edge.limits, edge.settings.edge_max_frame_bytes)
             except ProtocolError as exc:
@@ -415,7 +443,7 @@ class ChatSocket:
                 )
                 continue
             if isinstance(frame, AuthFrame):
-                self.tenant = _tenant(frame.api_key)
+                self._reauth(frame)
             elif isinstance(frame, ChatRequestFrame):
                 tg.create_task(self._submit(frame))
             elif isinstance(frame, ChatCancelFrame):
@@ -423,10 +451,64 @@ class ChatSocket:
             elif isinstance(frame, StreamResumeFrame):
                 tg.create_task(self._resume(frame))
 
+    # -- auth hooks: the decisions are the guard's (auth.py) --------------------------------
+
+    async def _receive(self) -> Message | None:
+        """The next message; None if the socket is still without a key at its deadline."""
+        if self.principal is not None:
+            return await self.ws.receive()
+        try:
+            async with asyncio.timeout_at(self.auth_deadline):
+                return await self.ws.receive()
+        except TimeoutError:
+            log.info("auth.timed_out", frames=self.unauthenticated_frames)
+            return None
+
+    def _before_auth(self, data: str | bytes) -> Close | None:
+        """A frame on a socket without a key: a valid `auth` admits it; the rest is refused."""
+        edge = self.edge
+        try:
+            frame = parse_client_frame(data, edge.limits, edge.settings.edge_max_frame_bytes)
+        except ProtocolError as exc:
+            frame, client_id = None, exc.client_id
+        else:
+            client_id = frame.client_id if isinstance(frame, ChatRequestFrame) else None
+        if isinstance(frame, AuthFrame):
+            principal = edge.guard.authenticate(frame.api_key)
+            if principal is not None:
+                return self._authenticated(principal)
+            log.info("auth.refused", reason="unknown_key", via="frame")
+            message = "auth: unknown or revoked API key"
+        else:
+            message = "send a valid API key first (`auth` frame or Authorization: Bearer)"
+        self.send(unauthorized(message, client_id))
+        self.unauthenticated_frames += 1
+        if self.unauthenticated_frames >= edge.guard.max_unauthenticated_frames:
+            return Close(1008, "too many frames without a valid API key")
+        return None
+
+    def _authenticated(self, principal: Principal) -> Close | None:
+        if refused := self.edge.guard.open_socket(principal):
+            return refused
+        self.principal = principal
+        self.tenant = self.edge.guard.tenant_id(principal)
+        return None
+
+    def _reauth(self, frame: AuthFrame) -> None:
+        """`auth` on an authenticated socket: the same tenant is a no-op; another is refused."""
+        assert self.principal is not None
+        other = self.edge.guard.authenticate(frame.api_key)
+        if other is None or other.tenant != self.principal.tenant:
+            self.send(unauthorized("auth: this socket is authenticated as another tenant"))
+
     async def _submit(self, frame: ChatRequestFrame) -> None:
         edge = self.edge
         assert edge.producer is not None
+        assert self.principal is not None  # `_read` submits nothing before auth
         request_id = uuid.uuid4().hex
+        if refused := edge.guard.admit(self.principal, frame, request_id):
+            self.send(refused)  # before anything of it reaches Kafka
+            return
         edge.telemetry.begin(
             request_id,
             tier=(frame.priority or Tier.interactive).value,
@@ -437,6 +519,7 @@ class ChatSocket:
             reply_to, offset = await edge.open_request(request_id)
         except (TopologyError, KafkaError) as exc:
             edge.telemetry.end(request_id, outcome="reply_to_failed")
+            edge.guard.release(request_id)
             log.error("request.reply_to_failed", request_id=request_id, error=repr(exc))
             self.send(
                 ErrorFrame(
@@ -526,13 +609,6 @@ class ChatSocket:
                     request_id=request_id,
                 )
             )
-
-
-def _tenant(api_key: str) -> str:
-    # Auth is accepted, not yet enforced: the key only names the tenant, and is never logged.
-    if not api_key:
-        return "anonymous"
-    return "key-" + hashlib.sha256(api_key.encode()).hexdigest()[:16]
 
 
 def build_app(settings: EdgeSettings) -> Starlette:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, SecretStr
@@ -54,4 +55,26 @@ class EdgeSettings(TokenbusSettings):
     )
     edge_resume_ttl_s: float = Field(
         default=600.0, gt=0, description="How long a resume token stays valid."
+    )
+
+    # -- security: API keys, origins, quotas (services/edge/auth.py, keys.py, quotas.py) -----
+    edge_keys_file: Path = Field(
+        default=Path(".tokenbus/keys.json"),
+        description=(
+            "API keys file (hashes, tenants, limits; `tokenbus keys`). Re-read when it changes."
+            " Missing or empty: every key is refused."
+        ),
+    )
+    edge_allowed_origins: list[str] | None = Field(
+        default=None,
+        description=(
+            "Origins (JSON list) whose pages may open /v1/chat; unset: the edge's own origin"
+            ' (all loopback spellings on a loopback bind); `["*"]`: any. No Origin is allowed.'
+        ),
+    )
+    edge_auth_timeout_s: float = Field(
+        default=5.0, gt=0, description="A socket without a valid key by then is closed (1008)."
+    )
+    edge_max_unauthenticated_frames: int = Field(
+        default=8, ge=1, description="Frames answered `unauthorized` before the socket is closed."
     )
