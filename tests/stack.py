@@ -165,6 +165,10 @@ class Stack:
         """Every record value on one of the stack's topics, read from the beginning now."""
         return asyncio.run(read_topic(self.bootstrap, topic, self.topics.partitions()[topic]))
 
+    async def read_async(self, topic: str) -> list[bytes]:
+        """`read`, from a test that runs in an event loop already."""
+        return await read_topic(self.bootstrap, topic, self.topics.partitions()[topic])
+
     def log(self, key: str) -> Path:
         """The log file of the service started under `key`."""
         return self.log_dir / f"{self.prefix}-{key}.log"

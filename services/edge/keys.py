@@ -11,7 +11,6 @@ import hashlib
 import os
 import secrets
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -158,4 +157,4 @@ class KeyStore:
         self._by_hash = {
             e.sha256: Principal(e.tenant, e.id, e.sha256, limits[e.tenant]) for e in keys.keys
         }
-        log.info("keys.loaded", path=str(self.path), keys=len(self._by_hash), at=time.time())
+        log.info("keys.loaded", path=str(self.path), keys=len(self._by_hash))
