@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import time
@@ -12,7 +13,7 @@ import websockets
 
 from services.edge.auth import tenant_id
 from tests.chat_client import close_of, recv_json, run_requests, upgrade_status
-from tests.stack import Stack
+from tests.stack import Stack, free_port, wait_until
 from tokenbus.cli import main as tokenbus
 
 SECRET = b"test-secret"  # tests/stack.py gives every service this resume secret
@@ -173,3 +174,35 @@ async def test_a_second_auth_frame_cannot_switch_tenants(stack: Stack) -> None:
     records = [json.loads(v) for v in await stack.read_async(stack.topics.requests)]
     (record,) = [r for r in records if r.get("prompt") == prompt]
     assert record["tenant"] == tenant_id(SECRET, "alice")
+
+
+async def test_sockets_without_a_key_are_bounded(stack: Stack) -> None:
+    """A flood of sockets that never authenticate: each holds a place for the auth timeout
+    at most, and past the places the upgrade gets 503; a client with a key is not held up."""
+    port = free_port()
+    stack.start_service(
+        "edge",
+        key="edge-few-places",
+        TOKENBUS_EDGE_PORT=str(port),
+        TOKENBUS_EDGE_MAX_UNAUTHENTICATED_SOCKETS="3",
+        TOKENBUS_EDGE_AUTH_TIMEOUT_S="3",
+    )
+    try:
+        wait_until(lambda: stack.edge_ready(port), 60, "the extra edge's /healthz")
+        plain = stack.ws_url_as(None, port=port)
+        flood = [await websockets.connect(plain) for _ in range(3)]
+        assert await upgrade_status(plain) == 503
+        assert await upgrade_status(stack.ws_url_as("alice", port=port)) == 101
+        codes = [(await close_of(ws))[0] for ws in flood]
+        assert codes == [1008] * 3
+        # The places are back (once the edge has seen the closes through).
+        deadline = time.monotonic() + 20
+        while await upgrade_status(plain) != 101:
+            assert time.monotonic() < deadline, "the places were not given back"
+            await asyncio.sleep(0.1)
+        async with websockets.connect(plain) as ws:
+            await ws.send(json.dumps({"type": "auth", "api_key": stack.keys["alice"]}))
+            done = await run_requests(ws, [{"client_id": "a", "prompt": "hi", "max_tokens": 3}])
+            assert done["a"].final is not None
+    finally:
+        stack.stop_service("edge-few-places")

@@ -21,7 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import TypeAdapter, ValidationError
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route, WebSocketRoute
 from starlette.types import Message
 from starlette.websockets import WebSocket, WebSocketDisconnect
@@ -368,12 +368,11 @@ class Edge:
 
     async def chat(self, ws: WebSocket) -> None:
         upgrade = self.guard.upgrade(dict(ws.headers), ws.headers.getlist("authorization"))
-        if upgrade.refused is not None:
-            # Closed before accept: the client gets HTTP 403 and no frame.
-            log.info("socket.refused", reason=upgrade.refused, origin=ws.headers.get("origin"))
-            await ws.close(code=1008)
+        if (refused := upgrade.refused) is not None:
+            # An HTTP answer instead of a socket: no frame is ever read or sent.
+            log.info("socket.refused", reason=refused.reason, origin=ws.headers.get("origin"))
+            await ws.send_denial_response(PlainTextResponse(refused.text, refused.status))
             return
-        await ws.accept()
         await ChatSocket(self, ws, upgrade.principal).serve()
 
 
@@ -396,6 +395,7 @@ class ChatSocket:
 
     async def serve(self) -> None:
         try:
+            await self.ws.accept()  # in the `try`: the socket's places are given back
             async with asyncio.TaskGroup() as tg:
                 writer = tg.create_task(self._write())
                 close = await self._read(tg)
@@ -409,6 +409,8 @@ class ChatSocket:
             self.edge.detach(self)
             if self.principal is not None:
                 self.edge.guard.close_socket(self.principal)
+            elif self.presented is None:
+                self.edge.guard.left_pending()
 
     async def _write(self) -> None:
         while True:
@@ -490,6 +492,8 @@ class ChatSocket:
     def _authenticated(self, principal: Principal) -> Close | None:
         if refused := self.edge.guard.open_socket(principal):
             return refused
+        if self.presented is None:
+            self.edge.guard.left_pending()  # by `auth` frame
         self.principal = principal
         self.tenant = self.edge.guard.tenant_id(principal)
         return None

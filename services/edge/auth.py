@@ -43,11 +43,20 @@ class Close:
 
 
 @dataclass(frozen=True)
-class Upgrade:
-    """The decision on a WebSocket upgrade: refused (HTTP 403), or accepted with a principal
-    (a key in the `Authorization` header) or without one (an `auth` frame must follow)."""
+class Refused:
+    """An upgrade answered with an HTTP status instead of a socket; `reason` is logged."""
 
-    refused: str | None = None
+    status: int
+    reason: str
+    text: str
+
+
+@dataclass(frozen=True)
+class Upgrade:
+    """The decision on a WebSocket upgrade: refused, or accepted with a principal (a key in
+    the `Authorization` header) or without one (an `auth` frame must follow; `pending`)."""
+
+    refused: Refused | None = None
     principal: Principal | None = None
 
 
@@ -183,6 +192,8 @@ class Guard:
         )
         self.auth_timeout_s = settings.edge_auth_timeout_s
         self.max_unauthenticated_frames = settings.edge_max_unauthenticated_frames
+        self.max_pending = settings.edge_max_unauthenticated_sockets
+        self.pending = 0  # sockets open without a key yet (`auth` frame awaited)
         self._secret = secret
         if not len(self.keys):
             log.warning(
@@ -192,19 +203,29 @@ class Guard:
             )
 
     def upgrade(self, headers: dict[str, str], authorization: list[str]) -> Upgrade:
+        """Decide an upgrade from its headers; a socket accepted without a key is `pending`
+        until `left_pending()`."""
         origin = headers.get("origin")
         if not origin_allowed(origin, self.origins):
-            return Upgrade(refused="origin")
+            return Upgrade(Refused(403, "origin", "Origin not allowed"))
         try:
             key = key_from_headers(authorization, browser=origin is not None)
-        except AmbiguousCredentials:
-            return Upgrade(refused="credentials")
-        if key is None:
-            return Upgrade()
-        principal = self.keys.lookup(key)
-        if principal is None:
-            return Upgrade(refused="unknown_key")
-        return Upgrade(principal=principal)
+        except AmbiguousCredentials as exc:
+            return Upgrade(Refused(403, "credentials", f"unusable credentials: {exc}"))
+        if key is not None:
+            principal = self.keys.lookup(key)
+            if principal is None:
+                return Upgrade(Refused(403, "unknown_key", "unknown or revoked API key"))
+            return Upgrade(principal=principal)
+        if self.pending >= self.max_pending:
+            # A flood of sockets that never authenticate: each holds a place for at most
+            # the auth timeout, and there are only so many places.
+            return Upgrade(Refused(503, "pending_sockets", "too many sockets without a key"))
+        self.pending += 1
+        return Upgrade()
+
+    def left_pending(self) -> None:
+        self.pending -= 1
 
     def authenticate(self, key: str) -> Principal | None:
         return self.keys.lookup(key)

@@ -75,6 +75,11 @@ class EdgeSettings(TokenbusSettings):
     edge_auth_timeout_s: float = Field(
         default=5.0, gt=0, description="A socket without a valid key by then is closed (1008)."
     )
+    edge_max_unauthenticated_sockets: int = Field(
+        default=1024,
+        ge=1,
+        description="Sockets open without a key yet, at most; above it an upgrade gets HTTP 503.",
+    )
     edge_max_unauthenticated_frames: int = Field(
         default=8, ge=1, description="Frames answered `unauthorized` before the socket is closed."
     )
