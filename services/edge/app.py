@@ -26,9 +26,8 @@ from starlette.routing import Route, WebSocketRoute
 from starlette.types import Message
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from services.edge.auth import Close, Guard, unauthorized
+from services.edge.auth import Close, Guard, SocketAuth, Upgrade
 from services.edge.deadlines import Deadlines
-from services.edge.keys import Principal
 from services.edge.lease_keeper import LeaseKeeper, LeaseLost, ensure_lease_topic
 from services.edge.metrics import EdgeMetrics
 from services.edge.protocol import (
@@ -367,28 +366,28 @@ class Edge:
         return FileResponse(STATIC / "index.html")
 
     async def chat(self, ws: WebSocket) -> None:
-        upgrade = self.guard.upgrade(dict(ws.headers), ws.headers.getlist("authorization"))
+        upgrade = self.guard.upgrade(ws.headers.get("origin"), ws.headers.getlist("authorization"))
         if (refused := upgrade.refused) is not None:
             # An HTTP answer instead of a socket: no frame is ever read or sent.
             log.info("socket.refused", reason=refused.reason, origin=ws.headers.get("origin"))
             await ws.send_denial_response(PlainTextResponse(refused.text, refused.status))
             return
-        await ChatSocket(self, ws, upgrade.principal).serve()
+        await ChatSocket(self, ws, upgrade).serve()
 
 
 class ChatSocket:
     """One client connection: a reader of frames and a single writer of frames."""
 
-    def __init__(self, edge: Edge, ws: WebSocket, principal: Principal | None) -> None:
+    def __init__(self, edge: Edge, ws: WebSocket, upgrade: Upgrade) -> None:
         self.edge = edge
         self.ws = ws
         self.outbox: asyncio.Queue[ServerFrame] = asyncio.Queue()
-        # -- auth: who this socket speaks for; nothing but `auth` is read before it is known
-        self.principal: Principal | None = None
-        self.tenant = ""  # keyed hash of the tenant's name: what Kafka and resume tokens see
-        self.presented = principal  # from the upgrade's Authorization header
-        self.auth_deadline = time.monotonic() + edge.guard.auth_timeout_s
-        self.unauthenticated_frames = 0
+        # Who the socket speaks for; nothing but `auth` is read before that is known.
+        self.auth = SocketAuth(edge.guard, upgrade, time.monotonic())
+
+    @property
+    def tenant(self) -> str:
+        return self.auth.tenant
 
     def send(self, frame: ServerFrame) -> None:
         self.outbox.put_nowait(frame)
@@ -407,10 +406,7 @@ class ChatSocket:
         finally:
             # Not a cancel: the client may resume, here or on another edge, within the grace.
             self.edge.detach(self)
-            if self.principal is not None:
-                self.edge.guard.close_socket(self.principal)
-            elif self.presented is None:
-                self.edge.guard.left_pending()
+            self.auth.end()
 
     async def _write(self) -> None:
         while True:
@@ -420,19 +416,19 @@ class ChatSocket:
 
     async def _read(self, tg: asyncio.TaskGroup) -> Close | None:
         edge = self.edge
-        if self.presented is not None and (refused := self._authenticated(self.presented)):
+        if refused := self.auth.start():
             return refused
         while True:
             message = await self._receive()
             if message is None:
-                return Close(1008, "no valid API key within the auth timeout")
+                return self.auth.timed_out()
             if message["type"] == "websocket.disconnect":
                 return None
             data = message.get("text")
             if data is None:
                 data = message.get("bytes") or b""
-            if self.principal is None:
-                if refused := self._before_auth(data):
+            if not self.auth.authenticated:
+                if refused := self._before_key(data):
                     return refused
                 continue
             try:
@@ -445,7 +441,8 @@ class ChatSocket:
                 )
                 continue
             if isinstance(frame, AuthFrame):
-                self._reauth(frame)
+                if refused_auth := self.auth.again(frame):
+                    self.send(refused_auth)
             elif isinstance(frame, ChatRequestFrame):
                 tg.create_task(self._submit(frame))
             elif isinstance(frame, ChatCancelFrame):
@@ -453,64 +450,35 @@ class ChatSocket:
             elif isinstance(frame, StreamResumeFrame):
                 tg.create_task(self._resume(frame))
 
-    # -- auth hooks: the decisions are the guard's (auth.py) --------------------------------
+    # -- auth hooks: the decisions are SocketAuth's (auth.py) -------------------------------
 
     async def _receive(self) -> Message | None:
         """The next message; None if the socket is still without a key at its deadline."""
-        if self.principal is not None:
+        if self.auth.authenticated:
             return await self.ws.receive()
         try:
-            async with asyncio.timeout_at(self.auth_deadline):
+            async with asyncio.timeout_at(self.auth.deadline):
                 return await self.ws.receive()
         except TimeoutError:
-            log.info("auth.timed_out", frames=self.unauthenticated_frames)
             return None
 
-    def _before_auth(self, data: str | bytes) -> Close | None:
-        """A frame on a socket without a key: a valid `auth` admits it; the rest is refused."""
+    def _before_key(self, data: str | bytes) -> Close | None:
         edge = self.edge
         try:
             frame = parse_client_frame(data, edge.limits, edge.settings.edge_max_frame_bytes)
         except ProtocolError as exc:
-            frame, client_id = None, exc.client_id
+            reply, close = self.auth.before_key(exc)
         else:
-            client_id = frame.client_id if isinstance(frame, ChatRequestFrame) else None
-        if isinstance(frame, AuthFrame):
-            principal = edge.guard.authenticate(frame.api_key)
-            if principal is not None:
-                return self._authenticated(principal)
-            log.info("auth.refused", reason="unknown_key", via="frame")
-            message = "auth: unknown or revoked API key"
-        else:
-            message = "send a valid API key first (`auth` frame or Authorization: Bearer)"
-        self.send(unauthorized(message, client_id))
-        self.unauthenticated_frames += 1
-        if self.unauthenticated_frames >= edge.guard.max_unauthenticated_frames:
-            return Close(1008, "too many frames without a valid API key")
-        return None
-
-    def _authenticated(self, principal: Principal) -> Close | None:
-        if refused := self.edge.guard.open_socket(principal):
-            return refused
-        if self.presented is None:
-            self.edge.guard.left_pending()  # by `auth` frame
-        self.principal = principal
-        self.tenant = self.edge.guard.tenant_id(principal)
-        return None
-
-    def _reauth(self, frame: AuthFrame) -> None:
-        """`auth` on an authenticated socket: the same tenant is a no-op; another is refused."""
-        assert self.principal is not None
-        other = self.edge.guard.authenticate(frame.api_key)
-        if other is None or other.tenant != self.principal.tenant:
-            self.send(unauthorized("auth: this socket is authenticated as another tenant"))
+            reply, close = self.auth.before_key(frame)
+        if reply is not None:
+            self.send(reply)
+        return close
 
     async def _submit(self, frame: ChatRequestFrame) -> None:
         edge = self.edge
         assert edge.producer is not None
-        assert self.principal is not None  # `_read` submits nothing before auth
         request_id = uuid.uuid4().hex
-        if refused := edge.guard.admit(self.principal, frame, request_id):
+        if refused := self.auth.admit(frame, request_id):
             self.send(refused)  # before anything of it reaches Kafka
             return
         edge.telemetry.begin(

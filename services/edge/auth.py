@@ -1,7 +1,8 @@
 """Who may use a socket: the Origin check, the API key, the tenant id written to Kafka, quotas.
 
-`Guard` holds the decisions; `ChatSocket` (app.py) calls it at three points: the upgrade,
-each frame before a key was accepted, and the start of each request.
+`Guard` holds the decisions of one edge process, `SocketAuth` one socket's state; a
+`ChatSocket` (app.py) asks them at the upgrade, for each frame before its key, at the start
+of each request, and when it closes.
 """
 
 from __future__ import annotations
@@ -19,7 +20,13 @@ from urllib.parse import urlsplit
 import structlog
 
 from services.edge.keys import KeyStore, Principal
-from services.edge.protocol import ChatRequestFrame, ErrorFrame
+from services.edge.protocol import (
+    AuthFrame,
+    ChatRequestFrame,
+    ClientFrame,
+    ErrorFrame,
+    ProtocolError,
+)
 from services.edge.quotas import Quotas, Refusal
 from services.edge.settings import EdgeSettings
 from shared.messages import ErrorCode
@@ -202,10 +209,9 @@ class Guard:
                 hint="every key is refused: `tokenbus keys create --tenant NAME` adds one",
             )
 
-    def upgrade(self, headers: dict[str, str], authorization: list[str]) -> Upgrade:
-        """Decide an upgrade from its headers; a socket accepted without a key is `pending`
-        until `left_pending()`."""
-        origin = headers.get("origin")
+    def upgrade(self, origin: str | None, authorization: list[str]) -> Upgrade:
+        """Decide an upgrade from its headers. A socket accepted without a key holds one of
+        the `pending` places until its `SocketAuth` gives it back."""
         if not origin_allowed(origin, self.origins):
             return Upgrade(Refused(403, "origin", "Origin not allowed"))
         try:
@@ -226,9 +232,6 @@ class Guard:
 
     def left_pending(self) -> None:
         self.pending -= 1
-
-    def authenticate(self, key: str) -> Principal | None:
-        return self.keys.lookup(key)
 
     def tenant_id(self, principal: Principal) -> str:
         return tenant_id(self._secret, principal.tenant)
@@ -262,3 +265,86 @@ class Guard:
 
     def release(self, request_id: str) -> None:
         self.quotas.release(request_id)
+
+
+class SocketAuth:
+    """One socket's authentication: who it speaks for, and until when it may go without.
+
+    Caller: its `ChatSocket`, from the socket's reader task.
+    Affects: the guard's `pending` places and the tenant's open-socket count; `end()` gives
+    back whatever the socket holds.
+    """
+
+    def __init__(self, guard: Guard, upgrade: Upgrade, now: float) -> None:
+        self._guard = guard
+        self._presented = upgrade.principal  # a key in the upgrade's Authorization header
+        self._pending = upgrade.principal is None  # holds a `pending` place (Guard.upgrade)
+        self._frames = 0  # frames answered `unauthorized`
+        self.deadline = now + guard.auth_timeout_s
+        self.principal: Principal | None = None
+        self.tenant = ""  # keyed hash of the tenant's name: what Kafka and resume tokens see
+
+    @property
+    def authenticated(self) -> bool:
+        return self.principal is not None
+
+    def start(self) -> Close | None:
+        """A key from the upgrade's headers takes its socket place now (or the socket closes)."""
+        return self._take_socket(self._presented) if self._presented is not None else None
+
+    def before_key(
+        self, frame: ClientFrame | ProtocolError
+    ) -> tuple[ErrorFrame | None, Close | None]:
+        """A frame on a socket without a key: a valid `auth` admits it, the rest is refused;
+        too many refusals close the socket."""
+        if isinstance(frame, AuthFrame):
+            principal = self._guard.keys.lookup(frame.api_key)
+            if principal is not None:
+                return None, self._take_socket(principal)
+            log.info("auth.refused", reason="unknown_key", via="frame")
+            message = "auth: unknown or revoked API key"
+        else:
+            message = "send a valid API key first (`auth` frame or Authorization: Bearer)"
+        client_id = frame.client_id if isinstance(frame, ChatRequestFrame | ProtocolError) else None
+        self._frames += 1
+        close = None
+        if self._frames >= self._guard.max_unauthenticated_frames:
+            close = Close(POLICY_VIOLATION, "too many frames without a valid API key")
+        return unauthorized(message, client_id), close
+
+    def timed_out(self) -> Close:
+        log.info("auth.timed_out", frames=self._frames)
+        return Close(POLICY_VIOLATION, "no valid API key within the auth timeout")
+
+    def again(self, frame: AuthFrame) -> ErrorFrame | None:
+        """`auth` on an authenticated socket: the same tenant is a no-op; no switching."""
+        assert self.principal is not None
+        other = self._guard.keys.lookup(frame.api_key)
+        if other is None:
+            return unauthorized("auth: unknown or revoked API key")
+        if other.tenant != self.principal.tenant:
+            return unauthorized("auth: this socket is authenticated as another tenant")
+        return None
+
+    def admit(self, frame: ChatRequestFrame, request_id: str) -> ErrorFrame | None:
+        assert self.principal is not None  # the socket reads no request before its key
+        return self._guard.admit(self.principal, frame, request_id)
+
+    def end(self) -> None:
+        """The socket closed: give back its socket place or its pending place."""
+        if self.principal is not None:
+            self._guard.close_socket(self.principal)
+            self.principal = None
+        if self._pending:
+            self._guard.left_pending()
+            self._pending = False
+
+    def _take_socket(self, principal: Principal) -> Close | None:
+        if refused := self._guard.open_socket(principal):
+            return refused
+        if self._pending:
+            self._guard.left_pending()
+            self._pending = False
+        self.principal = principal
+        self.tenant = self._guard.tenant_id(principal)
+        return None
