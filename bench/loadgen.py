@@ -30,7 +30,8 @@ class LoadConfig:
     connections: int = 8
     concurrency_cap: int = 256
     drain_s: float = 10.0
-    api_key: str = "bench"
+    # Sent as `Authorization: Bearer`; None: the URL carries the key (ws://tenant:KEY@host/...).
+    api_key: str | None = None
     label: str = ""
 
 
@@ -144,7 +145,7 @@ async def run_load(
 ) -> LoadResult:
     """Send every planned request at its time; return once all are answered or the drain ends."""
     state = _Run(config, planned)
-    headers = {"Authorization": f"Bearer {config.api_key}"}
+    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     connections: list[ClientConnection] = []
     try:
         for _ in range(max(1, config.connections)):

@@ -18,6 +18,7 @@ import uuid
 from pathlib import Path
 
 from bench.observe import DeploymentObserver
+from services.edge import keys as keyfile
 from shared.kafka import create_topics, delete_topics, wait_for_broker
 from shared.settings import TokenbusSettings
 from shared.topics import Topics
@@ -26,6 +27,13 @@ ROOT = Path(__file__).resolve().parent.parent
 SERVICES = ("ingest", "scheduler", "worker", "edge")
 READY_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 10.0
+BENCH_LIMITS: dict[str, object] = {
+    "rps": 1e6,
+    "burst": 1_000_000,
+    "concurrency": 1_000_000,
+    "tokens_per_min": 10**12,
+    "sockets": 1_000_000,
+}
 
 
 class StackError(Exception):
@@ -122,6 +130,15 @@ class PipelineStack(Stack):
         self.settings = TokenbusSettings(
             KAFKA_BOOTSTRAP_SERVERS=bootstrap, topic_prefix=self.prefix
         )
+        # The edge requires a key: one for the bench, with limits the load never reaches.
+        keys, self.api_key, _ = keyfile.add_key(keyfile.KeysFile(), "bench", BENCH_LIMITS, 0.0)
+        keys_file = log_dir / f"{name}-keys.json"
+        keyfile.save(keys_file, keys)
+        self.env["TOKENBUS_EDGE_KEYS_FILE"] = str(keys_file)
+
+    @property
+    def ws_url(self) -> str:
+        return f"ws://bench:{self.api_key}@127.0.0.1:{self.port}/v1/chat"
 
     async def start(self) -> None:
         await wait_for_broker(self.settings, timeout_s=30)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import websockets
+from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 
 @dataclass
@@ -105,3 +106,24 @@ class ChatSession:
 
     def all_ended(self) -> bool:
         return len(self.ended) >= len(self.by_client)
+
+
+async def upgrade_status(url: str, **kwargs: Any) -> int:
+    """The HTTP status the server answers a WebSocket upgrade with (101: accepted)."""
+    try:
+        async with websockets.connect(url, open_timeout=20, **kwargs):
+            return 101
+    except InvalidStatus as exc:
+        return exc.response.status_code
+
+
+async def close_of(ws: websockets.ClientConnection, timeout: float = 30) -> tuple[int, str]:
+    """Read (and drop) frames until the server closes; its close code and reason."""
+    try:
+        while True:
+            await asyncio.wait_for(ws.recv(), timeout)
+    except ConnectionClosed as exc:
+        closed = exc.rcvd
+    if closed is None:
+        raise AssertionError("closed without a close frame from the server")
+    return closed.code, closed.reason

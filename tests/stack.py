@@ -19,6 +19,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 from pydantic import SecretStr
 
+from services.edge import keys as keyfile
 from services.edge.resume import ResumeKeys
 from shared.kafka import create_topics, delete_topics, wait_for_broker
 from shared.settings import TokenbusSettings
@@ -26,6 +27,16 @@ from shared.topics import Topics
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVICES = ("ingest", "scheduler", "worker", "edge")
+# Every stack's keys file has a key for each of these tenants; `default` is in `ws_url`.
+TENANTS = ("default", "alice", "bob", "mallory")
+# Limits no functional test reaches; quota tests give their tenant its own.
+UNLIMITED: dict[str, object] = {
+    "rps": 1e6,
+    "burst": 1_000_000,
+    "concurrency": 1_000_000,
+    "tokens_per_min": 10**12,
+    "sockets": 1_000_000,
+}
 
 
 def free_port() -> int:
@@ -55,6 +66,20 @@ class Stack:
     edge_port: int = 0
     # One per stack, strong (the edge refuses weak ones), shared by all its edges.
     resume_secret: str = field(default_factory=lambda: secrets.token_urlsafe(32))
+    # Tenants beyond TENANTS, or other limits for them: name -> TenantLimits fields.
+    tenant_limits: dict[str, dict[str, object]] = field(default_factory=dict)
+    keys: dict[str, str] = field(default_factory=dict)  # tenant -> its API key
+
+    def __post_init__(self) -> None:
+        keys = keyfile.KeysFile()
+        for tenant in dict.fromkeys([*TENANTS, *self.tenant_limits]):
+            limits = self.tenant_limits.get(tenant, UNLIMITED)
+            keys, self.keys[tenant], _ = keyfile.add_key(keys, tenant, limits, time.time())
+        keyfile.save(self.keys_file, keys)
+
+    @property
+    def keys_file(self) -> Path:
+        return self.log_dir / f"{self.prefix}-keys.json"
 
     @property
     def topics(self) -> Topics:
@@ -71,7 +96,13 @@ class Stack:
 
     @property
     def ws_url(self) -> str:
-        return f"ws://127.0.0.1:{self.edge_port}/v1/chat"
+        """The chat WebSocket, with the `default` tenant's key in it (sent as Basic auth)."""
+        return self.ws_url_as("default")
+
+    def ws_url_as(self, tenant: str | None, port: int | None = None) -> str:
+        """The chat WebSocket of an edge with `tenant`'s key in it; None: no credentials."""
+        creds = f"{tenant}:{self.keys[tenant]}@" if tenant is not None else ""
+        return f"ws://{creds}127.0.0.1:{port or self.edge_port}/v1/chat"
 
     @property
     def http_url(self) -> str:
@@ -84,6 +115,7 @@ class Stack:
             TOKENBUS_TOPIC_PREFIX=self.prefix,
             TOKENBUS_EDGE_PORT=str(self.edge_port),
             TOKENBUS_RESUME_SECRET=self.resume_secret,
+            TOKENBUS_EDGE_KEYS_FILE=str(self.keys_file),
             TOKENBUS_WORKER_SIM_TOKEN_RATE="200",
             TOKENBUS_LOG_LEVEL="INFO",
             PYTHONPATH=str(ROOT),
@@ -142,6 +174,10 @@ class Stack:
     def read(self, topic: str) -> list[bytes]:
         """Every record value on one of the stack's topics, read from the beginning now."""
         return asyncio.run(read_topic(self.bootstrap, topic, self.topics.partitions()[topic]))
+
+    async def read_async(self, topic: str) -> list[bytes]:
+        """`read`, from a test that runs in an event loop already."""
+        return await read_topic(self.bootstrap, topic, self.topics.partitions()[topic])
 
     def log(self, key: str) -> Path:
         """The log file of the service started under `key`."""

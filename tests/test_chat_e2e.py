@@ -118,9 +118,20 @@ async def test_background_priority_is_accepted_on_its_tier(stack: Stack) -> None
     check_transcript(t, request)
 
 
-async def test_auth_frame_is_accepted(stack: Stack) -> None:
-    async with websockets.connect(stack.ws_url) as ws:
+async def test_a_made_up_key_is_refused_and_nothing_is_served(stack: Stack) -> None:
+    async with websockets.connect(stack.ws_url_as(None)) as ws:
         await ws.send(json.dumps({"type": "auth", "api_key": "sk-test"}))
+        frame = await recv_json(ws)
+        assert (frame["type"], frame["code"]) == ("error", "unauthorized"), frame
+        request = {"type": "chat.request", "client_id": "a", "prompt": "hi", "max_tokens": 4}
+        await ws.send(json.dumps(request))
+        frame = await recv_json(ws)
+        assert (frame["type"], frame["code"], frame["client_id"]) == ("error", "unauthorized", "a")
+
+
+async def test_auth_frame_with_a_valid_key_is_accepted(stack: Stack) -> None:
+    async with websockets.connect(stack.ws_url_as(None)) as ws:
+        await ws.send(json.dumps({"type": "auth", "api_key": stack.keys["alice"]}))
         transcripts = await run_requests(ws, [{"client_id": "a", "prompt": "hi", "max_tokens": 4}])
         assert transcripts["a"].final is not None
         assert transcripts["a"].final["type"] == "chat.done"

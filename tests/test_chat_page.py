@@ -60,9 +60,11 @@ def _poll(predicate: object, timeout: float, what: str) -> None:
 def test_a_typed_message_streams_its_answer_into_the_page(
     stack: Stack, browser: webdriver.Chrome
 ) -> None:
-    browser.get(stack.http_url + "/")
+    # As `tokenbus up` prints it: the key in the fragment, which the page sends in `auth`.
+    browser.get(f"{stack.http_url}/#key={stack.keys['default']}")
     status = browser.find_element(By.ID, "status")
     _poll(lambda: status.text.startswith("connected"), 20, "the page's WebSocket")
+    assert "key=" not in browser.current_url, "the key stays out of the address bar"
 
     prompt = "hello from a real browser"
     browser.find_element(By.ID, "prompt").send_keys(prompt)

@@ -50,7 +50,7 @@ class TwoEdges:
 
     @property
     def url_b(self) -> str:
-        return f"ws://127.0.0.1:{self.port_b}/v1/chat"
+        return self.stack.ws_url_as("default", port=self.port_b)
 
 
 @pytest.fixture(scope="module", params=["partition", "topic"])
@@ -301,8 +301,10 @@ async def test_chat_cancel_is_immediate(edges: TwoEdges) -> None:
 async def test_resume_refusals(edges: TwoEdges) -> None:
     stack = edges.stack
     prompt, n = "short and done", 4
+    alice, mallory = stack.keys["alice"], stack.keys["mallory"]
+    url_a, url_b = stack.ws_url_as(None), stack.ws_url_as(None, port=edges.port_b)
     async with websockets.connect(
-        edges.url_a, additional_headers={"Authorization": "Bearer alice-key"}
+        url_a, additional_headers={"Authorization": f"Bearer {alice}"}
     ) as ws:
         accepted = await submit(ws, prompt, n)
         frames = await read_to_end(ws)
@@ -311,17 +313,17 @@ async def test_resume_refusals(edges: TwoEdges) -> None:
     claims = claims_of(stack, token)
 
     # The owner may replay it whole, on either edge.
-    for url in (edges.url_a, edges.url_b):
-        whole = await resume(url, token, -1, Authorization="Bearer alice-key")
+    for url in (url_a, url_b):
+        whole = await resume(url, token, -1, Authorization=f"Bearer {alice}")
         assert "".join(f.get("text", "") for f in whole) == expected_text(prompt, n)
 
-    async def refused(tok: str, after_seq: int = -1, key: str = "alice-key") -> str:
-        frames = await resume(edges.url_b, tok, after_seq, Authorization=f"Bearer {key}")
+    async def refused(tok: str, after_seq: int = -1, key: str = alice) -> str:
+        frames = await resume(url_b, tok, after_seq, Authorization=f"Bearer {key}")
         assert len(frames) == 1, frames
         assert frames[0]["type"] == "error", frames
         return str(frames[0]["code"])
 
-    assert await refused(token, key="mallory-key") == "unauthorized"
+    assert await refused(token, key=mallory) == "unauthorized"
     assert await refused(token[:-3] + ("AAA" if token[-3:] != "AAA" else "BBB")) == "unauthorized"
     expired = claims.model_copy(update={"expires_at": time.time() - 1})
     assert await refused(sign(expired, stack.resume_keys)) == "not_found"

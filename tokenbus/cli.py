@@ -13,7 +13,7 @@ Handler = Callable[[argparse.Namespace], int]
 
 def build_parser() -> argparse.ArgumentParser:
     # Imported here so a command module may import `Subcommands` from this one.
-    from tokenbus import bench, config, kafka, topics, trace, up
+    from tokenbus import bench, config, kafka, keys, topics, trace, up
 
     parser = argparse.ArgumentParser(
         prog="tokenbus", description="LLM serving decoupled by Apache Kafka."
@@ -27,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
         bench.register,
         trace.register,
         config.register,
+        keys.register,
     ):
         register(commands)
     return parser

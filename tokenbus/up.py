@@ -14,6 +14,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Coroutine
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pydantic import Field
@@ -21,6 +22,7 @@ from pydantic import Field
 from deploy.kafka import launcher
 from shared.kafka import wait_for_broker
 from shared.settings import TokenbusSettings
+from tokenbus.keys import local_keys
 from tokenbus.topics import ensure_topics
 
 if TYPE_CHECKING:
@@ -88,23 +90,28 @@ class Deployment:
             raise UpError(str(exc)) from exc
         await ensure_topics(self.settings)
         began = time.monotonic()
-        self._spawn_services()
+        # Like Jupyter's token: a development key unless the operator configured keys.
+        keys_file, api_key = await asyncio.to_thread(local_keys)
+        self._spawn_services(keys_file)
         await self._until_healthy(began + READY_TIMEOUT_S)
         host, port = self.settings.edge_host, self.settings.edge_port
         print(
             f"tokenbus up: ready in {time.monotonic() - began:.1f} s "
             f"(Kafka at {self.settings.bootstrap_servers})\n"
-            f"  chat page  http://{host}:{port}/\n"
+            # The key rides in the fragment: browsers send it to no server and no log.
+            f"  chat page  http://{host}:{port}/{f'#key={api_key}' if api_key else ''}\n"
             f"  WebSocket  ws://{host}:{port}/v1/chat\n"
-            "Ctrl-C stops everything.",
+            + (f"  API key    {api_key}\n" if api_key else f"  API keys   {keys_file}\n")
+            + "Ctrl-C stops everything.",
             flush=True,
         )
         while True:
             self._raise_if_a_child_exited()
             await asyncio.sleep(POLL_S)
 
-    def _spawn_services(self) -> None:
+    def _spawn_services(self, keys_file: Path) -> None:
         env = dict(os.environ)
+        env["TOKENBUS_EDGE_KEYS_FILE"] = str(keys_file)
         env["KAFKA_BOOTSTRAP_SERVERS"] = self.settings.bootstrap_servers
         env["TOKENBUS_EDGE_HOST"] = self.settings.edge_host
         env["TOKENBUS_EDGE_PORT"] = str(self.settings.edge_port)

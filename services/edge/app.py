@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import os
 import secrets
 import signal
@@ -22,10 +21,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import TypeAdapter, ValidationError
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route, WebSocketRoute
+from starlette.types import Message
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from services.edge.auth import Close, Guard, SocketAuth, Upgrade
 from services.edge.deadlines import Deadlines
 from services.edge.lease_keeper import LeaseKeeper, LeaseLost, ensure_lease_topic
 from services.edge.metrics import EdgeMetrics
@@ -88,6 +89,8 @@ class Edge:
         )
         self.router = StreamRouter(on_end=self._stream_ended)
         self.resume_keys = settings.resume_keys()
+        # Keys, origins, quotas (auth.py); tenant ids are keyed by the resume keys.
+        self.guard = Guard(settings, self.resume_keys)
         # request_id -> partition read for it alone (per-request topic, resumed stream)
         self.followed: dict[str, TopicPartition] = {}
         self.grace: Deadlines[str] = Deadlines()
@@ -236,6 +239,7 @@ class Edge:
         """
         assert self.reader is not None
         assert self.topology is not None
+        self.guard.release(request_id)
         tp = self.followed.pop(request_id, None)
         self.metrics.streams_open.set(len(self.router))
         if tp is None:
@@ -359,33 +363,47 @@ class Edge:
         return FileResponse(STATIC / "index.html")
 
     async def chat(self, ws: WebSocket) -> None:
-        await ws.accept()
-        await ChatSocket(self, ws).serve()
+        upgrade = self.guard.upgrade(ws.headers.get("origin"), ws.headers.getlist("authorization"))
+        if (refused := upgrade.refused) is not None:
+            # An HTTP answer instead of a socket: no frame is ever read or sent.
+            log.info("socket.refused", reason=refused.reason, origin=ws.headers.get("origin"))
+            await ws.send_denial_response(PlainTextResponse(refused.text, refused.status))
+            return
+        await ChatSocket(self, ws, upgrade).serve()
 
 
 class ChatSocket:
     """One client connection: a reader of frames and a single writer of frames."""
 
-    def __init__(self, edge: Edge, ws: WebSocket) -> None:
+    def __init__(self, edge: Edge, ws: WebSocket, upgrade: Upgrade) -> None:
         self.edge = edge
         self.ws = ws
         self.outbox: asyncio.Queue[ServerFrame] = asyncio.Queue()
-        self.tenant = _tenant(ws.headers.get("authorization", "").removeprefix("Bearer ").strip())
+        # Who the socket speaks for; nothing but `auth` is read before that is known.
+        self.auth = SocketAuth(edge.guard, upgrade, time.monotonic())
+
+    @property
+    def tenant(self) -> str:
+        return self.auth.tenant
 
     def send(self, frame: ServerFrame) -> None:
         self.outbox.put_nowait(frame)
 
     async def serve(self) -> None:
         try:
+            await self.ws.accept()  # in the `try`: the socket's places are given back
             async with asyncio.TaskGroup() as tg:
                 writer = tg.create_task(self._write())
-                await self._read(tg)
+                close = await self._read(tg)
                 writer.cancel()
+            if close is not None:
+                await self.ws.close(close.code, close.reason)
         except* (WebSocketDisconnect, ConnectionError):
             pass
         finally:
             # Not a cancel: the client may resume, here or on another edge, within the grace.
             self.edge.detach(self)
+            self.auth.end()
 
     async def _write(self) -> None:
         while True:
@@ -393,15 +411,23 @@ class ChatSocket:
             await self.ws.send_text(frame.model_dump_json())
             self.edge.telemetry.frame_written(frame)
 
-    async def _read(self, tg: asyncio.TaskGroup) -> None:
+    async def _read(self, tg: asyncio.TaskGroup) -> Close | None:
         edge = self.edge
+        if refused := self.auth.start():
+            return refused
         while True:
-            message = await self.ws.receive()
+            message = await self._receive()
+            if message is None:
+                return self.auth.timed_out()
             if message["type"] == "websocket.disconnect":
-                return
+                return None
             data = message.get("text")
             if data is None:
                 data = message.get("bytes") or b""
+            if not self.auth.authenticated:
+                if refused := self._before_key(data):
+                    return refused
+                continue
             try:
                 frame = parse_client_frame(data, edge.limits, edge.settings.edge_max_frame_bytes)
             except ProtocolError as exc:
@@ -412,7 +438,8 @@ class ChatSocket:
                 )
                 continue
             if isinstance(frame, AuthFrame):
-                self.tenant = _tenant(frame.api_key)
+                if refused_auth := self.auth.again(frame):
+                    self.send(refused_auth)
             elif isinstance(frame, ChatRequestFrame):
                 tg.create_task(self._submit(frame))
             elif isinstance(frame, ChatCancelFrame):
@@ -420,10 +447,37 @@ class ChatSocket:
             elif isinstance(frame, StreamResumeFrame):
                 tg.create_task(self._resume(frame))
 
+    # -- auth hooks: the decisions are SocketAuth's (auth.py) -------------------------------
+
+    async def _receive(self) -> Message | None:
+        """The next message; None if the socket is still without a key at its deadline."""
+        if self.auth.authenticated:
+            return await self.ws.receive()
+        try:
+            async with asyncio.timeout_at(self.auth.deadline):
+                return await self.ws.receive()
+        except TimeoutError:
+            return None
+
+    def _before_key(self, data: str | bytes) -> Close | None:
+        edge = self.edge
+        try:
+            frame = parse_client_frame(data, edge.limits, edge.settings.edge_max_frame_bytes)
+        except ProtocolError as exc:
+            reply, close = self.auth.before_key(exc)
+        else:
+            reply, close = self.auth.before_key(frame)
+        if reply is not None:
+            self.send(reply)
+        return close
+
     async def _submit(self, frame: ChatRequestFrame) -> None:
         edge = self.edge
         assert edge.producer is not None
         request_id = uuid.uuid4().hex
+        if refused := self.auth.admit(frame, request_id):
+            self.send(refused)  # before anything of it reaches Kafka
+            return
         edge.telemetry.begin(
             request_id,
             tier=(frame.priority or Tier.interactive).value,
@@ -434,6 +488,7 @@ class ChatSocket:
             reply_to, offset = await edge.open_request(request_id)
         except (TopologyError, KafkaError) as exc:
             edge.telemetry.end(request_id, outcome="reply_to_failed")
+            edge.guard.release(request_id)
             log.error("request.reply_to_failed", request_id=request_id, error=repr(exc))
             self.send(
                 ErrorFrame(
@@ -504,7 +559,7 @@ class ChatSocket:
             claims = check_resume(
                 frame.resume_token,
                 edge.resume_keys,
-                tenant=self.tenant,
+                tenant=self.auth.tenant_for_token(frame.resume_token),
                 results_topic=edge.topics.results,
                 now=time.time(),
             )
@@ -523,13 +578,6 @@ class ChatSocket:
                     request_id=request_id,
                 )
             )
-
-
-def _tenant(api_key: str) -> str:
-    # Auth is accepted, not yet enforced: the key only names the tenant, and is never logged.
-    if not api_key:
-        return "anonymous"
-    return "key-" + hashlib.sha256(api_key.encode()).hexdigest()[:16]
 
 
 def build_app(settings: EdgeSettings) -> Starlette:

@@ -131,6 +131,8 @@ class ErrorFrame(Model):
     message: str
     request_id: str | None = None
     client_id: str | None = None
+    # `rate_limited` and `overloaded`: when trying again may succeed; None: no hint.
+    retry_after_ms: int | None = None
 
 
 ServerFrame = AcceptedFrame | DeltaFrame | ResetFrame | DoneFrame | ErrorFrame | StreamResumedFrame

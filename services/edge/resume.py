@@ -124,6 +124,11 @@ def sign(claims: ResumeClaims, keys: ResumeKeys) -> str:
     return f"{signed}.{_b64(_mac(keys.keys[keys.signing_kid], signed))}"
 
 
+def token_kid(token: str) -> str:
+    """The key id a token names (unchecked: `verify` decides whether to trust it)."""
+    return token.partition(".")[0]
+
+
 def verify(token: str, keys: ResumeKeys, now: float) -> ResumeClaims:
     """The token's claims if it is intact and unexpired; otherwise ResumeRefused.
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, SecretStr, model_validator
@@ -75,3 +76,30 @@ class EdgeSettings(TokenbusSettings):
 
     def resume_keys(self) -> ResumeKeys:
         return ResumeKeys.from_settings(self.resume_secret, self.resume_secrets)
+
+    # -- security: API keys, origins, quotas (services/edge/auth.py, keys.py, quotas.py) -----
+    edge_keys_file: Path = Field(
+        default=Path(".tokenbus/keys.json"),
+        description=(
+            "API keys file (hashes, tenants, limits; `tokenbus keys`). Re-read when it changes."
+            " Missing or empty: every key is refused."
+        ),
+    )
+    edge_allowed_origins: list[str] | None = Field(
+        default=None,
+        description=(
+            "Origins (JSON list) whose pages may open /v1/chat; unset: the edge's own origin"
+            ' (all loopback spellings on a loopback bind); `["*"]`: any. No Origin is allowed.'
+        ),
+    )
+    edge_auth_timeout_s: float = Field(
+        default=5.0, gt=0, description="A socket without a valid key by then is closed (1008)."
+    )
+    edge_max_unauthenticated_sockets: int = Field(
+        default=1024,
+        ge=1,
+        description="Sockets open without a key yet, at most; above it an upgrade gets HTTP 503.",
+    )
+    edge_max_unauthenticated_frames: int = Field(
+        default=8, ge=1, description="Frames answered `unauthorized` before the socket is closed."
+    )

@@ -1,0 +1,156 @@
+"""Each tenant quota on a real stack: the request past it gets `rate_limited` with a retry
+hint, and nothing of it reaches Kafka."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import websockets
+from websockets.exceptions import ConnectionClosed
+
+from tests.chat_client import close_of, recv_json, run_requests
+from tests.stack import UNLIMITED, Stack, new_prefix
+
+TENANTS: dict[str, dict[str, object]] = {
+    # One request per 100 s after a burst of two: the third is refused however slow the test.
+    "slow": {**UNLIMITED, "rps": 0.01, "burst": 2},
+    "single": {**UNLIMITED, "concurrency": 1},
+    "frugal": {**UNLIMITED, "tokens_per_min": 100},
+    "twosockets": {**UNLIMITED, "sockets": 2},
+}
+
+
+@pytest.fixture(scope="module")
+def limited(bootstrap: str, log_dir: Path) -> Iterator[Stack]:
+    stack = Stack(bootstrap=bootstrap, prefix=new_prefix(), log_dir=log_dir, tenant_limits=TENANTS)
+    try:
+        yield stack.start()
+    finally:
+        stack.stop()
+
+
+def marker() -> str:
+    return "quota-" + uuid.uuid4().hex
+
+
+def bearer(stack: Stack, tenant: str) -> dict[str, Any]:
+    return {"additional_headers": {"Authorization": f"Bearer {stack.keys[tenant]}"}}
+
+
+async def prompts_on_kafka(stack: Stack) -> list[str]:
+    values = await stack.read_async(stack.topics.requests)
+    return [json.loads(v).get("prompt") or "" for v in values]
+
+
+async def send(ws: websockets.ClientConnection, client_id: str, prompt: str, n: int) -> None:
+    request = {"client_id": client_id, "prompt": prompt, "max_tokens": n}
+    await ws.send(json.dumps({"type": "chat.request", **request}))
+
+
+def check_rate_limited(frame: dict[str, Any], client_id: str, limit: str) -> None:
+    assert (frame["type"], frame["code"]) == ("error", "rate_limited"), frame
+    assert frame["client_id"] == client_id
+    assert f"({limit})" in frame["message"], frame
+
+
+async def test_requests_per_second(limited: Stack) -> None:
+    prompts = [marker() for _ in range(3)]
+    async with websockets.connect(limited.ws_url_as(None), **bearer(limited, "slow")) as ws:
+        for i, prompt in enumerate(prompts):
+            await send(ws, f"c{i}", prompt, 3)
+        frames = [await recv_json(ws) for _ in range(3)]
+        refused = [f for f in frames if f["type"] == "error"]
+        assert len(refused) == 1, frames
+        check_rate_limited(refused[0], "c2", "rps")
+        assert 1 <= refused[0]["retry_after_ms"] <= 100_000
+        # Both accepted requests still complete.
+        while sum(f["type"] == "chat.done" for f in frames) < 2:
+            frames.append(await recv_json(ws))
+    on_kafka = await prompts_on_kafka(limited)
+    assert sorted(prompts[:2]) == sorted(p for p in on_kafka if p in prompts)
+
+
+async def test_concurrent_streams(limited: Stack) -> None:
+    long, refused, after = marker(), marker(), marker()
+    async with websockets.connect(limited.ws_url_as(None), **bearer(limited, "single")) as ws:
+        await send(ws, "long", long, 2000)  # 10 s at the stack's 200 tokens/s
+        accepted = await recv_json(ws)
+        assert accepted["type"] == "chat.accepted", accepted
+        await send(ws, "more", refused, 3)
+        while (frame := await recv_json(ws))["type"] == "chat.delta":
+            pass
+        check_rate_limited(frame, "more", "concurrency")
+        assert frame["retry_after_ms"] >= 1
+        # The slot is free once the stream ends (here: cancelled).
+        cancel = {"type": "chat.cancel", "request_id": accepted["request_id"]}
+        await ws.send(json.dumps(cancel))
+        while (frame := await recv_json(ws))["type"] == "chat.delta":
+            pass
+        assert (frame["type"], frame["code"]) == ("error", "cancelled"), frame
+        done = await run_requests(ws, [{"client_id": "after", "prompt": after, "max_tokens": 3}])
+        assert done["after"].final is not None
+        assert done["after"].final["type"] == "chat.done", done["after"].frames
+    on_kafka = await prompts_on_kafka(limited)
+    assert long in on_kafka
+    assert after in on_kafka
+    assert refused not in on_kafka
+
+
+async def test_tokens_per_minute(limited: Stack) -> None:
+    first, second, huge = marker(), marker(), marker()
+    async with websockets.connect(limited.ws_url_as(None), **bearer(limited, "frugal")) as ws:
+        done = await run_requests(ws, [{"client_id": "a", "prompt": first, "max_tokens": 50}])
+        assert done["a"].final is not None
+        assert done["a"].final["type"] == "chat.done"
+        # ~52 of 100 tokens charged; 60 more do not fit until the bucket refills.
+        await send(ws, "b", second, 60)
+        frame = await recv_json(ws)
+        check_rate_limited(frame, "b", "tokens_per_min")
+        assert 1 <= frame["retry_after_ms"] <= 60_000
+        # More than the whole minute's budget: no retry helps, so no hint.
+        await send(ws, "c", huge, 200)
+        frame = await recv_json(ws)
+        check_rate_limited(frame, "c", "tokens_per_min")
+        assert frame["retry_after_ms"] is None
+    on_kafka = await prompts_on_kafka(limited)
+    assert first in on_kafka
+    assert second not in on_kafka
+    assert huge not in on_kafka
+
+
+async def test_open_sockets(limited: Stack) -> None:
+    url, auth = limited.ws_url_as(None), bearer(limited, "twosockets")
+    refused = marker()
+    async with websockets.connect(url, **auth), websockets.connect(url, **auth):
+        async with websockets.connect(url, **auth) as third:
+            await send(third, "x", refused, 3)
+            code, reason = await close_of(third)
+        assert code == 1013, reason
+        assert reason.startswith("rate_limited"), reason
+        # The same by `auth` frame, as the chat page authenticates.
+        async with websockets.connect(url) as fourth:
+            await fourth.send(json.dumps({"type": "auth", "api_key": limited.keys["twosockets"]}))
+            code, reason = await close_of(fourth)
+        assert code == 1013, reason
+
+    # Closed sockets give their places back (the edge notices the close a moment later).
+    async def opens() -> bool:
+        try:
+            async with websockets.connect(url, **auth) as ws:
+                await send(ws, "y", "after", 3)
+                return str((await recv_json(ws))["type"]) == "chat.accepted"
+        except ConnectionClosed:
+            return False
+
+    deadline = time.monotonic() + 20
+    while not await opens():
+        assert time.monotonic() < deadline, "closed sockets were not given back"
+        await asyncio.sleep(0.1)
+    assert refused not in await prompts_on_kafka(limited)
