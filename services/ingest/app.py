@@ -14,20 +14,25 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import structlog
-from aiokafka import ConsumerRecord, TopicPartition
+from aiokafka import AIOKafkaProducer, ConsumerRecord, TopicPartition
 from aiokafka.abc import ConsumerRebalanceListener
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import (
+    InvalidProducerEpoch,
     InvalidTopicError,
     KafkaError,
     MessageSizeTooLargeError,
+    OutOfOrderSequenceNumber,
+    ProducerFenced,
     RecordTooLargeError,
     TopicAuthorizationFailedError,
+    UnknownProducerId,
 )
 from faststream import AckPolicy, FastStream
 from faststream.kafka import KafkaBroker
 from faststream.kafka.annotations import KafkaMessage
 from faststream.kafka.opentelemetry import KafkaTelemetryMiddleware
+from faststream.kafka.publisher.producer import AioKafkaFastProducerImpl
 from faststream.message import StreamMessage
 
 from services.ingest.admission import (
@@ -59,6 +64,14 @@ PERMANENT = (
     TopicAuthorizationFailedError,
     InvalidTopicError,
     AssertionError,  # aiokafka's check of an explicit partition against its metadata
+)
+# The idempotent producer's own state is broken (aiokafka does not recover from these,
+# e.g. after a batch expired in an outage): only a new producer can write again.
+BROKEN_PRODUCER = (
+    OutOfOrderSequenceNumber,
+    UnknownProducerId,
+    InvalidProducerEpoch,
+    ProducerFenced,
 )
 # Failures that pass: the broker or its metadata did not answer (yet).
 TRANSIENT = (KafkaError, MetadataUnavailable, TimeoutError, OSError)
@@ -324,6 +337,8 @@ class Ingest:
                 log.warning(
                     "reply.failed", request_id=error.request_id, error=last, failures=failures
                 )
+                if isinstance(exc, BROKEN_PRODUCER):
+                    await self._renew_producer()
             self.destinations.forget(reply_to.topic)
             verdict = await self._retrying(
                 f"check reply_to {reply_to.topic}", lambda: self.destinations.check(reply_to)
@@ -344,7 +359,25 @@ class Ingest:
             except TRANSIENT as exc:
                 delay = self.backoff.after(delay)
                 log.warning("kafka.retrying", what=what, error=_describe(exc), retry_in_s=delay)
+                if isinstance(exc, BROKEN_PRODUCER):
+                    await self._renew_producer()
                 await asyncio.sleep(delay)
+
+    async def _renew_producer(self) -> None:
+        """Replace the broker's producer with a new one (a new producer id and sequence).
+
+        FastStream has no public call for this: its producer wrapper is reconnected with a
+        producer built from the broker's own connection settings.
+        """
+        wrapper = self.broker.config.producer
+        if not isinstance(wrapper, AioKafkaFastProducerImpl):
+            raise TypeError(f"cannot renew a {type(wrapper).__name__}")
+        await wrapper.disconnect()
+        await wrapper.connect(
+            AIOKafkaProducer(**self.broker._connection_kwargs),
+            serializer=None,
+        )
+        log.warning("producer.renewed")
 
 
 def _reply_to(decision: Admitted | Rejected) -> ReplyTo | None:
