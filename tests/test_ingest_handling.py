@@ -17,10 +17,12 @@ from aiokafka import ConsumerRecord
 from aiokafka.errors import KafkaConnectionError, MessageSizeTooLargeError
 
 import services.ingest.app as app_module
-from services.ingest.admission import Admitted, Duplicate, Rejected
+from services.ingest.admission import Admitted, Duplicate, Reason, Rejected
 from services.ingest.app import Ingest
 from services.ingest.dead_letter import REASON, REPLY, REPLY_ERROR, SOURCE
+from services.ingest.destinations import ReplyDestinations
 from services.ingest.settings import IngestSettings
+from shared.messages import ReplyTo
 
 PREFIX = "tb"
 
@@ -189,3 +191,23 @@ async def test_a_defect_on_one_record_dead_letters_it_and_the_next_flows(
     assert letter["headers"][REASON] == "internal"
     ok = await ingest.handle(record({"request_id": "r2", "prompt": "hi"}, offset=1))
     assert isinstance(ok, Admitted)
+
+
+async def test_a_reply_to_topic_created_a_moment_ago_is_waited_for() -> None:
+    admin = FakeAdmin({})
+
+    async def create_soon() -> None:
+        await asyncio.sleep(0.1)
+        admin.topics["fresh"] = 2
+
+    creating = asyncio.create_task(create_soon())
+    destinations = ReplyDestinations(admin, timeout_s=1, grace_s=2)  # type: ignore[arg-type]
+    assert await destinations.check(ReplyTo(topic="fresh", partition=1)) is None
+    await creating
+    at_once = ReplyDestinations(admin, timeout_s=1)  # type: ignore[arg-type]
+    verdict = await at_once.check(ReplyTo(topic="fresh", partition=2))
+    assert verdict is not None
+    assert verdict.reason is Reason.reply_to_partition
+    verdict = await at_once.check(ReplyTo(topic="never"))
+    assert verdict is not None
+    assert verdict.reason is Reason.reply_to_missing

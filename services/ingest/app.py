@@ -158,7 +158,9 @@ class Ingest:
         self.broker = broker
         self.admin = admin
         self._recalled = asyncio.Event()
-        self.destinations = ReplyDestinations(admin, settings.reply_timeout_s)
+        self.destinations = ReplyDestinations(
+            admin, settings.reply_timeout_s, grace_s=settings.ingest_reply_to_grace_ms / 1000
+        )
         self.backoff = Backoff(
             settings.ingest_retry_backoff_ms / 1000, settings.ingest_retry_backoff_max_ms / 1000
         )

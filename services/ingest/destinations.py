@@ -41,17 +41,32 @@ class ReplyDestinations:
         self,
         admin: AIOKafkaAdminClient,
         timeout_s: float,
+        grace_s: float = 0.0,
         cache_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._admin = admin
         self._timeout_s = timeout_s
+        self._grace_s = grace_s
         self._cache_s = cache_s
         self._clock = clock
         self._partitions: dict[str, tuple[int, float]] = {}
 
     async def check(self, reply_to: ReplyTo) -> Undeliverable | None:
-        """None when results can go there; raises MetadataUnavailable when unknown."""
+        """None when results can go there; raises MetadataUnavailable when unknown.
+
+        A topic just created (the edge's per-request result topics) may not be known to
+        every broker yet: a missing topic or partition is asked about again for `grace_s`
+        before it is a verdict.
+        """
+        give_up = self._clock() + self._grace_s
+        while True:
+            verdict = await self._check(reply_to)
+            if verdict is None or self._clock() >= give_up:
+                return verdict
+            await asyncio.sleep(min(0.05, self._grace_s))
+
+    async def _check(self, reply_to: ReplyTo) -> Undeliverable | None:
         cached = self._partitions.get(reply_to.topic)
         fresh = cached is not None and cached[1] > self._clock()
         if cached is None or not fresh or not _in_range(reply_to, cached[0]):

@@ -20,6 +20,12 @@ class IngestSettings(TokenbusSettings):
         ge=1,
         description="Longest one write of an error to a reply_to (or one look-up of it) waits.",
     )
+    ingest_reply_to_grace_ms: int = Field(
+        default=200,
+        ge=0,
+        description="How long a reply_to topic or partition reported missing is asked about"
+        " again before the request is refused (a topic just created may lag).",
+    )
     ingest_reply_attempts: int = Field(
         default=3,
         ge=1,
