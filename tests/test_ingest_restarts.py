@@ -17,11 +17,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aiokafka import AIOKafkaProducer
+from aiokafka import AIOKafkaProducer, ConsumerRecord
 from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.errors import OutOfOrderSequenceNumber
+from faststream.kafka import KafkaBroker
 
+from services.ingest.admission import Admitted
+from services.ingest.app import Ingest
+from services.ingest.settings import IngestSettings
 from shared.kafka import create_topics, delete_topics
 from shared.messages import Tier
+from shared.topics import Topics
 from tests.ingest_kafka import Results, read_all
 from tests.stack import Stack, _create, new_prefix, wait_until
 from tests.worker_logs import events
@@ -202,3 +208,60 @@ async def test_a_tier_publish_that_fails_is_retried_until_the_topic_is_back(
     on_tier = await read_all(stack.bootstrap, tier, 4)
     assert sorted(r.key or b"" for r in on_tier) == [b"after-back", b"while-gone"]
     assert stack.processes["ingest"].poll() is None
+
+
+async def test_a_producer_left_broken_is_renewed_and_the_request_forwarded(
+    bootstrap: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """aiokafka's idempotent producer does not recover from OutOfOrderSequenceNumber (seen
+    after an outage expired a batch). The error is injected once at the publish call (a
+    test seam); the renewal and the retried write go to the real broker."""
+    prefix = new_prefix()
+    settings = IngestSettings(
+        KAFKA_BOOTSTRAP_SERVERS=bootstrap, topic_prefix=prefix, ingest_retry_backoff_ms=1
+    )
+    topics = Topics(prefix)
+    await create_topics(settings, topics.partitions())
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    broker = KafkaBroker(bootstrap, acks="all", enable_idempotence=True, logger=None)
+    await broker.connect()
+    try:
+        ingest = Ingest(settings, broker, admin)
+        await ingest.recall()
+        real_publish = broker.publish
+        calls: list[str] = []
+
+        async def broken_once(*args: Any, **kw: Any) -> Any:
+            calls.append(kw["topic"])
+            if len(calls) == 1:
+                raise OutOfOrderSequenceNumber()
+            return await real_publish(*args, **kw)
+
+        monkeypatch.setattr(broker, "publish", broken_once)
+        before = broker.config.producer._producer  # type: ignore[attr-defined]
+        body = json.dumps({"request_id": "renewed", "prompt": "hi"}).encode()
+        decision = await ingest.handle(
+            ConsumerRecord(
+                topic=topics.requests,
+                partition=0,
+                offset=0,
+                timestamp=0,
+                timestamp_type=0,
+                key=b"renewed",
+                value=body,
+                checksum=None,
+                serialized_key_size=7,
+                serialized_value_size=len(body),
+                headers=(),
+            )
+        )
+        assert isinstance(decision, Admitted)
+        assert calls == [topics.tier(Tier.interactive)] * 2
+        assert broker.config.producer._producer is not before  # type: ignore[attr-defined]
+        on_tier = await read_all(bootstrap, topics.tier(Tier.interactive), 4)
+        assert [r.key for r in on_tier] == [b"renewed"]
+    finally:
+        await broker.stop()
+        await admin.close()
+        await delete_topics(settings, topics.partitions())
