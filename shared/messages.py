@@ -78,7 +78,10 @@ class ChatRequest(Model):
         default_factory=list, max_length=4
     )
     priority: Tier | None = None
-    deadline_ms: int | None = Field(default=None, ge=1, description="Budget from acceptance.")
+    # Bounded so every service can turn it into a float deadline (~24.8 days at most).
+    deadline_ms: int | None = Field(
+        default=None, ge=1, le=2**31 - 1, description="Budget from acceptance."
+    )
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -128,7 +131,9 @@ class RequestRecord(ChatRequest):
     request_id: str = Field(pattern=REQUEST_ID)
     tenant: str = Field(default="default", min_length=1, max_length=128)
     reply_to: ReplyTo | None = None
-    created_at: float = Field(default_factory=time.time, description="Unix time, seconds.")
+    created_at: float = Field(
+        default_factory=time.time, allow_inf_nan=False, description="Unix time, seconds."
+    )
 
 
 class QueuedRequest(RequestRecord):

@@ -145,6 +145,12 @@ async def test_malformed_records_land_on_the_dlq_and_nothing_else_stops(stack: S
     assert set(by_key) == {b"garbage-1", b"garbage-2", bad_id.encode()}
     assert all(h["tokenbus-error-code"] == b"invalid_request" for h in by_key.values())
     assert b"max_tokens" in by_key[bad_id.encode()]["tokenbus-error"]
+    reasons = {k: h["tokenbus-reason"] for k, h in by_key.items()}
+    assert reasons == {
+        b"garbage-1": b"not_json",
+        b"garbage-2": b"not_object",
+        bad_id.encode(): b"invalid_field",
+    }
 
     # The invalid request's author hears about it on its reply_to; the good one completes.
     consumer = AIOKafkaConsumer(bootstrap_servers=stack.bootstrap, enable_auto_commit=False)

@@ -2,7 +2,7 @@
 
 import asyncio
 
-from services.ingest.app import build_app
+from services.ingest.app import serve
 from services.ingest.settings import IngestSettings
 from shared.logs import configure_logging
 from shared.telemetry import start_telemetry
@@ -13,7 +13,7 @@ def main() -> None:
     configure_logging("ingest", settings.log_level)
     start_telemetry("ingest")
     # FastStream handles SIGINT/SIGTERM itself and closes the broker gracefully.
-    asyncio.run(build_app(settings).run())
+    asyncio.run(serve(settings))
 
 
 if __name__ == "__main__":

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
-import json
+import re
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from enum import StrEnum
+from typing import Generic, TypeVar
 
 from pydantic import ValidationError
+from pydantic_core import from_json
 
+from shared.kafka import encode
 from shared.messages import (
+    REQUEST_ID,
     ErrorCode,
     ErrorResult,
     QueuedRequest,
@@ -20,23 +25,48 @@ from shared.messages import (
 )
 from shared.topics import Topics
 
+_REQUEST_ID = re.compile(REQUEST_ID)
+K = TypeVar("K")
+
+# Longest rejection message kept: it travels in a DLQ header and in the error result.
+MAX_MESSAGE_CHARS = 1000
+
+
+class Reason(StrEnum):
+    """Why a record was not admitted: the `tokenbus-reason` header of its DLQ copy."""
+
+    not_json = "not_json"  # not JSON, not UTF-8, a lone surrogate, or nested too deep
+    not_object = "not_object"
+    invalid_field = "invalid_field"  # wrong type, size or value; unknown field
+    over_budget = "over_budget"  # no batch of any tier could carry it
+    too_large = "too_large"  # its tier record would be larger than a record may be
+    reply_to_reserved = "reply_to_reserved"  # names a topic of tokenbus's own pipeline
+    reply_to_missing = "reply_to_missing"
+    reply_to_partition = "reply_to_partition"  # partition out of range
+    reply_to_forbidden = "reply_to_forbidden"  # invalid name, internal, or not authorised
+    not_forwarded = "not_forwarded"  # the tier topic refused it for good
+    internal = "internal"  # ingest failed on it (a defect): dead-lettered, not retried
+
 
 @dataclass(frozen=True)
 class Admitted:
     request: QueuedRequest
     topic: str
+    value: bytes  # the tier record, encoded once here: what the shell publishes
 
 
 @dataclass(frozen=True)
 class Rejected:
-    """An invalid record: it goes to the DLQ, and its error to `reply_to` when that is known."""
+    """A record that cannot be admitted: it goes to the DLQ, and its error to `reply_to`."""
 
+    reason: Reason
     code: ErrorCode
     message: str
     request_id: str | None
     reply_to: ReplyTo | None
 
     def error_result(self) -> ErrorResult | None:
+        """The error the requester gets, when it named (or defaulted) a usable reply_to."""
         if self.request_id is None or self.reply_to is None:
             return None
         return ErrorResult(request_id=self.request_id, seq=0, code=self.code, message=self.message)
@@ -50,46 +80,72 @@ class Duplicate:
 Decision = Admitted | Rejected | Duplicate
 
 
-class RecentIds:
-    """The last `size` request ids seen, to drop a request delivered twice."""
+class Recent(Generic[K]):
+    """The last `size` keys remembered, oldest forgotten first."""
 
     def __init__(self, size: int = 100_000) -> None:
-        self._ids: OrderedDict[str, None] = OrderedDict()
+        self._keys: OrderedDict[K, None] = OrderedDict()
         self._size = size
 
-    def seen(self, request_id: str) -> bool:
-        if request_id in self._ids:
-            self._ids.move_to_end(request_id)
-            return True
-        self._ids[request_id] = None
-        if len(self._ids) > self._size:
-            self._ids.popitem(last=False)
-        return False
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def remember(self, key: K) -> None:
+        self._keys[key] = None
+        self._keys.move_to_end(key)
+        if len(self._keys) > self._size:
+            self._keys.popitem(last=False)
+
+
+class RecentIds(Recent[str]):
+    """Request ids forwarded to a tier, to drop a request delivered twice.
+
+    Caller: the ingest shell. It calls `remember` only once a tier holds the request, and
+    refills this from the tier topics' tails on each partition assignment
+    (`services.ingest.memory`), so the memory outlives the process.
+    """
 
 
 def admit(
-    raw: bytes, key: bytes | None, topics: Topics, limits: RequestLimits, recent: RecentIds
+    raw: bytes,
+    key: bytes | None,
+    topics: Topics,
+    limits: RequestLimits,
+    recent: RecentIds,
+    max_record_bytes: int = 1_000_000,
 ) -> Decision:
-    """Parse and validate one `tokenbus.requests` record; never raises on bad input."""
-    key_id = _decode(key)
+    """Parse and validate one `tokenbus.requests` record; never raises, whatever `raw` holds.
+
+    `max_record_bytes` bounds the tier record it would forward (the broker refuses larger).
+    Whether `reply_to` exists is the shell's question (it needs the broker's metadata).
+    """
+    key_id = _request_id(key)
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        return Rejected(ErrorCode.invalid_request, f"record is not JSON: {exc}", key_id, None)
+        # pydantic-core's parser: strict UTF-8, no lone surrogates, a bounded nesting depth.
+        body = from_json(raw)
+    except ValueError as exc:
+        return _rejected(Reason.not_json, f"record is not valid JSON in UTF-8: {exc}", key_id)
     if not isinstance(body, dict):
-        return Rejected(ErrorCode.invalid_request, "record is not a JSON object", key_id, None)
+        return _rejected(Reason.not_object, "record is not a JSON object", key_id)
     if "request_id" not in body and key_id is not None:
         body["request_id"] = key_id
+    request_id = _request_id(body.get("request_id")) or key_id
     try:
         record = RequestRecord.model_validate(body, context={"limits": limits})
     except ValidationError as exc:
-        request_id = body.get("request_id") if isinstance(body.get("request_id"), str) else key_id
-        return Rejected(
-            ErrorCode.invalid_request, error_message(exc), request_id, _reply_to(body, topics)
+        return _rejected(
+            Reason.invalid_field, error_message(exc), request_id, _reply_to(body, topics)
         )
-    tier = record.priority or Tier.interactive
     reply_to = record.reply_to or ReplyTo(topic=topics.results)
-    queued = QueuedRequest.from_record(record, tier=tier, reply_to=reply_to)
+    if reply_to.topic in reserved_topics(topics):
+        message = f"reply_to.topic: {reply_to.topic} is a topic of tokenbus itself"
+        return _rejected(Reason.reply_to_reserved, message, record.request_id, None)
+    queued = QueuedRequest.from_record(
+        record, tier=record.priority or Tier.interactive, reply_to=reply_to
+    )
     budget = limits.max_request_tokens
     if budget is not None and queued.token_cost > budget:
         # No batch could ever hold it: refuse now rather than let it wait forever.
@@ -98,10 +154,67 @@ def admit(
             f" ({queued.effective_max_tokens}) is {queued.token_cost} tokens, above the"
             f" largest batch token budget of {budget}"
         )
-        return Rejected(ErrorCode.invalid_request, message, record.request_id, reply_to)
-    if recent.seen(record.request_id):
-        return Duplicate(record.request_id)
-    return Admitted(queued, topics.tier(tier))
+        return _rejected(Reason.over_budget, message, record.request_id, reply_to)
+    if queued.request_id in recent:
+        return Duplicate(queued.request_id)
+    value = encode(queued)
+    if len(value) > max_record_bytes:
+        message = f"request is {len(value)} bytes on its tier topic, above {max_record_bytes}"
+        return _rejected(Reason.too_large, message, record.request_id, reply_to)
+    return Admitted(queued, topics.tier(queued.tier), value)
+
+
+def undeliverable(decision: Admitted | Rejected, reason: Reason, why: str) -> Rejected:
+    """A decision whose `reply_to` turned out not to exist or not to be writable."""
+    if isinstance(decision, Admitted):
+        request_id: str | None = decision.request.request_id
+    else:
+        request_id = decision.request_id
+    return Rejected(reason, ErrorCode.invalid_request, _bounded(why), request_id, None)
+
+
+def not_forwarded(decision: Admitted, why: str) -> Rejected:
+    """An admitted request its tier topic refused for good (not a transient failure)."""
+    request = decision.request
+    message = f"request could not be forwarded to {decision.topic}: {why}"
+    return Rejected(
+        Reason.not_forwarded,
+        ErrorCode.internal,
+        _bounded(message),
+        request.request_id,
+        request.reply_to,
+    )
+
+
+def without_reply(rejected: Rejected) -> Rejected:
+    return replace(rejected, reply_to=None)
+
+
+def reserved_topics(topics: Topics) -> frozenset[str]:
+    """Topics a result may never be written to: each is read by a tokenbus service."""
+    return frozenset(
+        {
+            topics.requests,
+            topics.dlq,
+            *topics.tiers,
+            topics.batches,
+            topics.result_leases,
+            topics.workers,
+            topics.control,
+        }
+    )
+
+
+def _rejected(
+    reason: Reason, message: str, request_id: str | None, reply_to: ReplyTo | None = None
+) -> Rejected:
+    return Rejected(reason, ErrorCode.invalid_request, _bounded(message), request_id, reply_to)
+
+
+def _bounded(message: str) -> str:
+    if len(message) <= MAX_MESSAGE_CHARS:
+        return message
+    return message[: MAX_MESSAGE_CHARS - 1] + "…"
 
 
 def _reply_to(body: dict[str, object], topics: Topics) -> ReplyTo | None:
@@ -110,15 +223,19 @@ def _reply_to(body: dict[str, object], topics: Topics) -> ReplyTo | None:
     if raw is None:
         return ReplyTo(topic=topics.results)
     try:
-        return ReplyTo.model_validate(raw)
+        reply_to = ReplyTo.model_validate(raw)
     except ValidationError:
         return None
+    return None if reply_to.topic in reserved_topics(topics) else reply_to
 
 
-def _decode(key: bytes | None) -> str | None:
-    if key is None:
+def _request_id(value: object) -> str | None:
+    """A request id usable in an error result (the protocol's pattern), else None."""
+    if isinstance(value, bytes):
+        try:
+            value = value.decode()
+        except UnicodeDecodeError:
+            return None
+    if not isinstance(value, str):
         return None
-    try:
-        return key.decode()
-    except UnicodeDecodeError:
-        return None
+    return value if _REQUEST_ID.fullmatch(value) else None

@@ -9,7 +9,49 @@ from shared.settings import TokenbusSettings
 
 
 class IngestSettings(TokenbusSettings):
-    ingest_dedupe_window: int = Field(default=100_000, ge=1, description="Request ids remembered.")
+    ingest_dedupe_window: int = Field(
+        default=100_000,
+        ge=1,
+        description="Request ids remembered, and records read back from the tier topics and"
+        " the DLQ to remember them after a restart.",
+    )
+    ingest_reply_timeout_ms: int = Field(
+        default=2000,
+        ge=1,
+        description="Longest one write of an error to a reply_to (or one look-up of it) waits.",
+    )
+    ingest_reply_to_grace_ms: int = Field(
+        default=200,
+        ge=0,
+        description="How long a reply_to topic or partition reported missing is asked about"
+        " again before the request is refused (a topic just created may lag).",
+    )
+    ingest_reply_attempts: int = Field(
+        default=3,
+        ge=1,
+        description="Failed writes to an existing reply_to before its error is given up on.",
+    )
+    ingest_publish_timeout_ms: int = Field(
+        default=30000,
+        ge=1000,
+        description="Longest one write to a tier topic or the DLQ waits before it is retried.",
+    )
+    ingest_retry_backoff_ms: int = Field(
+        default=100, ge=1, description="First wait before a failed Kafka write is retried."
+    )
+    ingest_retry_backoff_max_ms: int = Field(
+        default=5000, ge=1, description="Longest wait between retries of a failed Kafka write."
+    )
+    ingest_max_record_bytes: int = Field(
+        default=1_000_000,
+        ge=10_000,
+        description="Largest record ingest writes (keep below the broker's message.max.bytes):"
+        " a larger request is refused, a larger DLQ copy is truncated.",
+    )
+
+    @property
+    def reply_timeout_s(self) -> float:
+        return self.ingest_reply_timeout_ms / 1000
 
     def limits(self) -> RequestLimits:
         # Ingest also refuses a request no tier's batch could ever carry.

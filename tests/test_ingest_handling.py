@@ -1,0 +1,213 @@
+"""Ingest's per-record steps with fakes for Kafka (the real broker is in test_ingest_*.py).
+
+`FakeBroker` and `FakeAdmin` stand in for FastStream's broker and aiokafka's admin client:
+they record what would be written and fail on a script, so each failure path is exact.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from aiokafka import ConsumerRecord
+from aiokafka.errors import KafkaConnectionError, MessageSizeTooLargeError
+
+import services.ingest.app as app_module
+from services.ingest.admission import Admitted, Duplicate, Reason, Rejected
+from services.ingest.app import Ingest
+from services.ingest.dead_letter import REASON, REPLY, REPLY_ERROR, SOURCE
+from services.ingest.destinations import ReplyDestinations
+from services.ingest.settings import IngestSettings
+from shared.messages import ReplyTo
+
+PREFIX = "tb"
+
+
+@dataclass
+class FakeBroker:
+    """Records publishes; `failures[topic]` lists exceptions to raise, one per attempt."""
+
+    failures: dict[str, list[BaseException]] = field(default_factory=dict)
+    hang: set[str] = field(default_factory=set)  # topics whose writes never complete
+    published: list[dict[str, Any]] = field(default_factory=list)
+    attempts: list[str] = field(default_factory=list)
+
+    async def publish(self, value: bytes, *, topic: str, **kw: Any) -> None:
+        self.attempts.append(topic)
+        if topic in self.hang:
+            await asyncio.sleep(3600)
+        pending = self.failures.get(topic)
+        if pending:
+            raise pending.pop(0)
+        self.published.append({"value": value, "topic": topic, **kw})
+
+    def on(self, topic: str) -> list[dict[str, Any]]:
+        return [p for p in self.published if p["topic"] == topic]
+
+
+@dataclass
+class FakeAdmin:
+    """Answers metadata requests: `topics` maps an existing topic to its partition count."""
+
+    topics: dict[str, int] = field(default_factory=dict)
+
+    async def describe_topics(self, names: list[str]) -> list[dict[str, Any]]:
+        return [
+            {
+                "topic": n,
+                "error_code": 0 if n in self.topics else 3,
+                "is_internal": False,
+                "partitions": [{"partition": p} for p in range(self.topics.get(n, 0))],
+            }
+            for n in names
+        ]
+
+
+@pytest.fixture(autouse=True)
+def no_recall(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def fake_recall(*args: object) -> int:
+        return 0
+
+    monkeypatch.setattr(app_module, "recall", fake_recall)
+
+
+def make(broker: FakeBroker, **settings: Any) -> Ingest:
+    base = {
+        "topic_prefix": PREFIX,
+        "ingest_retry_backoff_ms": 1,
+        "ingest_retry_backoff_max_ms": 5,
+        "ingest_reply_timeout_ms": 50,
+    }
+    admin = FakeAdmin({f"{PREFIX}.results": 4, "mine": 1})
+    return Ingest(IngestSettings(**{**base, **settings}), broker, admin)  # type: ignore[arg-type]
+
+
+def record(value: bytes | dict[str, Any], offset: int = 0, key: bytes | None = None) -> Any:
+    raw = value if isinstance(value, bytes) else json.dumps(value).encode()
+    return ConsumerRecord(
+        topic=f"{PREFIX}.requests", partition=1, offset=offset, timestamp=0, timestamp_type=0,
+        key=key, value=raw, checksum=None, serialized_key_size=0, serialized_value_size=len(raw),
+        headers=(),
+    )  # fmt: skip
+
+
+async def handle(ingest: Ingest, rec: Any) -> object:
+    await ingest.recall()
+    return await ingest.handle(rec)
+
+
+async def test_a_tier_publish_that_fails_once_is_retried_not_dropped() -> None:
+    broker = FakeBroker(failures={"tb.requests.interactive": [KafkaConnectionError()]})
+    ingest = make(broker)
+    request = {"request_id": "r1", "prompt": "hi"}
+    decision = await handle(ingest, record(request))
+    assert isinstance(decision, Admitted)
+    assert broker.attempts == ["tb.requests.interactive"] * 2
+    assert len(broker.on("tb.requests.interactive")) == 1
+    # Remembered once the tier holds it: the same request again is a duplicate.
+    assert isinstance(await ingest.handle(record(request, offset=1)), Duplicate)
+    assert len(broker.on("tb.requests.interactive")) == 1
+
+
+async def test_a_failed_publish_is_not_remembered() -> None:
+    broker = FakeBroker(failures={"tb.requests.interactive": [KafkaConnectionError()] * 3})
+    ingest = make(broker)
+    task = asyncio.create_task(handle(ingest, record({"request_id": "r1", "prompt": "hi"})))
+    while len(broker.attempts) < 2:  # noqa: ASYNC110 (the fake has no event to wait on)
+        await asyncio.sleep(0.001)
+    assert "r1" not in ingest.memory.forwarded  # still retrying: not remembered
+    assert isinstance(await task, Admitted)
+    assert "r1" in ingest.memory.forwarded
+
+
+async def test_a_tier_that_refuses_for_good_dead_letters_with_an_error() -> None:
+    broker = FakeBroker(failures={"tb.requests.interactive": [MessageSizeTooLargeError()]})
+    ingest = make(broker)
+    decision = await handle(ingest, record({"request_id": "r1", "prompt": "hi"}))
+    assert isinstance(decision, Rejected)
+    [letter] = broker.on("tb.requests.dlq")
+    assert letter["headers"][REASON] == "not_forwarded"
+    [error] = broker.on("tb.results")
+    assert json.loads(error["value"])["code"] == "internal"
+
+
+async def test_a_record_dead_lettered_before_is_not_dead_lettered_again() -> None:
+    broker = FakeBroker()
+    ingest = make(broker)
+    assert isinstance(await handle(ingest, record(b"garbage", offset=7)), Rejected)
+    assert await ingest.handle(record(b"garbage", offset=7)) is None  # redelivered
+    [letter] = broker.on("tb.requests.dlq")
+    assert letter["headers"][SOURCE] == "tb.requests/1/7"
+    # The same bytes at another offset are another record: dead-lettered too.
+    assert isinstance(await ingest.handle(record(b"garbage", offset=8)), Rejected)
+    assert len(broker.on("tb.requests.dlq")) == 2
+
+
+async def test_a_reply_that_cannot_be_written_is_given_up_in_bounded_time() -> None:
+    broker = FakeBroker(hang={"mine"})
+    ingest = make(broker, ingest_reply_attempts=3)
+    bad = {"request_id": "r1", "prompt": "hi", "top_p": 9, "reply_to": {"topic": "mine"}}
+    started = time.monotonic()
+    decision = await handle(ingest, record(bad))
+    assert time.monotonic() - started < 2.0  # 3 tries of 50 ms, plus backoff
+    assert isinstance(decision, Rejected)
+    assert broker.attempts.count("mine") == 3
+    [letter] = broker.on("tb.requests.dlq")
+    assert letter["headers"][REPLY] == "undeliverable"
+    assert "not written after 3 tries" in letter["headers"][REPLY_ERROR]
+
+
+async def test_a_valid_request_whose_reply_to_is_missing_is_dead_lettered() -> None:
+    broker = FakeBroker()
+    ingest = make(broker)
+    request = {"request_id": "r1", "prompt": "hi", "reply_to": {"topic": "gone"}}
+    decision = await handle(ingest, record(request))
+    assert isinstance(decision, Rejected)
+    assert broker.on("tb.requests.interactive") == []
+    [letter] = broker.on("tb.requests.dlq")
+    assert letter["headers"][REASON] == "reply_to_missing"
+    assert letter["headers"][REPLY] == "undeliverable"
+
+
+async def test_a_defect_on_one_record_dead_letters_it_and_the_next_flows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    broker = FakeBroker()
+    ingest = make(broker)
+    real_admit = app_module.admit
+
+    def admit_failing_once(raw: bytes, *args: Any, **kw: Any) -> Any:
+        if raw == b'{"boom": 1}':
+            raise RuntimeError("a defect")
+        return real_admit(raw, *args, **kw)
+
+    monkeypatch.setattr(app_module, "admit", admit_failing_once)
+    assert isinstance(await handle(ingest, record(b'{"boom": 1}')), Rejected)
+    [letter] = broker.on("tb.requests.dlq")
+    assert letter["headers"][REASON] == "internal"
+    ok = await ingest.handle(record({"request_id": "r2", "prompt": "hi"}, offset=1))
+    assert isinstance(ok, Admitted)
+
+
+async def test_a_reply_to_topic_created_a_moment_ago_is_waited_for() -> None:
+    admin = FakeAdmin({})
+
+    async def create_soon() -> None:
+        await asyncio.sleep(0.1)
+        admin.topics["fresh"] = 2
+
+    creating = asyncio.create_task(create_soon())
+    destinations = ReplyDestinations(admin, timeout_s=1, grace_s=2)  # type: ignore[arg-type]
+    assert await destinations.check(ReplyTo(topic="fresh", partition=1)) is None
+    await creating
+    at_once = ReplyDestinations(admin, timeout_s=1)  # type: ignore[arg-type]
+    verdict = await at_once.check(ReplyTo(topic="fresh", partition=2))
+    assert verdict is not None
+    assert verdict.reason is Reason.reply_to_partition
+    verdict = await at_once.check(ReplyTo(topic="never"))
+    assert verdict is not None
+    assert verdict.reason is Reason.reply_to_missing

@@ -1,0 +1,102 @@
+"""A broker of its own, stopped for 30 s under ingest: ingest stays up and skips nothing.
+
+Requests written before the outage (some still in ingest's hands when the broker stops)
+and after it each reach a tier topic exactly once, and the ingest process is the same one
+throughout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from aiokafka import AIOKafkaProducer
+
+from deploy.kafka.launcher import Broker, start, stop
+from tests.ingest_kafka import read_all
+from tests.processes import free_port_pair
+from tests.stack import Stack, _create, new_prefix, wait_until
+from tests.worker_logs import events
+
+OUTAGE_S = 30
+
+
+@pytest.fixture
+def own_broker(tmp_path: Path) -> Iterator[Broker]:
+    broker = Broker.resolve(port=free_port_pair(), state_dir=tmp_path / "kafka")
+    start(broker)
+    try:
+        yield broker
+    finally:
+        stop(broker)
+
+
+async def write(bootstrap: str, topic: str, ids: list[str]) -> None:
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all")
+    await producer.start()
+    try:
+        for rid in ids:
+            body = {"request_id": rid, "prompt": f"outage {rid}", "max_tokens": 2}
+            await producer.send(topic, json.dumps(body).encode(), key=rid.encode())
+        await producer.flush()
+    finally:
+        await producer.stop()
+
+
+async def on_tiers(stack: Stack) -> list[str]:
+    keys: list[str] = []
+    for tier in stack.topics.tiers:
+        keys.extend((r.key or b"").decode() for r in await read_all(stack.bootstrap, tier, 4))
+    return keys
+
+
+@pytest.mark.timeout(600)  # two broker starts on a shared machine
+async def test_ingest_outlives_a_30_s_broker_outage_and_skips_nothing(
+    own_broker: Broker, log_dir: Path
+) -> None:
+    stack = Stack(
+        bootstrap=own_broker.bootstrap_servers,
+        prefix=new_prefix(),
+        log_dir=log_dir,
+        # Retries back off to 2 s, so the test sees ingest back soon after the broker.
+        env_overrides={"TOKENBUS_INGEST_RETRY_BACKOFF_MAX_MS": "2000"},
+    )
+    await _create(stack.settings, stack.topics)
+    stack.start_service("ingest")
+    try:
+        log = stack.log("ingest")
+        await asyncio.to_thread(
+            wait_until, lambda: events(log, "memory.recalled"), 90, "ingest to be up"
+        )
+        pid = stack.processes["ingest"].pid
+        before = [f"before-{n}" for n in range(30)]
+        await write(stack.bootstrap, stack.topics.requests, before)
+        # The broker goes while ingest is still forwarding the burst.
+        await asyncio.to_thread(
+            wait_until, lambda: events(log, "request.admitted"), 60, "ingest to be forwarding"
+        )
+        await asyncio.to_thread(stop, own_broker)
+        down_at = time.monotonic()
+        while time.monotonic() - down_at < OUTAGE_S:
+            assert stack.processes["ingest"].poll() is None, "ingest exited during the outage"
+            await asyncio.sleep(1)
+        await asyncio.to_thread(start, own_broker)
+        after = [f"after-{n}" for n in range(10)]
+        await write(stack.bootstrap, stack.topics.requests, after)
+
+        deadline = time.monotonic() + 120
+        keys: list[str] = []
+        while time.monotonic() < deadline:
+            keys = await on_tiers(stack)
+            if set(before + after) <= set(keys):
+                break
+            await asyncio.sleep(1)
+        assert sorted(keys) == sorted(before + after), "each request on a tier exactly once"
+        assert stack.processes["ingest"].poll() is None
+        assert stack.processes["ingest"].pid == pid
+    finally:
+        await asyncio.to_thread(stack.stop)
