@@ -258,12 +258,15 @@ async def dispatch_latency(bootstrap: str, rounds: int = 60) -> dict[str, dict[s
     import uuid
 
     from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
-    from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+    from aiokafka.admin import NewTopic
     from aiokafka.structs import OffsetAndMetadata
+
+    from shared.kafka import make_admin
+    from shared.settings import TokenbusSettings
 
     prefix = "bsched" + uuid.uuid4().hex[:6]
     tier, batches, group = f"{prefix}.tier", f"{prefix}.batches", f"{prefix}.group"
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    admin = make_admin(TokenbusSettings(KAFKA_BOOTSTRAP_SERVERS=bootstrap))
     await admin.start()
     await admin.create_topics([NewTopic(tier, 1, 1), NewTopic(batches, 1, 1)])
     tp = TopicPartition(tier, 0)

@@ -11,13 +11,14 @@ import sys
 import time
 import urllib.request
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from aiokafka import AIOKafkaConsumer, TopicPartition
-from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka import TopicPartition
 
-from shared.kafka import create_topics, delete_topics, wait_for_broker
+from shared.kafka import create_topics, delete_topics, make_admin, make_consumer, wait_for_broker
 from shared.settings import TokenbusSettings
 from shared.topics import Topics
 
@@ -48,6 +49,11 @@ class Stack:
     prefix: str
     log_dir: Path
     env_overrides: dict[str, str] = field(default_factory=dict)
+    # Kafka security as `TOKENBUS_KAFKA_*` variables: `client_env` for the stack's own
+    # clients (topic setup, reads, teardown), `service_env` per service name on top of
+    # `env_overrides`. Both empty: PLAINTEXT.
+    client_env: dict[str, str] = field(default_factory=dict)
+    service_env: dict[str, dict[str, str]] = field(default_factory=dict)
     processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     edge_port: int = 0
 
@@ -57,7 +63,9 @@ class Stack:
 
     @property
     def settings(self) -> TokenbusSettings:
-        return TokenbusSettings(KAFKA_BOOTSTRAP_SERVERS=self.bootstrap, topic_prefix=self.prefix)
+        return settings_from_env(
+            self.client_env, KAFKA_BOOTSTRAP_SERVERS=self.bootstrap, topic_prefix=self.prefix
+        )
 
     @property
     def ws_url(self) -> str:
@@ -84,6 +92,7 @@ class Stack:
     def start_service(self, name: str, key: str | None = None, **env: str) -> None:
         key = key or name
         full = self.env()
+        full.update(self.service_env.get(name, {}))
         full.update(env)
         with open(self.log_dir / f"{self.prefix}-{key}.log", "ab") as log:
             self.processes[key] = subprocess.Popen(
@@ -131,7 +140,7 @@ class Stack:
 
     def read(self, topic: str) -> list[bytes]:
         """Every record value on one of the stack's topics, read from the beginning now."""
-        return asyncio.run(read_topic(self.bootstrap, topic, self.topics.partitions()[topic]))
+        return asyncio.run(read_topic(self.settings, topic, self.topics.partitions()[topic]))
 
     def log(self, key: str) -> Path:
         """The log file of the service started under `key`."""
@@ -151,7 +160,7 @@ async def _create(settings: TokenbusSettings, topics: Topics) -> None:
 async def _delete_all(settings: TokenbusSettings, topics: Topics) -> None:
     # Services also make topics of their own under the prefix (the edge's lease log and
     # per-request result topics), so everything under it goes.
-    admin = AIOKafkaAdminClient(bootstrap_servers=settings.bootstrap_servers)
+    admin = make_admin(settings)
     await admin.start()
     try:
         mine = [t for t in await admin.list_topics() if t.startswith(topics.prefix + ".")]
@@ -160,11 +169,9 @@ async def _delete_all(settings: TokenbusSettings, topics: Topics) -> None:
     await delete_topics(settings, [*topics.partitions(), *mine])
 
 
-async def read_topic(bootstrap: str, topic: str, partitions: int) -> list[bytes]:
+async def read_topic(settings: TokenbusSettings, topic: str, partitions: int) -> list[bytes]:
     """Every record value on `topic` now, all partitions, oldest first per partition."""
-    consumer = AIOKafkaConsumer(
-        bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False
-    )
+    consumer = make_consumer(settings, group_id=None, client_id="stack-reader")
     await consumer.start()
     try:
         parts = [TopicPartition(topic, p) for p in range(partitions)]
@@ -180,6 +187,12 @@ async def read_topic(bootstrap: str, topic: str, partitions: int) -> list[bytes]
         return values
     finally:
         await consumer.stop()
+
+
+def settings_from_env(env: Mapping[str, str], **values: Any) -> TokenbusSettings:
+    """Settings from `TOKENBUS_*` variables given as a mapping (not the process's env)."""
+    names = {f"TOKENBUS_{name.upper()}": name for name in TokenbusSettings.model_fields}
+    return TokenbusSettings(**{names[k]: v for k, v in env.items() if k in names}, **values)
 
 
 def new_prefix() -> str:

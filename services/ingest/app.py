@@ -11,7 +11,7 @@ from faststream.kafka.opentelemetry import KafkaTelemetryMiddleware
 from services.ingest.admission import Admitted, Duplicate, RecentIds, admit
 from services.ingest.settings import IngestSettings
 from services.ingest.telemetry import observe_admission
-from shared.kafka import encode, key_of
+from shared.kafka import encode, faststream_security, key_of
 from shared.topics import Topics
 
 log = structlog.get_logger()
@@ -27,6 +27,7 @@ def build_app(settings: IngestSettings) -> FastStream:
         acks="all",
         enable_idempotence=True,
         logger=None,
+        security=faststream_security(settings),
         # Traces each record (continuing its `traceparent`) and every publish: the only
         # tracing of ingest's Kafka I/O, so nothing below propagates trace headers by hand.
         middlewares=(KafkaTelemetryMiddleware(),),

@@ -18,7 +18,7 @@ from aiokafka import AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
 from services.scheduler.batch_log import BatchLog, LoggedBatch
-from shared.kafka import encode, key_of
+from shared.kafka import client_security, encode, key_of
 from shared.messages import Heartbeat, QueuedRequest
 from shared.settings import TokenbusSettings
 from shared.topics import Topics
@@ -83,6 +83,7 @@ class Recovery:
             enable_idempotence=True,
             acks="all",
             linger_ms=0,
+            **client_security(self._settings),
         )
         await producer.start()
         try:
