@@ -54,6 +54,7 @@ class Stack:
     # `env_overrides`. Both empty: PLAINTEXT.
     client_env: dict[str, str] = field(default_factory=dict)
     service_env: dict[str, dict[str, str]] = field(default_factory=dict)
+    ready_timeout_s: float = 60.0
     processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     edge_port: int = 0
 
@@ -110,7 +111,7 @@ class Stack:
         self.edge_port = free_port()
         for name in SERVICES:
             self.start_service(name)
-        wait_until(self.edge_ready, 60, "the edge's /healthz")
+        wait_until(self.edge_ready, self.ready_timeout_s, "the edge's /healthz")
         return self
 
     def edge_ready(self, port: int | None = None) -> bool:
@@ -190,9 +191,14 @@ async def read_topic(settings: TokenbusSettings, topic: str, partitions: int) ->
 
 
 def settings_from_env(env: Mapping[str, str], **values: Any) -> TokenbusSettings:
-    """Settings from `TOKENBUS_*` variables given as a mapping (not the process's env)."""
+    """Settings from variables given as a mapping (`TOKENBUS_*`, `KAFKA_BOOTSTRAP_SERVERS`),
+    over the process's environment; `values` (field names) win."""
     names = {f"TOKENBUS_{name.upper()}": name for name in TokenbusSettings.model_fields}
-    return TokenbusSettings(**{names[k]: v for k, v in env.items() if k in names}, **values)
+    names["KAFKA_BOOTSTRAP_SERVERS"] = "KAFKA_BOOTSTRAP_SERVERS"
+    given = {names[k]: v for k, v in env.items() if k in names}
+    if "KAFKA_BOOTSTRAP_SERVERS" in values or "bootstrap_servers" in values:
+        given.pop("KAFKA_BOOTSTRAP_SERVERS", None)
+    return TokenbusSettings(**{**given, **values})
 
 
 def new_prefix() -> str:

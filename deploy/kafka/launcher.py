@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+from deploy.kafka import secure as secured
+
 KAFKA_VERSION = "4.1.1"
 HOST = "127.0.0.1"
 DEFAULT_PORT = 9092
@@ -52,6 +54,8 @@ JVM_OPTS = (
 _METADATA_API_KEY = 3
 _METADATA_VERSION = 4
 _CLIENT_ID = b"tokenbus-launcher"
+# What kafka.server.KafkaRaftServer logs (INFO, see log4j2.properties) once a node serves.
+_STARTED_LINE = "Kafka Server started"
 
 
 class LauncherError(Exception):
@@ -108,6 +112,8 @@ class Cluster:
     port: int
     state_dir: Path
     size: int = 1
+    # Clients on SASL_SSL with ACLs instead of PLAINTEXT (deploy/kafka/secure.py).
+    secure: bool = False
 
     @classmethod
     def resolve(
@@ -115,11 +121,13 @@ class Cluster:
         port: int | None = None,
         state_dir: str | Path | None = None,
         nodes: int | None = None,
+        secure: bool | None = None,
     ) -> Cluster:
         """Fill what the caller left out: argument, then environment, then defaults.
 
-        Port and size also fall back to what this state dir last ran with, so `stop` and
-        `status` find a cluster started with `--port`/`--nodes` without being told again.
+        Port, size and security also fall back to what this state dir last ran with, so
+        `stop` and `status` find a cluster started with `--port`/`--nodes`/`--secure`
+        without being told again.
         """
         directory = Path(
             state_dir or os.environ.get("TOKENBUS_KAFKA_STATE_DIR") or DEFAULT_STATE_DIR
@@ -132,7 +140,9 @@ class Cluster:
             nodes = int(env_nodes) if env_nodes else _recorded_size(directory) or 1
         if nodes < 1:
             raise LauncherError(f"a cluster needs at least one node, not {nodes}")
-        return cls(port=port, state_dir=directory, size=nodes)
+        if secure is None:
+            secure = bool(_recorded_secure(directory))
+        return cls(port=port, state_dir=directory, size=nodes, secure=secure)
 
     def node(self, node_id: int) -> Node:
         if not 1 <= node_id <= self.size:
@@ -153,6 +163,17 @@ class Cluster:
     @property
     def replication_factor(self) -> int:
         return min(3, self.size)
+
+    @property
+    def secure_files(self) -> secured.SecureFiles:
+        """CA, certificates, passwords and per-user client settings of a secured cluster."""
+        return secured.SecureFiles(self.state_dir / "secure")
+
+    def client_env(self, user: str) -> dict[str, str]:
+        """`KAFKA_BOOTSTRAP_SERVERS` and the `TOKENBUS_KAFKA_*` login of `user` (secured)."""
+        if not self.secure:
+            return {"KAFKA_BOOTSTRAP_SERVERS": self.bootstrap_servers}
+        return secured.client_env(self.secure_files, user, self.bootstrap_servers)
 
 
 class Running(NamedTuple):
@@ -182,9 +203,11 @@ def start_cluster(
     port: int | None = None,
     state_dir: str | Path | None = None,
     timeout_s: float = START_TIMEOUT_S,
+    secure: bool = False,
 ) -> tuple[Cluster, Running]:
-    """The Python API of `start --nodes N`: the cluster (its `bootstrap_servers`) and pids."""
-    cluster = Cluster.resolve(port, state_dir, nodes)
+    """The Python API of `start --nodes N [--secure]`: the cluster (its `bootstrap_servers`,
+    `client_env(user)`) and pids."""
+    cluster = Cluster.resolve(port, state_dir, nodes, secure)
     return cluster, start(cluster, timeout_s)
 
 
@@ -258,6 +281,21 @@ def answers(port: int, timeout_s: float = 2.0) -> bool:
     return bool(broker_ids(port, timeout_s))
 
 
+def _serves(cluster: Cluster, node: Node, expected: frozenset[int]) -> bool:
+    """Whether `node` serves clients, listing at least the brokers of `expected`.
+
+    A secured listener serves metadata only after a TLS handshake and a SCRAM login, which
+    this stdlib probe does not speak: there the broker's own "started" line (written once
+    it is registered and unfenced) plus a TLS handshake with our CA stand in for it.
+    """
+    if not cluster.secure:
+        ids = broker_ids(node.port)
+        return bool(ids) and expected <= (ids or frozenset())
+    return _STARTED_LINE in _read(node.log_file) and secured.accepts_tls(
+        cluster.secure_files, HOST, node.port
+    )
+
+
 def _parse_brokers(response: bytes) -> frozenset[int]:
     # correlation_id, throttle_time_ms, then brokers: [node_id, host, port, rack?]
     correlation_id, _throttle_ms, count = struct.unpack_from(">iii", response, 0)
@@ -317,9 +355,21 @@ def _recorded_port(state_dir: Path) -> int | None:
     ):
         with contextlib.suppress(FileNotFoundError):
             found = re.search(
-                r"^listeners=PLAINTEXT://[^:]+:(\d+)", config_file.read_text(), re.MULTILINE
+                r"^listeners=\w+://[^:]+:(\d+)", config_file.read_text(), re.MULTILINE
             )
             return int(found.group(1)) if found else None
+    return None
+
+
+def _recorded_secure(state_dir: Path) -> bool | None:
+    """Whether this state dir's cluster was last configured secured, if it was configured."""
+    for config_file in (
+        state_dir / "server.properties",
+        state_dir / "node-1" / "server.properties",
+    ):
+        with contextlib.suppress(FileNotFoundError):
+            found = re.search(r"^listeners=(\w+)://", config_file.read_text(), re.MULTILINE)
+            return found is not None and found.group(1) == secured.CLIENT_LISTENER
     return None
 
 
@@ -337,6 +387,14 @@ def _check_layout(cluster: Cluster) -> None:
         raise LauncherError(
             f"{cluster.state_dir} holds a {recorded}-node cluster, not {cluster.size}: "
             f"start it with --nodes {recorded}, or stop it and use another --state-dir"
+        )
+    # SCRAM users are written when the storage is formatted: a cluster cannot change sides.
+    was_secure = _recorded_secure(cluster.state_dir)
+    if was_secure is not None and was_secure != cluster.secure:
+        kind = "secured" if was_secure else "PLAINTEXT"
+        raise LauncherError(
+            f"{cluster.state_dir} holds a {kind} cluster: start it "
+            f"{'with' if was_secure else 'without'} --secure, or use another --state-dir"
         )
 
 
@@ -369,6 +427,12 @@ def _start_nodes(cluster: Cluster, wanted: Sequence[Node], timeout_s: float) -> 
             _check_ports_free(node)
         java = _find_tool("java", "a Java 17+ runtime (apt-get install default-jre-headless)")
         classpath = resolve_classpath()
+        if cluster.secure:
+            try:
+                secured.ensure(cluster.secure_files)
+            except secured.SecureError as exc:
+                raise LauncherError(str(exc)) from exc
+            secured.write_env_files(cluster.secure_files, cluster.bootstrap_servers)
         for node in missing:
             node.state_dir.mkdir(parents=True, exist_ok=True)
             node.config_file.write_text(render_config(cluster, node))
@@ -387,6 +451,8 @@ def _start_nodes(cluster: Cluster, wanted: Sequence[Node], timeout_s: float) -> 
         what = "broker" if cluster.size == 1 else f"{len(spawned)} of {cluster.size} nodes"
         print(f"{what} up at {cluster.bootstrap_servers} in {elapsed:.1f} s "
               f"({_pid_list(spawned)})", flush=True)  # fmt: skip
+        if cluster.secure:
+            print(secured.usage(cluster.secure_files), flush=True)
         return Running(pids, started=True)
 
 
@@ -444,13 +510,18 @@ def render_config(cluster: Cluster, node: Node) -> str:
     """One node's server.properties: the one place that says what a node listens on.
 
     Listeners are named here (name -> port, name -> protocol): a further listener, such
-    as SASL_SSL for clients, is one more entry in each map.
+    as SASL_SSL for clients, is one more entry in each map. A secured cluster serves
+    clients (and its brokers' links) on SASL_SSL instead of PLAINTEXT, on the same port.
     """
-    listeners = {"PLAINTEXT": node.port, "CONTROLLER": node.controller_port}
-    advertised = {"PLAINTEXT": node.port}
-    protocols = {"PLAINTEXT": "PLAINTEXT", "CONTROLLER": "PLAINTEXT"}
+    client = secured.CLIENT_LISTENER if cluster.secure else "PLAINTEXT"
+    controller = secured.CONTROLLER_PROTOCOL if cluster.secure else "PLAINTEXT"
+    listeners = {client: node.port, "CONTROLLER": node.controller_port}
+    advertised = {client: node.port}
+    protocols = {client: client, "CONTROLLER": controller}
     template = string.Template(SERVER_TEMPLATE.read_text())
-    return template.substitute(
+    extra = secured.server_properties(cluster.secure_files) if cluster.secure else ""
+    rendered = template.substitute(
+        inter_broker_listener=client,
         node_id=node.node_id,
         voters=",".join(f"{n.node_id}@{HOST}:{n.controller_port}" for n in cluster.nodes),
         listeners=",".join(f"{name}://{HOST}:{port}" for name, port in listeners.items()),
@@ -462,6 +533,7 @@ def render_config(cluster: Cluster, node: Node) -> str:
         replication_factor=cluster.replication_factor,
         min_insync_replicas=min_insync_replicas(cluster.replication_factor),
     )
+    return rendered + extra
 
 
 def _format_storage(cluster: Cluster, nodes: Sequence[Node], java: str, classpath: str) -> None:
@@ -471,11 +543,12 @@ def _format_storage(cluster: Cluster, nodes: Sequence[Node], java: str, classpat
         return
     cluster_id = _existing_cluster_id(cluster) or _new_cluster_id()
     print(f"formatting storage of {len(blank)} node(s) in {cluster.state_dir}…", flush=True)
+    scram_users = secured.format_arguments(cluster.secure_files) if cluster.secure else []
     # No log4j config here: log4j's default prints errors only, so stdout is the answer.
     runs = [
         (node, subprocess.Popen(
             [java, "-cp", classpath, "kafka.tools.StorageTool",
-             "format", "-t", cluster_id, "-c", str(node.config_file)],
+             "format", "-t", cluster_id, "-c", str(node.config_file), *scram_users],
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         ))
         for node in blank
@@ -544,7 +617,7 @@ def _wait_until_ready(cluster: Cluster, pids: dict[int, int], deadline: float) -
                     f"Kafka node {node_id} (pid {pid}) exited during start; "
                     f"last lines of {node.log_file}:\n" + _tail(_read(node.log_file))
                 )
-            if expected <= (broker_ids(node.port) or frozenset()):
+            if _serves(cluster, node, expected):
                 del waiting[node_id]
         if waiting and time.monotonic() > deadline:
             node = cluster.node(min(waiting))
@@ -629,6 +702,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"(default: $TOKENBUS_KAFKA_STATE_DIR or ./{DEFAULT_STATE_DIR})",
     )  # fmt: skip
     parser.add_argument(
+        "--secure", action="store_true", default=None,
+        help="clients on SASL_SSL (SCRAM-SHA-512, client certificates) with ACLs; CA, "
+        "certificates and per-service logins under STATE_DIR/secure (default: as last run)",
+    )  # fmt: skip
+    parser.add_argument(
         "--nodes", type=int, default=None,
         help="nodes of the KRaft cluster, each a broker and a controller voter "
         "(default: $TOKENBUS_KAFKA_NODES, the number last used, or 1)",
@@ -638,7 +716,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Carry out a parsed `start|stop|status`; the exit code follows `status` conventions."""
     try:
-        cluster = Cluster.resolve(args.port, args.state_dir, args.nodes)
+        cluster = Cluster.resolve(args.port, args.state_dir, args.nodes, args.secure)
         if args.action == "start":
             start(cluster)
             return 0
@@ -654,7 +732,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _status(cluster: Cluster) -> int:
     pids = running_pids(cluster)
-    serving = {i: p for i, p in pids.items() if answers(cluster.node(i).port)}
+    serving = {i: p for i, p in pids.items() if _serves(cluster, cluster.node(i), frozenset())}
     if len(serving) == cluster.size:
         print(f"running at {cluster.bootstrap_servers} ({_pid_list(serving)})")
         return 0
