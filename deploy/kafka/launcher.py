@@ -169,11 +169,11 @@ class Cluster:
         """CA, certificates, passwords and per-user client settings of a secured cluster."""
         return secured.SecureFiles(self.state_dir / "secure")
 
-    def client_env(self, user: str) -> dict[str, str]:
+    def client_env(self, user: str, mechanism: str = secured.MECHANISM) -> dict[str, str]:
         """`KAFKA_BOOTSTRAP_SERVERS` and the `TOKENBUS_KAFKA_*` login of `user` (secured)."""
         if not self.secure:
             return {"KAFKA_BOOTSTRAP_SERVERS": self.bootstrap_servers}
-        return secured.client_env(self.secure_files, user, self.bootstrap_servers)
+        return secured.client_env(self.secure_files, user, self.bootstrap_servers, mechanism)
 
 
 class Running(NamedTuple):
@@ -436,6 +436,8 @@ def _start_nodes(cluster: Cluster, wanted: Sequence[Node], timeout_s: float) -> 
         for node in missing:
             node.state_dir.mkdir(parents=True, exist_ok=True)
             node.config_file.write_text(render_config(cluster, node))
+            if cluster.secure:  # it holds the admin's and every PLAIN user's password
+                node.config_file.chmod(0o600)
         _format_storage(cluster, missing, java, classpath)
         began = time.monotonic()
         spawned = {n.node_id: _spawn(n, java, classpath, _heap(cluster)) for n in missing}

@@ -22,6 +22,9 @@ from pathlib import Path
 ADMIN = "admin"
 USERS = (ADMIN, "edge", "ingest", "scheduler", "worker", "app")
 MECHANISM = "SCRAM-SHA-512"
+# The same users and passwords also log in with PLAIN (over TLS): librdkafka before 2.6.1
+# (kcat 1.7 on Debian 12 has 2.0.2) fails SCRAM against Kafka 4 (librdkafka#4895).
+MECHANISMS = (MECHANISM, "PLAIN")
 CLIENT_LISTENER = "SASL_SSL"
 # The controllers' own listener stays on loopback without TLS, but not anonymous: a
 # PLAIN login the brokers and controllers share, so no unauthenticated principal needs to
@@ -108,6 +111,8 @@ def server_properties(files: SecureFiles) -> str:
     """The config lines a node adds for SASL_SSL clients, the authorizer and the controllers."""
     passwords = files.passwords()
     admin_login = _jaas("scram.ScramLoginModule", ADMIN, passwords[ADMIN])
+    plain_users = [f'user_{user}="{passwords[user]}"' for user in USERS]
+    plain_login = _jaas("plain.PlainLoginModule", ADMIN, passwords[ADMIN], *plain_users)
     controller_login = _jaas(
         "plain.PlainLoginModule",
         CONTROLLER_USER,
@@ -116,16 +121,17 @@ def server_properties(files: SecureFiles) -> str:
     )
     return f"""
 # --- secured (`start --secure`, deploy/kafka/secure.py) ---
-# Clients: TLS with a client certificate, then a SCRAM-SHA-512 login; the brokers talk to
-# each other the same way as `{ADMIN}`.
-sasl.enabled.mechanisms={MECHANISM}
+# Clients: TLS with a client certificate, then a SCRAM-SHA-512 (or PLAIN) login; the
+# brokers talk to each other the same way as `{ADMIN}`.
+sasl.enabled.mechanisms={",".join(MECHANISMS)}
 sasl.mechanism.inter.broker.protocol={MECHANISM}
 listener.name.sasl_ssl.scram-sha-512.sasl.jaas.config={admin_login}
+listener.name.sasl_ssl.plain.sasl.jaas.config={plain_login}
 ssl.keystore.type=PEM
 ssl.keystore.location={files.broker_keystore}
 ssl.truststore.type=PEM
 ssl.truststore.location={files.ca_cert}
-ssl.client.auth=required
+listener.name.sasl_ssl.ssl.client.auth=required
 # Controllers: a PLAIN login on loopback.
 sasl.mechanism.controller.protocol=PLAIN
 listener.name.controller.sasl.enabled.mechanisms=PLAIN
@@ -147,12 +153,14 @@ def format_arguments(files: SecureFiles) -> list[str]:
     ]
 
 
-def client_env(files: SecureFiles, user: str, bootstrap_servers: str) -> dict[str, str]:
+def client_env(
+    files: SecureFiles, user: str, bootstrap_servers: str, mechanism: str = MECHANISM
+) -> dict[str, str]:
     """The `TOKENBUS_KAFKA_*` settings of a client that logs in as `user`."""
     return {
         "KAFKA_BOOTSTRAP_SERVERS": bootstrap_servers,
         "TOKENBUS_KAFKA_SECURITY_PROTOCOL": CLIENT_LISTENER,
-        "TOKENBUS_KAFKA_SASL_MECHANISM": MECHANISM,
+        "TOKENBUS_KAFKA_SASL_MECHANISM": mechanism,
         "TOKENBUS_KAFKA_SASL_USERNAME": user,
         "TOKENBUS_KAFKA_SASL_PASSWORD": files.passwords()[user],
         "TOKENBUS_KAFKA_SSL_CAFILE": str(files.ca_cert),
@@ -185,7 +193,7 @@ def accepts_tls(files: SecureFiles, host: str, port: int, timeout_s: float = 2.0
 def usage(files: SecureFiles) -> str:
     """What `start --secure` prints: where the settings are and how to use them."""
     return (
-        f"secured: {CLIENT_LISTENER} ({MECHANISM}, client certificates) with ACLs; "
+        f"secured: {CLIENT_LISTENER} ({' or '.join(MECHANISMS)}, client certificates) with ACLs; "
         f"CA and certificates in {files.directory}\n"
         f"  each user's client settings: {files.directory}/<user>.env "
         f"(users: {', '.join(USERS)})\n"
