@@ -7,6 +7,7 @@ ACL) on free ports in a temp dir; every service logs in as its own principal.
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import json
 import os
@@ -47,6 +48,8 @@ from tests.processes import free_port_pair
 from tests.stack import ROOT, SERVICES, Stack, new_prefix, settings_from_env, wait_until
 from tests.test_chat_e2e import check_transcript, make_request
 from tests.test_external_producer import kcat
+from tests.test_producer_factory import ROOT as SOURCE_ROOT
+from tests.test_producer_factory import python_files
 from tokenbus.acls import (
     ROLES,
     Acl,
@@ -136,6 +139,21 @@ def test_faststream_gets_the_same_security_as_aiokafka(
         assert ours == theirs == {"security_protocol": "SSL"}
     else:
         assert ours == theirs
+
+
+def test_no_admin_client_is_built_outside_the_factory() -> None:
+    """An admin client built by hand would log in as nobody: `make_admin` carries security."""
+    offenders = []
+    for path in python_files():
+        relative = path.relative_to(SOURCE_ROOT).as_posix()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            func = node.func
+            name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", None)
+            if name == "AIOKafkaAdminClient" and relative != "shared/kafka.py":
+                offenders.append(f"{relative}:{node.lineno}")
+    assert not offenders, "use shared.kafka.make_admin: " + ", ".join(offenders)
 
 
 def test_half_configured_security_fails_at_start(tls_files: secured.SecureFiles) -> None:
