@@ -261,6 +261,24 @@ def test_secured_node_config_has_no_plaintext_client_listener(tmp_path: Path) ->
     assert "PLAINTEXT://" not in config
 
 
+def test_a_state_dir_does_not_change_sides(tmp_path: Path) -> None:
+    """SCRAM users exist from the storage format on: PLAINTEXT and secured stay apart."""
+    plain = launcher.Cluster(port=40000, state_dir=tmp_path)
+    plain.node(1).config_file.write_text(launcher.render_config(plain, plain.node(1)))
+    assert launcher.Cluster.resolve(state_dir=tmp_path).secure is False
+    with pytest.raises(launcher.LauncherError, match="holds a PLAINTEXT cluster"):
+        launcher._check_layout(launcher.Cluster(port=40000, state_dir=tmp_path, secure=True))
+
+    secured_dir = tmp_path / "secured"
+    cluster = launcher.Cluster(port=40000, state_dir=secured_dir, secure=True)
+    secured.ensure(cluster.secure_files)
+    cluster.node(1).config_file.write_text(launcher.render_config(cluster, cluster.node(1)))
+    # `stop`/`status` without --secure find it secured, as they find its port.
+    assert launcher.Cluster.resolve(state_dir=secured_dir).secure is True
+    with pytest.raises(launcher.LauncherError, match="holds a secured cluster"):
+        launcher._check_layout(launcher.Cluster(port=40000, state_dir=secured_dir))
+
+
 # -- a secured broker ---------------------------------------------------------------------
 
 
