@@ -36,10 +36,11 @@ from pathlib import Path
 from typing import Any
 
 import websockets
-from aiokafka.admin import AIOKafkaAdminClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.edge.metrics import ADMIN_BUCKETS
+from shared.kafka import make_admin
+from shared.settings import TokenbusSettings
 from tests.stack import Stack, free_port, new_prefix, wait_until
 
 TOPOLOGIES = ("partition", "topic")
@@ -171,7 +172,7 @@ class Broker:
         self.prefix = prefix
 
     async def topics(self) -> dict[str, int]:
-        admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap)
+        admin = make_admin(TokenbusSettings(KAFKA_BOOTSTRAP_SERVERS=self.bootstrap))
         await admin.start()
         try:
             names = [t for t in await admin.list_topics() if t.startswith(self.prefix + ".")]

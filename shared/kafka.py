@@ -1,35 +1,141 @@
-"""Kafka client factories: every producer idempotent with acks=all, consumers commit by hand."""
+"""Kafka client factories: every producer idempotent with acks=all, consumers commit by hand.
+
+Also the one replication rule for every topic the deployment makes: min(3, brokers)
+copies, and two of them in sync before an acks=all write succeeds once there are three.
+tests/test_producer_factory.py fails when a producer is built anywhere but here.
+
+Every client of every process is built here, so each one speaks the security protocol and
+presents the credentials of `TokenbusSettings.kafka_*` (`client_security`), FastStream's
+broker included (`faststream_security`).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import ssl
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.conn import create_conn
 from aiokafka.errors import (
+    AuthenticationFailedError,
+    IllegalSaslStateError,
     KafkaConnectionError,
     KafkaError,
+    SaslAuthenticationFailed,
     TopicAlreadyExistsError,
+    UnsupportedSaslMechanismError,
     for_code,
 )
+from aiokafka.helpers import create_ssl_context
+from faststream.kafka import KafkaBroker
+from faststream.security import BaseSecurity, SASLPlaintext, SASLScram512
+from faststream.types import BrokerMiddleware
 from pydantic import BaseModel
 
 from shared.settings import TokenbusSettings
 
 Headers = list[tuple[str, bytes]]
 
+# More copies than this buy little on one rack and cost every write a further round trip.
+MAX_REPLICATION_FACTOR = 3
 
-def make_producer(settings: TokenbusSettings, client_id: str) -> AIOKafkaProducer:
-    """An idempotent producer (acks=all): retries never duplicate or reorder a partition."""
+
+def tls_context(settings: TokenbusSettings) -> ssl.SSLContext | None:
+    """The TLS context of the SSL and SASL_SSL protocols (hostname checked); None without TLS.
+
+    Without a CA file the system's trusted CAs verify the broker, as a managed service needs.
+    """
+    if not settings.kafka_security_protocol.endswith("SSL"):
+        return None
+    key_password = settings.kafka_ssl_key_password
+    context: ssl.SSLContext = create_ssl_context(
+        cafile=settings.kafka_ssl_cafile,
+        certfile=settings.kafka_ssl_certfile,
+        keyfile=settings.kafka_ssl_keyfile,
+        password=key_password.get_secret_value() if key_password else None,
+    )
+    return context
+
+
+def client_security(settings: TokenbusSettings) -> dict[str, Any]:
+    """aiokafka's keyword arguments for the configured protocol, TLS context and SASL login."""
+    protocol = settings.kafka_security_protocol
+    security: dict[str, Any] = {"security_protocol": protocol}
+    context = tls_context(settings)
+    if context is not None:
+        security["ssl_context"] = context
+    if protocol.startswith("SASL_"):
+        password = settings.kafka_sasl_password
+        security.update(
+            sasl_mechanism=settings.kafka_sasl_mechanism,
+            sasl_plain_username=settings.kafka_sasl_username,
+            sasl_plain_password=password.get_secret_value() if password else None,
+        )
+    return security
+
+
+def faststream_security(settings: TokenbusSettings) -> BaseSecurity | None:
+    """The same security as `client_security`, as FastStream's `KafkaBroker(security=...)`."""
+    protocol = settings.kafka_security_protocol
+    if protocol == "PLAINTEXT":
+        return None
+    context = tls_context(settings)
+    if protocol == "SSL":
+        return BaseSecurity(ssl_context=context, use_ssl=True)
+    login = SASLScram512 if settings.kafka_sasl_mechanism == "SCRAM-SHA-512" else SASLPlaintext
+    password = settings.kafka_sasl_password
+    return login(
+        username=settings.kafka_sasl_username or "",
+        password=password.get_secret_value() if password else "",
+        ssl_context=context,
+        use_ssl=protocol == "SASL_SSL",
+    )
+
+
+def make_producer(
+    settings: TokenbusSettings,
+    client_id: str,
+    transactional_id: str | None = None,
+    request_timeout_ms: int = 30000,
+) -> AIOKafkaProducer:
+    """An idempotent producer (acks=all): retries never duplicate or reorder a partition.
+
+    With `transactional_id` it is also transactional; starting it fences an older producer
+    that used the same id.
+    """
     return AIOKafkaProducer(
         bootstrap_servers=settings.bootstrap_servers,
         client_id=client_id,
         acks="all",
         enable_idempotence=True,
+        transactional_id=transactional_id,
         linger_ms=0,
-        request_timeout_ms=30000,
+        request_timeout_ms=request_timeout_ms,
+        **client_security(settings),
+    )
+
+
+def make_faststream_broker(
+    settings: TokenbusSettings,
+    client_id: str,
+    middlewares: Sequence[BrokerMiddleware[Any, Any]] = (),
+    request_timeout_ms: int = 30000,
+) -> KafkaBroker:
+    """A FastStream broker whose publisher is the same idempotent acks=all producer."""
+    return KafkaBroker(
+        # A list: FastStream hands a string on as one host, "a:1,b:2" included.
+        [server.strip() for server in settings.bootstrap_servers.split(",") if server.strip()],
+        client_id=client_id,
+        acks="all",
+        enable_idempotence=True,
+        request_timeout_ms=request_timeout_ms,
+        logger=None,
+        security=faststream_security(settings),
+        middlewares=tuple(middlewares),
     )
 
 
@@ -52,7 +158,19 @@ def make_consumer(
         auto_offset_reset=auto_offset_reset,
         fetch_max_wait_ms=settings.fetch_max_wait_ms,
         isolation_level=isolation_level,
+        **client_security(settings),
         **extra,
+    )
+
+
+def make_admin(
+    settings: TokenbusSettings, client_id: str = "tokenbus-admin"
+) -> AIOKafkaAdminClient:
+    """An admin client (topics, configs, offsets, ACLs) with the process's security settings."""
+    return AIOKafkaAdminClient(
+        bootstrap_servers=settings.bootstrap_servers,
+        client_id=client_id,
+        **client_security(settings),
     )
 
 
@@ -64,12 +182,52 @@ def key_of(request_id: str) -> bytes:
     return request_id.encode()
 
 
+class KafkaLoginRefused(ConnectionError):
+    """The broker answered but refused this client's TLS handshake or SASL login."""
+
+
+_LOGIN_ERRORS = (
+    SaslAuthenticationFailed,
+    AuthenticationFailedError,
+    UnsupportedSaslMechanismError,
+    IllegalSaslStateError,
+    ssl.SSLError,
+)
+
+
+async def login_refusal(settings: TokenbusSettings) -> str | None:
+    """Why the broker refuses this client's login, or None if it does not (or is not up).
+
+    aiokafka's bootstrap reports every failure as "Unable to bootstrap"; one connection
+    made here names the cause, so a wrong password fails at once instead of being waited out.
+    """
+    security = client_security(settings)
+    for server in settings.bootstrap_servers.split(","):
+        host, _, port = server.strip().rpartition(":")
+        try:
+            conn = await create_conn(host, int(port), client_id="tokenbus-login", **security)
+        except _LOGIN_ERRORS as exc:
+            who = settings.kafka_sasl_username or "(no SASL user)"
+            return (
+                f"Kafka at {server} refused the login of {who} "
+                f"({settings.kafka_security_protocol}, {settings.kafka_sasl_mechanism}): "
+                f"{type(exc).__name__}: {exc}"
+            )
+        except (OSError, KafkaError, TimeoutError):
+            continue  # not up yet: not a refusal
+        conn.close()
+    return None
+
+
 async def wait_for_broker(settings: TokenbusSettings, timeout_s: float = 60.0) -> None:
-    """Poll the broker until it answers metadata requests, or raise after `timeout_s`."""
+    """Poll the broker until it answers metadata requests, or raise after `timeout_s`.
+
+    Raises `KafkaLoginRefused` at once when the broker refuses the credentials.
+    """
     deadline = time.monotonic() + timeout_s
     last: Exception | None = None
     while time.monotonic() < deadline:
-        admin = AIOKafkaAdminClient(bootstrap_servers=settings.bootstrap_servers)
+        admin = make_admin(settings)
         try:
             await admin.start()
             await admin.list_topics()
@@ -78,20 +236,60 @@ async def wait_for_broker(settings: TokenbusSettings, timeout_s: float = 60.0) -
             last = exc
         finally:
             await admin.close()
+        if (refusal := await login_refusal(settings)) is not None:
+            raise KafkaLoginRefused(refusal)
         await asyncio.sleep(0.5)
     raise TimeoutError(f"Kafka at {settings.bootstrap_servers} did not answer: {last}")
 
 
+def replication_factor(brokers: int) -> int:
+    """How many copies a topic gets on a cluster of `brokers`."""
+    return max(1, min(MAX_REPLICATION_FACTOR, brokers))
+
+
+def min_insync_replicas(replication: int) -> int:
+    """Copies an acks=all write must reach: two of three, so one broker may be lost."""
+    return 2 if replication >= 3 else 1
+
+
+async def cluster_replication(admin: AIOKafkaAdminClient) -> int:
+    """The replication factor for topics made now: from the brokers the cluster lists."""
+    cluster = await admin.describe_cluster()
+    return replication_factor(len(cluster["brokers"]))
+
+
+def new_topic(
+    name: str, partitions: int, replication: int, configs: Mapping[str, str] | None = None
+) -> NewTopic:
+    """The one way a topic is described: its replication, min ISR, then its own configs."""
+    topic_configs = {"min.insync.replicas": str(min_insync_replicas(replication))}
+    topic_configs.update(configs or {})
+    return NewTopic(
+        name=name,
+        num_partitions=partitions,
+        replication_factor=replication,
+        topic_configs=topic_configs,
+    )
+
+
 async def create_topics(
-    settings: TokenbusSettings, partitions: Mapping[str, int], replication: int = 1
+    settings: TokenbusSettings,
+    partitions: Mapping[str, int],
+    replication: int | None = None,
+    configs: Mapping[str, Mapping[str, str]] | None = None,
 ) -> list[str]:
-    """Create the topics that do not exist yet; return the names created."""
-    admin = AIOKafkaAdminClient(bootstrap_servers=settings.bootstrap_servers)
+    """Create the topics that do not exist yet; return the names created.
+
+    `replication` defaults to the cluster's rule (`cluster_replication`); `configs` holds
+    topic configs by name (compaction, retention) for the topics that need any.
+    """
+    admin = make_admin(settings)
     await admin.start()
     try:
         existing = set(await admin.list_topics())
+        copies = replication if replication is not None else await cluster_replication(admin)
         new = [
-            NewTopic(name=name, num_partitions=count, replication_factor=replication)
+            new_topic(name, count, copies, (configs or {}).get(name))
             for name, count in partitions.items()
             if name not in existing
         ]
@@ -119,7 +317,7 @@ def _raise_topic_errors(topic_errors: Iterable[tuple[object, ...]]) -> None:
 
 
 async def delete_topics(settings: TokenbusSettings, names: Iterable[str]) -> None:
-    admin = AIOKafkaAdminClient(bootstrap_servers=settings.bootstrap_servers)
+    admin = make_admin(settings)
     await admin.start()
     try:
         existing = set(await admin.list_topics())

@@ -1,8 +1,10 @@
-"""Settings every service shares: where Kafka is, how topics are named, request limits."""
+"""Settings every service shares: where Kafka is and how to reach it, topic names, limits."""
 
 from __future__ import annotations
 
-from pydantic import AliasChoices, Field
+from typing import Literal, Self
+
+from pydantic import AliasChoices, Field, FilePath, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.messages import RequestLimits
@@ -17,6 +19,36 @@ class TokenbusSettings(BaseSettings):
         default="127.0.0.1:9092",
         validation_alias=AliasChoices("KAFKA_BOOTSTRAP_SERVERS", "TOKENBUS_BOOTSTRAP_SERVERS"),
         description="Kafka bootstrap servers (KAFKA_BOOTSTRAP_SERVERS wins).",
+    )
+    # Kafka client security: one set for every client of a process (producers, consumers,
+    # admin clients, FastStream's broker), built into clients by `shared.kafka` alone.
+    kafka_security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = Field(
+        default="PLAINTEXT",
+        description="How clients talk to Kafka: PLAINTEXT, SSL, SASL_PLAINTEXT or SASL_SSL.",
+    )
+    kafka_sasl_mechanism: Literal["SCRAM-SHA-512", "PLAIN"] = Field(
+        default="SCRAM-SHA-512",
+        description="SASL mechanism of the SASL_* protocols: SCRAM-SHA-512 or PLAIN.",
+    )
+    kafka_sasl_username: str | None = Field(
+        default=None, description="SASL user (the process's principal); needed by SASL_*."
+    )
+    kafka_sasl_password: SecretStr | None = Field(
+        default=None, description="SASL password of `TOKENBUS_KAFKA_SASL_USERNAME`."
+    )
+    kafka_ssl_cafile: FilePath | None = Field(
+        default=None,
+        description="PEM CA bundle the broker certificate is checked against "
+        "(SSL, SASL_SSL; unset: the system's CAs).",
+    )
+    kafka_ssl_certfile: FilePath | None = Field(
+        default=None, description="PEM client certificate for mutual TLS (SSL, SASL_SSL)."
+    )
+    kafka_ssl_keyfile: FilePath | None = Field(
+        default=None, description="PEM private key of `TOKENBUS_KAFKA_SSL_CERTFILE`."
+    )
+    kafka_ssl_key_password: SecretStr | None = Field(
+        default=None, description="Password of an encrypted `TOKENBUS_KAFKA_SSL_KEYFILE`."
     )
     topic_prefix: str = Field(
         default="tokenbus",
@@ -46,6 +78,26 @@ class TokenbusSettings(BaseSettings):
         ge=1,
         description="Token budget of a background batch (prompt + max_tokens).",
     )
+
+    @model_validator(mode="after")
+    def _kafka_security_is_whole(self) -> Self:
+        """A half-configured security setting fails at start, not at the first connect."""
+        sasl = self.kafka_security_protocol.startswith("SASL_")
+        tls = self.kafka_security_protocol.endswith("SSL")
+        if sasl and (not self.kafka_sasl_username or self.kafka_sasl_password is None):
+            raise ValueError(
+                f"TOKENBUS_KAFKA_SECURITY_PROTOCOL={self.kafka_security_protocol} needs "
+                "TOKENBUS_KAFKA_SASL_USERNAME and TOKENBUS_KAFKA_SASL_PASSWORD"
+            )
+        tls_files = (self.kafka_ssl_cafile, self.kafka_ssl_certfile, self.kafka_ssl_keyfile)
+        if not tls and any(f is not None for f in tls_files):
+            raise ValueError(
+                "TOKENBUS_KAFKA_SSL_* files are set but TOKENBUS_KAFKA_SECURITY_PROTOCOL="
+                f"{self.kafka_security_protocol} does not use TLS (SSL or SASL_SSL)"
+            )
+        if self.kafka_ssl_keyfile is not None and self.kafka_ssl_certfile is None:
+            raise ValueError("TOKENBUS_KAFKA_SSL_KEYFILE needs TOKENBUS_KAFKA_SSL_CERTFILE")
+        return self
 
     @property
     def largest_token_budget(self) -> int:

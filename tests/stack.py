@@ -12,16 +12,17 @@ import sys
 import time
 import urllib.request
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from aiokafka import AIOKafkaConsumer, TopicPartition
-from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka import TopicPartition
 from pydantic import SecretStr
 
 from services.edge import keys as keyfile
 from services.edge.resume import ResumeKeys
-from shared.kafka import create_topics, delete_topics, wait_for_broker
+from shared.kafka import create_topics, delete_topics, make_admin, make_consumer, wait_for_broker
 from shared.settings import TokenbusSettings
 from shared.topics import Topics
 
@@ -62,6 +63,12 @@ class Stack:
     prefix: str
     log_dir: Path
     env_overrides: dict[str, str] = field(default_factory=dict)
+    # Kafka security as `TOKENBUS_KAFKA_*` variables: `client_env` for the stack's own
+    # clients (topic setup, reads, teardown), `service_env` per service name on top of
+    # `env_overrides`. Both empty: PLAINTEXT.
+    client_env: dict[str, str] = field(default_factory=dict)
+    service_env: dict[str, dict[str, str]] = field(default_factory=dict)
+    ready_timeout_s: float = 60.0
     processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     edge_port: int = 0
     # One per stack, strong (the edge refuses weak ones), shared by all its edges.
@@ -87,7 +94,9 @@ class Stack:
 
     @property
     def settings(self) -> TokenbusSettings:
-        return TokenbusSettings(KAFKA_BOOTSTRAP_SERVERS=self.bootstrap, topic_prefix=self.prefix)
+        return settings_from_env(
+            self.client_env, KAFKA_BOOTSTRAP_SERVERS=self.bootstrap, topic_prefix=self.prefix
+        )
 
     @property
     def resume_keys(self) -> ResumeKeys:
@@ -126,6 +135,7 @@ class Stack:
     def start_service(self, name: str, key: str | None = None, **env: str) -> None:
         key = key or name
         full = self.env()
+        full.update(self.service_env.get(name, {}))
         full.update(env)
         with open(self.log_dir / f"{self.prefix}-{key}.log", "ab") as log:
             self.processes[key] = subprocess.Popen(
@@ -143,7 +153,7 @@ class Stack:
         self.edge_port = free_port()
         for name in SERVICES:
             self.start_service(name)
-        wait_until(self.edge_ready, 60, "the edge's /healthz")
+        wait_until(self.edge_ready, self.ready_timeout_s, "the edge's /healthz")
         return self
 
     def edge_ready(self, port: int | None = None) -> bool:
@@ -173,11 +183,11 @@ class Stack:
 
     def read(self, topic: str) -> list[bytes]:
         """Every record value on one of the stack's topics, read from the beginning now."""
-        return asyncio.run(read_topic(self.bootstrap, topic, self.topics.partitions()[topic]))
+        return asyncio.run(read_topic(self.settings, topic, self.topics.partitions()[topic]))
 
     async def read_async(self, topic: str) -> list[bytes]:
         """`read`, from a test that runs in an event loop already."""
-        return await read_topic(self.bootstrap, topic, self.topics.partitions()[topic])
+        return await read_topic(self.settings, topic, self.topics.partitions()[topic])
 
     def log(self, key: str) -> Path:
         """The log file of the service started under `key`."""
@@ -197,7 +207,7 @@ async def _create(settings: TokenbusSettings, topics: Topics) -> None:
 async def _delete_all(settings: TokenbusSettings, topics: Topics) -> None:
     # Services also make topics of their own under the prefix (the edge's lease log and
     # per-request result topics), so everything under it goes.
-    admin = AIOKafkaAdminClient(bootstrap_servers=settings.bootstrap_servers)
+    admin = make_admin(settings)
     await admin.start()
     try:
         mine = [t for t in await admin.list_topics() if t.startswith(topics.prefix + ".")]
@@ -206,11 +216,9 @@ async def _delete_all(settings: TokenbusSettings, topics: Topics) -> None:
     await delete_topics(settings, [*topics.partitions(), *mine])
 
 
-async def read_topic(bootstrap: str, topic: str, partitions: int) -> list[bytes]:
+async def read_topic(settings: TokenbusSettings, topic: str, partitions: int) -> list[bytes]:
     """Every record value on `topic` now, all partitions, oldest first per partition."""
-    consumer = AIOKafkaConsumer(
-        bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False
-    )
+    consumer = make_consumer(settings, group_id=None, client_id="stack-reader")
     await consumer.start()
     try:
         parts = [TopicPartition(topic, p) for p in range(partitions)]
@@ -226,6 +234,17 @@ async def read_topic(bootstrap: str, topic: str, partitions: int) -> list[bytes]
         return values
     finally:
         await consumer.stop()
+
+
+def settings_from_env(env: Mapping[str, str], **values: Any) -> TokenbusSettings:
+    """Settings from variables given as a mapping (`TOKENBUS_*`, `KAFKA_BOOTSTRAP_SERVERS`),
+    over the process's environment; `values` (field names) win."""
+    names = {f"TOKENBUS_{name.upper()}": name for name in TokenbusSettings.model_fields}
+    names["KAFKA_BOOTSTRAP_SERVERS"] = "KAFKA_BOOTSTRAP_SERVERS"
+    given = {names[k]: v for k, v in env.items() if k in names}
+    if "KAFKA_BOOTSTRAP_SERVERS" in values or "bootstrap_servers" in values:
+        given.pop("KAFKA_BOOTSTRAP_SERVERS", None)
+    return TokenbusSettings(**{**given, **values})
 
 
 def new_prefix() -> str:

@@ -8,10 +8,9 @@ from collections.abc import AsyncIterator
 
 import pytest
 from aiokafka import AIOKafkaProducer
-from aiokafka.admin import AIOKafkaAdminClient
 
 from services.edge.lease_keeper import LeaseKeeper, LeaseLost, ensure_lease_topic
-from shared.kafka import create_topics, delete_topics, make_producer
+from shared.kafka import create_topics, delete_topics, make_admin, make_producer
 from shared.settings import TokenbusSettings
 from tests.stack import new_prefix
 
@@ -26,7 +25,7 @@ LeaseEnv = tuple[TokenbusSettings, str, AIOKafkaProducer]
 async def lease_env(bootstrap: str) -> AsyncIterator[LeaseEnv]:
     settings = TokenbusSettings(KAFKA_BOOTSTRAP_SERVERS=bootstrap, topic_prefix=new_prefix())
     topic = f"{settings.topic_prefix}.results.leases"
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    admin = make_admin(settings)
     await admin.start()
     try:
         await ensure_lease_topic(admin, topic, TTL_S)
@@ -118,7 +117,7 @@ async def test_a_lease_topic_made_with_default_configs_is_switched_to_append_tim
     settings = TokenbusSettings(KAFKA_BOOTSTRAP_SERVERS=bootstrap, topic_prefix=new_prefix())
     topic = f"{settings.topic_prefix}.results.leases"
     await create_topics(settings, {topic: 1})
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    admin = make_admin(settings)
     producer = make_producer(settings, client_id="lease-test")
     await admin.start()
     await producer.start()

@@ -14,9 +14,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from aiokafka import AIOKafkaProducer
 
 from deploy.kafka.launcher import Broker, start, stop
+from shared.kafka import make_producer
+from shared.settings import TokenbusSettings
 from tests.ingest_kafka import read_all
 from tests.processes import free_port_pair
 from tests.stack import Stack, _create, new_prefix, wait_until
@@ -36,7 +37,9 @@ def own_broker(tmp_path: Path) -> Iterator[Broker]:
 
 
 async def write(bootstrap: str, topic: str, ids: list[str]) -> None:
-    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all")
+    producer = make_producer(
+        TokenbusSettings(KAFKA_BOOTSTRAP_SERVERS=bootstrap), client_id="test-producer"
+    )
     await producer.start()
     try:
         for rid in ids:

@@ -16,10 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from aiokafka import AIOKafkaProducer
-
 from services.ingest.dead_letter import ERROR, REASON, REPLY, REQUEST_ID, SOURCE, TRUNCATED
-from shared.kafka import create_topics
+from shared.kafka import create_topics, make_producer
 from tests.ingest_kafka import Results, read_all
 from tests.stack import Stack
 from tests.worker_logs import events
@@ -176,7 +174,7 @@ async def test_no_poison_record_stops_ingest_on_any_partition(stack: Stack) -> N
     await create_topics(stack.settings, {replies: REPLIES_PARTITIONS})
     partitions = stack.topics.partitions()[topics.requests]
     pids = {key: proc.pid for key, proc in stack.processes.items()}
-    producer = AIOKafkaProducer(bootstrap_servers=stack.bootstrap, acks="all")
+    producer = make_producer(stack.settings, client_id="test-poison")
     await producer.start()
     sources: dict[str, tuple[Poison, str]] = {}
     good_sent: dict[str, float] = {}

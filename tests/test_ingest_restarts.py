@@ -17,16 +17,21 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aiokafka import AIOKafkaProducer, ConsumerRecord
-from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka import ConsumerRecord
 from aiokafka.errors import OutOfOrderSequenceNumber
-from faststream.kafka import KafkaBroker
 
 from services.ingest.admission import Admitted
 from services.ingest.app import Ingest
 from services.ingest.settings import IngestSettings
-from shared.kafka import create_topics, delete_topics
+from shared.kafka import (
+    create_topics,
+    delete_topics,
+    make_admin,
+    make_faststream_broker,
+    make_producer,
+)
 from shared.messages import Tier
+from shared.settings import TokenbusSettings
 from shared.topics import Topics
 from tests.ingest_kafka import Results, read_all
 from tests.stack import Stack, _create, new_prefix, wait_until
@@ -75,7 +80,7 @@ async def test_ingest_killed_four_times_under_load_runs_each_request_once(
     def admitted(burst: list[str]) -> int:
         return len({e["request_id"] for e in events(log, "request.admitted")} & set(burst))
 
-    producer = AIOKafkaProducer(bootstrap_servers=stack.bootstrap, acks="all")
+    producer = make_producer(stack.settings, client_id="test-producer")
     await producer.start()
     try:
         async with Results(stack.bootstrap, replies, REPLIES_PARTITIONS) as results:
@@ -156,7 +161,7 @@ def ingest_only(bootstrap: str, log_dir: Path) -> Iterator[Stack]:
 
 
 async def _topics(bootstrap: str) -> set[str]:
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    admin = make_admin(TokenbusSettings(KAFKA_BOOTSTRAP_SERVERS=bootstrap))
     await admin.start()
     try:
         return set(await admin.list_topics())
@@ -176,7 +181,7 @@ async def test_a_tier_publish_that_fails_is_retried_until_the_topic_is_back(
     while tier in await _topics(stack.bootstrap):
         assert asyncio.get_running_loop().time() < deadline, "the tier topic was not deleted"
         await asyncio.sleep(0.2)
-    producer = AIOKafkaProducer(bootstrap_servers=stack.bootstrap, acks="all")
+    producer = make_producer(stack.settings, client_id="test-producer")
     await producer.start()
     try:
         body = {"request_id": "while-gone", "prompt": "wait for me", "priority": "background"}
@@ -222,9 +227,9 @@ async def test_a_producer_left_broken_is_renewed_and_the_request_forwarded(
     )
     topics = Topics(prefix)
     await create_topics(settings, topics.partitions())
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    admin = make_admin(settings)
     await admin.start()
-    broker = KafkaBroker(bootstrap, acks="all", enable_idempotence=True, logger=None)
+    broker = make_faststream_broker(settings, client_id="ingest-test")
     await broker.connect()
     try:
         ingest = Ingest(settings, broker, admin)

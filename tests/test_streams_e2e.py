@@ -15,12 +15,11 @@ from typing import Any
 import pytest
 import websockets
 from aiokafka import AIOKafkaConsumer, TopicPartition
-from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.admin.records_to_delete import RecordsToDelete
 
 from services.edge.resume import ResumeClaims, sign, verify
 from services.worker.engines.sim_text import complete
-from shared.kafka import encode, key_of, make_producer
+from shared.kafka import encode, key_of, make_admin, make_producer
 from shared.messages import (
     CancelRecord,
     DeltaResult,
@@ -331,7 +330,7 @@ async def test_resume_refusals(edges: TwoEdges) -> None:
 
     # Truncated: the stream's records are gone from the log.
     tp = TopicPartition(claims.topic, claims.partition or 0)
-    admin = AIOKafkaAdminClient(bootstrap_servers=stack.bootstrap)
+    admin = make_admin(stack.settings)
     await admin.start()
     try:
         consumer = AIOKafkaConsumer(bootstrap_servers=stack.bootstrap)

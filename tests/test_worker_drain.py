@@ -11,11 +11,12 @@ from typing import Any
 
 import pytest
 import websockets
-from aiokafka.admin import AIOKafkaAdminClient
 
 from services.worker.drain import next_attempt
 from services.worker.engines.sim_text import complete
+from shared.kafka import make_admin
 from shared.messages import Heartbeat, QueuedRequest, ReplyTo, Tier
+from shared.settings import TokenbusSettings
 from tests.chat_client import Transcript, recv_json
 from tests.stack import Stack, new_prefix, wait_until
 from tests.worker_logs import events
@@ -71,7 +72,7 @@ def drain_stack(bootstrap: str, log_dir: Path) -> Iterator[Stack]:
 
 async def group_state(bootstrap: str, group: str) -> tuple[str, int]:
     """The consumer group's state and member count, as the broker reports them."""
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    admin = make_admin(TokenbusSettings(KAFKA_BOOTSTRAP_SERVERS=bootstrap))
     await admin.start()
     try:
         (response,) = await admin.describe_consumer_groups([group])

@@ -54,7 +54,7 @@ from services.edge.topology import (
     TopologyError,
     reply_tp,
 )
-from shared.kafka import encode, key_of, make_consumer, make_producer
+from shared.kafka import encode, key_of, make_admin, make_consumer, make_producer
 from shared.messages import (
     CancelRecord,
     ControlRecord,
@@ -107,7 +107,7 @@ class Edge:
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
         s = self.settings
         self.producer = make_producer(s, client_id=self.edge_id)
-        self._admin = AIOKafkaAdminClient(bootstrap_servers=s.bootstrap_servers)
+        self._admin = make_admin(s, client_id=self.edge_id)
         consumer = make_consumer(s, group_id=None, client_id=self.edge_id)
         keeper: LeaseKeeper | None = None
         tasks: list[asyncio.Task[None]] = []

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import structlog
-from aiokafka import AIOKafkaProducer, ConsumerRecord, TopicPartition
+from aiokafka import ConsumerRecord, TopicPartition
 from aiokafka.abc import ConsumerRebalanceListener
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import (
@@ -51,7 +51,14 @@ from services.ingest.destinations import MetadataUnavailable, ReplyDestinations
 from services.ingest.memory import Memory, recall
 from services.ingest.settings import IngestSettings
 from services.ingest.telemetry import observe_admission
-from shared.kafka import encode, key_of, wait_for_broker
+from shared.kafka import (
+    encode,
+    key_of,
+    make_admin,
+    make_faststream_broker,
+    make_producer,
+    wait_for_broker,
+)
 from shared.messages import ErrorCode, ErrorResult, ReplyTo
 from shared.topics import Topics
 
@@ -95,9 +102,7 @@ async def serve(settings: IngestSettings) -> None:
             break
         except TimeoutError as exc:
             log.warning("broker.unreachable", error=str(exc))
-    admin = AIOKafkaAdminClient(
-        bootstrap_servers=settings.bootstrap_servers, client_id="ingest-admin"
-    )
+    admin = make_admin(settings, client_id="ingest-admin")
     await admin.start()
     try:
         await build_app(settings, admin).run()
@@ -106,13 +111,10 @@ async def serve(settings: IngestSettings) -> None:
 
 
 def build_app(settings: IngestSettings, admin: AIOKafkaAdminClient) -> FastStream:
-    broker = KafkaBroker(
-        settings.bootstrap_servers,
+    broker = make_faststream_broker(
+        settings,
         client_id="ingest",
-        acks="all",
-        enable_idempotence=True,
         request_timeout_ms=settings.ingest_publish_timeout_ms,
-        logger=None,
         # Traces each record (continuing its `traceparent`) and every publish: the only
         # tracing of ingest's Kafka I/O, so nothing below propagates trace headers by hand.
         middlewares=(KafkaTelemetryMiddleware(),),
@@ -369,14 +371,18 @@ class Ingest:
         """Replace the broker's producer with a new one (a new producer id and sequence).
 
         FastStream has no public call for this: its producer wrapper is reconnected with a
-        producer built from the broker's own connection settings.
+        producer from the same factory and settings as the broker's own.
         """
         wrapper = self.broker.config.producer
         if not isinstance(wrapper, AioKafkaFastProducerImpl):
             raise TypeError(f"cannot renew a {type(wrapper).__name__}")
         await wrapper.disconnect()
         await wrapper.connect(
-            AIOKafkaProducer(**self.broker._connection_kwargs),
+            make_producer(
+                self.settings,
+                client_id="ingest",
+                request_timeout_ms=self.settings.ingest_publish_timeout_ms,
+            ),
             serializer=None,
         )
         log.warning("producer.renewed")

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 
 import structlog
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
-from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
 from aiokafka.structs import ConsumerRecord, RecordMetadata
 from pydantic import ValidationError
@@ -31,7 +30,7 @@ from services.scheduler.recovery import Recovery
 from services.scheduler.settings import SchedulerSettings
 from services.scheduler.telemetry import SchedulerTelemetry
 from services.scheduler.workers import WorkerRegistry
-from shared.kafka import encode, make_consumer, make_producer
+from shared.kafka import encode, make_admin, make_consumer, make_producer
 from shared.messages import Batch, ErrorCode, ErrorResult, Heartbeat, QueuedRequest, Tier
 from shared.results import send_result
 from shared.topics import Topics
@@ -119,7 +118,7 @@ class Scheduler:
             auto_offset_reset="latest",
         )
         reader = make_consumer(s, group_id=None, client_id=f"scheduler-{s.scheduler_id}-log")
-        admin = AIOKafkaAdminClient(bootstrap_servers=s.bootstrap_servers)
+        admin = make_admin(s, client_id=f"scheduler-{s.scheduler_id}")
         self._producer = producer
         self._admin = admin
         self._batch_log = BatchLog(reader)

@@ -1,0 +1,459 @@
+"""Kafka security: one set of settings for every client, least-privilege ACLs, a secured stack.
+
+The integration tests run their own secured broker (`launcher --secure`: SASL_SSL with
+SCRAM-SHA-512 and client certificates, the StandardAuthorizer, nothing allowed without an
+ACL) on free ports in a temp dir; every service logs in as its own principal.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import json
+import os
+import ssl
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import websockets
+from aiokafka import TopicPartition
+from aiokafka.errors import TopicAuthorizationFailedError
+from faststream.kafka.security import parse_security
+from pydantic import ValidationError
+
+from deploy.kafka import launcher
+from deploy.kafka import secure as secured
+from services.worker.engines.sim_text import complete
+from shared.kafka import (
+    KafkaLoginRefused,
+    client_security,
+    create_topics,
+    faststream_security,
+    make_admin,
+    make_consumer,
+    make_producer,
+    wait_for_broker,
+)
+from shared.messages import Tier
+from shared.settings import TokenbusSettings
+from shared.topics import Topics
+from tests.chat_client import run_requests
+from tests.processes import free_port_pair
+from tests.stack import ROOT, SERVICES, Stack, new_prefix, settings_from_env, wait_until
+from tests.test_chat_e2e import check_transcript, make_request
+from tests.test_external_producer import kcat
+from tests.test_producer_factory import ROOT as SOURCE_ROOT
+from tests.test_producer_factory import python_files
+from tokenbus.acls import (
+    ROLES,
+    Acl,
+    Operation,
+    Pattern,
+    Permission,
+    Resource,
+    create_acls,
+    parse_principals,
+    reply_prefix,
+    service_acls,
+)
+
+# -- client settings (no broker) ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tls_files(tmp_path_factory: pytest.TempPathFactory) -> secured.SecureFiles:
+    """A CA, a broker and a client certificate, as `launcher --secure` makes them."""
+    files = secured.SecureFiles(tmp_path_factory.mktemp("tls") / "secure")
+    secured.ensure(files)
+    return files
+
+
+def sasl_ssl(files: secured.SecureFiles, **values: Any) -> TokenbusSettings:
+    return TokenbusSettings(
+        kafka_security_protocol="SASL_SSL",
+        kafka_sasl_username="edge",
+        kafka_sasl_password="s3cret",
+        kafka_ssl_cafile=files.ca_cert,
+        kafka_ssl_certfile=files.client_cert,
+        kafka_ssl_keyfile=files.client_key,
+        **values,
+    )
+
+
+def test_plaintext_is_the_default_and_adds_nothing() -> None:
+    settings = TokenbusSettings()
+    assert settings.kafka_security_protocol == "PLAINTEXT"
+    assert client_security(settings) == {"security_protocol": "PLAINTEXT"}
+    assert faststream_security(settings) is None
+
+
+def test_sasl_ssl_settings_reach_aiokafka_with_a_verifying_tls_context(
+    tls_files: secured.SecureFiles,
+) -> None:
+    security = client_security(sasl_ssl(tls_files))
+    context = security.pop("ssl_context")
+    assert security == {
+        "security_protocol": "SASL_SSL",
+        "sasl_mechanism": "SCRAM-SHA-512",
+        "sasl_plain_username": "edge",
+        "sasl_plain_password": "s3cret",
+    }
+    assert isinstance(context, ssl.SSLContext)
+    assert context.check_hostname
+    assert context.verify_mode == ssl.CERT_REQUIRED
+    assert "s3cret" not in repr(sasl_ssl(tls_files))  # SecretStr: never in logs or reprs
+
+
+@pytest.mark.parametrize(
+    ("protocol", "mechanism"),
+    [
+        ("SSL", "SCRAM-SHA-512"),
+        ("SASL_PLAINTEXT", "PLAIN"),
+        ("SASL_PLAINTEXT", "SCRAM-SHA-512"),
+        ("SASL_SSL", "PLAIN"),
+        ("SASL_SSL", "SCRAM-SHA-512"),
+    ],
+)
+def test_faststream_gets_the_same_security_as_aiokafka(
+    tls_files: secured.SecureFiles, protocol: str, mechanism: str
+) -> None:
+    tls = protocol.endswith("SSL")
+    settings = TokenbusSettings(
+        kafka_security_protocol=protocol,
+        kafka_sasl_mechanism=mechanism,
+        kafka_sasl_username="ingest",
+        kafka_sasl_password="pw",
+        kafka_ssl_cafile=tls_files.ca_cert if tls else None,
+    )
+    ours = client_security(settings)
+    theirs = parse_security(faststream_security(settings))  # what FastStream hands aiokafka
+    assert isinstance(theirs.pop("ssl_context"), ssl.SSLContext) == tls
+    ours.pop("ssl_context", None)
+    if protocol == "SSL":
+        assert ours == theirs == {"security_protocol": "SSL"}
+    else:
+        assert ours == theirs
+
+
+def test_no_admin_client_is_built_outside_the_factory() -> None:
+    """An admin client built by hand would log in as nobody: `make_admin` carries security."""
+    offenders = []
+    for path in python_files():
+        relative = path.relative_to(SOURCE_ROOT).as_posix()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            func = node.func
+            name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", None)
+            if name == "AIOKafkaAdminClient" and relative != "shared/kafka.py":
+                offenders.append(f"{relative}:{node.lineno}")
+    assert not offenders, "use shared.kafka.make_admin: " + ", ".join(offenders)
+
+
+def test_half_configured_security_fails_at_start(tls_files: secured.SecureFiles) -> None:
+    with pytest.raises(ValidationError, match="needs TOKENBUS_KAFKA_SASL_USERNAME"):
+        TokenbusSettings(kafka_security_protocol="SASL_SSL", kafka_sasl_username="edge")
+    with pytest.raises(ValidationError, match="does not use TLS"):
+        TokenbusSettings(kafka_ssl_cafile=tls_files.ca_cert)
+    with pytest.raises(ValidationError, match="needs TOKENBUS_KAFKA_SSL_CERTFILE"):
+        TokenbusSettings(kafka_security_protocol="SSL", kafka_ssl_keyfile=tls_files.client_key)
+    with pytest.raises(ValidationError):
+        TokenbusSettings(kafka_security_protocol="SSL", kafka_ssl_cafile="/no/such/ca.pem")
+
+
+# -- the ACL plan (no broker) -------------------------------------------------------------
+
+
+def allowed(acls: list[Acl], principal: str, op: Operation, resource: Resource, name: str) -> bool:
+    """Kafka's rule for these ACLs: some ALLOW matches, no DENY does; READ/WRITE imply DESCRIBE."""
+
+    def matches(acl: Acl) -> bool:
+        named = acl.name == name if acl.pattern is Pattern.LITERAL else name.startswith(acl.name)
+        return acl.principal == principal and acl.resource is resource and named
+
+    mine = [a for a in acls if matches(a)]
+    if any(a.permission is Permission.DENY and a.operation is op for a in mine):
+        return False
+    return any(a.permission is Permission.ALLOW and a.operation is op for a in mine)
+
+
+def test_each_service_gets_only_what_it_uses() -> None:
+    topics = Topics("p")
+    acls = service_acls(topics)
+
+    def may(role: str, op: Operation, topic: str) -> bool:
+        return allowed(acls, f"User:{role}", op, Resource.TOPIC, topic)
+
+    read, write = Operation.READ, Operation.WRITE
+    tiers = [topics.tier(t) for t in Tier]
+    # The pipeline's hops, each by the one role that makes it.
+    assert may("edge", write, topics.requests)
+    assert may("ingest", read, topics.requests)
+    assert all(may("ingest", write, t) and may("scheduler", read, t) for t in tiers)
+    assert may("scheduler", write, topics.batches)
+    assert may("worker", read, topics.batches)
+    assert may("worker", write, topics.results)
+    assert may("edge", read, topics.results)
+    assert may("worker", write, topics.workers)
+    assert may("scheduler", read, topics.workers)
+    assert may("edge", write, topics.control)
+    assert may("worker", read, topics.control)
+    assert may("app", write, topics.requests)
+    assert may("app", read, f"{reply_prefix(topics)}a")
+    # Nothing more: no role reads another hop's input or writes another hop's output.
+    assert not any(may("edge", read, t) or may("edge", write, t) for t in tiers)
+    assert not may("edge", write, topics.batches)
+    assert not may("ingest", write, topics.batches)
+    assert not may("worker", write, topics.batches)
+    assert not may("worker", read, topics.requests)
+    assert not may("ingest", read, topics.results)
+    assert not may("app", read, topics.results)
+    assert not may("app", write, topics.batches)
+    assert not may("app", read, topics.requests)
+    # The edges' lease log is theirs alone, though `p.results.*` matches it too.
+    for role in ("ingest", "scheduler", "worker"):
+        assert may(role, write, topics.request_results("r1"))
+        assert not may(role, write, topics.result_leases)
+    assert may("edge", write, topics.result_leases)
+    # Only the edge makes and removes topics; every other topic change is the admin's.
+    makers = {a.principal for a in acls if a.operation in (Operation.CREATE, Operation.DELETE)}
+    assert makers == {"User:edge"}
+    # Groups: each consuming service its own; the scheduler also worker groups (recovery).
+    groups = {(a.principal, a.name) for a in acls if a.resource is Resource.GROUP}
+    assert groups == {
+        ("User:ingest", "p.ingest"),
+        ("User:scheduler", "p.scheduler"),
+        ("User:scheduler", "p.worker."),
+        ("User:worker", "p.worker."),
+    }
+    assert len(set(acls)) == len(acls)
+
+
+def test_principals_are_named_per_role() -> None:
+    assert parse_principals(["edge=edge-prod", "worker=User:gpu"]) == {
+        "edge": "User:edge-prod",
+        "worker": "User:gpu",
+    }
+    with pytest.raises(ValueError, match="ROLE=PRINCIPAL"):
+        parse_principals(["gateway=x"])
+    acls = service_acls(Topics("p"), {"edge": "User:edge-prod"})
+    assert {a.principal for a in acls} == {
+        "User:edge-prod",
+        *(f"User:{r}" for r in ROLES if r != "edge"),
+    }
+
+
+def test_secured_node_config_has_no_plaintext_client_listener(tmp_path: Path) -> None:
+    cluster = launcher.Cluster(port=40000, state_dir=tmp_path, secure=True)
+    secured.ensure(cluster.secure_files)
+    config = launcher.render_config(cluster, cluster.node(1))
+    assert "listeners=SASL_SSL://127.0.0.1:40000,CONTROLLER://127.0.0.1:40001" in config
+    assert "listener.security.protocol.map=SASL_SSL:SASL_SSL,CONTROLLER:SASL_PLAINTEXT" in config
+    assert "inter.broker.listener.name=SASL_SSL" in config
+    assert "allow.everyone.if.no.acl.found=false" in config
+    assert "listener.name.sasl_ssl.ssl.client.auth=required" in config
+    assert "PLAINTEXT://" not in config
+
+
+def test_a_state_dir_does_not_change_sides(tmp_path: Path) -> None:
+    """SCRAM users exist from the storage format on: PLAINTEXT and secured stay apart."""
+    plain = launcher.Cluster(port=40000, state_dir=tmp_path)
+    plain.node(1).config_file.write_text(launcher.render_config(plain, plain.node(1)))
+    assert launcher.Cluster.resolve(state_dir=tmp_path).secure is False
+    with pytest.raises(launcher.LauncherError, match="holds a PLAINTEXT cluster"):
+        launcher._check_layout(launcher.Cluster(port=40000, state_dir=tmp_path, secure=True))
+
+    secured_dir = tmp_path / "secured"
+    cluster = launcher.Cluster(port=40000, state_dir=secured_dir, secure=True)
+    secured.ensure(cluster.secure_files)
+    cluster.node(1).config_file.write_text(launcher.render_config(cluster, cluster.node(1)))
+    # `stop`/`status` without --secure find it secured, as they find its port.
+    assert launcher.Cluster.resolve(state_dir=secured_dir).secure is True
+    with pytest.raises(launcher.LauncherError, match="holds a secured cluster"):
+        launcher._check_layout(launcher.Cluster(port=40000, state_dir=secured_dir))
+
+
+# -- a secured broker ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[launcher.Cluster]:
+    state = tmp_path_factory.mktemp("secured-kafka")
+    started, _ = launcher.start_cluster(
+        nodes=1, port=free_port_pair(), state_dir=state, secure=True
+    )
+    try:
+        yield started
+    finally:
+        launcher.stop(started)
+
+
+def settings_of(cluster: launcher.Cluster, user: str, prefix: str) -> TokenbusSettings:
+    return settings_from_env(cluster.client_env(user), topic_prefix=prefix)
+
+
+@pytest.fixture(scope="module")
+def secured_stack(cluster: launcher.Cluster, log_dir: Path) -> Iterator[Stack]:
+    """Four services, each logged in as its own principal with only its role's ACLs."""
+
+    prefix = new_prefix()
+    admin = settings_of(cluster, secured.ADMIN, prefix)
+    asyncio.run(create_acls(admin, service_acls(Topics(prefix))))
+    stack = Stack(
+        bootstrap=cluster.bootstrap_servers,
+        prefix=prefix,
+        log_dir=log_dir,
+        client_env=cluster.client_env(secured.ADMIN),
+        service_env={
+            **{name: cluster.client_env(name) for name in SERVICES},
+            # FastStream's SASLPlaintext path; the others log in with SCRAM.
+            "ingest": cluster.client_env("ingest", mechanism="PLAIN"),
+        },
+        # Security is under test here, not lease timing: a loaded machine may take longer
+        # than the default lease (10 s) between an edge's lease and its first renewal.
+        env_overrides={"TOKENBUS_EDGE_LEASE_TTL_S": "60"},
+        ready_timeout_s=180,
+    )
+    try:
+        yield stack.start()
+    finally:
+        stack.stop()
+
+
+async def test_chat_end_to_end_with_a_principal_per_service(secured_stack: Stack) -> None:
+    requests = [make_request(i) for i in range(6)]
+    async with websockets.connect(secured_stack.ws_url) as ws:
+        transcripts = await run_requests(ws, requests)
+    for r in requests:
+        check_transcript(transcripts[r["client_id"]], r)
+
+
+def test_kcat_request_with_its_own_login_gets_its_answer(
+    cluster: launcher.Cluster, secured_stack: Stack
+) -> None:
+    """The README's outside producer, as the `app` principal, replying under `<prefix>.replies.`.
+
+    PLAIN over TLS: kcat's librdkafka (2.0.2 on Debian 12) cannot do SCRAM with Kafka 4.
+    """
+    reply_topic = f"{reply_prefix(secured_stack.topics)}kcat"
+    asyncio.run(create_topics(secured_stack.settings, {reply_topic: 1}))
+    env = cluster.client_env("app")
+    login = [
+        *("-b", cluster.bootstrap_servers),
+        *("-X", "security.protocol=SASL_SSL", "-X", "sasl.mechanisms=PLAIN"),
+        *("-X", f"sasl.username={env['TOKENBUS_KAFKA_SASL_USERNAME']}"),
+        *("-X", f"sasl.password={env['TOKENBUS_KAFKA_SASL_PASSWORD']}"),
+        *("-X", f"ssl.ca.location={env['TOKENBUS_KAFKA_SSL_CAFILE']}"),
+        *("-X", f"ssl.certificate.location={env['TOKENBUS_KAFKA_SSL_CERTFILE']}"),
+        *("-X", f"ssl.key.location={env['TOKENBUS_KAFKA_SSL_KEYFILE']}"),
+    ]
+    request_id = "kcat-" + uuid.uuid4().hex[:8]
+    record = {
+        "request_id": request_id,
+        "prompt": "written by kcat",
+        "max_tokens": 12,
+        "priority": "background",
+        "reply_to": {"topic": reply_topic},
+    }
+    kcat("-P", *login, "-t", secured_stack.topics.requests, "-K", "\t",
+         stdin=f"{request_id}\t{json.dumps(record)}\n".encode())  # fmt: skip
+
+    results: list[dict[str, Any]] = []
+
+    def answered() -> bool:
+        nonlocal results
+        out = kcat("-C", *login, "-t", reply_topic, "-o", "beginning", "-e", "-q", "-f", "%s\n")
+        results = [json.loads(line) for line in out.decode().splitlines() if line.strip()]
+        return bool(results) and results[-1]["kind"] in ("done", "error")
+
+    wait_until(answered, 90, "the answer on the kcat reply topic", interval=0.5)
+    deltas = [r for r in results if r["kind"] == "delta"]
+    assert "".join(str(d["text"]) for d in deltas) == complete("written by kcat", 12).text
+    assert results[-1]["kind"] == "done", results[-1]
+
+    # The same login may not read anyone else's answers.
+    refused = subprocess.run(
+        ["kcat", "-C", *login, "-t", secured_stack.topics.results, "-o", "beginning", "-e"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert refused.returncode != 0
+    assert "authoriz" in (refused.stdout + refused.stderr).lower()
+
+
+async def test_a_principal_is_refused_what_its_role_is_not_granted(
+    cluster: launcher.Cluster, secured_stack: Stack, caplog: pytest.LogCaptureFixture
+) -> None:
+    topics = secured_stack.topics
+    edge = settings_of(cluster, "edge", topics.prefix)
+    tier = TopicPartition(topics.tier(Tier.interactive), 0)
+    # The edge cannot see what ingest classified: the broker hides the topic from it...
+    admin = make_admin(edge)
+    await admin.start()
+    try:
+        (described,) = await admin.describe_topics([tier.topic])
+    finally:
+        await admin.close()
+    assert described["error_code"] == TopicAuthorizationFailedError.errno
+    # ...and a read gets nothing (aiokafka's consumer reports it in its log, not by raising).
+    consumer = make_consumer(edge, group_id=None, client_id="edge-snooping")
+    await consumer.start()
+    try:
+        consumer.assign([tier])
+        await consumer.seek_to_beginning(tier)
+        for _ in range(3):
+            assert await asyncio.wait_for(consumer.getmany(timeout_ms=1000), 60) == {}
+    finally:
+        await consumer.stop()
+    assert f"Topic {tier.topic} is not authorized for this client" in caplog.text
+
+    # ...nor hand a worker a batch, and a worker cannot forge an edge's result lease.
+    for user, topic in (("edge", topics.batches), ("worker", topics.result_leases)):
+        producer = make_producer(settings_of(cluster, user, topics.prefix), client_id=user)
+        await producer.start()
+        try:
+            with pytest.raises(TopicAuthorizationFailedError):
+                await asyncio.wait_for(producer.send_and_wait(topic, b"forged"), 60)
+        finally:
+            await producer.stop()
+
+
+async def test_a_wrong_password_is_named_not_waited_out(cluster: launcher.Cluster) -> None:
+    env = {**cluster.client_env(secured.ADMIN), "TOKENBUS_KAFKA_SASL_PASSWORD": "wrong"}
+    began = time.monotonic()
+    with pytest.raises(KafkaLoginRefused, match="refused the login of admin"):
+        await wait_for_broker(settings_from_env(env), timeout_s=120)
+    assert time.monotonic() - began < 60, "a refused login must not be retried until timeout"
+
+
+def test_a_service_with_a_wrong_password_exits_naming_the_failure(
+    cluster: launcher.Cluster, tmp_path: Path
+) -> None:
+    env = {
+        **os.environ,
+        **cluster.client_env("scheduler"),
+        "TOKENBUS_KAFKA_SASL_PASSWORD": "wrong",
+        "TOKENBUS_TOPIC_PREFIX": new_prefix(),
+        "PYTHONPATH": str(ROOT),
+    }
+    log = tmp_path / "scheduler.log"
+    with open(log, "wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "services.scheduler"],
+            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        process.wait(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode != 0
+    text = log.read_text()
+    assert "SaslAuthenticationFailed" in text, text[-3000:]
+    assert "invalid credentials" in text

@@ -1,0 +1,232 @@
+"""Least-privilege Kafka ACLs: what each tokenbus service's principal may do, and granting it."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+
+from aiokafka.errors import for_code
+from aiokafka.protocol.admin import CreateAclsRequest
+
+from shared.kafka import make_admin
+from shared.messages import Tier
+from shared.settings import TokenbusSettings
+from shared.topics import Topics
+
+# Every role that talks to Kafka: the four services and an outside application that
+# writes requests and reads its answers from its own reply topic (README: "any Kafka client").
+ROLES = ("edge", "ingest", "scheduler", "worker", "app")
+
+
+# Kafka's wire codes (org.apache.kafka.common.resource / .acl); aiokafka has no enums for them.
+class Resource(IntEnum):
+    TOPIC = 2
+    GROUP = 3
+    TRANSACTIONAL_ID = 5
+
+
+class Pattern(IntEnum):
+    LITERAL = 3
+    PREFIXED = 4
+
+
+class Operation(IntEnum):
+    READ = 3
+    WRITE = 4
+    CREATE = 5
+    DELETE = 6
+    DESCRIBE_CONFIGS = 10
+    ALTER_CONFIGS = 11
+
+
+class Permission(IntEnum):
+    DENY = 2
+    ALLOW = 3
+
+
+@dataclass(frozen=True)
+class Acl:
+    """One ACL binding: `permission` for `principal` to do `operation` on a resource pattern."""
+
+    principal: str
+    resource: Resource
+    name: str
+    pattern: Pattern
+    operation: Operation
+    permission: Permission = Permission.ALLOW
+    host: str = "*"
+
+    def __str__(self) -> str:
+        where = f"{self.name}*" if self.pattern is Pattern.PREFIXED else self.name
+        return (
+            f"{self.permission.name.lower():5} {self.principal} {self.operation.name} "
+            f"{self.resource.name.lower()} {where}"
+        )
+
+
+def reply_prefix(topics: Topics) -> str:
+    """Where outside applications' reply topics live under ACLs: `<prefix>.replies.<app>`."""
+    return f"{topics.prefix}.replies."
+
+
+def default_principals() -> dict[str, str]:
+    """Role -> principal: each service logs in as the SASL user named after its role."""
+    return {role: f"User:{role}" for role in ROLES}
+
+
+@dataclass(frozen=True)
+class Grant:
+    resource: Resource
+    name: str
+    pattern: Pattern
+    operations: tuple[Operation, ...]
+    permission: Permission = Permission.ALLOW
+
+
+def _topic(name: str, *ops: Operation) -> Grant:
+    return Grant(Resource.TOPIC, name, Pattern.LITERAL, ops)
+
+
+def _topics_under(prefix: str, *ops: Operation) -> Grant:
+    return Grant(Resource.TOPIC, prefix, Pattern.PREFIXED, ops)
+
+
+def grants(topics: Topics) -> dict[str, list[Grant]]:
+    """What each role needs, read off what its code does (DESCRIBE comes with READ/WRITE).
+
+    Idempotent producers need no IDEMPOTENT_WRITE on the cluster: Kafka 3+ allows them to
+    a principal that may WRITE some topic (KIP-679).
+    """
+    read, write = Operation.READ, Operation.WRITE
+    tiers = [topics.tier(t) for t in Tier]
+    per_request = topics.results + "."  # the edge's per-request result topics
+    # Results go where a request's reply_to says: the shared results topic, an edge's
+    # per-request topic, or an outside application's reply topic. Never the lease log,
+    # which `<prefix>.results.` also matches: a DENY there outranks the prefixed ALLOW.
+    results_out = [
+        _topic(topics.results, write),
+        _topics_under(per_request, write),
+        _topics_under(reply_prefix(topics), write),
+        Grant(Resource.TOPIC, topics.result_leases, Pattern.LITERAL, (write,), Permission.DENY),
+    ]
+    worker_groups = Grant(Resource.GROUP, topics.worker_group(""), Pattern.PREFIXED, (read,))
+    return {
+        "edge": [
+            _topic(topics.requests, write),
+            _topic(topics.control, read, write),  # cancels out; resume hand-overs in and out
+            _topic(topics.results, read),
+            # The lease log: created, configured (compaction) and read and written here.
+            _topic(
+                topics.result_leases,
+                read,
+                write,
+                Operation.DESCRIBE_CONFIGS,
+                Operation.ALTER_CONFIGS,
+            ),
+            _topics_under(per_request, read, Operation.CREATE, Operation.DELETE),
+        ],
+        "ingest": [
+            _topic(topics.requests, read),
+            Grant(Resource.GROUP, f"{topics.prefix}.ingest", Pattern.LITERAL, (read,)),
+            *(_topic(t, write) for t in tiers),
+            _topic(topics.dlq, write),
+            *results_out,  # error results of refused requests
+        ],
+        "scheduler": [
+            *(_topic(t, read, write) for t in tiers),  # write: a dead worker's hand-backs
+            Grant(Resource.GROUP, f"{topics.prefix}.scheduler", Pattern.LITERAL, (read,)),
+            _topic(topics.batches, read, write),  # read: restart floors, recovery
+            _topic(topics.workers, read),
+            *results_out,  # requests that expire before dispatch
+            # Recovery: one transaction writes the hand-backs and moves the dead worker's
+            # group offset, so it writes that transactional id and reads worker groups.
+            Grant(
+                Resource.TRANSACTIONAL_ID,
+                f"{topics.prefix}.scheduler.recovery",
+                Pattern.LITERAL,
+                (write,),
+            ),
+            worker_groups,
+        ],
+        "worker": [
+            _topic(topics.batches, read),
+            worker_groups,  # each worker commits under `<prefix>.worker.<id>`
+            _topic(topics.control, read),
+            _topic(topics.workers, write),
+            *(_topic(t, write) for t in tiers),  # a draining worker hands requests back
+            *results_out,
+        ],
+        "app": [
+            _topic(topics.requests, write),
+            _topics_under(reply_prefix(topics), read),
+        ],
+    }
+
+
+def service_acls(topics: Topics, principals: Mapping[str, str] | None = None) -> list[Acl]:
+    """Every ACL of one deployment, for the principals of `principals` (default: per role)."""
+    who = {**default_principals(), **(principals or {})}
+    unknown = set(who) - set(ROLES)
+    if unknown:
+        raise ValueError(f"unknown roles {sorted(unknown)}; roles are {', '.join(ROLES)}")
+    return [
+        Acl(who[role], g.resource, g.name, g.pattern, op, g.permission)
+        for role, role_grants in grants(topics).items()
+        for g in role_grants
+        for op in g.operations
+    ]
+
+
+def parse_principals(pairs: Iterable[str]) -> dict[str, str]:
+    """`ROLE=PRINCIPAL` pairs (`edge=User:edge-prod`); a bare name becomes `User:<name>`."""
+    parsed: dict[str, str] = {}
+    for pair in pairs:
+        role, sep, principal = pair.partition("=")
+        if not sep or role not in ROLES or not principal:
+            raise ValueError(f"--principal {pair!r}: expected ROLE=PRINCIPAL, ROLE one of {ROLES}")
+        parsed[role] = principal if ":" in principal else f"User:{principal}"
+    return parsed
+
+
+class AclError(Exception):
+    """The broker refused to create some ACLs; the message lists which and why."""
+
+
+async def create_acls(settings: TokenbusSettings, acls: Sequence[Acl]) -> None:
+    """Create `acls` (existing ones are left as they are); raise `AclError` on any refusal.
+
+    aiokafka's admin client has no ACL method: its own CreateAcls request class goes
+    through the admin client's connection (`_send_request`), so the TLS and SASL login
+    are those of `make_admin`. The broker picks the version (v1+: with pattern types).
+    """
+    admin = make_admin(settings, client_id="tokenbus-acls")
+    await admin.start()
+    try:
+        responses = await asyncio.gather(
+            *(
+                admin._send_request(
+                    CreateAclsRequest(
+                        acl.resource,
+                        acl.name,
+                        acl.pattern,
+                        acl.principal,
+                        acl.host,
+                        acl.operation,
+                        acl.permission,
+                    )
+                )
+                for acl in acls
+            )
+        )
+    finally:
+        await admin.close()
+    failures = [
+        f"{acl}: {for_code(code).__name__} {message or ''}".rstrip()
+        for acl, response in zip(acls, responses, strict=True)
+        for code, message in response.creation_responses
+        if code != 0
+    ]
+    if failures:
+        raise AclError("the broker refused these ACLs:\n  " + "\n  ".join(failures))
