@@ -131,6 +131,8 @@ class ErrorFrame(Model):
     message: str
     request_id: str | None = None
     client_id: str | None = None
+    # With `overloaded` when the edge knows when trying again makes sense (broker unreachable).
+    retry_after_ms: int | None = None
 
 
 ServerFrame = AcceptedFrame | DeltaFrame | ResetFrame | DoneFrame | ErrorFrame | StreamResumedFrame
