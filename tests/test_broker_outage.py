@@ -9,7 +9,9 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 import signal
+import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -91,9 +93,33 @@ class Outage:
         launcher.stop(self.broker)
 
 
+def port_pair_outside_ephemeral_range() -> int:
+    """Like `free_port_pair`, but below the kernel's ephemeral range.
+
+    While the broker is stopped, any outgoing connection on the machine may be given its
+    port (or the controller's) as a local port, and the restart would then fail to bind.
+    """
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for _ in range(200):
+        port = random.randrange(10_000, low - 2)
+        if all(_bindable(p) for p in (port, port + 1)):
+            return port
+    return free_port_pair()
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
 @pytest.fixture(params=["hang", "restart"])
 def outage(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Outage]:
-    broker = launcher.Broker(port=free_port_pair(), state_dir=tmp_path / "kafka")
+    port = port_pair_outside_ephemeral_range()
+    broker = launcher.Broker(port=port, state_dir=tmp_path / "kafka")
     o = Outage(broker, request.param)
     try:
         o.start()

@@ -110,6 +110,9 @@ class Edge:
         self._wake = asyncio.Event()
         self.health = BrokerHealth(retry_after_ms=settings.edge_retry_after_ms)
         self._broker_down = asyncio.Event()  # set when `health` turns unreachable
+        # Requests whose write timed out and whose cancel could not be buffered either:
+        # cancelled once the broker answers again (`_probe_broker`).
+        self._unwithdrawn: set[str] = set()
         self.producer: AIOKafkaProducer | None = None
         self.reader: ResultReader | None = None
         self.topology: ResultTopology | None = None
@@ -279,6 +282,8 @@ class Edge:
                 if writable:
                     self._broker_seen(True)
             self._broker_down.clear()
+            for request_id in sorted(self._unwithdrawn):
+                await self.withdraw(request_id)
 
     async def _requests_writable(self) -> bool:
         """Every partition of the requests topic has a leader (a restarted broker elects)."""
@@ -417,8 +422,10 @@ class Edge:
                 self.settings.edge_produce_timeout_s,
             )
         except (KafkaError, TimeoutError) as exc:
-            log.error("request.withdraw_failed", request_id=request_id, error=repr(exc))
+            log.warning("request.withdraw_deferred", request_id=request_id, error=repr(exc))
+            self._unwithdrawn.add(request_id)
             return
+        self._unwithdrawn.discard(request_id)
         delivery.add_done_callback(_log_withdraw_failure(request_id))
 
     def _on_control(self, value: bytes) -> None:
