@@ -136,7 +136,9 @@ def outage_stack(outage: Outage, log_dir: Path) -> Iterator[Stack]:
         log_dir=log_dir,
         env_overrides={
             "TOKENBUS_WORKER_SIM_TOKEN_RATE": str(TOKEN_RATE),
-            "TOKENBUS_EDGE_LEASE_TTL_S": "6",  # the outage lasts five TTLs
+            # The edge's lease TTL stays at its default (10 s): it lapses in the outage.
+            # A stream whose records a worker lost in the outage ends with an error soon.
+            "TOKENBUS_EDGE_STREAM_STALL_S": "20",
         },
     )
     try:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Literal, TypeVar
 
 import structlog
-from aiokafka import AIOKafkaProducer, TopicPartition
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -45,6 +45,7 @@ from services.edge.protocol import (
 from services.edge.results import ResultReader
 from services.edge.resume import ResumeClaims, ResumeRefused, check_resume, sign
 from services.edge.settings import EdgeSettings
+from services.edge.stalls import StallGuard
 from services.edge.streams import ResultStream, ResumePoint, StreamRouter
 from services.edge.sweeper import TopicSweeper
 from services.edge.telemetry import EdgeTelemetry
@@ -61,6 +62,7 @@ from shared.messages import (
     CancelRecord,
     ControlRecord,
     ErrorCode,
+    ErrorResult,
     ReplyTo,
     RequestRecord,
     StreamResumed,
@@ -113,6 +115,7 @@ class Edge:
         # Requests whose write timed out and whose cancel could not be buffered either:
         # cancelled once the broker answers again (`_probe_broker`).
         self._unwithdrawn: set[str] = set()
+        self.stalls = StallGuard(settings.edge_stream_stall_s)
         self.producer: AIOKafkaProducer | None = None
         self.reader: ResultReader | None = None
         self.topology: ResultTopology | None = None
@@ -138,7 +141,7 @@ class Edge:
                 self.router,
                 TopicPartition(self.topics.control, 0),
                 self._on_control,
-                on_result=self.telemetry.result_record,
+                on_result=self._result_seen,
             )
             if s.edge_result_topology == "partition":
                 keeper = LeaseKeeper(
@@ -262,6 +265,8 @@ class Edge:
         now = time.monotonic()
         if ok and self.health.succeeded(now):
             log.info("broker.reachable", edge_id=self.edge_id)
+            self.stalls.outage_over(self.router.request_ids(), now)
+            self._wake.set()
         elif not ok and self.health.failed(now):
             log.warning("broker.unreachable", edge_id=self.edge_id)
             self._broker_down.set()
@@ -335,15 +340,53 @@ class Edge:
             now = time.monotonic()
             for request_id in self.grace.pop_due(now):
                 await self._cancel_abandoned(request_id)
+            if self.health.reachable:  # silence while Kafka is away is no stall
+                for request_id in self.stalls.due(now):
+                    await self._end_stalled(request_id)
             try:
                 await self.topology.sweep(now)
             except KafkaError as exc:
                 log.warning("result_topics.sweep_failed", error=repr(exc))
-            deadlines = [d for d in (self.grace.next_at(), self._next_sweep()) if d is not None]
+            due = (self.grace.next_at(), self._next_sweep(), self.stalls.next_at())
+            deadlines = [d for d in due if d is not None]
             timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout)
+
+    def _result_seen(
+        self, consumer: AIOKafkaConsumer, tp: TopicPartition, record: ConsumerRecord[bytes, bytes]
+    ) -> None:
+        """Each valid result record, before it is routed: telemetry, and stream progress."""
+        self.telemetry.result_record(consumer, tp, record)
+        request_id = (record.key or b"").decode(errors="replace")
+        if self.router.get(request_id) is not None:
+            self.stalls.seen(request_id, time.monotonic())
+
+    async def _end_stalled(self, request_id: str) -> None:
+        """No record for this stream in `edge_stream_stall_s`: tell the client, free the slot."""
+        stream = self.router.get(request_id)
+        if stream is None:
+            return
+        self.metrics.stalled_streams.inc()
+        log.warning("stream.stalled", request_id=request_id, stall_s=self.stalls.stall_s)
+        # As the stream's next record, so the framing rules (and the end) apply as usual.
+        self.router.route(
+            ErrorResult(
+                request_id=request_id,
+                attempt=stream.attempt,
+                seq=stream.next_seq,
+                code=ErrorCode.internal,
+                message=(
+                    f"stream: no result for {self.stalls.stall_s:.0f} s (lost in a Kafka"
+                    " outage?); send the request again"
+                ),
+            )
+        )
+        try:
+            await self.bounded(self.send_cancel(request_id, "client"))
+        except (BrokerUnavailable, KafkaError) as exc:
+            log.error("cancel.produce_failed", request_id=request_id, error=repr(exc))
 
     def _next_sweep(self) -> float | None:
         if isinstance(self.topology, TopicTopology):
@@ -365,6 +408,7 @@ class Edge:
         """
         assert self.reader is not None
         assert self.topology is not None
+        self.stalls.forget(request_id)
         tp = self.followed.pop(request_id, None)
         self.metrics.streams_open.set(len(self.router))
         if tp is None:

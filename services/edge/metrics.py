@@ -40,6 +40,11 @@ class EdgeMetrics:
             "Sockets closed with 1013 because their outbox was full (client not reading)",
             registry=r,
         )
+        self.stalled_streams = Counter(
+            "tokenbus_edge_stalled_streams",
+            "Streams ended with an error after no result record for TOKENBUS_EDGE_STREAM_STALL_S",
+            registry=r,
+        )
         self.task_restarts = Counter(
             "tokenbus_edge_task_restarts",
             "Background tasks of the edge restarted after a failure",

@@ -58,6 +58,14 @@ class EdgeSettings(TokenbusSettings):
         ge=0,
         description="A dropped socket's requests are cancelled after this long without a resume.",
     )
+    edge_stream_stall_s: float = Field(
+        default=60.0,
+        gt=0,
+        description=(
+            "A started stream (or one open through a broker outage) with no result record for"
+            " this long while the broker is reachable ends with `error` code `internal`."
+        ),
+    )
     edge_max_frame_bytes: int = Field(
         default=1 << 20, ge=1024, description="Largest frame answered; above it: invalid_request."
     )

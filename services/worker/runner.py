@@ -239,16 +239,10 @@ class RequestRunner:
                 ),
             )
         # The final record carries the request's trace context on to the edge.
-        while True:
-            last = await _send_retrying(
-                self._producer, request.reply_to, final, headers=final_record_headers()
-            )
-            try:
-                await last
-                break
-            except KafkaError as exc:
-                # Sent again: a copy the edge already showed is dropped there by its seq.
-                log.warning("result.final_retry", request_id=request.request_id, error=repr(exc))
+        last = await _send_retrying(
+            self._producer, request.reply_to, final, headers=final_record_headers()
+        )
+        await last
         observe_answered(
             request, started=started, first_token_at=first_token_at, done_at=done_at, final=final
         )
