@@ -22,6 +22,8 @@ log = structlog.get_logger()
 
 TOPIC_ALREADY_EXISTS = 36
 LOG_APPEND_TIME = 1
+# Longest an edge waits for the lease topic's switch to append time to reach the log.
+APPEND_TIME_WAIT_S = 120.0
 
 
 class LeaseLost(Exception):
@@ -101,7 +103,7 @@ class LeaseKeeper:
                 choices = [wanted] if wanted is not None else book.free_at(partitions, now_ms)
                 choice = next((p for p in choices if book.holder_at(p, now_ms) is None), None)
                 if choice is not None:
-                    lease = await self._claim(consumer, book, choice, deadline)
+                    lease = await self._claim(consumer, book, choice)
                     if lease is not None and lease.holder == self.holder:
                         self._hold(lease)
                         log.info("lease.acquired", partition=choice, epoch=lease.epoch)
@@ -159,7 +161,7 @@ class LeaseKeeper:
         partition = self.partition
         async with self._lease_log() as (consumer, book):
             await self._read_to(consumer, book, None)
-            lease = await self._claim(consumer, book, partition, None)
+            lease = await self._claim(consumer, book, partition)
         if lease is None or lease.holder != self.holder:
             holder = None if lease is None else lease.holder
             raise LeaseLost(f"partition {partition}: taken by {holder} while this edge was away")
@@ -182,18 +184,19 @@ class LeaseKeeper:
         self._valid_until_ms = lease.valid_until_ms
 
     async def _claim(
-        self, consumer: AIOKafkaConsumer, book: LeaseBook, partition: int, deadline: float | None
+        self, consumer: AIOKafkaConsumer, book: LeaseBook, partition: int
     ) -> Lease | None:
         """Append a claim of the next epoch; return the lease of `partition` it leads to."""
+        waiting_since = time.monotonic()
         while True:
             meta = await self._send("claim", partition, book.next_epoch(partition))
             if meta.timestamp_type == LOG_APPEND_TIME:
                 break
-            # The topic's config change has not reached the broker's log yet; readers
-            # ignore this claim, so claiming again is safe.
-            if deadline is not None and time.monotonic() >= deadline:
+            # The topic's config change has not reached the broker's log yet (slow on a
+            # busy fresh broker); readers ignore this claim, so claiming again is safe.
+            if time.monotonic() - waiting_since >= APPEND_TIME_WAIT_S:
                 raise RuntimeError(f"{self._tp.topic} does not use LogAppendTime")
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(0.2)
         await self._read_to(consumer, book, meta.offset + 1)
         lease = book.lease(partition)
         return lease if lease is not None and lease.live_at(meta.timestamp) else None

@@ -78,7 +78,7 @@ class EdgeSettings(TokenbusSettings):
         ),
     )
     edge_produce_timeout_s: float = Field(
-        default=2.0,
+        default=3.0,
         gt=0,
         description=(
             "Longest a request waits to be written to Kafka (or its topic created); past it"

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import structlog
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.errors import KafkaError
 
 from services.edge.metrics import EdgeMetrics
 from shared.topics import Topics
@@ -96,7 +97,11 @@ class TopicSweeper:
         while True:
             # Jitter, so edges started together do not all list and delete at once.
             await asyncio.sleep(self._interval_s * random.uniform(0.75, 1.25))
-            await self.sweep(time.time())
+            try:
+                await self.sweep(time.time())
+            except KafkaError as exc:
+                # The broker is away or busy: the next round tries again.
+                log.warning("result_topics.sweep_failed", error=repr(exc))
 
     async def sweep(self, now: float) -> list[str]:
         """One round: list, look at the candidates' last writes, delete the orphans."""
