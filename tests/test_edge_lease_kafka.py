@@ -43,7 +43,7 @@ async def lease_env(bootstrap: str) -> AsyncIterator[LeaseEnv]:
 
 def keeper(env: LeaseEnv, name: str) -> LeaseKeeper:
     settings, topic, producer = env
-    return LeaseKeeper(settings, topic, name, producer, TTL_S)
+    return LeaseKeeper(settings, topic, name, lambda: producer, TTL_S)
 
 
 async def test_racing_edges_get_distinct_partitions_and_the_extra_one_gets_none(
@@ -146,7 +146,7 @@ async def test_a_lease_topic_made_with_default_configs_is_switched_to_append_tim
     await producer.start()
     try:
         await ensure_lease_topic(admin, topic, TTL_S)
-        edge = LeaseKeeper(settings, topic, "edge", producer, TTL_S)
+        edge = LeaseKeeper(settings, topic, "edge", lambda: producer, TTL_S)
         # A claim checks that the broker stamped it with append time.
         assert await edge.acquire(PARTITIONS, None, timeout_s=1.0) == 0
     finally:

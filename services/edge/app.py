@@ -31,6 +31,7 @@ from services.edge.broker_health import BrokerHealth, BrokerUnavailable
 from services.edge.deadlines import Deadlines
 from services.edge.lease_keeper import LeaseKeeper, LeaseLost, ensure_lease_topic
 from services.edge.metrics import EdgeMetrics
+from services.edge.producer import EdgeProducer
 from services.edge.protocol import (
     AcceptedFrame,
     AuthFrame,
@@ -116,7 +117,7 @@ class Edge:
         # cancelled once the broker answers again (`_probe_broker`).
         self._unwithdrawn: set[str] = set()
         self.stalls = StallGuard(settings.edge_stream_stall_s)
-        self.producer: AIOKafkaProducer | None = None
+        self._producers: EdgeProducer | None = None
         self.reader: ResultReader | None = None
         self.topology: ResultTopology | None = None
         self._admin: AIOKafkaAdminClient | None = None
@@ -127,12 +128,12 @@ class Edge:
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
         s = self.settings
-        self.producer = make_producer(s, client_id=self.edge_id)
+        self._producers = EdgeProducer(lambda: make_producer(s, client_id=self.edge_id))
         self._admin = AIOKafkaAdminClient(bootstrap_servers=s.bootstrap_servers)
         consumer = make_consumer(s, group_id=None, client_id=self.edge_id)
         keeper: LeaseKeeper | None = None
         tasks: list[asyncio.Task[None]] = []
-        await self.producer.start()
+        await self._producers.start()
         await self._admin.start()
         await consumer.start()
         try:
@@ -148,9 +149,9 @@ class Edge:
                     s,
                     self.topics.result_leases,
                     self.edge_id,
-                    self.producer,
+                    lambda: self.producer,
                     s.edge_lease_ttl_s,
-                    on_broker=self._broker_seen,
+                    on_send=self._sent,
                 )
                 partition = await self._lease_partition(keeper)
                 reply_to = ReplyTo(topic=self.topics.results, partition=partition)
@@ -203,7 +204,7 @@ class Edge:
                 await keeper.release()
             await consumer.stop()
             await self._admin.close()
-            await self.producer.stop()
+            await self._producers.stop()
 
     async def _supervised(self, name: str, loop: Callable[[], Awaitable[None]]) -> None:
         """Run a background loop for the edge's life; restart it with backoff if it fails.
@@ -226,6 +227,12 @@ class Edge:
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, RESTART_MAX_S)
 
+    @property
+    def producer(self) -> AIOKafkaProducer:
+        """The producer to send with now (a new one after an outage, see `producer.py`)."""
+        assert self._producers is not None, "started in lifespan"
+        return self._producers.current
+
     # -- broker health ----------------------------------------------------------------------
 
     async def bounded(self, call: Awaitable[T], timeout_s: float | None = None) -> T:
@@ -238,15 +245,24 @@ class Edge:
         try:
             result = await asyncio.wait_for(call, timeout)
         except TimeoutError as exc:
-            self._broker_seen(False)
+            self._sent(exc)
             raise BrokerUnavailable(f"no answer from Kafka in {timeout:.1f} s") from exc
         except KafkaError as exc:
-            if not exc.retriable:
-                raise
-            self._broker_seen(False)
+            self._sent(exc)
             raise BrokerUnavailable(repr(exc)) from exc
-        self._broker_seen(True)
+        self._sent(None)
         return result
+
+    def _sent(self, error: BaseException | None) -> None:
+        """How a bounded Kafka call went (None: it succeeded).
+
+        After a failure the edge stays unreachable until the probe has replaced the
+        producer: one write that went through says nothing of the other partitions.
+        """
+        assert self._producers is not None
+        if error is not None:
+            self._producers.failed()
+        self._broker_seen(error is None and not self._producers.stale)
 
     def overloaded(
         self, message: str, *, request_id: str | None = None, client_id: str | None = None
@@ -280,8 +296,11 @@ class Edge:
             while not self.health.reachable:
                 await asyncio.sleep(PROBE_INTERVAL_S)
                 try:
+                    assert self._producers is not None
+                    if self._producers.stale:
+                        await self._producers.replace(timeout)
                     writable = await asyncio.wait_for(self._requests_writable(), timeout)
-                except (KafkaError, TimeoutError) as exc:
+                except (KafkaError, TimeoutError, OSError) as exc:
                     log.debug("broker.probe_failed", error=repr(exc))
                     continue
                 if writable:

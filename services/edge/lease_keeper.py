@@ -75,16 +75,18 @@ class LeaseKeeper:
         settings: TokenbusSettings,
         topic: str,
         holder: str,
-        producer: AIOKafkaProducer,
+        producer: Callable[[], AIOKafkaProducer],
         ttl_s: float,
-        on_broker: Callable[[bool], None] | None = None,
+        on_send: Callable[[BaseException | None], None] | None = None,
     ) -> None:
+        """`producer()` gives the producer to send with now (the edge may replace it);
+        `on_send` hears how each renewal went (None: it was stored)."""
         self._settings = settings
         self._tp = TopicPartition(topic, 0)
         self.holder = holder
         self._producer = producer
         self._ttl_ms = int(ttl_s * 1000)
-        self._on_broker = on_broker or (lambda ok: None)
+        self._on_send = on_send or (lambda error: None)
         self.partition: int | None = None
         self._epoch = 0
         self._valid_until_ms = 0  # broker time, as every reader of the log computes it
@@ -136,10 +138,10 @@ class LeaseKeeper:
                     self._send("renew", self.partition, self._epoch), timeout=interval
                 )
             except (KafkaError, TimeoutError) as exc:
-                self._on_broker(False)
+                self._on_send(exc)
                 log.warning("lease.renew_failed", partition=self.partition, error=repr(exc))
                 continue
-            self._on_broker(True)
+            self._on_send(None)
             if meta.timestamp_type == LOG_APPEND_TIME and meta.timestamp < self._valid_until_ms:
                 self._valid_until_ms = meta.timestamp + self._ttl_ms
                 continue
@@ -147,7 +149,7 @@ class LeaseKeeper:
             try:
                 await asyncio.wait_for(self.reassert(), timeout=self._ttl_ms / 1000)
             except (KafkaError, TimeoutError) as exc:
-                self._on_broker(False)
+                self._on_send(exc)
                 log.warning("lease.reassert_failed", partition=self.partition, error=repr(exc))
 
     async def reassert(self) -> None:
@@ -223,7 +225,7 @@ class LeaseKeeper:
                 "ttl_ms": self._ttl_ms,
             }
         )
-        meta: RecordMetadata = await self._producer.send_and_wait(
+        meta: RecordMetadata = await self._producer().send_and_wait(
             self._tp.topic, encode(record), key=str(partition).encode(), partition=0
         )
         return meta
