@@ -179,6 +179,10 @@ async def test_a_client_that_stops_reading_is_let_go_without_growing_the_edge(
     during = await asyncio.wait_for(watch, 120)
 
     growth = rss_peak - rss_before
+    print(  # for the record (pytest -s): what this run measured
+        f"slow client: edge RSS +{growth / 1024:.1f} MB; p99 gap {p99(baseline) * 1000:.0f} ms"
+        f" before, {p99(during) * 1000:.0f} ms during ({len(during)} gaps)"
+    )
     assert growth < RSS_GROWTH_LIMIT_KB, f"edge RSS grew by {growth / 1024:.1f} MB"
     # Unchanged within what a shared 2-core machine allows (the flood's own generation
     # competes for the CPU): a reader waiting on the slow socket would stall this stream

@@ -104,6 +104,10 @@ class RequestRunner:
         self._running: set[str] = set()
         self._handing_back: set[str] = set()
 
+    def use(self, producer: AIOKafkaProducer) -> None:
+        """Write the next records with `producer` (the worker replaced a broken one)."""
+        self._producer = producer
+
     @property
     def running(self) -> frozenset[str]:
         """Request ids whose `run` has not returned yet."""
