@@ -723,11 +723,11 @@ class ChatSocket:
             edge.telemetry.end(request_id, outcome="produce_failed")
             edge.router.close(request_id)
             edge._let_go(request_id, ended=True)
-            if isinstance(exc, BrokerUnavailable):
-                await edge.withdraw(request_id)
             self.send(
                 edge.overloaded("could not queue the request, try again", client_id=frame.client_id)
             )
+            if isinstance(exc, BrokerUnavailable):  # after the answer: it may take a while
+                await edge.withdraw(request_id)
             return
         edge.router.release(
             request_id,
