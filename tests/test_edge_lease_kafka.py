@@ -1,4 +1,4 @@
-"""Result-partition leases on the real broker: distinct owners, release, lapse, fencing."""
+"""Result-partition leases on the real broker: distinct owners, release, lapse, take-back."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ async def lease_env(bootstrap: str) -> AsyncIterator[LeaseEnv]:
 
 def keeper(env: LeaseEnv, name: str) -> LeaseKeeper:
     settings, topic, producer = env
-    return LeaseKeeper(settings, topic, name, producer, TTL_S)
+    return LeaseKeeper(settings, topic, name, lambda: producer, TTL_S)
 
 
 async def test_racing_edges_get_distinct_partitions_and_the_extra_one_gets_none(
@@ -99,15 +99,37 @@ async def test_a_live_edge_keeps_its_partition_against_a_configured_rival(
             await keeping
 
 
-async def test_an_edge_that_could_not_renew_in_time_fences_itself(
+async def test_a_holder_whose_lease_lapsed_while_away_takes_it_back(
     lease_env: LeaseEnv,
 ) -> None:
-    stalled = keeper(lease_env, "stalled")
-    await stalled.acquire(PARTITIONS, None, timeout_s=1.0)
-    # Time passes without a renewal (a long GC pause, a partition from the broker).
-    await asyncio.sleep(TTL_S)
-    with pytest.raises(LeaseLost):
-        await asyncio.wait_for(stalled.keep(), timeout=TTL_S)
+    # Time passes without a renewal (the broker hung, a long GC pause): nobody claimed the
+    # partition meanwhile, so the holder claims it again instead of quitting.
+    away = keeper(lease_env, "away")
+    assert await away.acquire(PARTITIONS, 1, timeout_s=1.0) == 1
+    await asyncio.sleep(TTL_S * 1.5)
+    keeping = asyncio.create_task(away.keep())
+    try:
+        rival = keeper(lease_env, "rival")
+        # One renewal beat: the late renewal is noticed and the claim lands.
+        await asyncio.sleep(TTL_S)
+        with pytest.raises(RuntimeError, match="no result partition free"):
+            await rival.acquire(PARTITIONS, 1, timeout_s=1.5 * TTL_S)
+        assert not keeping.done(), keeping
+    finally:
+        keeping.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await keeping
+
+
+async def test_a_holder_whose_lapsed_partition_was_taken_gives_it_up(
+    lease_env: LeaseEnv,
+) -> None:
+    away, heir = keeper(lease_env, "away"), keeper(lease_env, "heir")
+    assert await away.acquire(PARTITIONS, 2, timeout_s=1.0) == 2
+    # `away` cannot renew; `heir` wins the partition once the lease lapses.
+    assert await heir.acquire(PARTITIONS, 2, timeout_s=4 * TTL_S) == 2
+    with pytest.raises(LeaseLost, match="taken by heir"):
+        await asyncio.wait_for(away.keep(), timeout=3 * TTL_S)
 
 
 async def test_a_lease_topic_made_with_default_configs_is_switched_to_append_time(
@@ -123,7 +145,7 @@ async def test_a_lease_topic_made_with_default_configs_is_switched_to_append_tim
     await producer.start()
     try:
         await ensure_lease_topic(admin, topic, TTL_S)
-        edge = LeaseKeeper(settings, topic, "edge", producer, TTL_S)
+        edge = LeaseKeeper(settings, topic, "edge", lambda: producer, TTL_S)
         # A claim checks that the broker stamped it with append time.
         assert await edge.acquire(PARTITIONS, None, timeout_s=1.0) == 0
     finally:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator, Callable
 
 import structlog
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
@@ -12,7 +14,7 @@ from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.errors import KafkaError
 from aiokafka.structs import RecordMetadata
 
-from services.edge.leases import LeaseBook, LeaseRecord
+from services.edge.leases import Lease, LeaseBook, LeaseRecord
 from shared.kafka import cluster_replication, encode, make_consumer, new_topic
 from shared.settings import TokenbusSettings
 
@@ -20,13 +22,12 @@ log = structlog.get_logger()
 
 TOPIC_ALREADY_EXISTS = 36
 LOG_APPEND_TIME = 1
-# An edge stops trusting its lease this much before the broker would call it lapsed:
-# room for clock-rate drift between the edge and the broker.
-SAFETY_FRACTION = 0.2
+# Longest an edge waits for the lease topic's switch to append time to reach the log.
+APPEND_TIME_WAIT_S = 120.0
 
 
 class LeaseLost(Exception):
-    """This edge can no longer prove it holds its partition; it must stop serving from it."""
+    """The lease log shows another edge holding this edge's partition: stop reading it."""
 
 
 def lease_topic_configs(ttl_s: float) -> dict[str, str]:
@@ -62,25 +63,34 @@ async def ensure_lease_topic(admin: AIOKafkaAdminClient, topic: str, ttl_s: floa
 
 
 class LeaseKeeper:
-    """Owns this edge's lease: `acquire` once, `keep` while serving, `release` at shutdown."""
+    """Owns this edge's lease: `acquire` once, `keep` while serving, `release` at shutdown.
+
+    The lease only keeps two live edges from reading the same partition; only the log decides
+    who holds it. While this edge cannot reach the broker, no other edge can append a claim
+    either, so an edge keeps serving through a broker outage and settles the question by the
+    log once the broker answers again (see `keep`).
+    """
 
     def __init__(
         self,
         settings: TokenbusSettings,
         topic: str,
         holder: str,
-        producer: AIOKafkaProducer,
+        producer: Callable[[], AIOKafkaProducer],
         ttl_s: float,
+        on_send: Callable[[BaseException | None], None] | None = None,
     ) -> None:
+        """`producer()` gives the producer to send with now (the edge may replace it);
+        `on_send` hears how each renewal went (None: it was stored)."""
         self._settings = settings
         self._tp = TopicPartition(topic, 0)
         self.holder = holder
         self._producer = producer
         self._ttl_ms = int(ttl_s * 1000)
+        self._on_send = on_send or (lambda error: None)
         self.partition: int | None = None
         self._epoch = 0
         self._valid_until_ms = 0  # broker time, as every reader of the log computes it
-        self._trust_until = 0.0  # local monotonic time this edge stops trusting the lease
 
     async def acquire(self, partitions: int, wanted: int | None, timeout_s: float) -> int:
         """Win a lease on `wanted`, or on the lowest free partition; wait up to `timeout_s`.
@@ -88,12 +98,7 @@ class LeaseKeeper:
         A wanted partition still leased by a dead edge frees itself when its lease lapses,
         so waiting about one TTL is normal after a crash.
         """
-        consumer = make_consumer(self._settings, group_id=None, client_id=f"{self.holder}-leases")
-        await consumer.start()
-        try:
-            consumer.assign([self._tp])
-            await consumer.seek_to_beginning(self._tp)
-            book = LeaseBook()
+        async with self._lease_log() as (consumer, book):
             deadline = time.monotonic() + timeout_s
             while True:
                 await self._read_to(consumer, book, None)
@@ -101,25 +106,12 @@ class LeaseKeeper:
                 choices = [wanted] if wanted is not None else book.free_at(partitions, now_ms)
                 choice = next((p for p in choices if book.holder_at(p, now_ms) is None), None)
                 if choice is not None:
-                    epoch = book.next_epoch(choice)
-                    sent = time.monotonic()
-                    meta = await self._send("claim", choice, epoch)
-                    if meta.timestamp_type != LOG_APPEND_TIME:
-                        # The topic's config change has not reached the broker's log yet;
-                        # readers ignore this claim, so claiming again is safe.
-                        if time.monotonic() >= deadline:
-                            raise RuntimeError(f"{self._tp.topic} does not use LogAppendTime")
-                        await asyncio.sleep(0.1)
-                        continue
-                    await self._read_to(consumer, book, meta.offset + 1)
-                    lease = book.lease(choice)
-                    if lease is not None and lease.holder == self.holder and lease.epoch == epoch:
-                        self.partition, self._epoch = choice, epoch
-                        self._valid_until_ms = lease.valid_until_ms
-                        self._trust_until = sent + self._ttl_ms / 1000 * (1 - SAFETY_FRACTION)
-                        log.info("lease.acquired", partition=choice, epoch=epoch)
+                    lease = await self._claim(consumer, book, choice)
+                    if lease is not None and lease.holder == self.holder:
+                        self._hold(lease)
+                        log.info("lease.acquired", partition=choice, epoch=lease.epoch)
                         return choice
-                    log.info("lease.lost_race", partition=choice, epoch=epoch)
+                    log.info("lease.lost_race", partition=choice)
                     continue  # someone appended first: look again at once
                 if time.monotonic() >= deadline:
                     held = {p: book.holder_at(p, now_ms) for p in range(partitions)}
@@ -128,30 +120,56 @@ class LeaseKeeper:
                         f" (wanted={wanted}, holders={held})"
                     )
                 await asyncio.sleep(min(1.0, self._ttl_ms / 4000))
-        finally:
-            await consumer.stop()
 
     async def keep(self) -> None:
-        """Renew every third of a TTL until cancelled; raise LeaseLost when it cannot."""
+        """Renew every third of a TTL until cancelled; raise LeaseLost only if taken.
+
+        A renewal that cannot be sent (broker unreachable) is retried at the next beat; the
+        edge goes on serving meanwhile. A renewal the broker appended after the lease lapsed
+        (the broker was away or hung longer than the TTL) means the partition was free for a
+        moment: the edge claims it again through the log, and gives up only if another edge's
+        claim is in the log first.
+        """
         assert self.partition is not None, "acquire first"
         interval = self._ttl_ms / 3000
         while True:
             await asyncio.sleep(interval)
-            sent = time.monotonic()
-            budget = self._trust_until - sent
-            if budget <= 0:
-                raise LeaseLost(f"partition {self.partition}: no renewal landed in time")
             try:
                 meta = await asyncio.wait_for(
-                    self._send("renew", self.partition, self._epoch), timeout=budget
+                    self._send("renew", self.partition, self._epoch), timeout=interval
                 )
             except (KafkaError, TimeoutError) as exc:
+                self._on_send(exc)
                 log.warning("lease.renew_failed", partition=self.partition, error=repr(exc))
                 continue
-            if meta.timestamp_type != LOG_APPEND_TIME or meta.timestamp >= self._valid_until_ms:
-                raise LeaseLost(f"partition {self.partition}: renewal appended after the lapse")
-            self._valid_until_ms = meta.timestamp + self._ttl_ms
-            self._trust_until = sent + self._ttl_ms / 1000 * (1 - SAFETY_FRACTION)
+            self._on_send(None)
+            if meta.timestamp_type == LOG_APPEND_TIME and meta.timestamp < self._valid_until_ms:
+                self._valid_until_ms = meta.timestamp + self._ttl_ms
+                continue
+            log.warning("lease.lapsed", partition=self.partition, epoch=self._epoch)
+            try:
+                await asyncio.wait_for(self.reassert(), timeout=self._ttl_ms / 1000)
+            except (KafkaError, TimeoutError) as exc:
+                self._on_send(exc)
+                log.warning("lease.reassert_failed", partition=self.partition, error=repr(exc))
+
+    async def reassert(self) -> None:
+        """Claim this edge's partition again after a lapse; LeaseLost if another edge has it.
+
+        The claim names the next epoch and wins only if nobody holds the partition at its
+        append time; reading the log up to it gives the verdict every reader reaches. A
+        live lease of this holder (an earlier renewal landed after all) is kept as it is.
+        """
+        assert self.partition is not None, "acquire first"
+        partition = self.partition
+        async with self._lease_log() as (consumer, book):
+            await self._read_to(consumer, book, None)
+            lease = await self._claim(consumer, book, partition)
+        if lease is None or lease.holder != self.holder:
+            holder = None if lease is None else lease.holder
+            raise LeaseLost(f"partition {partition}: taken by {holder} while this edge was away")
+        self._hold(lease)
+        log.info("lease.reasserted", partition=partition, epoch=lease.epoch)
 
     async def release(self) -> None:
         """Free the partition at once for the next edge (best effort: else it lapses)."""
@@ -164,6 +182,40 @@ class LeaseKeeper:
             log.warning("lease.release_failed", partition=self.partition, error=repr(exc))
         self.partition = None
 
+    def _hold(self, lease: Lease) -> None:
+        self.partition, self._epoch = lease.partition, lease.epoch
+        self._valid_until_ms = lease.valid_until_ms
+
+    async def _claim(
+        self, consumer: AIOKafkaConsumer, book: LeaseBook, partition: int
+    ) -> Lease | None:
+        """Append a claim of the next epoch; return the lease of `partition` it leads to."""
+        waiting_since = time.monotonic()
+        while True:
+            meta = await self._send("claim", partition, book.next_epoch(partition))
+            if meta.timestamp_type == LOG_APPEND_TIME:
+                break
+            # The topic's config change has not reached the broker's log yet (slow on a
+            # busy fresh broker); readers ignore this claim, so claiming again is safe.
+            if time.monotonic() - waiting_since >= APPEND_TIME_WAIT_S:
+                raise RuntimeError(f"{self._tp.topic} does not use LogAppendTime")
+            await asyncio.sleep(0.2)
+        await self._read_to(consumer, book, meta.offset + 1)
+        lease = book.lease(partition)
+        return lease if lease is not None and lease.live_at(meta.timestamp) else None
+
+    @contextlib.asynccontextmanager
+    async def _lease_log(self) -> AsyncIterator[tuple[AIOKafkaConsumer, LeaseBook]]:
+        """A consumer at the start of the lease log, and an empty book to apply it to."""
+        consumer = make_consumer(self._settings, group_id=None, client_id=f"{self.holder}-leases")
+        await consumer.start()
+        try:
+            consumer.assign([self._tp])
+            await consumer.seek_to_beginning(self._tp)
+            yield consumer, LeaseBook()
+        finally:
+            await consumer.stop()
+
     async def _send(self, kind: str, partition: int, epoch: int) -> RecordMetadata:
         record = LeaseRecord.model_validate(
             {
@@ -174,7 +226,7 @@ class LeaseKeeper:
                 "ttl_ms": self._ttl_ms,
             }
         )
-        meta: RecordMetadata = await self._producer.send_and_wait(
+        meta: RecordMetadata = await self._producer().send_and_wait(
             self._tp.topic, encode(record), key=str(partition).encode(), partition=0
         )
         return meta

@@ -25,6 +25,32 @@ class EdgeMetrics:
         self.topics_deleted = Counter(
             "tokenbus_edge_result_topics_deleted", "Per-request result topics deleted", registry=r
         )
+        self.topics_swept = Counter(
+            "tokenbus_edge_result_topics_swept",
+            "Per-request result topics of other (crashed) edges deleted by this edge's sweeper",
+            registry=r,
+        )
+        self.broker_reachable = Gauge(
+            "tokenbus_edge_broker_reachable",
+            "1 while this edge's bounded Kafka calls succeed; 0 while it refuses new requests",
+            registry=r,
+        )
+        self.slow_client_closes = Counter(
+            "tokenbus_edge_slow_client_closes",
+            "Sockets closed with 1013 because their outbox was full (client not reading)",
+            registry=r,
+        )
+        self.stalled_streams = Counter(
+            "tokenbus_edge_stalled_streams",
+            "Streams ended with an error after no result record for TOKENBUS_EDGE_STREAM_STALL_S",
+            registry=r,
+        )
+        self.task_restarts = Counter(
+            "tokenbus_edge_task_restarts",
+            "Background tasks of the edge restarted after a failure",
+            ["task"],
+            registry=r,
+        )
         self.topic_create_seconds = Histogram(
             "tokenbus_edge_result_topic_create_seconds",
             "Time to create one per-request result topic (on the request path)",

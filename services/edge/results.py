@@ -23,6 +23,10 @@ log = structlog.get_logger()
 
 _results: TypeAdapter[ResultRecord] = TypeAdapter(ResultRecord)
 
+# Records handled per fetch: between two fetches the sockets' writers run, so one fetch
+# never queues more than this many frames on a socket (see `edge_outbox_frames`).
+FETCH_MAX_RECORDS = 1000
+
 OnControl = Callable[[bytes], None]
 OnCaughtUp = Callable[[], None]
 # (consumer, partition, record) of each valid result record, before it is routed (telemetry)
@@ -121,10 +125,15 @@ class ResultReader:
         self._changed.set()
 
     async def run(self) -> None:
+        """Read until cancelled. Safe to call again after a failure: positions are kept here,
+        and the first step assigns and seeks every followed partition afresh."""
+        self._assigned = frozenset()
         while True:
             self._apply_changes()
             self._fire_waiters()
-            fetch = asyncio.ensure_future(self._consumer.getmany(timeout_ms=1000))
+            fetch = asyncio.ensure_future(
+                self._consumer.getmany(timeout_ms=1000, max_records=FETCH_MAX_RECORDS)
+            )
             wake = asyncio.ensure_future(self._changed.wait())
             try:
                 await asyncio.wait({fetch, wake}, return_when=asyncio.FIRST_COMPLETED)

@@ -47,13 +47,54 @@ class EdgeSettings(TokenbusSettings):
         ge=0,
         description="topic topology: a request's topic is deleted this long after its stream ends.",
     )
+    edge_result_topic_orphan_after_s: float = Field(
+        default=900.0,
+        gt=0,
+        description=(
+            "Sweeper (every edge): a per-request topic no live edge reads is deleted once its"
+            " last record, or its first sighting if it is empty, is this old (a crashed edge's"
+            " leftovers). Keep it above the retention and the longest queueing."
+        ),
+    )
+    edge_result_topic_sweep_interval_s: float = Field(
+        default=60.0, gt=0, description="How often the sweeper lists per-request topics."
+    )
     edge_disconnect_grace_s: float = Field(
         default=30.0,
         ge=0,
         description="A dropped socket's requests are cancelled after this long without a resume.",
     )
+    edge_stream_stall_s: float = Field(
+        default=60.0,
+        gt=0,
+        description=(
+            "A started stream (or one open through a broker outage) with no result record for"
+            " this long while the broker is reachable ends with `error` code `internal`."
+        ),
+    )
     edge_max_frame_bytes: int = Field(
         default=1 << 20, ge=1024, description="Largest frame answered; above it: invalid_request."
+    )
+    edge_outbox_frames: int = Field(
+        default=4096,
+        ge=16,
+        description=(
+            "Frames queued for one socket; a client that lets more pile up is closed with 1013"
+            " and its streams wait out the disconnect grace for a resume."
+        ),
+    )
+    edge_produce_timeout_s: float = Field(
+        default=3.0,
+        gt=0,
+        description=(
+            "Longest a request waits to be written to Kafka (or its topic created); past it"
+            " the client gets `overloaded` with `retry_after_ms`."
+        ),
+    )
+    edge_retry_after_ms: int = Field(
+        default=2000,
+        ge=0,
+        description="`retry_after_ms` of the `overloaded` answer while the broker is unreachable.",
     )
     resume_secret: SecretStr | None = Field(
         default=None,

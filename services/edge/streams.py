@@ -253,5 +253,8 @@ class StreamRouter:
             if self._on_end is not None:
                 self._on_end(stream)
 
+    def request_ids(self) -> list[str]:
+        return list(self._streams)
+
     def __len__(self) -> int:
         return len(self._streams)

@@ -8,7 +8,8 @@ import signal
 import time
 
 import structlog
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.errors import KafkaError
 from pydantic import TypeAdapter, ValidationError
 
 from services.worker.cancel import CancelBook, apply_cancel
@@ -56,6 +57,7 @@ class Worker:
         # rewinds to the last commit, which is behind batches still in flight).
         self._redelivered: dict[str, list[tuple[TopicPartition, int]]] = {}
         self._early_cancels = CancelBook()
+        self._producer_failed = asyncio.Event()
 
     async def run(self) -> None:
         s = self.settings
@@ -83,6 +85,7 @@ class Worker:
                 s.worker_flush_first,
             )
             self._producer = producer
+            self._runner = runner
             if self._drain_on_sigterm:
                 # SIGTERM drains (SIGINT still cancels at once, via run_service).
                 asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, self.drain.signal)
@@ -91,11 +94,12 @@ class Worker:
                 taker = tg.create_task(self._take_batches(batches, runner, tg))
                 others = [
                     tg.create_task(self._obey_cancels(control)),
-                    tg.create_task(self._heartbeat(producer)),
+                    tg.create_task(self._heartbeat()),
+                    tg.create_task(self._replace_broken_producer()),
                 ]
                 await self.drain.requested.wait()
                 taker.cancel()
-                await self._send_heartbeat(producer)  # tell schedulers: no free slots here
+                await self._send_heartbeat()  # tell schedulers: no free slots here
                 await self.drain.run(self._batch_tasks, lambda: runner.running, runner.hand_back)
                 for task in others:
                     task.cancel()
@@ -104,7 +108,7 @@ class Worker:
             await self.engine.stop()
             await batches.stop()
             await control.stop()
-            await producer.stop()
+            await self._producer.stop()
 
     async def _take_batches(
         self, consumer: AIOKafkaConsumer, runner: RequestRunner, tg: asyncio.TaskGroup
@@ -208,17 +212,51 @@ class Worker:
                 record_age_ms=applied.record_age_ms,
             )
 
-    async def _heartbeat(self, producer: AIOKafkaProducer) -> None:
+    async def _heartbeat(self) -> None:
         interval = self.settings.worker_heartbeat_ms / 1000.0
         while True:
             self.intake.freed.clear()
-            await self._send_heartbeat(producer)
+            await self._send_heartbeat()
             await asyncio.sleep(HEARTBEAT_MIN_GAP_S)
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(interval - HEARTBEAT_MIN_GAP_S):
                     await self.intake.freed.wait()
 
-    async def _send_heartbeat(self, producer: AIOKafkaProducer) -> None:
+    async def _replace_broken_producer(self) -> None:
+        """A heartbeat Kafka did not store: start a new producer for everything.
+
+        aiokafka's idempotent producer never writes a partition again once one of its
+        batches expired (a broker stopped longer than the request timeout): every later
+        batch gets OutOfOrderSequenceNumber, so heartbeats and results would be lost for
+        good. Only a new producer (a new producer id) recovers.
+        """
+        s = self.settings
+        while True:
+            await self._producer_failed.wait()
+            new = make_producer(s, client_id=f"worker-{s.worker_id}")
+            try:
+                await asyncio.wait_for(new.start(), 10.0)
+            except (KafkaError, TimeoutError) as exc:
+                log.warning("producer.replace_failed", error=repr(exc))
+                with contextlib.suppress(KafkaError, TimeoutError):
+                    await asyncio.wait_for(new.stop(), 5.0)
+                await asyncio.sleep(1.0)
+                continue
+            old, self._producer = self._producer, new
+            self._runner.use(new)
+            self._producer_failed.clear()
+            log.info("producer.replaced", worker_id=s.worker_id)
+            try:
+                await asyncio.wait_for(old.stop(), 5.0)
+            except (KafkaError, TimeoutError) as exc:
+                log.warning("producer.stop_failed", error=repr(exc))
+
+    def _beat_stored(self, delivery: asyncio.Future[object]) -> None:
+        if not delivery.cancelled() and isinstance(delivery.exception(), KafkaError):
+            log.warning("heartbeat.not_stored", error=repr(delivery.exception()))
+            self._producer_failed.set()
+
+    async def _send_heartbeat(self) -> None:
         cap = self.engine.capacity()
         observe_capacity(cap.running, cap.total_slots)
         intake = self.intake
@@ -240,6 +278,7 @@ class Worker:
             started_at=intake.started_at,
         )
         with contextlib.suppress(asyncio.TimeoutError):
-            await producer.send(
+            delivery = await self._producer.send(
                 self.topics.workers, encode(beat), key=self.settings.worker_id.encode()
             )
+            delivery.add_done_callback(self._beat_stored)

@@ -10,6 +10,7 @@ from typing import Literal
 
 import structlog
 from aiokafka import AIOKafkaProducer
+from aiokafka.errors import KafkaError
 from aiokafka.structs import RecordMetadata
 
 from services.worker.coalesce import Coalescer, with_flushes
@@ -26,6 +27,7 @@ from shared.messages import (
     ErrorCode,
     ErrorResult,
     QueuedRequest,
+    ReplyTo,
     Tier,
     Timings,
     Usage,
@@ -33,6 +35,29 @@ from shared.messages import (
 from shared.results import send_result
 
 log = structlog.get_logger()
+
+# A result that cannot be buffered (the broker is away: aiokafka gives up waiting for
+# metadata) is tried again, 0.5 s doubling to 5 s, instead of losing the request.
+RETRY_MIN_S = 0.5
+RETRY_MAX_S = 5.0
+
+
+async def _send_retrying(
+    producer: AIOKafkaProducer,
+    reply_to: ReplyTo,
+    record: DeltaResult | DoneResult | ErrorResult,
+    headers: list[tuple[str, bytes]] | None = None,
+) -> asyncio.Future[RecordMetadata]:
+    """`send_result`, retried until the record is buffered (nothing is buffered on failure)."""
+    backoff = RETRY_MIN_S
+    while True:
+        try:
+            return await send_result(producer, reply_to, record, headers=headers)
+        except KafkaError as exc:
+            log.warning("result.send_retry", request_id=record.request_id, error=repr(exc))
+        await asyncio.sleep(backoff)
+        backoff = min(backoff * 2, RETRY_MAX_S)
+
 
 # How a run ended: answered (done, or error `cancelled`), or stopped without an answer
 # because the worker hands the request back to be run again elsewhere.
@@ -78,6 +103,10 @@ class RequestRunner:
         self._flush_first = flush_first
         self._running: set[str] = set()
         self._handing_back: set[str] = set()
+
+    def use(self, producer: AIOKafkaProducer) -> None:
+        """Write the next records with `producer` (the worker replaced a broken one)."""
+        self._producer = producer
 
     @property
     def running(self) -> frozenset[str]:
@@ -138,7 +167,7 @@ class RequestRunner:
                 max_excess = max(max_excess, now - last_chunk_at - token_gap)
             last_chunk_at = now
             token_gap = 0.0
-            last = await send_result(
+            last = await _send_retrying(
                 self._producer,
                 request.reply_to,
                 DeltaResult(
@@ -214,7 +243,7 @@ class RequestRunner:
                 ),
             )
         # The final record carries the request's trace context on to the edge.
-        last = await send_result(
+        last = await _send_retrying(
             self._producer, request.reply_to, final, headers=final_record_headers()
         )
         await last
