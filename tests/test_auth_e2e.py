@@ -16,8 +16,6 @@ from tests.chat_client import close_of, recv_json, run_requests, upgrade_status
 from tests.stack import Stack, free_port, wait_until
 from tokenbus.cli import main as tokenbus
 
-SECRET = b"test-secret"  # tests/stack.py gives every service this resume secret
-
 
 def marker() -> str:
     return "marker-" + uuid.uuid4().hex
@@ -156,7 +154,7 @@ async def test_kafka_sees_a_keyed_hash_of_the_tenant_never_the_key(stack: Stack)
     assert done["a"].final is not None
     records = [json.loads(v) for v in await stack.read_async(stack.topics.requests)]
     (record,) = [r for r in records if r.get("prompt") == prompt]
-    assert record["tenant"] == tenant_id(SECRET, "alice")
+    assert record["tenant"] == tenant_id(stack.resume_secret.encode(), "alice")
     assert record["tenant"] not in ("alice", hashlib.sha256(alice.encode()).hexdigest()[:16])
     assert all(alice not in json.dumps(r) for r in records)
 
@@ -173,7 +171,7 @@ async def test_a_second_auth_frame_cannot_switch_tenants(stack: Stack) -> None:
         assert done["a"].final is not None
     records = [json.loads(v) for v in await stack.read_async(stack.topics.requests)]
     (record,) = [r for r in records if r.get("prompt") == prompt]
-    assert record["tenant"] == tenant_id(SECRET, "alice")
+    assert record["tenant"] == tenant_id(stack.resume_secret.encode(), "alice")
 
 
 async def test_sockets_without_a_key_are_bounded(stack: Stack) -> None:
