@@ -7,21 +7,31 @@ still held (in its last heartbeat's `held`). The hand-backs and the move of the 
 committed offset to the end happen in one Kafka transaction, so a recovery interrupted
 by a crash is redone from the start, never half-counted; the fixed transactional id
 fences a second scheduler recovering at the same time.
+
+Before that, each request's `reply_to` gets a `reset` record of the new attempt: a worker
+declared dead may only have been paused, and whatever it writes when it wakes belongs to
+an attempt the edge now drops. A `reply_to` that cannot be written gets none (its request
+is dead-lettered by the worker that takes it next).
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Set
 
 import structlog
 from aiokafka import AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.structs import RecordMetadata
 
 from services.scheduler.batch_log import BatchLog, LoggedBatch
 from shared.kafka import encode, key_of
-from shared.messages import Heartbeat, QueuedRequest
+from shared.messages import Heartbeat, QueuedRequest, ResetResult
+from shared.results import reply_problem, send_result
 from shared.settings import TokenbusSettings
 from shared.topics import Topics
+
+RESET_TIMEOUT_S = 5.0  # longest the reset records of one recovery may take to be stored
 
 log = structlog.get_logger()
 
@@ -58,12 +68,17 @@ class Recovery:
     """Hands back dead workers' requests; one instance per scheduler process."""
 
     def __init__(
-        self, settings: TokenbusSettings, admin: AIOKafkaAdminClient, batch_log: BatchLog
+        self,
+        settings: TokenbusSettings,
+        admin: AIOKafkaAdminClient,
+        batch_log: BatchLog,
+        producer: AIOKafkaProducer,
     ) -> None:
         self._settings = settings
         self._topics = Topics(settings.topic_prefix)
         self._admin = admin
         self._batch_log = batch_log
+        self._producer = producer  # the scheduler's own, for the reset records
 
     async def recover(
         self, last: Heartbeat, exclude: Set[tuple[str, int]] = frozenset()
@@ -107,6 +122,7 @@ class Recovery:
             return []
         batches = await self._batch_log.read({tp: start})
         requests = unfinished(batches, last, exclude)
+        await self._supersede(requests)
         async with producer.transaction():
             for request in requests:
                 again = next_attempt(request)
@@ -123,3 +139,24 @@ class Recovery:
             end=end,
         )
         return [(r.request_id, r.attempt) for r in requests]
+
+    async def _supersede(self, requests: list[QueuedRequest]) -> None:
+        """Announce each request's next attempt on its `reply_to`; return once all are stored.
+
+        Raises (TimeoutError, KafkaError) if they are not stored in time: the recovery is
+        then retried whole, and a reset written twice is dropped by the edge.
+        """
+        futures: list[asyncio.Future[RecordMetadata]] = []
+        async with asyncio.timeout(RESET_TIMEOUT_S):
+            for request in requests:
+                problem = await reply_problem(self._producer, request.reply_to, RESET_TIMEOUT_S)
+                if problem is not None:
+                    log.warning("reset.skipped", request_id=request.request_id, reason=problem)
+                    continue
+                reset = ResetResult(
+                    request_id=request.request_id,
+                    attempt=request.attempt + 1,
+                    reason="the worker running it was declared dead",
+                )
+                futures.append(await send_result(self._producer, request.reply_to, reset))
+            await asyncio.gather(*futures)
