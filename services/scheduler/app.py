@@ -348,7 +348,15 @@ class Scheduler:
                         continue
                     # Read back at start-up: proof of life only if it is this fresh.
                     stale = now - beat.sent_at > beat.interval_ms / 1000.0
-                    self.workers.beat(beat, now, replayed=record.offset < live_from and stale)
+                    replayed = record.offset < live_from and stale
+                    if self.workers.beat(beat, now, replayed=replayed) and not replayed:
+                        log.info(
+                            "worker.registered",
+                            worker_id=beat.worker_id,
+                            partition=beat.batch_partition,
+                            started_at=beat.started_at,
+                            registered=len(self.workers),
+                        )
             if fetched:
                 self._wake.set()
 

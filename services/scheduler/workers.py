@@ -43,13 +43,16 @@ class WorkerRegistry:
         self.missed_beats = missed_beats
         self._workers: dict[str, WorkerState] = {}
 
-    def beat(self, beat: Heartbeat, now: float, *, replayed: bool = False) -> None:
-        """Record a heartbeat; it acknowledges every batch below its `batches_consumed`."""
+    def beat(self, beat: Heartbeat, now: float, *, replayed: bool = False) -> bool:
+        """Record a heartbeat; it acknowledges every batch below its `batches_consumed`.
+
+        True if it registers a worker: a new id, or a new incarnation of a known one.
+        """
         state = self._workers.get(beat.worker_id)
         if state is None or state.beat.started_at != beat.started_at:
             # New, or a new incarnation of the id.
             self._workers[beat.worker_id] = WorkerState(beat, now, heard_live=not replayed)
-            return
+            return True
         # A worker declared dead that beats again was only slow: it is alive again (what it
         # held has been handed back; `handed_back` keeps that from happening twice).
         state.dead_at = None
@@ -60,6 +63,7 @@ class WorkerRegistry:
         state.heard_live = state.heard_live or not replayed
         for offset in [o for o in state.unacked if o < beat.batches_consumed]:
             del state.unacked[offset]
+        return False
 
     def dispatched(self, worker_id: str, offset: int, requests: int) -> None:
         state = self._workers.get(worker_id)
