@@ -183,13 +183,13 @@ async def test_poison_everywhere_is_dead_lettered_and_good_requests_still_flow(
         bootstrap,
         topics.workers,
         0,
-        common_poison() + [b'{"worker_id": 5, "model": []}', ghost.model_dump_json().encode()],
+        [*common_poison(), b'{"worker_id": 5, "model": []}', ghost.model_dump_json().encode()],
     )
     await write(
         bootstrap,
         topics.control,
         0,
-        common_poison() + [b'{"kind": "cancel", "request_id": "bad id!"}'],
+        [*common_poison(), b'{"kind": "cancel", "request_id": "bad id!"}'],
     )
 
     # A good request on the normal path, behind all of it.
@@ -199,7 +199,8 @@ async def test_poison_everywhere_is_dead_lettered_and_good_requests_still_flow(
         transcripts = await run_requests(ws, [good], timeout=30)
         took = time.monotonic() - started
     t = transcripts["good"]
-    assert t.final is not None and t.final["type"] == "chat.done", t.frames
+    assert t.final is not None, t.frames
+    assert t.final["type"] == "chat.done", t.frames
     assert t.text == complete(good["prompt"], good["max_tokens"]).text
     assert took < 5.0, f"the good request took {took:.1f} s"
     for key, pid in pids.items():
@@ -220,7 +221,8 @@ async def test_poison_everywhere_is_dead_lettered_and_good_requests_still_flow(
     )
     got = await asyncio.to_thread(answers)
     for rid, code in expected_answers.items():
-        assert got[rid]["kind"] == "error" and got[rid]["code"] == code, got[rid]
+        assert got[rid]["kind"] == "error", got[rid]
+        assert got[rid]["code"] == code, got[rid]
     finals = [v for v in (await read_all(bootstrap, replies, 1)) if b'"in-batch-good"' in v.value]
     assert json.loads(finals[-1].value)["kind"] == "done"
 

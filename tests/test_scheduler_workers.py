@@ -126,11 +126,14 @@ def test_a_dead_worker_is_forgotten_and_registers_afresh_when_it_comes_back() ->
     assert [s.beat.worker_id for s in registry.newly_dead(now=1.0)] == ["w1"]
     registry.get("w1").handed_back.add(("r1", 0))  # type: ignore[union-attr]
     assert registry.forget("w1") is True
-    assert len(registry) == 0 and registry.get("w1") is None
+    assert len(registry) == 0
+    assert registry.get("w1") is None
     # Back later (only paused, or restarted): a clean registration, nothing of the old state.
     assert registry.beat(beat("w1", free=4), now=5.0) is True
     state = registry.get("w1")
-    assert state is not None and state.dead_at is None and state.handed_back == set()
+    assert state is not None
+    assert state.dead_at is None
+    assert state.handed_back == set()
     assert [s.worker_id for s in registry.slots(5.0)] == ["w1"]
 
 
@@ -152,6 +155,9 @@ def test_dead_workers_are_dropped_after_a_while_so_memory_stays_bounded() -> Non
     # w{i} was declared dead at i + 1: those before w880 have been dead for over 120 s.
     gone = registry.forget_dead(now=1000.5, after_s=120.0, keep={"w100"})
     assert len(gone) == 880 - 1  # except the kept one (a recovery pending for it)
-    assert "w100" not in gone and "w879" in gone and "w880" not in gone
+    assert "w100" not in gone
+    assert "w879" in gone
+    assert "w880" not in gone
     assert len(registry) == 120 + 1 + 1
-    assert registry.get("alive") is not None and registry.get("w100") is not None
+    assert registry.get("alive") is not None
+    assert registry.get("w100") is not None

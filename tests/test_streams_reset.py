@@ -18,12 +18,14 @@ def reset(attempt: int) -> ResetResult:
 
 def test_a_reset_announces_the_attempt_and_later_records_of_older_ones_are_dropped() -> None:
     router, client = accepted_router()
-    assert router.route(delta(0)) and router.route(delta(1))
+    assert router.route(delta(0))
+    assert router.route(delta(1))
     assert router.route(reset(1))
     # The paused worker wakes and writes on: attempt 0 is superseded, nothing shown.
     assert not router.route(delta(2))
     assert not router.route(done(3))
-    assert router.route(delta(0, attempt=1)) and router.route(done(1, attempt=1))
+    assert router.route(delta(0, attempt=1))
+    assert router.route(done(1, attempt=1))
     assert client.kinds == [
         "chat.accepted",
         "chat.delta",

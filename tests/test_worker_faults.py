@@ -50,7 +50,8 @@ def only_error(t: Transcript) -> dict[str, Any]:
 
 
 def answered_in_full(t: Transcript, request: dict[str, Any]) -> None:
-    assert t.final is not None and t.final["type"] == "chat.done", t.frames
+    assert t.final is not None, t.frames
+    assert t.final["type"] == "chat.done", t.frames
     assert [f["type"] for f in t.frames].count("chat.done") == 1
     assert t.text == complete(request["prompt"], request["max_tokens"]).text
 
@@ -83,7 +84,8 @@ async def test_engine_failures_and_long_prompts_get_one_error_each_and_the_worke
     answered_in_full(t["beside"], beside)
     answered_in_full(t["after"], after)
     # One process served them all, and logged the engine's failure with its traceback.
-    assert worker.poll() is None and worker.pid == pid
+    assert worker.poll() is None
+    assert worker.pid == pid
     log = stack.log("worker")
     assert [e["request_id"] for e in events(log, "request.engine_failed")] == [
         t["fails"].request_id

@@ -29,7 +29,8 @@ def batch(requests: list[object], **extra: object) -> bytes:
 
 def test_a_valid_batch_is_taken_whole() -> None:
     parsed = parse_batch(batch([good("a"), good("b")]))
-    assert parsed.problem is None and parsed.rejected == []
+    assert parsed.problem is None
+    assert parsed.rejected == []
     assert isinstance(parsed.batch, Batch)
     assert [r.request_id for r in parsed.batch.requests] == ["a", "b"]
 
@@ -44,7 +45,8 @@ def test_a_partly_invalid_batch_runs_its_valid_requests_and_names_the_others() -
     assert parsed.problem is not None  # the record as a whole is dead-lettered
     addressed = {r.address.request_id: r.reason for r in parsed.rejected if r.address}
     assert list(addressed) == ["bad", "sur"]  # "junk" has no address: dead-lettered only
-    assert "prompt_tokens" in addressed["bad"] and "JSON" in addressed["sur"]
+    assert "prompt_tokens" in addressed["bad"]
+    assert "JSON" in addressed["sur"]
     assert len(parsed.rejected) == 3
 
 
@@ -64,13 +66,17 @@ def test_records_that_are_not_batches_have_nothing_to_run_or_answer() -> None:
         b"",
     ):
         parsed = parse_batch(raw)
-        assert parsed.batch is None and parsed.rejected == [] and parsed.problem
+        assert parsed.batch is None
+        assert parsed.rejected == []
+        assert parsed.problem
 
 
 def test_an_address_is_read_from_a_request_broken_elsewhere() -> None:
     raw = json.dumps({**good("r9"), "attempt": 2, "prompt_tokens": "x"}).encode()
     address = read_address(raw)
-    assert address is not None and address.request_id == "r9" and address.attempt == 2
+    assert address is not None
+    assert address.request_id == "r9"
+    assert address.attempt == 2
     assert address.reply_to == ReplyTo.model_validate(REPLY)
     lone = json.dumps(good("r8")).replace('"hello"', '"\\udc00"').encode()
     assert read_address(lone) is not None  # the strict parser refuses it; this one reads it

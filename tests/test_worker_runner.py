@@ -96,9 +96,11 @@ async def test_an_engine_failure_is_answered_with_one_internal_error_after_its_d
     records = producer.records()
     deltas = [r for r in records if isinstance(r, DeltaResult)]
     finals = [r for r in records if not isinstance(r, DeltaResult)]
-    assert len(finals) == 1 and records[-1] is finals[0]
+    assert len(finals) == 1
+    assert records[-1] is finals[0]
     final = finals[0]
-    assert isinstance(final, ErrorResult) and final.code == "internal"
+    assert isinstance(final, ErrorResult)
+    assert final.code == "internal"
     assert final.seq == len(deltas) == 1  # the first token left, then the engine failed
 
 
@@ -107,8 +109,10 @@ async def test_a_prompt_over_the_context_is_refused_before_the_engine_runs_it() 
     outcome, engine = await run("word " * 40, producer, context=32)
     assert outcome == "answered"
     [final] = producer.records()
-    assert isinstance(final, ErrorResult) and final.code == "invalid_request"
-    assert "40 tokens" in final.message and "context length of 32 tokens" in final.message
+    assert isinstance(final, ErrorResult)
+    assert final.code == "invalid_request"
+    assert "40 tokens" in final.message
+    assert "context length of 32 tokens" in final.message
     assert engine.steps == 0  # the engine never ran a step for it
 
 
@@ -135,4 +139,5 @@ async def test_a_run_fenced_midway_writes_nothing_more() -> None:
     outcome, _ = await run(prompt, producer, epochs=[0, 0, 0])
     assert outcome == "rerun"
     records = producer.records()
-    assert len(records) == 2 and all(isinstance(r, DeltaResult) for r in records)
+    assert len(records) == 2
+    assert all(isinstance(r, DeltaResult) for r in records)
