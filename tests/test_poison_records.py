@@ -143,7 +143,8 @@ async def test_poison_everywhere_is_dead_lettered_and_good_requests_still_flow(
             lone = json.dumps(request(f"lone-{tag}", here)).replace("hello", "\\ud800")
             expired = request(f"late-{tag}", out_of_range, deadline_ms=1, created_at=1.0)
             nowhere = request(f"nowhere-{tag}", missing)
-            values = common_poison() + [
+            values = [
+                *common_poison(),
                 json.dumps(wrong).encode(),
                 lone.encode(),
                 json.dumps(expired).encode(),  # answer undeliverable: dead-lettered
