@@ -37,6 +37,7 @@ class FakeProducer:
     def __init__(self, fail_from: int | None = None) -> None:
         self.sent: list[dict[str, Any]] = []
         self.fail_from = fail_from
+        self.stored_one = asyncio.Event()
 
     async def send(self, topic: str, value: bytes, **kwargs: Any) -> asyncio.Future[Any]:
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
@@ -44,6 +45,7 @@ class FakeProducer:
             future.set_exception(TimeoutError("not stored"))
             return future
         self.sent.append(json.loads(value))
+        self.stored_one.set()
         future.set_result(None)
         return future
 
@@ -141,3 +143,28 @@ async def test_a_run_fenced_midway_writes_nothing_more() -> None:
     records = producer.records()
     assert len(records) == 2
     assert all(isinstance(r, DeltaResult) for r in records)
+
+
+async def test_a_later_attempt_of_a_request_running_here_supersedes_it_silently() -> None:
+    profile = sim_profile("constant", max_num_seqs=4, token_rate=200.0)
+    engine = SimEngine(profile)
+    await engine.start()
+    producer = FakeProducer()
+    runner = RequestRunner(engine, producer, flush_ms=1.0, flush_tokens=1)  # type: ignore[arg-type]
+    first = request("a long enough answer please", max_tokens=200)
+    again = first.model_copy(update={"attempt": 1})
+    try:
+        old = asyncio.create_task(runner.run(first, batch_size=1))
+        await producer.stored_one.wait()  # the old attempt is streaming
+        outcome = await runner.run(again, batch_size=1)
+        assert await old == "superseded"
+        assert outcome == "answered"
+        # An attempt older than the one running is not run at all.
+        late = asyncio.create_task(runner.run(again, batch_size=1))
+        assert await runner.run(first, batch_size=1) == "superseded"
+        await late
+    finally:
+        await engine.stop()
+    records = producer.records()
+    finals = [r for r in records if not isinstance(r, DeltaResult)]
+    assert [(f.attempt, f.kind) for f in finals] == [(1, "done"), (1, "done")]

@@ -307,7 +307,7 @@ class Worker:
         except BaseException:
             self.intake.finished(request)
             raise
-        if outcome == "answered":
+        if outcome in ("answered", "superseded"):
             self.intake.finished(request)
         return outcome
 

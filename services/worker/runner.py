@@ -8,6 +8,7 @@ back to be run again (a drain, a fenced worker, result records that could not be
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import Callable, Mapping
@@ -41,8 +42,10 @@ log = structlog.get_logger()
 
 # How a run ended: answered (its final record is stored), or stopped without an answer to
 # be run again as the next attempt: "handed_back" (asked to stop: a drain or a fencing),
-# "rerun" (its own records could not be written, or its worker was fenced meanwhile).
-RunOutcome = Literal["answered", "handed_back", "rerun"]
+# "rerun" (its own records could not be written, or its worker was fenced meanwhile); or
+# "superseded": a later attempt of the same request came to this worker (it had been
+# declared dead while it ran this one), so this one stops without a word and is done.
+RunOutcome = Literal["answered", "handed_back", "rerun", "superseded"]
 
 
 def engine_request(
@@ -87,8 +90,11 @@ class RequestRunner:
         self._flush_seconds = flush_ms / 1000.0
         self._flush_tokens = flush_tokens
         self._flush_first = flush_first
-        self._running: set[str] = set()
+        # request_id -> attempt of the run under way (the engine knows requests by id)
+        self._running: dict[str, int] = {}
         self._handing_back: set[str] = set()
+        self._superseded: set[str] = set()
+        self._exited: dict[str, asyncio.Event] = {}
 
     @property
     def running(self) -> frozenset[str]:
@@ -117,7 +123,16 @@ class RequestRunner:
         is fenced past it, the run writes nothing more and returns "rerun".
         """
         rid = request.request_id
-        self._running.add(rid)
+        while (older := self._running.get(rid)) is not None:
+            if older >= request.attempt:
+                log.info("request.superseded", request_id=rid, attempt=request.attempt)
+                return "superseded"
+            # Ours is an older attempt, re-run elsewhere meanwhile: it makes way, unheard.
+            self._superseded.add(rid)
+            await self._engine.abort(rid)
+            await self._exited[rid].wait()
+        self._running[rid] = request.attempt
+        self._exited[rid] = exited = asyncio.Event()
         writer = ReplyWriter(
             self._producer,
             request.reply_to,
@@ -137,8 +152,11 @@ class RequestRunner:
             )
             return "rerun"
         finally:
-            self._running.discard(rid)
+            del self._running[rid]
             self._handing_back.discard(rid)
+            self._superseded.discard(rid)
+            del self._exited[rid]
+            exited.set()
 
     async def _run(
         self,
@@ -218,6 +236,9 @@ class RequestRunner:
             log.exception("request.engine_failed", request_id=request.request_id)
             message = f"the engine failed this request ({type(exc).__name__})"
             failure = self._error(request, seq, ErrorCode.internal, message)
+        if request.request_id in self._superseded:
+            log.info("request.superseded", request_id=request.request_id, attempt=request.attempt)
+            return "superseded"
         if failure is None and request.request_id in self._handing_back:
             # No final record: the next attempt's first record resets the client's stream.
             with contextlib.suppress(ReplyFailed):
@@ -269,6 +290,7 @@ class RequestRunner:
         log.info(
             "request.finished",
             request_id=request.request_id,
+            attempt=request.attempt,
             finish_reason=final.code.value
             if isinstance(final, ErrorResult)
             else final.finish_reason,
