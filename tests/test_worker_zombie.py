@@ -239,13 +239,25 @@ async def test_without_self_fencing_the_reset_records_alone_hide_what_a_zombie_w
     assert stack.processes[WORKER_B].poll() is None
     # The zombie did write its stale attempt after the reset that superseded it.
     stale_after_reset = 0
-    for request_id, records in (await result_log(stack)).items():
-        if request_id not in moved:
+    log = await result_log(stack)
+    for t in session.by_client.values():
+        if t.request_id not in moved:
             continue
+        records = log[t.request_id]
         resets_at = [i for i, r in enumerate(records) if r["kind"] == "reset"]
         assert len(resets_at) == 1, records
-        stale_after_reset += sum(1 for r in records[resets_at[0] :] if r["attempt"] == 0)
+        before, after = records[: resets_at[0]], records[resets_at[0] :]
+        stale_after_reset += sum(1 for r in after if r["attempt"] == 0)
+        # What the client saw of attempt 0 was all written before the reset.
+        shown = [
+            f for f in t.frames[: t.frames.index(_reset_frame(t))] if f["type"] == "chat.delta"
+        ]
+        assert len(shown) <= sum(1 for r in before if r["kind"] == "delta")
     assert stale_after_reset > 0, "worker B wrote nothing after waking: the test proved nothing"
+
+
+def _reset_frame(t: Any) -> dict[str, Any]:
+    return next(f for f in t.frames if f["type"] == "chat.reset")
 
 
 async def result_log(stack: Stack) -> dict[str, list[dict[str, Any]]]:

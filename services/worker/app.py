@@ -155,6 +155,12 @@ class Worker:
     def _fenced(self, silent_s: float) -> None:
         """Schedulers may have declared us dead and re-run our requests: stop all of ours."""
         running = sorted(self._runner.running) if hasattr(self, "_runner") else []
+        self._fenced_at = time.time()
+        if not running and len(self.intake) == 0:
+            # Nothing of ours can be re-run elsewhere (a broker outage, a slow start): the
+            # same incarnation goes on. Batches sent before now still go back when read.
+            log.info("worker.silent", worker_id=self.settings.worker_id, silent_s=silent_s)
+            return
         log.warning(
             "worker.fenced",
             worker_id=self.settings.worker_id,
@@ -162,7 +168,6 @@ class Worker:
             epoch=self._epoch,
             running=len(running),
         )
-        self._fenced_at = time.time()
         self.intake.renew()  # heartbeats from now on are a new incarnation's
         if running:
             task = asyncio.get_running_loop().create_task(self._stop_runs(running))
