@@ -119,7 +119,7 @@ def test_scheduler_and_worker_ride_out_a_30_s_broker_outage(
         bootstrap=broker.bootstrap,
         prefix=new_prefix(),
         log_dir=log_dir,
-        env_overrides={"TOKENBUS_WORKER_SIM_TOKEN_RATE": "10"},
+        env_overrides={"TOKENBUS_WORKER_SIM_TOKEN_RATE": "3"},
     )
     reply = f"{stack.prefix}.test.replies"
     settings = TokenbusSettings(KAFKA_BOOTSTRAP_SERVERS=broker.bootstrap)
@@ -130,8 +130,8 @@ def test_scheduler_and_worker_ride_out_a_30_s_broker_outage(
         pids = {key: p.pid for key, p in stack.processes.items()}
         wait_until(lambda: events(stack.log("scheduler"), "worker.registered"), 90, "a worker")
         tier = stack.topics.tier(Tier.interactive)
-        # 300+ tokens at 10 tokens/s: still streaming when the broker goes.
-        [long_prompt] = long_prompts(1, 300, "a stream across the outage")
+        # 100+ tokens at 3 tokens/s: still streaming when the broker goes.
+        [long_prompt] = long_prompts(1, 100, "a stream across the outage")
         asyncio.run(produce(broker.bootstrap, tier, queued("before", long_prompt, reply, 500)))
         wait_until(
             lambda: "before" in read_results(broker.bootstrap, reply), 60, "the stream to start"

@@ -596,8 +596,15 @@ class Scheduler:
         """Restore the ledger of newly assigned partitions; learn what was already dispatched."""
         if not assigned:
             return
-        committed = await self._admin.list_consumer_group_offsets(
-            self.group, partitions=sorted(assigned)
+        # Retried until they answer (a broker just back): without the commit and the
+        # batches read after it, these partitions cannot be scheduled without duplicates.
+        committed = await retrying(
+            lambda: self._admin.list_consumer_group_offsets(
+                self.group, partitions=sorted(assigned)
+            ),
+            within_s=None,
+            what="tier_offsets",
+            retry_on=(KafkaError, TimeoutError),
         )
         starts: dict[int, int] = {}
         for tp in assigned:
@@ -611,8 +618,13 @@ class Scheduler:
                 starts[partition] = min(starts.get(partition, floor), floor)
         topic = self.topics.batches
         async with self._log_lock:
-            logged = await self._batch_log.read(
-                {TopicPartition(topic, p): offset for p, offset in starts.items()}
+            logged = await retrying(
+                lambda: self._batch_log.read(
+                    {TopicPartition(topic, p): offset for p, offset in starts.items()}
+                ),
+                within_s=None,
+                what="batch_log",
+                retry_on=(KafkaError, TimeoutError),
             )
         now = time.time()
         for old in [k for k, t in self._dispatched_before.items() if now - t > DISPATCHED_MEMORY_S]:
