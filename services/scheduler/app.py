@@ -646,10 +646,16 @@ class Scheduler:
             dropped = self.policy.backlog.remove_where(lambda w: w.tp in revoked)
             for p in dropped:
                 self.telemetry.released(p.item.request)
+                # Not handed on: its new owner (maybe us again) reads it anew.
+                request = p.item.request
+                self._seen.get(p.item.tp, OrderedDict()).pop(
+                    (request.request_id, request.attempt), None
+                )
             await self._commit(only=revoked)
             self.ledger.forget(revoked)
-            for tp in revoked:
-                self._seen.pop(tp, None)
+            # The rest of `_seen` is kept (bounded): a partition that comes back after a
+            # rebalance (a broker outage does that) still drops a second hand-back of an
+            # attempt it has handed on.
         log.info(
             "tier_partitions.revoked",
             partitions=sorted(f"{tp.topic}/{tp.partition}" for tp in revoked),

@@ -76,9 +76,11 @@ class Worker:
         self._finished_batches: OrderedDict[str, None] = OrderedDict()
         self._early_cancels = CancelBook()
         interval = settings.worker_heartbeat_ms / 1000.0
-        self.fence = Fence(settings.worker_fence_missed_beats * interval, time.monotonic())
+        self.fence = Fence(settings.fence_after_beats * interval, time.monotonic())
         self._epoch = 0
-        self._fenced_at = 0.0  # wall time of the latest fencing: older batches go back
+        # Wall time before which batches sent here may have been handed back by a scheduler
+        # that declared us dead: such batches go back too, they are not run here.
+        self._stale_before = 0.0
         self._fencing: set[asyncio.Task[None]] = set()
         self._reader = f"worker:{settings.worker_id}"
 
@@ -155,7 +157,10 @@ class Worker:
     def _fenced(self, silent_s: float) -> None:
         """Schedulers may have declared us dead and re-run our requests: stop all of ours."""
         running = sorted(self._runner.running) if hasattr(self, "_runner") else []
-        self._fenced_at = time.time()
+        # Schedulers could declare us dead `dead_after_s` into the silence, and send us
+        # nothing after that until we beat again.
+        silent_since = time.time() - silent_s
+        self._stale_before = max(self._stale_before, silent_since + self.fence.dead_after_s)
         if not running and len(self.intake) == 0:
             # Nothing of ours can be re-run elsewhere (a broker outage, a slow start): the
             # same incarnation goes on. Batches sent before now still go back when read.
@@ -218,7 +223,7 @@ class Worker:
                     continue
                 self._redelivered[batch.batch_id] = []
                 epoch = self._epoch_now()
-                stale = batch.formed_at < self._fenced_at
+                stale = batch.formed_at < self._stale_before
                 task = tg.create_task(
                     self._run_batch(consumer, runner, batch, tp, record.offset, epoch, stale)
                 )
@@ -261,7 +266,7 @@ class Worker:
     ) -> None:
         log.info("batch.started", batch_id=batch.batch_id, size=len(batch.requests), stale=stale)
         if stale:
-            # Formed before this worker fenced itself: a scheduler may run it elsewhere.
+            # Sent before a scheduler may have declared us dead: it may run it elsewhere.
             # Handed back, not run; a scheduler drops the copy its own recovery made.
             results: list[RunOutcome | BaseException] = ["handed_back"] * len(batch.requests)
         else:

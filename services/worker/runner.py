@@ -241,7 +241,8 @@ class RequestRunner:
             return "superseded"
         if failure is None and request.request_id in self._handing_back:
             # No final record: the next attempt's first record resets the client's stream.
-            with contextlib.suppress(ReplyFailed):
+            with contextlib.suppress(ReplyFailed, Fenced):
+                writer.check()  # a fenced run has nothing to wait for
                 await writer.flush()  # bounded; the next attempt supersedes them anyway
             log.info("request.stopped_for_hand_back", request_id=request.request_id, chunks=seq)
             return "handed_back"

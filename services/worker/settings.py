@@ -46,12 +46,18 @@ class WorkerSettings(TokenbusSettings):
         ge=0,
         description="On SIGTERM: how long running requests may finish before being handed back.",
     )
-    worker_fence_missed_beats: float = Field(
-        default=3.0,
+    worker_fence_missed_beats: float | None = Field(
+        default=None,
         gt=1,
-        description="With no heartbeat stored for this many intervals the worker may be"
-        " declared dead: it stops every run, writes nothing more for them and hands them"
-        " back (set it to the schedulers' SCHEDULER_WORKER_MISSED_BEATS).",
+        description="With no heartbeat stored for this many intervals the worker may have"
+        " been declared dead: it stops every run, writes nothing more for them and hands"
+        " them back. Unset: SCHEDULER_WORKER_MISSED_BEATS + 1 (one interval of slack).",
+    )
+    scheduler_worker_missed_beats: int = Field(
+        default=3,
+        ge=1,
+        description="The schedulers' death threshold (their setting); the worker's fence"
+        " follows it.",
     )
     worker_result_write_timeout_s: float = Field(
         default=10.0,
@@ -96,3 +102,10 @@ class WorkerSettings(TokenbusSettings):
         default=1, ge=1, description="vLLM: GPUs per model replica."
     )
     worker_device: str = Field(default="auto", description="transformers: auto|cpu|cuda[:n].")
+
+    @property
+    def fence_after_beats(self) -> float:
+        """Silent heartbeat intervals after which the worker fences itself."""
+        if self.worker_fence_missed_beats is not None:
+            return self.worker_fence_missed_beats
+        return self.scheduler_worker_missed_beats + 1.0
