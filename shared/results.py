@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Set
 
 from aiokafka import AIOKafkaProducer
+from aiokafka.cluster import ClusterMetadata
 from aiokafka.errors import KafkaError
 from aiokafka.structs import RecordMetadata
 
@@ -44,9 +46,20 @@ async def reply_problem(
     """
     partitions = producer.client.cluster.partitions_for_topic(reply_to.topic)
     if partitions is None:
-        async with asyncio.timeout(timeout_s):
-            cluster = await producer.client.fetch_all_metadata()
+        cluster = await cluster_metadata(producer, timeout_s)
         partitions = cluster.partitions_for_topic(reply_to.topic)
+    return target_problem(reply_to, partitions)
+
+
+async def cluster_metadata(producer: AIOKafkaProducer, timeout_s: float) -> ClusterMetadata:
+    """A fresh view of every topic, without adding any to those the producer tracks."""
+    async with asyncio.timeout(timeout_s):
+        cluster: ClusterMetadata = await producer.client.fetch_all_metadata()
+    return cluster
+
+
+def target_problem(reply_to: ReplyTo, partitions: Set[int] | None) -> str | None:
+    """Why `reply_to` cannot be written, given its topic's partitions (None: no such topic)."""
     if partitions is None:
         return f"reply_to topic {reply_to.topic!r} does not exist"
     if reply_to.partition is not None and reply_to.partition not in partitions:

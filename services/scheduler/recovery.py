@@ -27,7 +27,7 @@ from aiokafka.structs import RecordMetadata
 from services.scheduler.batch_log import BatchLog, LoggedBatch
 from shared.kafka import encode, key_of
 from shared.messages import Heartbeat, QueuedRequest, ResetResult
-from shared.results import reply_problem, send_result
+from shared.results import WRITE_ERRORS, cluster_metadata, send_result, target_problem
 from shared.settings import TokenbusSettings
 from shared.topics import Topics
 
@@ -141,22 +141,42 @@ class Recovery:
         return [(r.request_id, r.attempt) for r in requests]
 
     async def _supersede(self, requests: list[QueuedRequest]) -> None:
-        """Announce each request's next attempt on its `reply_to`; return once all are stored.
+        """Announce each request's next attempt on its `reply_to`, best effort, bounded.
 
-        Raises (TimeoutError, KafkaError) if they are not stored in time: the recovery is
-        then retried whole, and a reset written twice is dropped by the edge.
+        Written before the hand-back, and waited for (up to RESET_TIMEOUT_S), so that the
+        reset is in each stream before anything of the next attempt. A reset that cannot be
+        written is logged and skipped: the hand-back must not wait on one bad `reply_to`,
+        and the worker's own fencing still stops a woken zombie.
         """
+        if not requests:
+            return
+        known = self._producer.client.cluster
+        cluster = None
+        if any(known.partitions_for_topic(r.reply_to.topic) is None for r in requests):
+            # One look-up for all unknown topics (per-request result topics), not one each.
+            cluster = await cluster_metadata(self._producer, RESET_TIMEOUT_S)
         futures: list[asyncio.Future[RecordMetadata]] = []
-        async with asyncio.timeout(RESET_TIMEOUT_S):
-            for request in requests:
-                problem = await reply_problem(self._producer, request.reply_to, RESET_TIMEOUT_S)
-                if problem is not None:
-                    log.warning("reset.skipped", request_id=request.request_id, reason=problem)
-                    continue
-                reset = ResetResult(
-                    request_id=request.request_id,
-                    attempt=request.attempt + 1,
-                    reason="the worker running it was declared dead",
-                )
-                futures.append(await send_result(self._producer, request.reply_to, reset))
-            await asyncio.gather(*futures)
+        for request in requests:
+            topic = request.reply_to.topic
+            partitions = known.partitions_for_topic(topic)
+            if partitions is None and cluster is not None:
+                partitions = cluster.partitions_for_topic(topic)
+            problem = target_problem(request.reply_to, partitions)
+            if problem is not None:
+                log.warning("reset.skipped", request_id=request.request_id, reason=problem)
+                continue
+            reset = ResetResult(
+                request_id=request.request_id,
+                attempt=request.attempt + 1,
+                reason="the worker running it was declared dead",
+            )
+            try:
+                async with asyncio.timeout(RESET_TIMEOUT_S):
+                    futures.append(await send_result(self._producer, request.reply_to, reset))
+            except WRITE_ERRORS as exc:
+                log.warning("reset.failed", request_id=request.request_id, error=repr(exc))
+        if futures:
+            done, pending = await asyncio.wait(futures, timeout=RESET_TIMEOUT_S)
+            failed = len(pending) + sum(1 for f in done if f.exception() is not None)
+            if failed:
+                log.warning("reset.failed", count=failed, of=len(futures))
