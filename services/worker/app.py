@@ -157,15 +157,16 @@ class Worker:
     def _fenced(self, silent_s: float) -> None:
         """Schedulers may have declared us dead and re-run our requests: stop all of ours."""
         running = sorted(self._runner.running) if hasattr(self, "_runner") else []
-        # Schedulers could declare us dead `dead_after_s` into the silence, and send us
-        # nothing after that until we beat again.
-        silent_since = time.time() - silent_s
-        self._stale_before = max(self._stale_before, silent_since + self.fence.dead_after_s)
         if not running and len(self.intake) == 0:
             # Nothing of ours can be re-run elsewhere (a broker outage, a slow start): the
-            # same incarnation goes on. Batches sent before now still go back when read.
+            # same incarnation goes on. A batch sent meanwhile runs when read: if it was
+            # handed back too, the reset written first hides this run from every reader.
             log.info("worker.silent", worker_id=self.settings.worker_id, silent_s=silent_s)
             return
+        # Schedulers could declare us dead `dead_after_s` into the silence, and send us
+        # nothing after that until we beat again: what they sent before goes back too.
+        silent_since = time.time() - silent_s
+        self._stale_before = max(self._stale_before, silent_since + self.fence.dead_after_s)
         log.warning(
             "worker.fenced",
             worker_id=self.settings.worker_id,
