@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import time
+from collections import OrderedDict
 from collections.abc import Set
 
 from aiokafka import AIOKafkaProducer
@@ -33,22 +35,62 @@ async def send_result(
     return future
 
 
-async def reply_problem(
-    producer: AIOKafkaProducer, reply_to: ReplyTo, timeout_s: float
-) -> str | None:
-    """Why nothing can ever be written to `reply_to` (None: it can, as far as the cluster says).
+class ReplyTargets:
+    """Whether `reply_to` targets can be written; one per producer (caller: its owner).
 
     Known topics are answered from the producer's metadata, without I/O. An unknown one is
     looked up in a one-off metadata request: asking the producer itself would add the topic
     to the ones it tracks, and it would ask the broker for a missing topic forever after.
-    Raises TimeoutError or KafkaError when the cluster cannot be asked (a broker outage):
-    that says nothing about the target.
+    A topic found missing is looked up once more after `grace_s` (one just created may not
+    be in every broker's metadata yet), then remembered as missing for `remember_s`, so a
+    flood of records naming it costs one wait, not one each.
     """
-    partitions = producer.client.cluster.partitions_for_topic(reply_to.topic)
-    if partitions is None:
-        cluster = await cluster_metadata(producer, timeout_s)
-        partitions = cluster.partitions_for_topic(reply_to.topic)
-    return target_problem(reply_to, partitions)
+
+    def __init__(
+        self,
+        producer: AIOKafkaProducer,
+        *,
+        timeout_s: float,
+        grace_s: float = 0.5,
+        remember_s: float = 10.0,
+        limit: int = 10_000,
+    ) -> None:
+        self._producer = producer
+        self._timeout_s = timeout_s
+        self._grace_s = grace_s
+        self._remember_s = remember_s
+        self._limit = limit
+        self._missing: OrderedDict[str, float] = OrderedDict()  # topic -> found missing at
+
+    async def problem(self, reply_to: ReplyTo) -> str | None:
+        """Why nothing can ever be written to `reply_to` (None: it can, as far as we know).
+
+        Raises TimeoutError or KafkaError when the cluster cannot be asked (an outage):
+        that says nothing about the target.
+        """
+        topic = reply_to.topic
+        partitions = self._producer.client.cluster.partitions_for_topic(topic)
+        if partitions is None:
+            partitions = await self._look_up(topic)
+        return target_problem(reply_to, partitions)
+
+    async def _look_up(self, topic: str) -> Set[int] | None:
+        now = time.monotonic()
+        found_at = self._missing.get(topic)
+        if found_at is not None and now - found_at < self._remember_s:
+            return None
+        self._missing.pop(topic, None)
+        cluster = await cluster_metadata(self._producer, self._timeout_s)
+        partitions: Set[int] | None = cluster.partitions_for_topic(topic)
+        if partitions is None:
+            await asyncio.sleep(self._grace_s)
+            cluster = await cluster_metadata(self._producer, self._timeout_s)
+            partitions = cluster.partitions_for_topic(topic)
+        if partitions is None:
+            self._missing[topic] = time.monotonic()
+            while len(self._missing) > self._limit:
+                self._missing.popitem(last=False)
+        return partitions
 
 
 async def cluster_metadata(producer: AIOKafkaProducer, timeout_s: float) -> ClusterMetadata:

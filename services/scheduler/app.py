@@ -49,7 +49,7 @@ from shared.messages import (
     Tier,
     error_message,
 )
-from shared.results import WRITE_ERRORS, reply_problem, send_result
+from shared.results import WRITE_ERRORS, ReplyTargets, send_result
 from shared.retry import backoffs, retrying
 from shared.topics import Topics
 
@@ -159,6 +159,7 @@ class Scheduler:
         reader = make_consumer(s, group_id=None, client_id=f"scheduler-{s.scheduler_id}-log")
         admin = AIOKafkaAdminClient(bootstrap_servers=s.bootstrap_servers)
         self._producer = producer
+        self._targets = ReplyTargets(producer, timeout_s=METADATA_TIMEOUT_S)
         self._admin = admin
         self._batch_log = BatchLog(reader)
         self._recovery = Recovery(s, admin, self._batch_log, producer)
@@ -517,7 +518,7 @@ class Scheduler:
     async def _write_answer(self, reply_to: ReplyTo, error: ErrorResult, w: Waiting | None) -> None:
         within = self.settings.scheduler_answer_timeout_s
         try:
-            problem = await reply_problem(self._producer, reply_to, METADATA_TIMEOUT_S)
+            problem = await self._targets.problem(reply_to)
         except WRITE_ERRORS as exc:
             problem = None  # the cluster cannot say now: try the write, bounded
             log.warning("reply_to.lookup_failed", topic=reply_to.topic, error=repr(exc))

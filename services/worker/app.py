@@ -42,7 +42,7 @@ from shared.messages import (
     ReplyTo,
     error_message,
 )
-from shared.results import WRITE_ERRORS, reply_problem, send_result
+from shared.results import WRITE_ERRORS, ReplyTargets, send_result
 from shared.retry import backoffs, retrying
 from shared.telemetry import carrier
 from shared.topics import Topics
@@ -112,6 +112,7 @@ class Worker:
                 write_timeout_s=s.worker_result_write_timeout_s,
             )
             self._producer = producer
+            self._targets = ReplyTargets(producer, timeout_s=METADATA_TIMEOUT_S)
             self._runner = runner
             if self._drain_on_sigterm:
                 # SIGTERM drains (SIGINT still cancels at once, via run_service).
@@ -363,7 +364,7 @@ class Worker:
     async def _reply_problem(self, reply_to: ReplyTo) -> str | None:
         """Why `reply_to` cannot be written; None if it can (or the cluster cannot say now)."""
         try:
-            return await reply_problem(self._producer, reply_to, METADATA_TIMEOUT_S)
+            return await self._targets.problem(reply_to)
         except WRITE_ERRORS as exc:
             log.warning("reply_to.lookup_failed", topic=reply_to.topic, error=repr(exc))
             return None
