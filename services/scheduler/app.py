@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 import uuid
 from collections import OrderedDict
@@ -704,7 +705,9 @@ class Scheduler:
             done = set() if state is None else state.handed_back
             try:
                 async with self._log_lock:
-                    handed = await self._recovery.recover(pending.beat, done)
+                    handed = await self._recovery.recover(
+                        pending.beat, done, functools.partial(self._still_dead, pending.beat)
+                    )
             except (KafkaError, TimeoutError) as exc:
                 log.error("worker.recovery_failed", worker_id=worker_id, error=repr(exc))
                 pending.due_at = now + 1.0
@@ -718,6 +721,13 @@ class Scheduler:
                     log.info("worker.forgotten", worker_id=worker_id, registered=len(self.workers))
             else:
                 pending.due_at, pending.sweep = now + RESWEEP_AFTER_S, True
+
+    def _still_dead(self, last: Heartbeat) -> bool:
+        """Whether the incarnation that sent `last` is still the dead one we know."""
+        state = self.workers.get(last.worker_id)
+        if state is None:
+            return True  # forgotten: nothing of it came back
+        return state.dead_at is not None and state.beat.started_at == last.started_at
 
     # -- helpers -------------------------------------------------------------------------------
 

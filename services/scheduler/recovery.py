@@ -17,7 +17,7 @@ is dead-lettered by the worker that takes it next).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Set
+from collections.abc import Callable, Set
 
 import structlog
 from aiokafka import AIOKafkaProducer, TopicPartition
@@ -81,9 +81,17 @@ class Recovery:
         self._producer = producer  # the scheduler's own, for the reset records
 
     async def recover(
-        self, last: Heartbeat, exclude: Set[tuple[str, int]] = frozenset()
+        self,
+        last: Heartbeat,
+        exclude: Set[tuple[str, int]] = frozenset(),
+        still_dead: Callable[[], bool] = lambda: True,
     ) -> list[tuple[str, int]]:
-        """Hand back what `last.worker_id` left unfinished; return the (id, attempt) handed."""
+        """Hand back what `last.worker_id` left unfinished; return the (id, attempt) handed.
+
+        `still_dead()` is asked once more just before anything is written: a worker heard
+        of again meanwhile (a new incarnation takes its own back, and batches sent to it
+        since must not be taken for the dead one's) is left alone, and [] returned.
+        """
         if last.batch_partition is None:
             return []
         group = self._topics.worker_group(last.worker_id)
@@ -101,7 +109,7 @@ class Recovery:
         )
         await producer.start()
         try:
-            return await self._hand_back(producer, last, group, tp, exclude)
+            return await self._hand_back(producer, last, group, tp, exclude, still_dead)
         finally:
             await producer.stop()
 
@@ -112,6 +120,7 @@ class Recovery:
         group: str,
         tp: TopicPartition,
         exclude: Set[tuple[str, int]],
+        still_dead: Callable[[], bool],
     ) -> list[tuple[str, int]]:
         committed = await self._admin.list_consumer_group_offsets(group, partitions=[tp])
         start = committed[tp].offset if tp in committed else -1
@@ -122,7 +131,11 @@ class Recovery:
             return []
         batches = await self._batch_log.read({tp: start})
         requests = unfinished(batches, last, exclude)
-        await self._supersede(requests)
+        # Once a reset is written the hand-back must follow (the edge now waits for N + 1),
+        # so whether the worker is still dead is asked last thing before the first write.
+        if not await self._supersede(requests, still_dead):
+            log.info("worker.recovery_cancelled", worker_id=last.worker_id)
+            return []
         async with producer.transaction():
             for request in requests:
                 again = next_attempt(request)
@@ -140,22 +153,26 @@ class Recovery:
         )
         return [(r.request_id, r.attempt) for r in requests]
 
-    async def _supersede(self, requests: list[QueuedRequest]) -> None:
+    async def _supersede(
+        self, requests: list[QueuedRequest], still_dead: Callable[[], bool]
+    ) -> bool:
         """Announce each request's next attempt on its `reply_to`, best effort, bounded.
+
+        False, with nothing written, if the worker is no longer dead when it would start.
 
         Written before the hand-back, and waited for (up to RESET_TIMEOUT_S), so that the
         reset is in each stream before anything of the next attempt. A reset that cannot be
         written is logged and skipped: the hand-back must not wait on one bad `reply_to`,
         and the worker's own fencing still stops a woken zombie.
         """
-        if not requests:
-            return
         known = self._producer.client.cluster
         cluster = None
         if any(known.partitions_for_topic(r.reply_to.topic) is None for r in requests):
             # One look-up for all unknown topics (per-request result topics), not one each.
             cluster = await cluster_metadata(self._producer, RESET_TIMEOUT_S)
         futures: list[asyncio.Future[RecordMetadata]] = []
+        if not still_dead():
+            return False  # nothing written: the caller leaves the worker alone
         for request in requests:
             topic = request.reply_to.topic
             partitions = known.partitions_for_topic(topic)
@@ -180,3 +197,4 @@ class Recovery:
             failed = len(pending) + sum(1 for f in done if f.exception() is not None)
             if failed:
                 log.warning("reset.failed", count=failed, of=len(futures))
+        return True
