@@ -50,6 +50,7 @@ from shared.messages import (
     Tier,
     error_message,
 )
+from shared.producers import RenewingProducer
 from shared.results import WRITE_ERRORS, ReplyTargets, send_result
 from shared.retry import backoffs, retrying
 from shared.topics import Topics
@@ -138,7 +139,10 @@ class Scheduler:
 
     async def run(self) -> None:
         s = self.settings
-        producer = make_producer(s, client_id=f"scheduler-{s.scheduler_id}")
+        # Renewed if an outage breaks its sequence numbers (shared/producers.py).
+        producer = RenewingProducer(
+            lambda: make_producer(s, client_id=f"scheduler-{s.scheduler_id}")
+        )
         # A configured id is a stable identity: static membership lets a restarted process
         # take its partitions back at once instead of after the session timeout.
         static_id = s.scheduler_id if "scheduler_id" in s.model_fields_set else None

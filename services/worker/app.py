@@ -42,6 +42,7 @@ from shared.messages import (
     ReplyTo,
     error_message,
 )
+from shared.producers import RenewingProducer
 from shared.results import WRITE_ERRORS, ReplyTargets, send_result
 from shared.retry import backoffs, retrying
 from shared.telemetry import carrier
@@ -86,7 +87,8 @@ class Worker:
 
     async def run(self) -> None:
         s = self.settings
-        producer = make_producer(s, client_id=f"worker-{s.worker_id}")
+        # Renewed if an outage breaks its sequence numbers (shared/producers.py).
+        producer = RenewingProducer(lambda: make_producer(s, client_id=f"worker-{s.worker_id}"))
         batches = self.intake.consumer()
         # Every worker sees every cancel: no group, from the live end.
         control = make_consumer(
