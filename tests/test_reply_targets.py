@@ -24,9 +24,13 @@ class FakeClient:
         self.fresh = fresh
         self.lookups = 0
 
-    async def fetch_all_metadata(self) -> FakeCluster:
+    async def _metadata_update(self, cluster: object, topics: list[str]) -> bool:
+        """Fills `cluster` (aiokafka's ClusterMetadata) as the broker would."""
         self.lookups += 1
-        return self.fresh[min(self.lookups, len(self.fresh)) - 1]
+        answer = self.fresh[min(self.lookups, len(self.fresh)) - 1]
+        known = {t: p for t, p in answer.topics.items() if t in topics}
+        cluster.partitions_for_topic = known.get  # type: ignore[attr-defined]
+        return True
 
 
 class FakeProducer:

@@ -167,9 +167,10 @@ class Recovery:
         """
         known = self._producer.client.cluster
         cluster = None
-        if any(known.partitions_for_topic(r.reply_to.topic) is None for r in requests):
+        unknown = {r.reply_to.topic for r in requests} - set(known.topics())
+        if unknown:
             # One look-up for all unknown topics (per-request result topics), not one each.
-            cluster = await cluster_metadata(self._producer, RESET_TIMEOUT_S)
+            cluster = await cluster_metadata(self._producer, RESET_TIMEOUT_S, unknown)
         futures: list[asyncio.Future[RecordMetadata]] = []
         if not still_dead():
             return False  # nothing written: the caller leaves the worker alone
