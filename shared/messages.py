@@ -221,7 +221,22 @@ class ErrorResult(ResultBase):
     message: str
 
 
-ResultRecord = Annotated[DeltaResult | DoneResult | ErrorResult, Field(discriminator="kind")]
+class ResetResult(ResultBase):
+    """Attempt `attempt` supersedes every earlier one: a reader drops their later records.
+
+    Written by the scheduler to a request's `reply_to` before it re-runs the request of a
+    worker declared dead, so a worker that was only paused (a zombie) and writes on cannot
+    show its stale attempt to anyone. Carries no text; `seq` is always 0 and counts nothing.
+    """
+
+    kind: Literal["reset"] = "reset"
+    seq: int = Field(default=0, ge=0)
+    reason: str = ""
+
+
+ResultRecord = Annotated[
+    DeltaResult | DoneResult | ErrorResult | ResetResult, Field(discriminator="kind")
+]
 
 
 def error_message(exc: Exception, skip_loc: int = 0) -> str:

@@ -13,7 +13,13 @@ from typing import Any, ClassVar
 
 import pytest
 
-from services.worker.engines.base import ChatTurn, EngineDelta, EngineFinish, EngineRequest
+from services.worker.engines.base import (
+    ChatTurn,
+    EngineDelta,
+    EngineFinish,
+    EngineRequest,
+    PromptTooLong,
+)
 from services.worker.engines.vllm import (
     VllmApi,
     VllmEngine,
@@ -65,6 +71,15 @@ class FakeTokenizer:
         self.rendered.append(messages)
         return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
 
+    def encode(self, text: str) -> list[int]:
+        """One token per character, like the tiny test model's tokenizer."""
+        return [ord(c) for c in text]
+
+
+@dataclass
+class FakeModelConfig:
+    max_model_len: int
+
 
 class FakeAsyncLLM:
     """Records every call; streams scripted outputs, waits forever where told to."""
@@ -79,6 +94,7 @@ class FakeAsyncLLM:
         self.tokenizer = FakeTokenizer()
         self.script: dict[str, list[FakeRequestOutput]] = {}
         self.hang_after_script: set[str] = set()
+        self.model_config = FakeModelConfig(max_model_len=64)
         FakeAsyncLLM.instances.append(self)
 
     @classmethod
@@ -295,4 +311,20 @@ async def test_an_error_inside_vllm_reaches_the_caller() -> None:
     with pytest.raises(RuntimeError, match="engine dead"):
         _ = [o async for o in engine.generate(EngineRequest("e", "p", 10))]
     assert engine.capacity().free_slots == 4
+    await engine.stop()
+
+
+async def test_a_prompt_over_max_model_len_is_refused_before_vllm_sees_it() -> None:
+    engine, llm = await started_engine()
+    assert engine.context_length == 64  # AsyncLLM.model_config.max_model_len
+    with pytest.raises(PromptTooLong) as refused:
+        _ = [o async for o in engine.generate(EngineRequest("long", "x" * 65, max_tokens=4))]
+    assert "65 tokens" in str(refused.value)
+    assert "context length of 64 tokens" in str(refused.value)
+    assert llm.generate_calls == []  # vLLM never got it
+    assert engine.capacity().free_slots == 4
+    llm.script["fits"] = [out("fits", "ok", [1], "stop")]
+    outputs = [o async for o in engine.generate(EngineRequest("fits", "x" * 64, max_tokens=4))]
+    assert isinstance(outputs[-1], EngineFinish)
+    assert outputs[-1].finish_reason == "stop"  # exactly the context length: accepted
     await engine.stop()

@@ -117,3 +117,47 @@ def test_a_handed_back_request_is_the_next_attempt_of_the_same_request() -> None
     again = next_attempt(first)
     assert again.attempt == 2
     assert again.model_dump(exclude={"attempt"}) == first.model_dump(exclude={"attempt"})
+
+
+def test_a_dead_worker_is_forgotten_and_registers_afresh_when_it_comes_back() -> None:
+    registry = WorkerRegistry(missed_beats=3)
+    assert registry.beat(beat("w1"), now=0.0) is True  # registers
+    assert registry.beat(beat("w1"), now=0.1) is False  # only beats
+    assert [s.beat.worker_id for s in registry.newly_dead(now=1.0)] == ["w1"]
+    registry.get("w1").handed_back.add(("r1", 0))  # type: ignore[union-attr]
+    assert registry.forget("w1") is True
+    assert len(registry) == 0
+    assert registry.get("w1") is None
+    # Back later (only paused, or restarted): a clean registration, nothing of the old state.
+    assert registry.beat(beat("w1", free=4), now=5.0) is True
+    state = registry.get("w1")
+    assert state is not None
+    assert state.dead_at is None
+    assert state.handed_back == set()
+    assert [s.worker_id for s in registry.slots(5.0)] == ["w1"]
+
+
+def test_forget_refuses_a_worker_that_beat_again() -> None:
+    registry = WorkerRegistry(missed_beats=3)
+    registry.beat(beat("w1"), now=0.0)
+    registry.newly_dead(now=1.0)
+    registry.beat(beat("w1"), now=1.1)  # only slow
+    assert registry.forget("w1") is False
+    assert registry.get("w1") is not None
+
+
+def test_dead_workers_are_dropped_after_a_while_so_memory_stays_bounded() -> None:
+    registry = WorkerRegistry(missed_beats=3)
+    for i in range(1000):  # workers coming and going under new ids (autoscaling)
+        registry.beat(beat(f"w{i}"), now=float(i))
+        registry.newly_dead(now=float(i) + 1.0)
+    registry.beat(beat("alive"), now=1000.0)
+    # w{i} was declared dead at i + 1: those before w880 have been dead for over 120 s.
+    gone = registry.forget_dead(now=1000.5, after_s=120.0, keep={"w100"})
+    assert len(gone) == 880 - 1  # except the kept one (a recovery pending for it)
+    assert "w100" not in gone
+    assert "w879" in gone
+    assert "w880" not in gone
+    assert len(registry) == 120 + 1 + 1
+    assert registry.get("alive") is not None
+    assert registry.get("w100") is not None

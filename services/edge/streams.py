@@ -3,6 +3,7 @@
 Pure: no I/O and no clock, so every framing rule is tested with plain values. The rules:
 - a record of an older attempt than the one shown is dropped;
 - the first record of a newer attempt is preceded by `chat.reset`, and `seq` restarts;
+- a `reset` record only announces its attempt (so later records of older ones are dropped);
 - a record whose `seq` was already shown (a replay, a duplicate) is dropped;
 - a record that would leave a hole in `seq` ends the stream with an error: a client is told
   the stream cannot be recovered, never shown a stream with a gap.
@@ -21,10 +22,10 @@ from services.edge.protocol import (
     ServerFrame,
     StreamResumedFrame,
 )
-from shared.messages import DeltaResult, DoneResult, ErrorCode, ErrorResult
+from shared.messages import DeltaResult, DoneResult, ErrorCode, ErrorResult, ResetResult
 
 Deliver = Callable[[ServerFrame], None]
-Result = DeltaResult | DoneResult | ErrorResult
+Result = DeltaResult | DoneResult | ErrorResult | ResetResult
 
 
 def _discard(frame: ServerFrame) -> None:
@@ -204,6 +205,10 @@ class StreamRouter:
             stream.attempt = record.attempt
             stream.next_seq = 0
             stream.emit(ResetFrame(request_id=record.request_id, attempt=record.attempt))
+            if isinstance(record, ResetResult):
+                return True
+        if isinstance(record, ResetResult):
+            return False  # its attempt is already shown: nothing to announce
         if record.seq < stream.next_seq:
             return False
         if record.seq > stream.next_seq:

@@ -4,12 +4,19 @@ Four tasks share one event loop: the tier reader (requests into the policy), the
 heartbeat reader (workers' free slots and liveness), the stepper (runs the policy and
 carries out its plan) and the liveness watch (declares workers dead and, on the one
 scheduler that owns interactive partition 0, hands their unfinished requests back).
+
+Nothing read stops the flow: a tier record or heartbeat that cannot be handled is
+dead-lettered (a request answered with `invalid_request` where its `reply_to` can be
+read) and skipped. Kafka errors (a broker outage) are retried with backoff: a batch is
+sent until stored, an error answer for a bounded time and then dead-lettered, commits
+and fetches again at the next step.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 import uuid
 from collections import OrderedDict
@@ -18,7 +25,7 @@ from dataclasses import dataclass
 
 import structlog
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
-from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
+from aiokafka.errors import KafkaError
 from aiokafka.structs import ConsumerRecord, RecordMetadata
 from pydantic import ValidationError
 
@@ -30,9 +37,21 @@ from services.scheduler.recovery import Recovery
 from services.scheduler.settings import SchedulerSettings
 from services.scheduler.telemetry import SchedulerTelemetry
 from services.scheduler.workers import WorkerRegistry
-from shared.kafka import encode, make_admin, make_consumer, make_producer
-from shared.messages import Batch, ErrorCode, ErrorResult, Heartbeat, QueuedRequest, Tier
-from shared.results import send_result
+from shared.dead_letters import Addressed, Source, dead_letter, dead_letter_value, read_address
+from shared.kafka import encode, key_of, make_admin, make_consumer, make_producer
+from shared.messages import (
+    Batch,
+    ErrorCode,
+    ErrorResult,
+    Heartbeat,
+    QueuedRequest,
+    ReplyTo,
+    Tier,
+    error_message,
+)
+from shared.producers import RenewingProducer
+from shared.results import WRITE_ERRORS, ReplyTargets, send_result
+from shared.retry import backoffs, retrying
 from shared.topics import Topics
 
 log = structlog.get_logger()
@@ -44,6 +63,27 @@ HEARTBEAT_LOOKBACK_S = 60.0  # on start, heartbeats this recent say who is alive
 RESWEEP_AFTER_S = 10.0  # a dead worker is swept once more, for batches sent in a race
 DISPATCHED_MEMORY_S = 600.0  # how long restart-scan findings are kept
 SEEN_MEMORY = 200_000  # (request_id, attempt) remembered to drop a second hand-back
+FORGET_DEAD_AFTER_S = 120.0  # a dead worker not recovered here is forgotten after this
+METADATA_TIMEOUT_S = 2.0  # longest a reply_to look-up may take
+
+
+@dataclass(frozen=True)
+class Outgoing:
+    """A batch on its way to its worker's partition."""
+
+    batch: Batch
+    partition: int
+    headers: list[tuple[str, bytes]]
+
+
+@dataclass(frozen=True)
+class Poison:
+    """A tier record that is not a request: dead-lettered, answered if it has an address."""
+
+    tp: TopicPartition
+    record: ConsumerRecord[bytes, bytes]
+    reason: str
+    address: Addressed | None
 
 
 @dataclass(frozen=True)
@@ -98,7 +138,10 @@ class Scheduler:
 
     async def run(self) -> None:
         s = self.settings
-        producer = make_producer(s, client_id=f"scheduler-{s.scheduler_id}")
+        # Renewed if an outage breaks its sequence numbers (shared/producers.py).
+        producer = RenewingProducer(
+            lambda: make_producer(s, client_id=f"scheduler-{s.scheduler_id}")
+        )
         # A configured id is a stable identity: static membership lets a restarted process
         # take its partitions back at once instead of after the session timeout.
         static_id = s.scheduler_id if "scheduler_id" in s.model_fields_set else None
@@ -120,9 +163,10 @@ class Scheduler:
         reader = make_consumer(s, group_id=None, client_id=f"scheduler-{s.scheduler_id}-log")
         admin = make_admin(s, client_id=f"scheduler-{s.scheduler_id}")
         self._producer = producer
+        self._targets = ReplyTargets(producer, timeout_s=METADATA_TIMEOUT_S)
         self._admin = admin
         self._batch_log = BatchLog(reader)
-        self._recovery = Recovery(s, admin, self._batch_log)
+        self._recovery = Recovery(s, admin, self._batch_log, producer)
         self._tiers = tiers
         stops: list[Callable[[], Awaitable[None]]] = []
         try:
@@ -176,8 +220,16 @@ class Scheduler:
     # -- intake --------------------------------------------------------------------------
 
     async def _read_tiers(self, consumer: AIOKafkaConsumer) -> None:
+        next_wait = backoffs()
         while True:
-            fetched = await consumer.getmany(timeout_ms=FETCH_MS)
+            try:
+                fetched = await consumer.getmany(timeout_ms=FETCH_MS)
+            except KafkaError as exc:
+                wait = next_wait()
+                log.warning("tiers.fetch_failed", error=repr(exc), retry_in_s=wait)
+                await asyncio.sleep(wait)
+                continue
+            next_wait = backoffs()
             # Records of a partition revoked meanwhile belong to its new owner now.
             assigned = consumer.assignment()
             fetched = {
@@ -190,28 +242,33 @@ class Scheduler:
             self.telemetry.fetched(consumer, fetched)
             now = time.time()
             answers: list[tuple[Waiting, ErrorResult]] = []
+            poisons: list[Poison] = []
             for tp, records in fetched.items():
                 for record in records:
                     if not self.ledger.read(tp, record.offset):
                         continue  # handed on before a restart or rebalance
                     answer = self._admit(tp, record, now)
-                    if answer is not None:
+                    if isinstance(answer, Poison):
+                        poisons.append(answer)
+                    elif answer is not None:
                         answers.append(answer)
+            for poison in poisons:
+                await self._reject(poison)
             await self._answer(answers)
             self._pause_far_ahead(consumer)
             self._wake.set()
 
     def _admit(
         self, tp: TopicPartition, record: ConsumerRecord[bytes, bytes], now: float
-    ) -> tuple[Waiting, ErrorResult] | None:
+    ) -> tuple[Waiting, ErrorResult] | Poison | None:
         """Queue the request, or return the error it must be answered with now."""
         try:
             request = QueuedRequest.model_validate_json(record.value or b"")
         except ValidationError as exc:
-            # Only ingest and recovery write tier topics: a bad record is a bug, not input.
-            log.error("tier_record.invalid", topic=tp.topic, offset=record.offset, error=str(exc))
-            self.ledger.handed_on(tp, record.offset)
-            return None
+            # Ingest and recovery write tier topics, but so can anyone with access.
+            reason = error_message(exc)
+            log.error("tier_record.invalid", topic=tp.topic, offset=record.offset, error=reason)
+            return Poison(tp, record, reason, read_address(record.value or b""))
         key = (request.request_id, request.attempt)
         seen = self._seen.setdefault(tp, OrderedDict())
         if key in seen:
@@ -264,22 +321,60 @@ class Scheduler:
                 consumer.resume(tp)
 
     async def _read_heartbeats(self, consumer: AIOKafkaConsumer) -> None:
+        next_wait = backoffs()
         while True:
-            fetched = await consumer.getmany(timeout_ms=FETCH_MS * 5)
+            try:
+                fetched = await consumer.getmany(timeout_ms=FETCH_MS * 5)
+            except KafkaError as exc:
+                wait = next_wait()
+                log.warning("heartbeats.fetch_failed", error=repr(exc), retry_in_s=wait)
+                await asyncio.sleep(wait)
+                continue
+            next_wait = backoffs()
             now = time.time()
             for tp, records in fetched.items():
                 live_from = self._beats_live_from.get(tp, 0)
                 for record in records:
                     try:
                         beat = Heartbeat.model_validate_json(record.value or b"")
+                        problem = self._beat_problem(beat)
                     except ValidationError as exc:
-                        log.error("heartbeat.invalid", offset=record.offset, error=str(exc))
+                        problem = error_message(exc)
+                    if problem is not None:
+                        log.error("heartbeat.invalid", offset=record.offset, error=problem)
+                        await dead_letter(
+                            self._producer,
+                            self.topics.dlq,
+                            record,
+                            code=ErrorCode.invalid_request.value,
+                            reason=f"invalid heartbeat: {problem}",
+                            reader=f"scheduler:{self.settings.scheduler_id}",
+                            within_s=self.settings.scheduler_answer_timeout_s,
+                        )
                         continue
                     # Read back at start-up: proof of life only if it is this fresh.
                     stale = now - beat.sent_at > beat.interval_ms / 1000.0
-                    self.workers.beat(beat, now, replayed=record.offset < live_from and stale)
+                    replayed = record.offset < live_from and stale
+                    if self.workers.beat(beat, now, replayed=replayed) and not replayed:
+                        log.info(
+                            "worker.registered",
+                            worker_id=beat.worker_id,
+                            partition=beat.batch_partition,
+                            started_at=beat.started_at,
+                            registered=len(self.workers),
+                        )
             if fetched:
                 self._wake.set()
+
+    def _beat_problem(self, beat: Heartbeat) -> str | None:
+        """Why a well-formed heartbeat cannot be used here (a partition we cannot send to)."""
+        partition = beat.batch_partition
+        if partition is not None and self._start_ends and partition not in self._start_ends:
+            return (
+                f"batch_partition {partition} is not a partition of {self.topics.batches}"
+                f" ({len(self._start_ends)} partitions)"
+            )
+        return None
 
     # -- the step: plan, carry out, commit -------------------------------------------------
 
@@ -302,7 +397,7 @@ class Scheduler:
                 await self._commit()
 
     async def _carry_out(self, plan: Plan[Waiting], now: float) -> None:
-        sends: list[tuple[Dispatch[Waiting], Batch, asyncio.Future[RecordMetadata]]] = []
+        sends: list[tuple[Dispatch[Waiting], Outgoing, asyncio.Future[RecordMetadata] | None]] = []
         for d in plan.dispatches:
             batch = Batch(
                 batch_id=uuid.uuid4().hex,
@@ -312,20 +407,27 @@ class Scheduler:
                 worker_id=d.worker_id,
             )
             batch, headers = self.telemetry.batch_formed(batch, departed_at=now)
-            future = await self._producer.send(
-                self.topics.batches,
-                encode(batch),
-                key=batch.batch_id.encode(),
-                partition=self.workers.partition_of(d.worker_id),
-                headers=headers,
-            )
-            sends.append((d, batch, future))
+            out = Outgoing(batch, self.workers.partition_of(d.worker_id), list(headers))
+            future: asyncio.Future[RecordMetadata] | None
+            try:
+                future = await self._producer.send(
+                    self.topics.batches,
+                    encode(batch),
+                    key=batch.batch_id.encode(),
+                    partition=out.partition,
+                    headers=out.headers,
+                )
+            except WRITE_ERRORS as exc:
+                log.warning("batch.send_failed", batch_id=batch.batch_id, error=repr(exc))
+                future = None
+            sends.append((d, out, future))
         expired: list[tuple[Waiting, ErrorResult]] = []
         for p in plan.expired:
             self.telemetry.expired(p.item.request)
             expired.append((p.item, self._deadline_error(p.item.request)))
-        for d, batch, future in sends:
-            sent = await future
+        for d, out, future in sends:
+            batch = out.batch
+            sent = await self._stored(out, future)
             self.telemetry.batch_sent(batch)
             self.workers.dispatched(d.worker_id, sent.offset, len(d.passengers))
             self._last_produced[sent.partition] = max(
@@ -346,23 +448,115 @@ class Scheduler:
             )
         await self._answer(expired)
 
+    async def _stored(
+        self, out: Outgoing, future: asyncio.Future[RecordMetadata] | None
+    ) -> RecordMetadata:
+        """The batch record's metadata once stored: sent again (with backoff) until it is.
+
+        Its passengers left the backlog, so there is no way back: a broker outage holds the
+        step here until the broker is back. Should a failed send have been stored after
+        all, the worker skips the second copy (it remembers batch ids).
+        """
+        batch = out.batch
+        if future is not None:
+            try:
+                return await future
+            except KafkaError as exc:
+                log.warning("batch.send_failed", batch_id=batch.batch_id, error=repr(exc))
+
+        async def resend() -> RecordMetadata:
+            sent: RecordMetadata = await self._producer.send_and_wait(
+                self.topics.batches,
+                encode(batch),
+                key=batch.batch_id.encode(),
+                partition=out.partition,
+                headers=out.headers,
+            )
+            return sent
+
+        return await retrying(
+            resend, within_s=None, what="batch", retry_on=WRITE_ERRORS, batch_id=batch.batch_id
+        )
+
     def _hand_on(self, passengers: Sequence[Passenger[Waiting]]) -> None:
         for p in passengers:
             self.ledger.handed_on(p.item.tp, p.item.offset)
         self._handed_on = True
 
+    async def _reject(self, poison: Poison) -> None:
+        """Dead-letter a tier record that is not a request; answer it if it can be."""
+        record = poison.record
+        await dead_letter(
+            self._producer,
+            self.topics.dlq,
+            record,
+            code=ErrorCode.invalid_request.value,
+            reason=f"invalid tier record: {poison.reason}",
+            reader=f"scheduler:{self.settings.scheduler_id}",
+            within_s=self.settings.scheduler_answer_timeout_s,
+        )
+        address = poison.address
+        if address is not None:
+            error = ErrorResult(
+                request_id=address.request_id,
+                attempt=address.attempt,
+                seq=0,
+                code=ErrorCode.invalid_request,
+                message=f"invalid request: {poison.reason}",
+            )
+            await self._write_answer(address.reply_to, error, None)
+        self.ledger.handed_on(poison.tp, record.offset)
+        self._handed_on = True
+
     async def _answer(self, answers: list[tuple[Waiting, ErrorResult]]) -> None:
-        """Publish each error to its request's result stream; then it counts as handed on."""
-        sent = [
-            (w, error, await send_result(self._producer, w.request.reply_to, error))
-            for w, error in answers
-        ]
-        for w, error, future in sent:
-            await future
+        """Publish each error to its request's result stream; then it counts as handed on.
+
+        An error that cannot be stored in time (or ever: its `reply_to` cannot be written)
+        is dead-lettered with its request instead: never a silent commit, never a stall.
+        """
+        for w, error in answers:
+            await self._write_answer(w.request.reply_to, error, w)
             self.ledger.handed_on(w.tp, w.offset)
-            log.info("request.answered", request_id=error.request_id, code=error.code.value)
         if answers:
             self._handed_on = True
+
+    async def _write_answer(self, reply_to: ReplyTo, error: ErrorResult, w: Waiting | None) -> None:
+        within = self.settings.scheduler_answer_timeout_s
+        try:
+            problem = await self._targets.problem(reply_to)
+        except WRITE_ERRORS as exc:
+            problem = None  # the cluster cannot say now: try the write, bounded
+            log.warning("reply_to.lookup_failed", topic=reply_to.topic, error=repr(exc))
+        if problem is None:
+
+            async def write() -> RecordMetadata:
+                return await (await send_result(self._producer, reply_to, error))
+
+            try:
+                await retrying(
+                    write,
+                    within_s=within,
+                    what="answer",
+                    retry_on=WRITE_ERRORS,
+                    request_id=error.request_id,
+                )
+                log.info("request.answered", request_id=error.request_id, code=error.code.value)
+                return
+            except WRITE_ERRORS as exc:
+                problem = f"the answer was not stored within {within} s: {exc!r}"
+        log.error("answer.undeliverable", request_id=error.request_id, reason=problem)
+        if w is not None:
+            await dead_letter_value(
+                self._producer,
+                self.topics.dlq,
+                encode(w.request),
+                key=key_of(w.request.request_id),
+                source=Source(w.tp.topic, w.tp.partition, w.offset),
+                code=error.code.value,
+                reason=f"{error.message}; undeliverable: {problem}",
+                reader=f"scheduler:{self.settings.scheduler_id}",
+                within_s=within,
+            )
 
     async def _commit(self, *, only: set[TopicPartition] | None = None) -> None:
         """Commit what moved, at most once per commit interval (and at once on revocation).
@@ -380,9 +574,11 @@ class Scheduler:
             return
         try:
             await self._tiers.commit(entries)
-        except (CommitFailedError, IllegalStateError) as exc:
-            # A rebalance is under way; its revoke callback commits what we hand over.
-            log.warning("commit.failed", error=str(exc))
+        except KafkaError as exc:
+            # A rebalance is under way (its revoke callback commits what we hand over), or
+            # the broker is away: the next step commits again.
+            log.warning("commit.failed", error=repr(exc))
+            self._last_commit = now
             return
         self.ledger.mark_committed(entries)
         self._last_commit = now
@@ -406,8 +602,15 @@ class Scheduler:
         """Restore the ledger of newly assigned partitions; learn what was already dispatched."""
         if not assigned:
             return
-        committed = await self._admin.list_consumer_group_offsets(
-            self.group, partitions=sorted(assigned)
+        # Retried until they answer (a broker just back): without the commit and the
+        # batches read after it, these partitions cannot be scheduled without duplicates.
+        committed = await retrying(
+            lambda: self._admin.list_consumer_group_offsets(
+                self.group, partitions=sorted(assigned)
+            ),
+            within_s=None,
+            what="tier_offsets",
+            retry_on=(KafkaError, TimeoutError),
         )
         starts: dict[int, int] = {}
         for tp in assigned:
@@ -421,8 +624,13 @@ class Scheduler:
                 starts[partition] = min(starts.get(partition, floor), floor)
         topic = self.topics.batches
         async with self._log_lock:
-            logged = await self._batch_log.read(
-                {TopicPartition(topic, p): offset for p, offset in starts.items()}
+            logged = await retrying(
+                lambda: self._batch_log.read(
+                    {TopicPartition(topic, p): offset for p, offset in starts.items()}
+                ),
+                within_s=None,
+                what="batch_log",
+                retry_on=(KafkaError, TimeoutError),
             )
         now = time.time()
         for old in [k for k, t in self._dispatched_before.items() if now - t > DISPATCHED_MEMORY_S]:
@@ -444,10 +652,16 @@ class Scheduler:
             dropped = self.policy.backlog.remove_where(lambda w: w.tp in revoked)
             for p in dropped:
                 self.telemetry.released(p.item.request)
+                # Not handed on: its new owner (maybe us again) reads it anew.
+                request = p.item.request
+                self._seen.get(p.item.tp, OrderedDict()).pop(
+                    (request.request_id, request.attempt), None
+                )
             await self._commit(only=revoked)
             self.ledger.forget(revoked)
-            for tp in revoked:
-                self._seen.pop(tp, None)
+            # The rest of `_seen` is kept (bounded): a partition that comes back after a
+            # rebalance (a broker outage does that) still drops a second hand-back of an
+            # attempt it has handed on.
         log.info(
             "tier_partitions.revoked",
             partitions=sorted(f"{tp.topic}/{tp.partition}" for tp in revoked),
@@ -473,11 +687,16 @@ class Scheduler:
                 )
                 self._recoveries[state.beat.worker_id] = PendingRecovery(state.beat, now + grace)
                 self._wake.set()
-            if self._recoveries and self.leads_recovery():
+            leader = self.leads_recovery()
+            if self._recoveries and leader:
                 await self._recover_due(now)
             for worker_id, pending in list(self._recoveries.items()):
                 if now - pending.due_at > DISPATCHED_MEMORY_S:
                     del self._recoveries[worker_id]  # the leader elsewhere has done it
+            # The leader forgets a worker once recovered; the others after a while.
+            keep = set(self._recoveries) if leader else set()
+            for worker_id in self.workers.forget_dead(now, FORGET_DEAD_AFTER_S, keep):
+                log.info("worker.forgotten", worker_id=worker_id, registered=len(self.workers))
 
     async def _recover_due(self, now: float) -> None:
         for worker_id, pending in list(self._recoveries.items()):
@@ -490,16 +709,29 @@ class Scheduler:
             done = set() if state is None else state.handed_back
             try:
                 async with self._log_lock:
-                    handed = await self._recovery.recover(pending.beat, done)
-            except KafkaError as exc:
+                    handed = await self._recovery.recover(
+                        pending.beat, done, functools.partial(self._still_dead, pending.beat)
+                    )
+            except (KafkaError, TimeoutError) as exc:
                 log.error("worker.recovery_failed", worker_id=worker_id, error=repr(exc))
                 pending.due_at = now + 1.0
                 continue
             done.update(handed)
             if pending.sweep:
                 del self._recoveries[worker_id]
+                # Recovered twice over: nothing of it is left here. If it comes back, it
+                # registers afresh (its copies of what was handed back are dropped at intake).
+                if self.workers.forget(worker_id):
+                    log.info("worker.forgotten", worker_id=worker_id, registered=len(self.workers))
             else:
                 pending.due_at, pending.sweep = now + RESWEEP_AFTER_S, True
+
+    def _still_dead(self, last: Heartbeat) -> bool:
+        """Whether the incarnation that sent `last` is still the dead one we know."""
+        state = self.workers.get(last.worker_id)
+        if state is None:
+            return True  # forgotten: nothing of it came back
+        return state.dead_at is not None and state.beat.started_at == last.started_at
 
     # -- helpers -------------------------------------------------------------------------------
 

@@ -7,21 +7,31 @@ still held (in its last heartbeat's `held`). The hand-backs and the move of the 
 committed offset to the end happen in one Kafka transaction, so a recovery interrupted
 by a crash is redone from the start, never half-counted; the fixed transactional id
 fences a second scheduler recovering at the same time.
+
+Before that, each request's `reply_to` gets a `reset` record of the new attempt: a worker
+declared dead may only have been paused, and whatever it writes when it wakes belongs to
+an attempt the edge now drops. A `reply_to` that cannot be written gets none (its request
+is dead-lettered by the worker that takes it next).
 """
 
 from __future__ import annotations
 
-from collections.abc import Set
+import asyncio
+from collections.abc import Callable, Set
 
 import structlog
 from aiokafka import AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.structs import RecordMetadata
 
 from services.scheduler.batch_log import BatchLog, LoggedBatch
 from shared.kafka import encode, key_of, make_producer
-from shared.messages import Heartbeat, QueuedRequest
+from shared.messages import Heartbeat, QueuedRequest, ResetResult
+from shared.results import WRITE_ERRORS, cluster_metadata, send_result, target_problem
 from shared.settings import TokenbusSettings
 from shared.topics import Topics
+
+RESET_TIMEOUT_S = 5.0  # longest the reset records of one recovery may take to be stored
 
 log = structlog.get_logger()
 
@@ -58,17 +68,30 @@ class Recovery:
     """Hands back dead workers' requests; one instance per scheduler process."""
 
     def __init__(
-        self, settings: TokenbusSettings, admin: AIOKafkaAdminClient, batch_log: BatchLog
+        self,
+        settings: TokenbusSettings,
+        admin: AIOKafkaAdminClient,
+        batch_log: BatchLog,
+        producer: AIOKafkaProducer,
     ) -> None:
         self._settings = settings
         self._topics = Topics(settings.topic_prefix)
         self._admin = admin
         self._batch_log = batch_log
+        self._producer = producer  # the scheduler's own, for the reset records
 
     async def recover(
-        self, last: Heartbeat, exclude: Set[tuple[str, int]] = frozenset()
+        self,
+        last: Heartbeat,
+        exclude: Set[tuple[str, int]] = frozenset(),
+        still_dead: Callable[[], bool] = lambda: True,
     ) -> list[tuple[str, int]]:
-        """Hand back what `last.worker_id` left unfinished; return the (id, attempt) handed."""
+        """Hand back what `last.worker_id` left unfinished; return the (id, attempt) handed.
+
+        `still_dead()` is asked once more just before anything is written: a worker heard
+        of again meanwhile (a new incarnation takes its own back, and batches sent to it
+        since must not be taken for the dead one's) is left alone, and [] returned.
+        """
         if last.batch_partition is None:
             return []
         group = self._topics.worker_group(last.worker_id)
@@ -83,7 +106,7 @@ class Recovery:
         )
         await producer.start()
         try:
-            return await self._hand_back(producer, last, group, tp, exclude)
+            return await self._hand_back(producer, last, group, tp, exclude, still_dead)
         finally:
             await producer.stop()
 
@@ -94,6 +117,7 @@ class Recovery:
         group: str,
         tp: TopicPartition,
         exclude: Set[tuple[str, int]],
+        still_dead: Callable[[], bool],
     ) -> list[tuple[str, int]]:
         committed = await self._admin.list_consumer_group_offsets(group, partitions=[tp])
         start = committed[tp].offset if tp in committed else -1
@@ -104,6 +128,11 @@ class Recovery:
             return []
         batches = await self._batch_log.read({tp: start})
         requests = unfinished(batches, last, exclude)
+        # Once a reset is written the hand-back must follow (the edge now waits for N + 1),
+        # so whether the worker is still dead is asked last thing before the first write.
+        if not await self._supersede(requests, still_dead):
+            log.info("worker.recovery_cancelled", worker_id=last.worker_id)
+            return []
         async with producer.transaction():
             for request in requests:
                 again = next_attempt(request)
@@ -120,3 +149,50 @@ class Recovery:
             end=end,
         )
         return [(r.request_id, r.attempt) for r in requests]
+
+    async def _supersede(
+        self, requests: list[QueuedRequest], still_dead: Callable[[], bool]
+    ) -> bool:
+        """Announce each request's next attempt on its `reply_to`, best effort, bounded.
+
+        False, with nothing written, if the worker is no longer dead when it would start.
+
+        Written before the hand-back, and waited for (up to RESET_TIMEOUT_S), so that the
+        reset is in each stream before anything of the next attempt. A reset that cannot be
+        written is logged and skipped: the hand-back must not wait on one bad `reply_to`,
+        and the worker's own fencing still stops a woken zombie.
+        """
+        known = self._producer.client.cluster
+        cluster = None
+        unknown = {r.reply_to.topic for r in requests} - set(known.topics())
+        if unknown:
+            # One look-up for all unknown topics (per-request result topics), not one each.
+            cluster = await cluster_metadata(self._producer, RESET_TIMEOUT_S, unknown)
+        futures: list[asyncio.Future[RecordMetadata]] = []
+        if not still_dead():
+            return False  # nothing written: the caller leaves the worker alone
+        for request in requests:
+            topic = request.reply_to.topic
+            partitions = known.partitions_for_topic(topic)
+            if partitions is None and cluster is not None:
+                partitions = cluster.partitions_for_topic(topic)
+            problem = target_problem(request.reply_to, partitions)
+            if problem is not None:
+                log.warning("reset.skipped", request_id=request.request_id, reason=problem)
+                continue
+            reset = ResetResult(
+                request_id=request.request_id,
+                attempt=request.attempt + 1,
+                reason="the worker running it was declared dead",
+            )
+            try:
+                async with asyncio.timeout(RESET_TIMEOUT_S):
+                    futures.append(await send_result(self._producer, request.reply_to, reset))
+            except WRITE_ERRORS as exc:
+                log.warning("reset.failed", request_id=request.request_id, error=repr(exc))
+        if futures:
+            done, pending = await asyncio.wait(futures, timeout=RESET_TIMEOUT_S)
+            failed = len(pending) + sum(1 for f in done if f.exception() is not None)
+            if failed:
+                log.warning("reset.failed", count=failed, of=len(futures))
+        return True

@@ -94,6 +94,12 @@ class SchedulerSettings(TokenbusSettings):
         description="After declaring a worker dead, wait this long (so every scheduler has"
         " stopped sending to it) before handing its unfinished requests back.",
     )
+    scheduler_answer_timeout_s: float = Field(
+        default=3.0,
+        gt=0,
+        description="How long writing an error answer (deadline, budget, invalid record) may"
+        " keep failing, retried with backoff, before the request is dead-lettered instead.",
+    )
     scheduler_max_open_offsets: int = Field(
         default=16000,
         ge=64,

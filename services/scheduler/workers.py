@@ -8,6 +8,7 @@ heartbeat acknowledges them, so two ticks between heartbeats never overfill a wo
 
 from __future__ import annotations
 
+from collections.abc import Set
 from dataclasses import dataclass, field
 
 from services.scheduler.policy import WorkerSlots
@@ -42,13 +43,16 @@ class WorkerRegistry:
         self.missed_beats = missed_beats
         self._workers: dict[str, WorkerState] = {}
 
-    def beat(self, beat: Heartbeat, now: float, *, replayed: bool = False) -> None:
-        """Record a heartbeat; it acknowledges every batch below its `batches_consumed`."""
+    def beat(self, beat: Heartbeat, now: float, *, replayed: bool = False) -> bool:
+        """Record a heartbeat; it acknowledges every batch below its `batches_consumed`.
+
+        True if it registers a worker: a new id, or a new incarnation of a known one.
+        """
         state = self._workers.get(beat.worker_id)
         if state is None or state.beat.started_at != beat.started_at:
             # New, or a new incarnation of the id.
             self._workers[beat.worker_id] = WorkerState(beat, now, heard_live=not replayed)
-            return
+            return True
         # A worker declared dead that beats again was only slow: it is alive again (what it
         # held has been handed back; `handed_back` keeps that from happening twice).
         state.dead_at = None
@@ -59,6 +63,7 @@ class WorkerRegistry:
         state.heard_live = state.heard_live or not replayed
         for offset in [o for o in state.unacked if o < beat.batches_consumed]:
             del state.unacked[offset]
+        return False
 
     def dispatched(self, worker_id: str, offset: int, requests: int) -> None:
         state = self._workers.get(worker_id)
@@ -93,8 +98,33 @@ class WorkerRegistry:
     def get(self, worker_id: str) -> WorkerState | None:
         return self._workers.get(worker_id)
 
-    def forget(self, worker_id: str) -> None:
-        self._workers.pop(worker_id, None)
+    def forget(self, worker_id: str) -> bool:
+        """Drop a worker that is still dead (its work is recovered); False if it came back.
+
+        A worker heard of again later registers afresh, like a new one.
+        """
+        state = self._workers.get(worker_id)
+        if state is None or state.dead_at is None:
+            return False
+        del self._workers[worker_id]
+        return True
+
+    def forget_dead(self, now: float, after_s: float, keep: Set[str] = frozenset()) -> list[str]:
+        """Drop workers dead for more than `after_s` (except `keep`); return their ids.
+
+        Bounds memory when workers come and go (autoscaling, restarts under new ids).
+        """
+        gone = [
+            worker_id
+            for worker_id, state in self._workers.items()
+            if state.dead_at is not None and now - state.dead_at > after_s and worker_id not in keep
+        ]
+        for worker_id in gone:
+            del self._workers[worker_id]
+        return gone
+
+    def __len__(self) -> int:
+        return len(self._workers)
 
     def consumed(self) -> dict[int, int]:
         """Per batch partition, the furthest any worker has read (a floor for new batches)."""

@@ -10,6 +10,8 @@ from aiokafka import AIOKafkaProducer
 
 from shared.kafka import encode, key_of
 from shared.messages import QueuedRequest
+from shared.results import WRITE_ERRORS
+from shared.retry import retrying
 from shared.topics import Topics
 
 log = structlog.get_logger()
@@ -21,10 +23,24 @@ def next_attempt(request: QueuedRequest) -> QueuedRequest:
 
 
 async def hand_back(producer: AIOKafkaProducer, topics: Topics, request: QueuedRequest) -> None:
-    """Put the request back on its tier topic, keyed by request_id; return once stored."""
+    """Put the request back on its tier topic, keyed by request_id; return once stored.
+
+    Retried with backoff for as long as it takes (a broker outage): it is the request's
+    only way on, and the worker keeps it held (in its heartbeats) until then.
+    """
     again = next_attempt(request)
-    await producer.send_and_wait(
-        topics.tier(request.tier), encode(again), key=key_of(request.request_id)
+
+    async def write() -> None:
+        await producer.send_and_wait(
+            topics.tier(request.tier), encode(again), key=key_of(request.request_id)
+        )
+
+    await retrying(
+        write,
+        within_s=None,
+        what="hand_back",
+        retry_on=WRITE_ERRORS,
+        request_id=request.request_id,
     )
     log.info("request.handed_back", request_id=request.request_id, attempt=again.attempt)
 

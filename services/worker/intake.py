@@ -6,29 +6,96 @@ not through a group rebalance, and commits its progress under a group of its own
 from that committed offset. Batches addressed to another worker id are skipped. The
 heartbeat reports the partition, how far the worker has read (`batches_consumed`, the
 scheduler's acknowledgement) and the (request_id, attempt) of every request it holds.
+
+A batch record that is not a valid batch is never retried: `parse_batch` keeps the
+requests of it that are valid (they run), and says which are not and where their answer
+goes; the caller dead-letters the record and answers those.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 import structlog
 from aiokafka import AIOKafkaConsumer, TopicPartition
-from aiokafka.errors import CommitFailedError, IllegalStateError
+from aiokafka.errors import KafkaError
 from aiokafka.structs import ConsumerRecord
 from pydantic import ValidationError
 
 from services.worker.settings import WorkerSettings
+from shared.dead_letters import Addressed, address_of
 from shared.kafka import make_consumer
-from shared.messages import Batch, QueuedRequest
+from shared.messages import Batch, QueuedRequest, error_message
 from shared.offsets import OffsetTracker
 from shared.topics import Topics
 
 log = structlog.get_logger()
 
 FETCH_MS = 1000
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """A request of a batch record that cannot run: where its answer goes (if known), why."""
+
+    address: Addressed | None
+    reason: str
+
+
+@dataclass(frozen=True)
+class ParsedBatch:
+    """What can be run of one batch record.
+
+    `batch`: the valid requests (None: nothing can run). `problem`: why the record is not a
+    valid batch (None: it is); such a record is dead-lettered. `rejected`: its requests that
+    cannot run.
+    """
+
+    batch: Batch | None
+    problem: str | None = None
+    rejected: list[Rejected] = field(default_factory=list)
+
+
+def parse_batch(raw: bytes) -> ParsedBatch:
+    """Validate a batch record; of an invalid one, salvage the valid requests.
+
+    Pure. Every request is checked as strictly as a whole batch would be (re-encoded and
+    parsed by the same strict JSON parser), so what the lenient read lets through (a lone
+    surrogate) is rejected here rather than failing when its results are encoded.
+    """
+    try:
+        return ParsedBatch(Batch.model_validate_json(raw))
+    except ValidationError as exc:
+        problem = error_message(exc)
+    try:
+        value = json.loads(raw)
+    except (ValueError, RecursionError):
+        return ParsedBatch(None, problem)
+    items = value.get("requests") if isinstance(value, dict) else None
+    if not isinstance(value, dict) or not isinstance(items, list):
+        return ParsedBatch(None, problem)
+    valid: list[QueuedRequest] = []
+    rejected: list[Rejected] = []
+    for item in items:
+        try:
+            valid.append(QueuedRequest.model_validate_json(json.dumps(item)))
+        except (ValidationError, ValueError, RecursionError) as exc:
+            reason = error_message(exc) if isinstance(exc, ValidationError) else repr(exc)
+            rejected.append(Rejected(address_of(item), reason))
+    if not valid:
+        return ParsedBatch(None, problem, rejected)
+    try:
+        batch = Batch.model_validate({**value, "requests": valid})
+    except ValidationError as exc:
+        # The batch's own fields are broken: its valid requests cannot be placed either.
+        why = f"batch fields: {error_message(exc)}"
+        lost = [Rejected(address_of(r.model_dump(mode="json")), why) for r in valid]
+        return ParsedBatch(None, problem, rejected + lost)
+    return ParsedBatch(batch, problem, rejected)
 
 
 class BatchIntake:
@@ -79,28 +146,34 @@ class BatchIntake:
 
     async def take(
         self, consumer: AIOKafkaConsumer
-    ) -> list[tuple[ConsumerRecord[bytes, bytes], Batch]]:
-        """The next batches addressed to us, each request now held; others are skipped."""
+    ) -> list[tuple[ConsumerRecord[bytes, bytes], ParsedBatch]]:
+        """The next batch records for us, each valid request now held; others' are skipped.
+
+        A record that is not a valid batch is returned too (its `problem` set), for the
+        caller to dead-letter, answer and complete with `done`.
+        """
         fetched = await consumer.getmany(self.tp, timeout_ms=FETCH_MS)
-        out: list[tuple[ConsumerRecord[bytes, bytes], Batch]] = []
+        out: list[tuple[ConsumerRecord[bytes, bytes], ParsedBatch]] = []
         for record in fetched.get(self.tp, []):
             self._offsets.taken(self.tp, record.offset)
             self.consumed = max(self.consumed, record.offset + 1)
-            try:
-                batch = Batch.model_validate_json(record.value or b"")
-            except ValidationError as exc:
-                log.error("batch.invalid", offset=record.offset, error=str(exc))
+            parsed = parse_batch(record.value or b"")
+            batch = parsed.batch
+            if batch is not None and batch.worker_id not in (None, self.worker_id):
                 await self.done(consumer, record.offset)
                 continue
-            if batch.worker_id not in (None, self.worker_id):
-                await self.done(consumer, record.offset)
-                continue
-            if record.offset < self._replay_below:
-                batch = _next_attempts(batch)
-            for request in batch.requests:
-                self._held[(request.request_id, request.attempt)] = None
-            out.append((record, batch))
+            if batch is not None:
+                if record.offset < self._replay_below:
+                    batch = _next_attempts(batch)
+                    parsed = ParsedBatch(batch, parsed.problem, parsed.rejected)
+                for request in batch.requests:
+                    self._held[(request.request_id, request.attempt)] = None
+            out.append((record, parsed))
         return out
+
+    def renew(self) -> None:
+        """This process is a new incarnation from now on (after fencing itself)."""
+        self.started_at = time.time()
 
     def finished(self, request: QueuedRequest) -> None:
         """The request is answered or handed back: we no longer hold it."""
@@ -126,9 +199,10 @@ class BatchIntake:
             try:
                 await consumer.commit(positions)
                 self._offsets.mark_committed(positions)
-            except (CommitFailedError, IllegalStateError) as exc:
-                # Kept for the next batch's commit; a recovery reads from the older offset.
-                log.warning("commit.failed", error=str(exc))
+            except KafkaError as exc:
+                # Kept for the next batch's commit (a broker outage, a coordinator move); a
+                # recovery meanwhile reads from the older offset, which only costs a re-read.
+                log.warning("commit.failed", error=repr(exc))
 
 
 def _next_attempts(batch: Batch) -> Batch:

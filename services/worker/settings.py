@@ -46,6 +46,25 @@ class WorkerSettings(TokenbusSettings):
         ge=0,
         description="On SIGTERM: how long running requests may finish before being handed back.",
     )
+    worker_fence_missed_beats: float | None = Field(
+        default=None,
+        gt=1,
+        description="With no heartbeat stored for this many intervals the worker may have"
+        " been declared dead: it stops every run, writes nothing more for them and hands"
+        " them back. Unset: SCHEDULER_WORKER_MISSED_BEATS + 1 (one interval of slack).",
+    )
+    scheduler_worker_missed_beats: int = Field(
+        default=3,
+        ge=1,
+        description="The schedulers' death threshold (their setting); the worker's fence"
+        " follows it.",
+    )
+    worker_result_write_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="How long writing a result record may keep failing (retried with backoff)"
+        " before its run is handed back to be run again.",
+    )
 
     # sim engine
     worker_sim_profile: str = Field(
@@ -57,6 +76,12 @@ class WorkerSettings(TokenbusSettings):
         default="continuous", description="sim: continuous (vLLM-like) or static batching."
     )
     worker_sim_token_rate: float = Field(default=50.0, gt=0, description="sim: tokens/s/seq.")
+    worker_sim_fail_marker: str | None = Field(
+        default=None,
+        min_length=1,
+        description="sim fault injection (tests): a request whose prompt contains this text"
+        " fails inside the engine after its first token.",
+    )
 
     # vllm and transformers engines
     worker_model_path: str | None = Field(
@@ -68,9 +93,19 @@ class WorkerSettings(TokenbusSettings):
         default=0.90, gt=0, le=1, description="vLLM: share of GPU memory it may take."
     )
     worker_max_model_len: int | None = Field(
-        default=None, ge=1, description="vLLM/transformers: context length; unset = the model's."
+        default=None,
+        ge=1,
+        description="Context length; longer prompts get invalid_request. Unset: the model's"
+        " (sim: the profile's, 8192).",
     )
     worker_tensor_parallel_size: int = Field(
         default=1, ge=1, description="vLLM: GPUs per model replica."
     )
     worker_device: str = Field(default="auto", description="transformers: auto|cpu|cuda[:n].")
+
+    @property
+    def fence_after_beats(self) -> float:
+        """Silent heartbeat intervals after which the worker fences itself."""
+        if self.worker_fence_missed_beats is not None:
+            return self.worker_fence_missed_beats
+        return self.scheduler_worker_missed_beats + 1.0

@@ -73,16 +73,42 @@ class Capacity:
     utilisation: float
 
 
+class PromptTooLong(ValueError):
+    """The prompt does not fit the model's context: refused before the engine sees it."""
+
+    def __init__(self, prompt_tokens: int, context_length: int) -> None:
+        super().__init__(
+            f"the prompt is {prompt_tokens} tokens, longer than the model's context length"
+            f" of {context_length} tokens"
+        )
+        self.prompt_tokens = prompt_tokens
+        self.context_length = context_length
+
+
+def check_prompt(prompt_tokens: int, context_length: int | None) -> None:
+    """Raise `PromptTooLong` if the prompt is longer than the context (None: unknown).
+
+    Longer, as vLLM counts it: a prompt of exactly the context length is accepted.
+    """
+    if context_length is not None and prompt_tokens > context_length:
+        raise PromptTooLong(prompt_tokens, context_length)
+
+
 class Engine(Protocol):
     """What a worker needs from an engine.
 
     `generate` submits the request and streams its `EngineDelta`s, always ending with one
     `EngineFinish` (finish_reason "cancelled" after `abort`). Closing the stream early
-    aborts the request. `abort` returns whether the request was still in the engine; once
-    it returns, the request's slot is counted free in `capacity()`.
+    aborts the request. A prompt longer than `context_length` raises `PromptTooLong` from
+    the stream's first step, before the request is submitted; any other exception from
+    the stream is the engine failing that request. `abort` returns whether the request was
+    still in the engine; once it returns, the request's slot is counted free in
+    `capacity()`.
     """
 
     name: str
+    # Tokens of context the model takes (prompt and generated); None: unknown, not checked.
+    context_length: int | None
 
     async def start(self) -> None: ...
 

@@ -14,8 +14,11 @@ def build_engine(settings: WorkerSettings) -> Engine:
             settings.worker_sim_profile,
             max_num_seqs=settings.worker_max_num_seqs,
             token_rate=settings.worker_sim_token_rate,
+            context_length=settings.worker_max_model_len,
         )
-        return SimEngine(profile, settings.worker_sim_mode)
+        return SimEngine(
+            profile, settings.worker_sim_mode, fail_marker=settings.worker_sim_fail_marker
+        )
     if settings.worker_engine == "vllm":
         from services.worker.engines.vllm import VllmEngine, engine_args_from_settings, load_vllm
 
@@ -31,5 +34,6 @@ def build_engine(settings: WorkerSettings) -> Engine:
             max_num_seqs=settings.worker_max_num_seqs,
             dtype=settings.worker_dtype,
             device=settings.worker_device,
+            max_model_len=settings.worker_max_model_len,
         )
     raise ValueError(f"engine {settings.worker_engine!r} is not available in this build")

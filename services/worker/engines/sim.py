@@ -5,6 +5,10 @@ Two batching modes, as real engines have them:
   their prompts are prefilled inside that step, and each sequence leaves when it is done.
 - `static`: a batch starts only when the previous one has fully finished; its prompts are
   padded to the longest one, and finished rows keep costing compute until the batch ends.
+
+Fault injection (tests only): with `fail_marker` set, a request whose prompt contains it
+fails inside the engine after its first token, as a real engine's request can (a CUDA
+error, an OOM): its stream raises `SimulatedFault`.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from services.worker.engines.base import (
     EngineOutput,
     EngineRequest,
     FinishReason,
+    check_prompt,
 )
 from services.worker.engines.sim_profiles import SimProfile
 from services.worker.engines.sim_text import Completion, complete
@@ -32,18 +37,29 @@ from shared.tokens import estimate_tokens
 SimMode = Literal["continuous", "static"]
 
 
+class SimulatedFault(RuntimeError):
+    """The failure `fail_marker` injects into a request."""
+
+
 @dataclass
 class _Sequence:
     request: EngineRequest
     plan: Completion
     prompt_tokens: int
-    outputs: asyncio.Queue[EngineOutput] = field(default_factory=asyncio.Queue)
+    outputs: asyncio.Queue[EngineOutput | Exception] = field(default_factory=asyncio.Queue)
     position: int = 0
     finished: bool = False
+    fails: bool = False  # fault injection: fail after the first token
 
     @property
     def done(self) -> bool:
         return self.position >= len(self.plan.pieces)
+
+    def fail(self) -> None:
+        self.finished = True
+        self.outputs.put_nowait(
+            SimulatedFault(f"sim fault injected into {self.request.request_id}")
+        )
 
     def finish(self, reason: FinishReason | None = None) -> None:
         if self.finished:
@@ -72,9 +88,17 @@ class SimEngine:
 
     name = "sim"
 
-    def __init__(self, profile: SimProfile | None = None, mode: SimMode = "continuous") -> None:
+    def __init__(
+        self,
+        profile: SimProfile | None = None,
+        mode: SimMode = "continuous",
+        *,
+        fail_marker: str | None = None,
+    ) -> None:
         self.profile = profile or SimProfile()
         self.mode = mode
+        self.context_length: int | None = self.profile.context_length
+        self.fail_marker = fail_marker or None
         self._waiting: list[tuple[int, int, _Sequence]] = []
         self._running: dict[str, _Sequence] = {}
         self._batch: _StaticBatch | None = None
@@ -105,11 +129,15 @@ class SimEngine:
             request.prompt, request.max_tokens, request.stop, request.temperature, request.top_p
         )
         seq = _Sequence(request, plan, estimate_tokens(request.prompt))
+        check_prompt(seq.prompt_tokens, self.context_length)
+        seq.fails = self.fail_marker is not None and self.fail_marker in request.prompt
         heapq.heappush(self._waiting, (request.priority, next(self._arrivals), seq))
         self._wakeup.set()
         try:
             while True:
                 out = await seq.outputs.get()
+                if isinstance(out, Exception):
+                    raise out
                 yield out
                 if isinstance(out, EngineFinish):
                     return
@@ -215,6 +243,10 @@ class SimEngine:
         self._step_due = due
 
     def _emit(self, seq: _Sequence) -> None:
+        if seq.fails and seq.position >= 1:
+            self._running.pop(seq.request.request_id, None)
+            seq.fail()
+            return
         if not seq.done:
             seq.outputs.put_nowait(EngineDelta(seq.plan.pieces[seq.position], 1))
             seq.position += 1

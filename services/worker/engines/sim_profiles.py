@@ -51,6 +51,8 @@ class SimProfile:
     max_num_seqs: int = 64
     token_rate: float = 50.0  # tokens/s per sequence; the `constant` profile only
     cost: CostModel | None = None
+    # Llama-3-8B's max_position_embeddings (config.json); a prompt longer is refused.
+    context_length: int = 8192
 
     def step_seconds(self, running: int, kv_tokens: int, prefill_tokens: int = 0) -> float:
         if self.cost is None:
@@ -92,10 +94,18 @@ PROFILES: dict[str, SimProfile] = {
 }
 
 
-def sim_profile(name: str, *, max_num_seqs: int, token_rate: float) -> SimProfile:
-    """The named profile with this worker's slot count (and, for `constant`, its rate)."""
+def sim_profile(
+    name: str, *, max_num_seqs: int, token_rate: float, context_length: int | None = None
+) -> SimProfile:
+    """The named profile with this worker's slot count (and, for `constant`, its rate).
+
+    `context_length` overrides the profile's (TOKENBUS_WORKER_MAX_MODEL_LEN).
+    """
     try:
         base = PROFILES[name]
     except KeyError:
         raise ValueError(f"unknown sim profile {name!r}; known: {sorted(PROFILES)}") from None
-    return replace(base, max_num_seqs=max_num_seqs, token_rate=token_rate)
+    profile = replace(base, max_num_seqs=max_num_seqs, token_rate=token_rate)
+    if context_length is not None:
+        profile = replace(profile, context_length=context_length)
+    return profile

@@ -33,6 +33,7 @@ from services.worker.engines.base import (
     EngineOutput,
     EngineRequest,
     FinishReason,
+    check_prompt,
 )
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -70,10 +71,17 @@ class TransformersEngine:
 
     name = "transformers"
 
-    def __init__(self, model: Any, tokenizer: Any, *, max_num_seqs: int) -> None:
+    def __init__(
+        self, model: Any, tokenizer: Any, *, max_num_seqs: int, max_model_len: int | None = None
+    ) -> None:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.max_num_seqs = max_num_seqs
+        # The model's own limit (positions it was trained for) unless configured lower.
+        trained = getattr(model.config, "max_position_embeddings", None)
+        self.context_length: int | None = max_model_len or (
+            trained if isinstance(trained, int) else None
+        )
         self.device = next(model.parameters()).device
         forward_params = inspect.signature(model.forward).parameters
         # transformers 5 renamed the cache argument; accept both.
@@ -90,7 +98,13 @@ class TransformersEngine:
 
     @classmethod
     def from_pretrained(
-        cls, path: str, *, max_num_seqs: int, dtype: str = "auto", device: str = "auto"
+        cls,
+        path: str,
+        *,
+        max_num_seqs: int,
+        dtype: str = "auto",
+        device: str = "auto",
+        max_model_len: int | None = None,
     ) -> TransformersEngine:
         """Load a model and tokenizer from a local directory (no download)."""
         target = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
@@ -102,7 +116,9 @@ class TransformersEngine:
         model: Any = AutoModelForCausalLM.from_pretrained(
             path, dtype=torch_dtype, local_files_only=True
         )
-        return cls(model.to(target), tokenizer, max_num_seqs=max_num_seqs)
+        return cls(
+            model.to(target), tokenizer, max_num_seqs=max_num_seqs, max_model_len=max_model_len
+        )
 
     async def start(self) -> None:
         if self._loop is None:
@@ -122,6 +138,7 @@ class TransformersEngine:
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
         seq = _Sequence(request, self._encode(request))
+        check_prompt(len(seq.prompt_ids), self.context_length)
         if request.temperature > 0:
             seq.generator = torch.Generator(device=self.device)
             seq.generator.manual_seed(hash(request.request_id) & 0x7FFFFFFF)

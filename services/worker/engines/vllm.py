@@ -25,6 +25,7 @@ from services.worker.engines.base import (
     EngineOutput,
     EngineRequest,
     FinishReason,
+    check_prompt,
 )
 from services.worker.settings import WorkerSettings
 from shared.tokens import estimate_tokens
@@ -162,10 +163,12 @@ class VllmEngine:
         self._max_num_seqs = int(args.max_num_seqs)
         self._llm: AsyncLLMLike | None = None
         self._inflight: dict[str, _InFlight] = {}
+        self.context_length: int | None = getattr(args, "max_model_len", None)
 
     async def start(self) -> None:
         if self._llm is None:
             self._llm = self._api.async_llm.from_engine_args(self._args)
+            self.context_length = _max_model_len(self._llm) or self.context_length
 
     async def stop(self) -> None:
         for flight in list(self._inflight.values()):
@@ -177,6 +180,11 @@ class VllmEngine:
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
         llm = self._require_llm()
         prompt = await self._render_prompt(llm, request)
+        if self.context_length is not None:
+            # vLLM would refuse it too, but as an engine error; refused here, it is the
+            # client's: `invalid_request`, naming the limit.
+            tokenizer = await self._tokenizer(llm)
+            check_prompt(len(tokenizer.encode(prompt)), self.context_length)
         flight = _InFlight(request, estimate_tokens(prompt))
         self._inflight[request.request_id] = flight
         stream = llm.generate(
@@ -228,12 +236,17 @@ class VllmEngine:
             raise RuntimeError("VllmEngine.start() has not run")
         return self._llm
 
-    async def _render_prompt(self, llm: AsyncLLMLike, request: EngineRequest) -> str:
-        if request.messages is None:
-            return request.prompt
+    @staticmethod
+    async def _tokenizer(llm: AsyncLLMLike) -> Any:
         tokenizer = llm.get_tokenizer()
         if inspect.isawaitable(tokenizer):  # async before vLLM 0.12
             tokenizer = await tokenizer
+        return tokenizer
+
+    async def _render_prompt(self, llm: AsyncLLMLike, request: EngineRequest) -> str:
+        if request.messages is None:
+            return request.prompt
+        tokenizer = await self._tokenizer(llm)
         if not getattr(tokenizer, "chat_template", None):
             return request.prompt
         rendered: str = tokenizer.apply_chat_template(
@@ -283,3 +296,9 @@ class VllmEngine:
                 await flight.pump
         if self._llm is not None:
             await self._llm.abort(flight.request.request_id)
+
+
+def _max_model_len(llm: Any) -> int | None:
+    """The context length vLLM settled on (`AsyncLLM.model_config.max_model_len`)."""
+    value = getattr(getattr(llm, "model_config", None), "max_model_len", None)
+    return value if isinstance(value, int) else None

@@ -1,0 +1,147 @@
+"""An idempotent producer that starts afresh when Kafka says its sequence numbers broke.
+
+aiokafka (0.14; aio-libs/aiokafka#1017, open) never resets an idempotent producer's
+sequence numbers: when batches fail during a broker outage, every later write to those
+partitions is refused with `OutOfOrderSequenceNumber`, and a failure inside its sender
+makes the producer unusable for good. The Java client bumps the producer epoch instead
+(KIP-360). Here the broken producer is replaced by a new one (a new producer id, so
+sequences restart) built by the same factory; records in flight on the old one fail, and
+their writers' own retries carry them on the new one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import structlog
+from aiokafka import AIOKafkaProducer
+from aiokafka.errors import (
+    KafkaError,
+    OutOfOrderSequenceNumber,
+    ProducerClosed,
+    UnknownProducerId,
+)
+from aiokafka.structs import RecordMetadata
+
+from shared.kafka import Headers
+from shared.retry import retrying
+
+log = structlog.get_logger()
+
+# Errors after which a producer never writes again.
+BROKEN = (OutOfOrderSequenceNumber, UnknownProducerId)
+STOP_TIMEOUT_S = 5.0
+
+
+class RenewingProducer:
+    """The part of `AIOKafkaProducer` tokenbus uses, on a producer renewed when broken.
+
+    Caller: one owner (a service's app); `client` and the send methods always reach the
+    current producer.
+    """
+
+    def __init__(self, make: Callable[[], AIOKafkaProducer]) -> None:
+        self._make = make
+        self._inner = make()
+        self._renewal: asyncio.Task[None] | None = None
+        self.renewals = 0
+
+    @property
+    def client(self) -> Any:
+        return self._inner.client
+
+    async def start(self) -> None:
+        await self._inner.start()
+
+    async def settled(self) -> None:
+        """Return once no renewal is under way."""
+        if self._renewal is not None:
+            await asyncio.shield(self._renewal)
+
+    async def stop(self) -> None:
+        if self._renewal is not None:
+            self._renewal.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._renewal
+        await self._inner.stop()
+
+    async def send(
+        self,
+        topic: str,
+        value: bytes | None = None,
+        key: bytes | None = None,
+        partition: int | None = None,
+        headers: Headers | None = None,
+    ) -> asyncio.Future[RecordMetadata]:
+        producer = self._inner
+        try:
+            future: asyncio.Future[RecordMetadata] = await producer.send(
+                topic, value, key=key, partition=partition, headers=headers
+            )
+        except (*BROKEN, ProducerClosed) as exc:
+            self._broken(producer, exc)
+            raise
+        except KafkaError as exc:
+            if self._sender_dead(producer):
+                self._broken(producer, exc)
+            raise
+        future.add_done_callback(functools.partial(self._stored, producer))
+        return future
+
+    async def send_and_wait(
+        self,
+        topic: str,
+        value: bytes | None = None,
+        key: bytes | None = None,
+        partition: int | None = None,
+        headers: Headers | None = None,
+    ) -> RecordMetadata:
+        return await (await self.send(topic, value, key=key, partition=partition, headers=headers))
+
+    def _stored(self, producer: AIOKafkaProducer, future: asyncio.Future[RecordMetadata]) -> None:
+        if future.cancelled():
+            return
+        exc = future.exception()
+        if isinstance(exc, BROKEN) or (exc is not None and self._sender_dead(producer)):
+            self._broken(producer, exc)
+
+    @staticmethod
+    def _sender_dead(producer: AIOKafkaProducer) -> bool:
+        sender = getattr(producer, "_sender", None)
+        task = getattr(sender, "sender_task", None)
+        return task is not None and task.done()
+
+    def _broken(self, producer: AIOKafkaProducer, exc: BaseException) -> None:
+        if producer is not self._inner or self._renewal is not None:
+            return  # an old producer's late failure, or a renewal already under way
+        log.warning("producer.broken", error=repr(exc))
+        self._renewal = asyncio.get_running_loop().create_task(self._renew(producer))
+
+    async def _renew(self, broken: AIOKafkaProducer) -> None:
+        async def start_fresh() -> AIOKafkaProducer:
+            fresh = self._make()
+            try:
+                await fresh.start()
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    await fresh.stop()
+                raise
+            return fresh
+
+        try:
+            self._inner = await retrying(
+                start_fresh, within_s=None, what="producer_start", retry_on=(KafkaError, OSError)
+            )
+            self.renewals += 1
+            log.warning("producer.renewed", renewals=self.renewals)
+            try:
+                async with asyncio.timeout(STOP_TIMEOUT_S):
+                    await broken.stop()
+            except (KafkaError, TimeoutError) as exc:
+                log.warning("producer.stop_failed", error=repr(exc))
+        finally:
+            self._renewal = None

@@ -1,0 +1,177 @@
+"""A 30 s broker outage under a scheduler and a worker with a stream under way.
+
+On a broker of the test's own (the shared one is never stopped): the scheduler and the
+worker keep running through the outage, and once the broker is back the stream that was
+running ends with exactly one final record of its last attempt, and a new request is
+answered in full. Requests go straight to the tier topic (no edge or ingest: their part
+of the outage is tested with them), their results to a topic the test reads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiokafka import AIOKafkaProducer
+from aiokafka.errors import KafkaError
+
+from services.worker.engines.sim_text import complete
+from shared.kafka import create_topics
+from shared.messages import QueuedRequest, ReplyTo, Tier
+from shared.settings import TokenbusSettings
+from tests.processes import free_port_pair
+from tests.stack import ROOT, Stack, new_prefix, read_topic, wait_until
+from tests.test_scheduler_failover import long_prompts
+from tests.worker_logs import events
+
+OUTAGE_S = 30.0
+
+
+def launcher(*args: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "deploy.kafka.launcher", *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+class OwnBroker:
+    def __init__(self, state: Path) -> None:
+        self.port = free_port_pair()
+        self.where = ("--port", str(self.port), "--state-dir", str(state))
+
+    @property
+    def bootstrap(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        launcher("start", *self.where)
+
+    def stop(self) -> None:
+        launcher("stop", *self.where)
+
+
+@pytest.fixture(scope="module")
+def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OwnBroker]:
+    own = OwnBroker(tmp_path_factory.mktemp("outage-kafka"))
+    try:
+        own.start()
+        yield own
+    finally:
+        own.stop()
+
+
+def queued(rid: str, prompt: str, reply: str, max_tokens: int) -> bytes:
+    return (
+        QueuedRequest(
+            request_id=rid,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            tier=Tier.interactive,
+            prompt_tokens=4,
+            reply_to=ReplyTo(topic=reply, partition=0),
+        )
+        .model_dump_json()
+        .encode()
+    )
+
+
+async def produce(bootstrap: str, topic: str, value: bytes) -> None:
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all")
+    await producer.start()
+    try:
+        await producer.send_and_wait(topic, value)
+    finally:
+        await producer.stop()
+
+
+def read_results(bootstrap: str, topic: str) -> dict[str, list[dict[str, Any]]]:
+    """Every result record on `topic` now, per request; {} while the broker cannot say."""
+    try:
+        values = asyncio.run(asyncio.wait_for(read_topic(bootstrap, topic, 1), 30))
+    except (KafkaError, OSError, TimeoutError):
+        return {}
+    out: dict[str, list[dict[str, Any]]] = {}
+    for value in values:
+        record = json.loads(value)
+        out.setdefault(record["request_id"], []).append(record)
+    return out
+
+
+def ended(records: list[dict[str, Any]]) -> bool:
+    """The last attempt written has its final record."""
+    top = max(r["attempt"] for r in records)
+    return any(r["attempt"] == top and r["kind"] in ("done", "error") for r in records)
+
+
+@pytest.mark.timeout(900)  # the broker's own restart can take minutes on two busy cores
+def test_scheduler_and_worker_ride_out_a_30_s_broker_outage(
+    broker: OwnBroker, log_dir: Path
+) -> None:
+    stack = Stack(
+        bootstrap=broker.bootstrap,
+        prefix=new_prefix(),
+        log_dir=log_dir,
+        env_overrides={"TOKENBUS_WORKER_SIM_TOKEN_RATE": "3"},
+    )
+    reply = f"{stack.prefix}.test.replies"
+    settings = TokenbusSettings(KAFKA_BOOTSTRAP_SERVERS=broker.bootstrap)
+    asyncio.run(create_topics(settings, {**stack.topics.partitions(), reply: 1}))
+    stack.start_service("scheduler")
+    stack.start_service("worker")
+    try:
+        pids = {key: p.pid for key, p in stack.processes.items()}
+        wait_until(lambda: events(stack.log("scheduler"), "worker.registered"), 90, "a worker")
+        tier = stack.topics.tier(Tier.interactive)
+        # 100+ tokens at 3 tokens/s: still streaming when the broker goes.
+        [long_prompt] = long_prompts(1, 100, "a stream across the outage")
+        asyncio.run(produce(broker.bootstrap, tier, queued("before", long_prompt, reply, 500)))
+        wait_until(
+            lambda: "before" in read_results(broker.bootstrap, reply), 60, "the stream to start"
+        )
+
+        assert not ended(read_results(broker.bootstrap, reply)["before"])  # mid-stream
+        broker.stop()
+        down_until = time.monotonic() + OUTAGE_S
+        while time.monotonic() < down_until:  # the outage itself: both keep running
+            for key, proc in stack.processes.items():
+                assert proc.poll() is None, f"{key} exited during the outage"
+            time.sleep(1.0)
+        broker.start()
+
+        after_prompt = "asked once the broker is back"
+        asyncio.run(produce(broker.bootstrap, tier, queued("after", after_prompt, reply, 12)))
+
+        def both_ended() -> bool:
+            got = read_results(broker.bootstrap, reply)
+            return all(rid in got and ended(got[rid]) for rid in ("before", "after"))
+
+        wait_until(both_ended, 300, "both requests to end", interval=1.0)
+        for key, proc in stack.processes.items():
+            assert proc.poll() is None, f"{key} exited"
+            assert proc.pid == pids[key]
+        got = read_results(broker.bootstrap, reply)
+        for rid, prompt, max_tokens in (
+            ("before", long_prompt, 500),
+            ("after", after_prompt, 12),
+        ):
+            records = got[rid]
+            top = max(r["attempt"] for r in records)
+            last = [r for r in records if r["attempt"] == top]
+            finals = [r for r in last if r["kind"] in ("done", "error")]
+            assert len(finals) == 1, last
+            if finals[0]["kind"] == "done":
+                deltas = sorted((r for r in last if r["kind"] == "delta"), key=lambda r: r["seq"])
+                assert [d["seq"] for d in deltas] == list(range(len(deltas)))
+                assert "".join(d["text"] for d in deltas) == complete(prompt, max_tokens).text
+        assert got["after"][-1]["kind"] == "done"
+    finally:
+        for key in list(stack.processes):
+            stack.stop_service(key)

@@ -1,0 +1,170 @@
+"""The runner's endings (pure of Kafka: a fake producer records what would be written).
+
+Every run ends in exactly one final record, or in none and a re-run: an engine failure is
+one `internal` error, a prompt over the context one `invalid_request` before the engine
+sees it, a result write that fails or a fencing stops the run without a final record.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from pydantic import TypeAdapter
+
+from services.worker.engines.sim import SimEngine
+from services.worker.engines.sim_profiles import sim_profile
+from services.worker.engines.sim_text import complete
+from services.worker.runner import RequestRunner
+from shared.messages import (
+    DeltaResult,
+    DoneResult,
+    ErrorResult,
+    QueuedRequest,
+    ReplyTo,
+    ResultRecord,
+    Tier,
+)
+
+MARKER = "FAULT-HERE"
+_records: TypeAdapter[ResultRecord] = TypeAdapter(ResultRecord)
+
+
+class FakeProducer:
+    """Stores every record sent; `fail_from` makes sends from that count on fail to store."""
+
+    def __init__(self, fail_from: int | None = None) -> None:
+        self.sent: list[dict[str, Any]] = []
+        self.fail_from = fail_from
+        self.stored_one = asyncio.Event()
+
+    async def send(self, topic: str, value: bytes, **kwargs: Any) -> asyncio.Future[Any]:
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        if self.fail_from is not None and len(self.sent) >= self.fail_from:
+            future.set_exception(TimeoutError("not stored"))
+            return future
+        self.sent.append(json.loads(value))
+        self.stored_one.set()
+        future.set_result(None)
+        return future
+
+    def records(self) -> list[DeltaResult | DoneResult | ErrorResult]:
+        out = []
+        for value in self.sent:
+            record = _records.validate_python(value)
+            assert isinstance(record, DeltaResult | DoneResult | ErrorResult)
+            out.append(record)
+        return out
+
+
+def request(prompt: str, max_tokens: int = 30) -> QueuedRequest:
+    return QueuedRequest(
+        request_id="r1",
+        prompt=prompt,
+        max_tokens=max_tokens,
+        tier=Tier.interactive,
+        prompt_tokens=1,
+        reply_to=ReplyTo(topic="t.results", partition=0),
+    )
+
+
+async def run(
+    prompt: str, producer: FakeProducer, *, context: int = 8192, epochs: list[int] | None = None
+) -> tuple[str, SimEngine]:
+    profile = sim_profile("constant", max_num_seqs=4, token_rate=500.0, context_length=context)
+    engine = SimEngine(profile, fail_marker=MARKER)
+    await engine.start()
+    clock = iter(epochs) if epochs is not None else None
+    runner = RequestRunner(
+        engine,
+        producer,  # type: ignore[arg-type]
+        flush_ms=1.0,
+        flush_tokens=1,
+        epoch_now=(lambda: next(clock, 1)) if clock is not None else (lambda: 0),
+        write_timeout_s=0.5,
+    )
+    try:
+        outcome = await runner.run(request(prompt), batch_size=1)
+    finally:
+        await engine.stop()
+    return outcome, engine
+
+
+async def test_an_engine_failure_is_answered_with_one_internal_error_after_its_deltas() -> None:
+    producer = FakeProducer()
+    outcome, _ = await run(f"tell me a story {MARKER}", producer)
+    assert outcome == "answered"
+    records = producer.records()
+    deltas = [r for r in records if isinstance(r, DeltaResult)]
+    finals = [r for r in records if not isinstance(r, DeltaResult)]
+    assert len(finals) == 1
+    assert records[-1] is finals[0]
+    final = finals[0]
+    assert isinstance(final, ErrorResult)
+    assert final.code == "internal"
+    assert final.seq == len(deltas) == 1  # the first token left, then the engine failed
+
+
+async def test_a_prompt_over_the_context_is_refused_before_the_engine_runs_it() -> None:
+    producer = FakeProducer()
+    outcome, engine = await run("word " * 40, producer, context=32)
+    assert outcome == "answered"
+    [final] = producer.records()
+    assert isinstance(final, ErrorResult)
+    assert final.code == "invalid_request"
+    assert "40 tokens" in final.message
+    assert "context length of 32 tokens" in final.message
+    assert engine.steps == 0  # the engine never ran a step for it
+
+
+async def test_a_prompt_at_the_context_length_runs() -> None:
+    producer = FakeProducer()
+    outcome, _ = await run("word " * 32, producer, context=32)
+    assert outcome == "answered"
+    assert isinstance(producer.records()[-1], DoneResult)
+
+
+async def test_a_result_that_cannot_be_stored_stops_the_run_for_a_rerun_without_a_final() -> None:
+    prompt = "a long enough answer please"
+    assert complete(prompt, 30).completion_tokens > 3
+    producer = FakeProducer(fail_from=2)
+    outcome, _ = await run(prompt, producer)
+    assert outcome == "rerun"
+    assert all(isinstance(r, DeltaResult) for r in producer.records())
+
+
+async def test_a_run_fenced_midway_writes_nothing_more() -> None:
+    prompt = "a long enough answer please"
+    producer = FakeProducer()
+    # Epoch 0 for the start and the first two writes, then the worker fences itself.
+    outcome, _ = await run(prompt, producer, epochs=[0, 0, 0])
+    assert outcome == "rerun"
+    records = producer.records()
+    assert len(records) == 2
+    assert all(isinstance(r, DeltaResult) for r in records)
+
+
+async def test_a_later_attempt_of_a_request_running_here_supersedes_it_silently() -> None:
+    profile = sim_profile("constant", max_num_seqs=4, token_rate=200.0)
+    engine = SimEngine(profile)
+    await engine.start()
+    producer = FakeProducer()
+    runner = RequestRunner(engine, producer, flush_ms=1.0, flush_tokens=1)  # type: ignore[arg-type]
+    first = request("a long enough answer please", max_tokens=200)
+    again = first.model_copy(update={"attempt": 1})
+    try:
+        old = asyncio.create_task(runner.run(first, batch_size=1))
+        await producer.stored_one.wait()  # the old attempt is streaming
+        outcome = await runner.run(again, batch_size=1)
+        assert await old == "superseded"
+        assert outcome == "answered"
+        # An attempt older than the one running is not run at all.
+        late = asyncio.create_task(runner.run(again, batch_size=1))
+        assert await runner.run(first, batch_size=1) == "superseded"
+        await late
+    finally:
+        await engine.stop()
+    records = producer.records()
+    finals = [r for r in records if not isinstance(r, DeltaResult)]
+    assert [(f.attempt, f.kind) for f in finals] == [(1, "done"), (1, "done")]
