@@ -17,14 +17,13 @@ from pathlib import Path
 
 import pytest
 import websockets
-from aiokafka.admin import AIOKafkaAdminClient
 
 from services.edge.resume import verify
 from services.worker.engines.sim_text import complete
+from shared.kafka import make_admin
 from tests.chat_client import recv_json
 from tests.stack import Stack, free_port, new_prefix, wait_until
 
-SECRET = b"test-secret"  # tests/stack.py gives every service this resume secret
 TOKEN_RATE = 5  # sim tokens/s
 RETENTION_S = 3.0  # an edge deletes its own topics this long after their streams end
 ORPHAN_AFTER_S = 6.0  # the sweeper: no write for this long, and no edge reads it
@@ -56,7 +55,9 @@ def two_edges(bootstrap: str, log_dir: Path) -> Iterator[tuple[Stack, int]]:
         stack.stop()
 
 
-async def request(ws: websockets.ClientConnection, prompt: str, max_tokens: int) -> str:
+async def request(
+    stack: Stack, ws: websockets.ClientConnection, prompt: str, max_tokens: int
+) -> str:
     """Send a request; return its per-request topic (from the resume token)."""
     await ws.send(
         json.dumps(
@@ -70,11 +71,11 @@ async def request(ws: websockets.ClientConnection, prompt: str, max_tokens: int)
     )
     accepted = await recv_json(ws)
     assert accepted["type"] == "chat.accepted", accepted
-    return verify(accepted["resume_token"], SECRET, now=time.time()).topic
+    return verify(accepted["resume_token"], stack.resume_keys, now=time.time()).topic
 
 
-async def existing(bootstrap: str) -> set[str]:
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+async def existing(stack: Stack) -> set[str]:
+    admin = make_admin(stack.settings)
     await admin.start()
     try:
         return set(await admin.list_topics())
@@ -88,22 +89,22 @@ async def test_a_crashed_edges_topics_are_swept_by_another_edge(
     stack, _ = two_edges
     assert complete(LONG_PROMPT, 500).completion_tokens > TOKEN_RATE * (ORPHAN_AFTER_S + 5)
     async with websockets.connect(stack.ws_url) as ws:
-        finished = [await request(ws, f"short {i}", 3) for i in range(3)]
+        finished = [await request(stack, ws, f"short {i}", 3) for i in range(3)]
         ends = 0
         while ends < len(finished):  # every short stream has ended on edge A
             frame = await recv_json(ws)
             ends += frame["type"] in ("chat.done", "error")
-        long_topic = await request(ws, LONG_PROMPT, 500)
+        long_topic = await request(stack, ws, LONG_PROMPT, 500)
         await recv_json(ws)  # its first delta: the worker writes it now
         # Killed before its retention (RETENTION_S) deletes the finished streams' topics.
         stack.stop_service("edge", signal.SIGKILL)
         killed_at = time.monotonic()
-    topics = await existing(stack.bootstrap)
+    topics = await existing(stack)
     assert set(finished) <= topics, "edge A deleted its topics before it was killed"
 
     # Edge B's sweeper: the finished streams' topics go once their last write is old enough.
     deadline = killed_at + ORPHAN_AFTER_S + 10 * SWEEP_INTERVAL_S + 30
-    while set(finished) & (topics := await existing(stack.bootstrap)):
+    while set(finished) & (topics := await existing(stack)):
         assert time.monotonic() < deadline, f"still there: {set(finished) & topics}"
         await asyncio.sleep(0.5)
     swept_after = time.monotonic() - killed_at

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from pydantic import ValidationError
 
 from services.edge import keys as keyfile
-from services.edge.settings import EdgeSettings
+from services.edge.settings import KeysSettings
 
 if TYPE_CHECKING:
     from tokenbus.cli import Subcommands
@@ -31,7 +31,7 @@ LIMIT_FLAGS = ("rps", "burst", "concurrency", "tokens_per_min", "sockets")
 
 def local_keys() -> tuple[Path, str | None]:
     """For `tokenbus up`: the keys file (absolute) and its development key, if it uses one."""
-    keys_file = EdgeSettings().edge_keys_file.absolute()
+    keys_file = KeysSettings().edge_keys_file.absolute()
     return keys_file, ensure_dev_key(keys_file, STATE_DIR.absolute())
 
 
@@ -85,7 +85,7 @@ def register(commands: Subcommands) -> None:
 
 def _path(args: argparse.Namespace) -> Path:
     given: Path | None = args.file
-    return given if given is not None else EdgeSettings().edge_keys_file
+    return given if given is not None else KeysSettings().edge_keys_file
 
 
 def _create(args: argparse.Namespace) -> int:

@@ -14,7 +14,19 @@ from shared.settings import TokenbusSettings
 ResultTopology = Literal["partition", "topic"]
 
 
-class EdgeSettings(TokenbusSettings):
+class KeysSettings(TokenbusSettings):
+    """Where API keys live: read by the edge, `tokenbus keys` and `tokenbus up`."""
+
+    edge_keys_file: Path = Field(
+        default=Path(".tokenbus/keys.json"),
+        description=(
+            "API keys file (hashes, tenants, limits; `tokenbus keys`). Re-read when it changes."
+            " Missing or empty: every key is refused."
+        ),
+    )
+
+
+class EdgeSettings(KeysSettings):
     # An error message must never carry a secret it was given.
     model_config = SettingsConfigDict(hide_input_in_errors=True)
 
@@ -119,13 +131,6 @@ class EdgeSettings(TokenbusSettings):
         return ResumeKeys.from_settings(self.resume_secret, self.resume_secrets)
 
     # -- security: API keys, origins, quotas (services/edge/auth.py, keys.py, quotas.py) -----
-    edge_keys_file: Path = Field(
-        default=Path(".tokenbus/keys.json"),
-        description=(
-            "API keys file (hashes, tenants, limits; `tokenbus keys`). Re-read when it changes."
-            " Missing or empty: every key is refused."
-        ),
-    )
     edge_allowed_origins: list[str] | None = Field(
         default=None,
         description=(
