@@ -156,6 +156,24 @@ def test_no_admin_client_is_built_outside_the_factory() -> None:
     assert not offenders, "use shared.kafka.make_admin: " + ", ".join(offenders)
 
 
+def test_no_service_builds_a_consumer_outside_the_factory() -> None:
+    """A consumer built by hand would not log in: `make_consumer` carries security.
+    (Tests may read the PLAINTEXT test broker with raw consumers; services may not.)"""
+    offenders = []
+    for path in python_files():
+        relative = path.relative_to(SOURCE_ROOT).as_posix()
+        if relative.split("/")[0] not in ("services", "shared", "tokenbus", "deploy"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            func = node.func
+            name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", None)
+            if name == "AIOKafkaConsumer" and relative != "shared/kafka.py":
+                offenders.append(f"{relative}:{node.lineno}")
+    assert not offenders, "use shared.kafka.make_consumer: " + ", ".join(offenders)
+
+
 def test_half_configured_security_fails_at_start(tls_files: secured.SecureFiles) -> None:
     with pytest.raises(ValidationError, match="needs TOKENBUS_KAFKA_SASL_USERNAME"):
         TokenbusSettings(kafka_security_protocol="SASL_SSL", kafka_sasl_username="edge")

@@ -130,8 +130,9 @@ def grants(topics: Topics) -> dict[str, list[Grant]]:
         "ingest": [
             _topic(topics.requests, read),
             Grant(Resource.GROUP, f"{topics.prefix}.ingest", Pattern.LITERAL, (read,)),
-            *(_topic(t, write) for t in tiers),
-            _topic(topics.dlq, write),
+            # read: what was handed on is remembered by reading the tails back (dedupe).
+            *(_topic(t, read, write) for t in tiers),
+            _topic(topics.dlq, read, write),
             *results_out,  # error results of refused requests
         ],
         "scheduler": [
@@ -139,7 +140,8 @@ def grants(topics: Topics) -> dict[str, list[Grant]]:
             Grant(Resource.GROUP, f"{topics.prefix}.scheduler", Pattern.LITERAL, (read,)),
             _topic(topics.batches, read, write),  # read: restart floors, recovery
             _topic(topics.workers, read),
-            *results_out,  # requests that expire before dispatch
+            _topic(topics.dlq, write),  # records it cannot read (poison)
+            *results_out,  # requests that expire before dispatch; resets before a re-run
             # Recovery: one transaction writes the hand-backs and moves the dead worker's
             # group offset, so it writes that transactional id and reads worker groups.
             Grant(
@@ -155,6 +157,7 @@ def grants(topics: Topics) -> dict[str, list[Grant]]:
             worker_groups,  # each worker commits under `<prefix>.worker.<id>`
             _topic(topics.control, read),
             _topic(topics.workers, write),
+            _topic(topics.dlq, write),  # records it cannot read (poison)
             *(_topic(t, write) for t in tiers),  # a draining worker hands requests back
             *results_out,
         ],

@@ -169,7 +169,7 @@ class Edge:
                 await self.reader.start(None)
             sweeper = TopicSweeper(
                 self._admin,
-                s.bootstrap_servers,
+                s,
                 self.topics,
                 self._reads_topic,
                 self.metrics,

@@ -20,11 +20,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import structlog
-from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka import TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
 
 from services.edge.metrics import EdgeMetrics
+from shared.kafka import make_consumer
+from shared.settings import TokenbusSettings
 from shared.topics import Topics
 
 log = structlog.get_logger()
@@ -78,7 +80,7 @@ class TopicSweeper:
     def __init__(
         self,
         admin: AIOKafkaAdminClient,
-        bootstrap_servers: str,
+        settings: TokenbusSettings,
         topics: Topics,
         mine: Callable[[str], bool],
         metrics: EdgeMetrics,
@@ -86,7 +88,7 @@ class TopicSweeper:
         interval_s: float,
     ) -> None:
         self._admin = admin
-        self._bootstrap = bootstrap_servers
+        self._settings = settings
         self._topics = topics
         self._mine = mine
         self._metrics = metrics
@@ -125,7 +127,7 @@ class TopicSweeper:
     async def _look(self, names: list[str], now: float) -> dict[str, Sighting]:
         cutoff_ms = int((now - self.book.orphan_after_s) * 1000)
         tps = [TopicPartition(name, 0) for name in names]
-        consumer = AIOKafkaConsumer(bootstrap_servers=self._bootstrap, enable_auto_commit=False)
+        consumer = make_consumer(self._settings, group_id=None, client_id="edge-sweeper")
         await consumer.start()
         try:
             ends = await consumer.end_offsets(tps)

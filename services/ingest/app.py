@@ -182,7 +182,7 @@ class Ingest:
                     self.memory,
                     self.topics,
                     self.admin,
-                    self.settings.bootstrap_servers,
+                    self.settings,
                     self.settings.ingest_dedupe_window,
                 )
                 self._recalled.set()

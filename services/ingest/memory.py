@@ -12,11 +12,13 @@ import time
 from dataclasses import dataclass, field
 
 import structlog
-from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
+from aiokafka import ConsumerRecord, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
 from services.ingest.admission import Recent, RecentIds
 from services.ingest.dead_letter import SOURCE, Source
+from shared.kafka import make_consumer
+from shared.settings import TokenbusSettings
 from shared.topics import Topics
 
 log = structlog.get_logger()
@@ -38,18 +40,13 @@ async def recall(
     memory: Memory,
     topics: Topics,
     admin: AIOKafkaAdminClient,
-    bootstrap_servers: str,
+    settings: TokenbusSettings,
     window: int,
 ) -> int:
     """Read the last `window` records of the tier topics (spread over their partitions) and
     of the DLQ into `memory`; return how many records were read."""
     started = time.monotonic()
-    consumer = AIOKafkaConsumer(
-        bootstrap_servers=bootstrap_servers,
-        group_id=None,
-        enable_auto_commit=False,
-        client_id="ingest-recall",
-    )
+    consumer = make_consumer(settings, group_id=None, client_id="ingest-recall")
     await consumer.start()
     try:
         tiers = await _partitions(admin, topics.tiers)
