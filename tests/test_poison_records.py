@@ -20,11 +20,12 @@ from typing import Any
 import pytest
 import websockets
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from services.worker.engines.sim_text import complete
 from shared.dead_letters import CODE_HEADER, REASON_HEADER, SOURCE_TOPIC_HEADER
+from shared.kafka import make_admin, new_topic
 from shared.messages import Heartbeat, QueuedRequest, ReplyTo, Tier
+from shared.settings import TokenbusSettings
 from tests.chat_client import run_requests
 from tests.stack import Stack, new_prefix, wait_until
 
@@ -112,10 +113,10 @@ async def read_all(bootstrap: str, topic: str, partitions: int) -> list[Any]:
 
 
 async def create_topic(bootstrap: str, name: str) -> None:
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    admin = make_admin(TokenbusSettings(KAFKA_BOOTSTRAP_SERVERS=bootstrap))
     await admin.start()
     try:
-        await admin.create_topics([NewTopic(name, 1, 1)])
+        await admin.create_topics([new_topic(name, 1, replication=1)])
     finally:
         await admin.close()
 

@@ -29,6 +29,8 @@ PRODUCER_CLASSES = frozenset(
 ALLOWED: dict[str, str] = {
     "tests/test_bad_input.py": "writes malformed records (poison) onto the requests topic, "
     "as an outside client would, to prove they reach the DLQ",
+    "tests/test_poison_records.py": "writes poison (up to 4 MiB: past the factory's request "
+    "size) onto every topic the scheduler and worker read, as a broken producer would",
 }
 SKIPPED_DIRS = frozenset({"__pycache__", "node_modules", "build", "dist"})
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -57,8 +58,9 @@ def tokenbus_up(log: Path, env: dict[str, str], *args: str) -> Iterator[subproce
                 os.kill(pid, signal.SIGKILL)
 
 
-def wait_ready(up: subprocess.Popen[bytes], port: int, log: Path) -> None:
-    """Wait for `up` to announce its URLs, which it does once /healthz answers 200."""
+def wait_ready(up: subprocess.Popen[bytes], port: int, log: Path) -> str:
+    """Wait for `up` to announce its URLs, which it does once /healthz answers 200; return
+    the development API key its banner prints."""
     announced = f"ws://127.0.0.1:{port}/v1/chat"
     wait_until(
         lambda: up.poll() is not None or announced in log.read_text(), 180, "tokenbus up ready"
@@ -66,6 +68,9 @@ def wait_ready(up: subprocess.Popen[bytes], port: int, log: Path) -> None:
     assert up.poll() is None, f"tokenbus up exited with {up.returncode}:\n{log.read_text()}"
     assert healthy(port)
     assert f"http://127.0.0.1:{port}/" in log.read_text()
+    key = re.search(r"^  API key +(\S+)$", log.read_text(), re.M)
+    assert key is not None, f"no API key in the banner:\n{log.read_text()}"
+    return key.group(1)
 
 
 def settings(bootstrap: str, prefix: str) -> TokenbusSettings:
@@ -84,7 +89,7 @@ def service_pids(pids: set[int]) -> dict[str, int]:
     return found
 
 
-def chat_works(port: int, timeout_s: float = 180) -> None:
+def chat_works(port: int, key: str, timeout_s: float = 180) -> None:
     """A chat request through the edge answered to its end (chat.done) before the deadline.
 
     A connection the edge closes (1012, service restart: it lost its lease while Kafka was
@@ -92,7 +97,9 @@ def chat_works(port: int, timeout_s: float = 180) -> None:
     """
 
     async def chat() -> dict[str, Any] | None:
-        async with websockets.connect(f"ws://127.0.0.1:{port}/v1/chat") as ws:
+        async with websockets.connect(
+            f"ws://127.0.0.1:{port}/v1/chat", additional_headers={"Authorization": f"Bearer {key}"}
+        ) as ws:
             request = {"client_id": "c", "prompt": "still there?", "max_tokens": 4}
             transcripts = await run_requests(ws, [request], timeout=60)
         return transcripts["c"].final
@@ -121,9 +128,10 @@ def test_up_restarts_the_broker_it_started_and_sigterm_stops_everything(tmp_path
     kafka_port, edge_port = free_port_pair(), free_port()
     env = {k: v for k, v in os.environ.items() if not k.endswith("BOOTSTRAP_SERVERS")}
     env["TOKENBUS_KAFKA_STATE_DIR"] = str(state)
+    env["TOKENBUS_EDGE_KEYS_FILE"] = str(tmp_path / "keys.json")  # a development key of its own
     log = tmp_path / "up.log"
     with tokenbus_up(log, env, "--port", str(edge_port), "--kafka-port", str(kafka_port)) as up:
-        wait_ready(up, edge_port, log)
+        key = wait_ready(up, edge_port, log)
         tree = descendants(up.pid)
         broker = int((state / "kafka.pid").read_text())
         assert broker in tree, "up should run the broker it started as its own child"
@@ -145,7 +153,7 @@ def test_up_restarts_the_broker_it_started_and_sigterm_stops_everything(tmp_path
 
         wait_until(new_broker, 180, "a restarted broker")
         assert int((state / "kafka.pid").read_text()) in descendants(up.pid)
-        chat_works(edge_port)
+        chat_works(edge_port, key)
         assert up.poll() is None, log.read_text()
 
         tree = descendants(up.pid)
@@ -161,11 +169,16 @@ def test_a_killed_service_is_restarted_and_a_broker_up_did_not_start_is_spared(
     tmp_path: Path, bootstrap: str
 ) -> None:
     prefix, edge_port = new_prefix(), free_port()
-    env = dict(os.environ, KAFKA_BOOTSTRAP_SERVERS=bootstrap, TOKENBUS_TOPIC_PREFIX=prefix)
+    env = dict(
+        os.environ,
+        KAFKA_BOOTSTRAP_SERVERS=bootstrap,
+        TOKENBUS_TOPIC_PREFIX=prefix,
+        TOKENBUS_EDGE_KEYS_FILE=str(tmp_path / "keys.json"),
+    )
     log = tmp_path / "up.log"
     try:
         with tokenbus_up(log, env, "--port", str(edge_port)) as up:
-            wait_ready(up, edge_port, log)
+            key = wait_ready(up, edge_port, log)
             tree = descendants(up.pid)
             services = service_pids(tree)
             assert set(services) == SERVICES
@@ -178,7 +191,7 @@ def test_a_killed_service_is_restarted_and_a_broker_up_did_not_start_is_spared(
             )
             said = f"scheduler (pid {scheduler}) exited with code -9 (SIGKILL); restarting in 1.0 s"
             assert said in log.read_text()
-            chat_works(edge_port)
+            chat_works(edge_port, key)
             assert up.poll() is None, log.read_text()
 
             tree = descendants(up.pid)
