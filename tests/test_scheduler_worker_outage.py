@@ -19,11 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 
 from services.worker.engines.sim_text import complete
-from shared.kafka import create_topics
+from shared.kafka import create_topics, make_producer
 from shared.messages import QueuedRequest, ReplyTo, Tier
 from shared.settings import TokenbusSettings
 from tests.processes import free_port_pair
@@ -84,7 +83,7 @@ def queued(rid: str, prompt: str, reply: str, max_tokens: int) -> bytes:
 
 
 async def produce(bootstrap: str, topic: str, value: bytes) -> None:
-    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all")
+    producer = make_producer(TokenbusSettings(KAFKA_BOOTSTRAP_SERVERS=bootstrap), "test-producer")
     await producer.start()
     try:
         await producer.send_and_wait(topic, value)

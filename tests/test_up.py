@@ -92,8 +92,9 @@ def service_pids(pids: set[int]) -> dict[str, int]:
 def chat_works(port: int, key: str, timeout_s: float = 180) -> None:
     """A chat request through the edge answered to its end (chat.done) before the deadline.
 
-    A connection the edge closes (1012, service restart: it lost its lease while Kafka was
-    away) or refuses (it is being restarted) is retried, as a client reconnects.
+    A connection the edge closes or refuses (it is being restarted) is retried, as a client
+    reconnects; so is a request answered `overloaded` (Kafka just came back), after its
+    `retry_after_ms`.
     """
 
     async def chat() -> dict[str, Any] | None:
@@ -108,11 +109,15 @@ def chat_works(port: int, key: str, timeout_s: float = 180) -> None:
     while True:
         try:
             final = asyncio.run(chat())
-            break
         except (websockets.ConnectionClosed, OSError, TimeoutError):
             if time.monotonic() > deadline:
                 raise
             time.sleep(1)
+            continue
+        # `overloaded` while the edge has not yet seen Kafka back: try again as told.
+        if final is None or final.get("code") != "overloaded" or time.monotonic() > deadline:
+            break
+        time.sleep((final.get("retry_after_ms") or 1000) / 1000)
     assert final is not None
     assert final["type"] == "chat.done", final
 
