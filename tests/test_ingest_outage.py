@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from deploy.kafka.launcher import Broker, start, stop
+from deploy.kafka.launcher import Cluster, start, stop
 from shared.kafka import make_producer
 from shared.settings import TokenbusSettings
 from tests.ingest_kafka import read_all
@@ -27,8 +27,8 @@ OUTAGE_S = 30
 
 
 @pytest.fixture
-def own_broker(tmp_path: Path) -> Iterator[Broker]:
-    broker = Broker.resolve(port=free_port_pair(), state_dir=tmp_path / "kafka")
+def own_broker(tmp_path: Path) -> Iterator[Cluster]:
+    broker = Cluster(port=free_port_pair(), state_dir=tmp_path / "kafka")
     start(broker)
     try:
         yield broker
@@ -59,7 +59,7 @@ async def on_tiers(stack: Stack) -> list[str]:
 
 @pytest.mark.timeout(600)  # two broker starts on a shared machine
 async def test_ingest_outlives_a_30_s_broker_outage_and_skips_nothing(
-    own_broker: Broker, log_dir: Path
+    own_broker: Cluster, log_dir: Path
 ) -> None:
     stack = Stack(
         bootstrap=own_broker.bootstrap_servers,
