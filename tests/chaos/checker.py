@@ -118,7 +118,8 @@ def judge(history: History) -> Verdict:
         outcome=stream.outcome,
         duplicated=stream.duplicated,
         corrupt=stream.corrupt,
-        problems=tuple(stream.problems) or (("no final outcome",) if stream.outcome is None else ()),
+        problems=tuple(stream.problems)
+        or (("no final outcome",) if stream.outcome is None else ()),
         redelivered=stream.redelivered,
         stale=stream.stale,
     )

@@ -40,7 +40,12 @@ def reset(attempt: int) -> dict[str, Any]:
 
 
 def resumed(attempt: int, after_seq: int) -> dict[str, Any]:
-    return {"type": "stream.resumed", "request_id": "r1", "attempt": attempt, "after_seq": after_seq}
+    return {
+        "type": "stream.resumed",
+        "request_id": "r1",
+        "attempt": attempt,
+        "after_seq": after_seq,
+    }
 
 
 def rec(kind: str, attempt: int, seq: int, body: str = "") -> dict[str, Any]:
