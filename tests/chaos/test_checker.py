@@ -62,7 +62,9 @@ def rec(kind: str, attempt: int, seq: int, body: str = "") -> dict[str, Any]:
 
 def test_a_whole_stream_passes() -> None:
     v = ws(delta(0, "The bus"), delta(1, " leaves."), done())
-    assert v.ok and v.outcome == "done" and v.problems == ()
+    assert v.ok
+    assert v.outcome == "done"
+    assert v.problems == ()
 
 
 def test_a_new_attempt_after_reset_is_judged_on_its_own_text() -> None:
@@ -79,7 +81,8 @@ def test_a_resumed_stream_continues_where_the_client_was() -> None:
 
 def test_an_error_with_a_stable_code_is_a_final_outcome() -> None:
     v = ws(delta(0, "The"), error("not_found"))
-    assert v.ok and v.outcome == "not_found"
+    assert v.ok
+    assert v.outcome == "not_found"
 
 
 # -- websocket: what must fail -------------------------------------------------------------
@@ -87,19 +90,23 @@ def test_an_error_with_a_stable_code_is_a_final_outcome() -> None:
 
 def test_no_final_is_lost() -> None:
     v = ws(delta(0, "The bus"), delta(1, " leaves."))
-    assert v.lost and not v.ok and v.problems == ("no final outcome",)
+    assert v.lost
+    assert not v.ok
+    assert v.problems == ("no final outcome",)
     assert ws().lost  # accepted, then nothing
 
 
 def test_a_repeated_delta_is_a_duplicate() -> None:
     v = ws(delta(0, "The bus"), delta(0, "The bus"), delta(1, " leaves."), done())
-    assert v.duplicated and not v.ok
+    assert v.duplicated
+    assert not v.ok
     assert "shown again" in v.problems[0]
 
 
 def test_a_gap_is_corrupt() -> None:
     v = ws(delta(0, "The bus"), delta(2, " leaves."), done())
-    assert v.corrupt and not v.ok
+    assert v.corrupt
+    assert not v.ok
     assert any("gap" in p for p in v.problems)
 
 
@@ -116,7 +123,8 @@ def test_two_finals_are_a_duplicate() -> None:
 
 def test_anything_after_the_final_is_a_duplicate() -> None:
     v = ws(delta(0, TEXT), done(), reset(1))
-    assert v.duplicated and v.outcome == "done"
+    assert v.duplicated
+    assert v.outcome == "done"
 
 
 def test_wrong_text_is_corrupt() -> None:
@@ -133,7 +141,8 @@ def test_a_reset_must_name_a_newer_attempt() -> None:
 
 def test_an_unknown_error_code_is_corrupt() -> None:
     v = ws(error("boom"))
-    assert v.corrupt and v.outcome == "boom"
+    assert v.corrupt
+    assert v.outcome == "boom"
 
 
 def test_a_resume_elsewhere_than_the_client_was_is_corrupt() -> None:
@@ -145,7 +154,8 @@ def test_a_resume_elsewhere_than_the_client_was_is_corrupt() -> None:
 
 def test_kafka_whole_stream_passes() -> None:
     v = kafka(rec("delta", 0, 0, "The bus"), rec("delta", 0, 1, " leaves."), rec("done", 0, 2))
-    assert v.ok and v.outcome == "done"
+    assert v.ok
+    assert v.outcome == "done"
 
 
 def test_kafka_consumer_rules_drop_stale_and_identical_records() -> None:
@@ -171,7 +181,8 @@ def test_kafka_lost_duplicated_gap_conflict() -> None:
     two = kafka(rec("delta", 0, 0, TEXT), rec("done", 0, 1), rec("error", 0, 2, "internal"))
     assert two.duplicated
     gap = kafka(rec("delta", 0, 0, "The bus"), rec("delta", 0, 2, " leaves."), rec("done", 0, 3))
-    assert gap.corrupt and gap.lost  # the done after the hole is never reached
+    assert gap.corrupt
+    assert gap.lost
     conflict = kafka(rec("delta", 0, 0, "The bus"), rec("delta", 0, 0, "A car"), rec("done", 0, 1))
     assert conflict.corrupt
     assert kafka(rec("delta", 0, 0, "The bus"), rec("done", 0, 1)).corrupt  # wrong text
