@@ -257,24 +257,24 @@ async def dispatch_latency(bootstrap: str, rounds: int = 60) -> dict[str, dict[s
     import asyncio
     import uuid
 
-    from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
-    from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+    from aiokafka.admin import AIOKafkaAdminClient
     from aiokafka.structs import OffsetAndMetadata
+
+    from shared.kafka import make_producer, new_topic
+    from shared.settings import TokenbusSettings
 
     prefix = "bsched" + uuid.uuid4().hex[:6]
     tier, batches, group = f"{prefix}.tier", f"{prefix}.batches", f"{prefix}.group"
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
     await admin.start()
-    await admin.create_topics([NewTopic(tier, 1, 1), NewTopic(batches, 1, 1)])
+    await admin.create_topics([new_topic(tier, 1, 1), new_topic(batches, 1, 1)])
     tp = TopicPartition(tier, 0)
     payload = b"x" * 2000
     out: dict[str, dict[str, float]] = {}
-    txn = AIOKafkaProducer(
-        bootstrap_servers=bootstrap, transactional_id=f"{prefix}.tx", acks="all", linger_ms=0
-    )
-    plain = AIOKafkaProducer(
-        bootstrap_servers=bootstrap, enable_idempotence=True, acks="all", linger_ms=0
-    )
+    settings = TokenbusSettings(KAFKA_BOOTSTRAP_SERVERS=bootstrap)
+    txn = make_producer(settings, "bench-scheduler-txn", transactional_id=f"{prefix}.tx")
+    plain = make_producer(settings, "bench-scheduler")
     consumer = AIOKafkaConsumer(
         tier, bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False
     )

@@ -266,7 +266,7 @@ async def _broker_if_needed(policies: list[Policy], say: Say) -> AsyncIterator[s
         return
     from deploy.kafka import launcher
 
-    broker = launcher.Broker.resolve()
+    broker = launcher.Cluster.resolve()
     say(f"starting a local Kafka broker on port {broker.port} (KAFKA_BOOTSTRAP_SERVERS unset)")
     _pid, owned = await asyncio.to_thread(launcher.start, broker)
     try:

@@ -9,13 +9,18 @@ from pathlib import Path
 
 def free_port_pair() -> int:
     """A port P with P+1 also free: the local broker listens on P, its controller on P+1."""
-    for _ in range(100):
+    return free_port_run(2)
+
+
+def free_port_run(count: int) -> int:
+    """A port P with P+1 … P+count-1 also free: a local cluster of count/2 nodes uses them."""
+    for _ in range(200):
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             port: int = probe.getsockname()[1]
-        if port < 65535 and _bindable(port) and _bindable(port + 1):
+        if port + count - 1 <= 65535 and all(_bindable(port + i) for i in range(count)):
             return port
-    raise RuntimeError("no two adjacent free ports found")
+    raise RuntimeError(f"no {count} adjacent free ports found")
 
 
 def _bindable(port: int) -> bool:

@@ -21,11 +21,11 @@ from pathlib import Path
 
 import pytest
 import websockets
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka import AIOKafkaConsumer, TopicPartition
 from prometheus_client.parser import text_string_to_metric_families
 
 from shared import semconv
-from shared.kafka import create_topics
+from shared.kafka import create_topics, make_producer
 from shared.telemetry import SpanRecord, read_span_file
 from tests.chat_client import run_requests
 from tests.stack import ROOT, SERVICES, Stack, _create, free_port, new_prefix, wait_until
@@ -195,7 +195,7 @@ async def test_an_external_producers_traceparent_is_continued(traced: TracedStac
         "max_tokens": 6,
         "reply_to": {"topic": reply_topic},
     }
-    producer = AIOKafkaProducer(bootstrap_servers=stack.bootstrap)
+    producer = make_producer(stack.settings, client_id="external-app")
     consumer = AIOKafkaConsumer(bootstrap_servers=stack.bootstrap, enable_auto_commit=False)
     await producer.start()
     await consumer.start()

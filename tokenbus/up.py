@@ -47,7 +47,7 @@ class UpError(Exception):
 class Deployment:
     """The processes `up` owns: the services, and the broker if it started it."""
 
-    def __init__(self, settings: UpSettings, broker: launcher.Broker) -> None:
+    def __init__(self, settings: UpSettings, broker: launcher.Cluster) -> None:
         self.settings = settings
         self.broker = broker
         self.owns_broker = False
@@ -205,4 +205,4 @@ def register(commands: Subcommands) -> None:
 def _up(args: argparse.Namespace) -> int:
     overrides = {"edge_host": args.host, "edge_port": args.port}
     settings = UpSettings(**{k: v for k, v in overrides.items() if v is not None})
-    return asyncio.run(Deployment(settings, launcher.Broker.resolve(args.kafka_port)).run())
+    return asyncio.run(Deployment(settings, launcher.Cluster.resolve(args.kafka_port)).run())

@@ -1,4 +1,4 @@
-"""Run a single-node Apache Kafka (KRaft) from Maven Central on the local JVM, without Docker."""
+"""Run Apache Kafka (KRaft, one node or a local cluster) from Maven Central on the JVM."""
 
 # Stdlib only: this runs before any virtual environment exists (CI, `make test`), and it
 # is the one place that knows how the broker is laid out on disk.
@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import base64
 import contextlib
 import fcntl
 import hashlib
@@ -20,9 +21,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 KAFKA_VERSION = "4.1.1"
 HOST = "127.0.0.1"
@@ -35,11 +37,10 @@ _HERE = Path(__file__).resolve().parent
 POM = _HERE / "pom.xml"
 SERVER_TEMPLATE = _HERE / "server.properties"
 LOG4J_CONFIG = _HERE / "log4j2.properties"
-# One broker for a laptop or CI runner: a bounded heap and short GC pauses matter more
-# than throughput.
+# Nodes for a laptop or CI runner: a bounded heap (set per cluster size by `_heap`) and
+# short GC pauses matter more than throughput.
 JVM_OPTS = (
     "-Xms128m",
-    "-Xmx768m",
     "-XX:+UseG1GC",
     "-XX:MaxGCPauseMillis=20",
     "-XX:+ExitOnOutOfMemoryError",
@@ -57,34 +58,25 @@ class LauncherError(Exception):
     """A start or stop that cannot go on; the message says what to do about it."""
 
 
-@dataclass(frozen=True)
-class Broker:
-    """Where one local broker listens and keeps its files."""
+def min_insync_replicas(replication_factor: int) -> int:
+    """Two in-sync copies before acks=all succeeds once there are three; else every copy."""
+    return 2 if replication_factor >= 3 else 1
 
+
+@dataclass(frozen=True)
+class Node:
+    """One KRaft node of a local cluster: a broker and a controller in one JVM."""
+
+    node_id: int
     port: int
     state_dir: Path
-
-    @classmethod
-    def resolve(cls, port: int | None = None, state_dir: str | Path | None = None) -> Broker:
-        """Fill what the caller left out: argument, then environment, then defaults.
-
-        The port also falls back to the one this state dir last ran with, so `stop` and
-        `status` find a broker started with `--port` without being told again.
-        """
-        directory = Path(
-            state_dir or os.environ.get("TOKENBUS_KAFKA_STATE_DIR") or DEFAULT_STATE_DIR
-        ).resolve()
-        if port is None:
-            env_port = os.environ.get("TOKENBUS_KAFKA_PORT")
-            port = int(env_port) if env_port else _recorded_port(directory) or DEFAULT_PORT
-        return cls(port=port, state_dir=directory)
 
     @property
     def controller_port(self) -> int:
         return self.port + 1
 
     @property
-    def bootstrap_servers(self) -> str:
+    def bootstrap_server(self) -> str:
         return f"{HOST}:{self.port}"
 
     @property
@@ -104,94 +96,181 @@ class Broker:
         return self.state_dir / "kafka.pid"
 
 
-# Brokers this process started: held so they can be reaped (no zombie that `kill -0`
-# would call alive) when `tokenbus up` starts and stops a broker in one process.
+@dataclass(frozen=True)
+class Cluster:
+    """Where a local cluster of `size` nodes listens and keeps its files.
+
+    Node i (1-based) listens on `port + 2(i-1)` and its controller one port above. A
+    one-node cluster keeps its files directly in `state_dir` (the layout of every earlier
+    version); a larger one gives each node `state_dir/node-<i>`.
+    """
+
+    port: int
+    state_dir: Path
+    size: int = 1
+
+    @classmethod
+    def resolve(
+        cls,
+        port: int | None = None,
+        state_dir: str | Path | None = None,
+        nodes: int | None = None,
+    ) -> Cluster:
+        """Fill what the caller left out: argument, then environment, then defaults.
+
+        Port and size also fall back to what this state dir last ran with, so `stop` and
+        `status` find a cluster started with `--port`/`--nodes` without being told again.
+        """
+        directory = Path(
+            state_dir or os.environ.get("TOKENBUS_KAFKA_STATE_DIR") or DEFAULT_STATE_DIR
+        ).resolve()
+        if port is None:
+            env_port = os.environ.get("TOKENBUS_KAFKA_PORT")
+            port = int(env_port) if env_port else _recorded_port(directory) or DEFAULT_PORT
+        if nodes is None:
+            env_nodes = os.environ.get("TOKENBUS_KAFKA_NODES")
+            nodes = int(env_nodes) if env_nodes else _recorded_size(directory) or 1
+        if nodes < 1:
+            raise LauncherError(f"a cluster needs at least one node, not {nodes}")
+        return cls(port=port, state_dir=directory, size=nodes)
+
+    def node(self, node_id: int) -> Node:
+        if not 1 <= node_id <= self.size:
+            raise LauncherError(
+                f"node ids of this cluster run from 1 to {self.size}, not {node_id}"
+            )
+        directory = self.state_dir if self.size == 1 else self.state_dir / f"node-{node_id}"
+        return Node(node_id=node_id, port=self.port + 2 * (node_id - 1), state_dir=directory)
+
+    @property
+    def nodes(self) -> tuple[Node, ...]:
+        return tuple(self.node(i) for i in range(1, self.size + 1))
+
+    @property
+    def bootstrap_servers(self) -> str:
+        return ",".join(n.bootstrap_server for n in self.nodes)
+
+    @property
+    def replication_factor(self) -> int:
+        return min(3, self.size)
+
+
+class Running(NamedTuple):
+    """A started cluster: node id -> pid, and whether this call started any node."""
+
+    pids: dict[int, int]
+    started: bool
+
+
+# Nodes this process started: held so they can be reaped (no zombie that `kill -0` would
+# call alive) when `tokenbus up` or a test starts and stops nodes in one process.
 _spawned: dict[int, subprocess.Popen[bytes]] = {}
 
 
-def start(broker: Broker, timeout_s: float = START_TIMEOUT_S) -> tuple[int, bool]:
-    """Start the broker unless it already runs; return its pid and whether this call started it."""
-    broker.state_dir.mkdir(parents=True, exist_ok=True)
-    with _locked(broker):
-        pid = running_pid(broker)
-        if pid is not None:
-            running_port = _recorded_port(broker.state_dir)
-            if running_port != broker.port:
-                raise LauncherError(
-                    f"the broker of {broker.state_dir} already runs on port {running_port} "
-                    f"(pid {pid}); stop it first to move it to {broker.port}"
-                )
-            _wait_until_ready(broker, pid, time.monotonic() + timeout_s)
-            print(f"already running at {broker.bootstrap_servers} (pid {pid})", flush=True)
-            return pid, False
-        _check_ports_free(broker)
-        java = _find_tool("java", "a Java 17+ runtime (apt-get install default-jre-headless)")
-        classpath = resolve_classpath()
-        _render_config(broker)
-        _format_storage(broker, java, classpath)
-        began = time.monotonic()
-        pid = _spawn(broker, java, classpath)
-        try:
-            _wait_until_ready(broker, pid, began + timeout_s)
-        except LauncherError:
-            _terminate(pid, timeout_s=5.0)
-            broker.pid_file.unlink(missing_ok=True)
-            raise
-        elapsed = time.monotonic() - began
-        print(f"broker up at {broker.bootstrap_servers} in {elapsed:.1f} s (pid {pid})", flush=True)
-        return pid, True
+def start(cluster: Cluster, timeout_s: float = START_TIMEOUT_S) -> Running:
+    """Start every node that does not run yet; return all pids once every node serves."""
+    return _start_nodes(cluster, cluster.nodes, timeout_s)
 
 
-def stop(broker: Broker, timeout_s: float = STOP_TIMEOUT_S) -> bool:
-    """Stop the broker (SIGTERM, SIGKILL after `timeout_s`); return whether one was running."""
-    if not broker.state_dir.is_dir():
-        return False
-    with _locked(broker):
-        pid = running_pid(broker)
+def start_node(cluster: Cluster, node_id: int, timeout_s: float = START_TIMEOUT_S) -> int:
+    """(Re)start one node on its own ports and data, unless it runs; return its pid."""
+    return _start_nodes(cluster, (cluster.node(node_id),), timeout_s).pids[node_id]
+
+
+def start_cluster(
+    nodes: int = 3,
+    port: int | None = None,
+    state_dir: str | Path | None = None,
+    timeout_s: float = START_TIMEOUT_S,
+) -> tuple[Cluster, Running]:
+    """The Python API of `start --nodes N`: the cluster (its `bootstrap_servers`) and pids."""
+    cluster = Cluster.resolve(port, state_dir, nodes)
+    return cluster, start(cluster, timeout_s)
+
+
+def kill_node(cluster: Cluster, node_id: int) -> int | None:
+    """SIGKILL one node, as a crash would, and wait until it is gone; return the pid killed."""
+    node = cluster.node(node_id)
+    with _locked(cluster):
+        pid = running_pid(node)
         if pid is None:
-            return False
-        began = time.monotonic()
-        print(f"stopping Kafka (pid {pid})…", flush=True)
-        if not _terminate(pid, timeout_s):
-            print(f"Kafka ignored SIGTERM for {timeout_s:.0f} s; killed it", flush=True)
-        broker.pid_file.unlink(missing_ok=True)
-        print(f"stopped in {time.monotonic() - began:.1f} s", flush=True)
-        return True
+            return None
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        while _alive(pid):
+            time.sleep(0.05)
+        node.pid_file.unlink(missing_ok=True)
+        return pid
 
 
-def running_pid(broker: Broker) -> int | None:
-    """The pid of this state dir's broker if it is alive; clears a stale pid file."""
+def stop_node(cluster: Cluster, node_id: int, timeout_s: float = STOP_TIMEOUT_S) -> bool:
+    """Stop one node (SIGTERM, SIGKILL after `timeout_s`); return whether it was running."""
+    with _locked(cluster):
+        return _stop([cluster.node(node_id)], timeout_s)
+
+
+def stop(cluster: Cluster, timeout_s: float = STOP_TIMEOUT_S) -> bool:
+    """Stop every node (SIGTERM, SIGKILL after `timeout_s`); return whether any was running."""
+    if not cluster.state_dir.is_dir():
+        return False
+    with _locked(cluster):
+        return _stop(list(cluster.nodes), timeout_s)
+
+
+def running_pids(cluster: Cluster) -> dict[int, int]:
+    """Node id -> pid of the nodes of this cluster that are alive."""
+    return {n.node_id: pid for n in cluster.nodes if (pid := running_pid(n)) is not None}
+
+
+def running_pid(node: Node) -> int | None:
+    """The pid of this node if it is alive; clears a stale pid file."""
     try:
-        pid = int(broker.pid_file.read_text().strip())
+        pid = int(node.pid_file.read_text().strip())
     except (FileNotFoundError, ValueError):
         return None
-    if _alive(pid) and _is_our_broker(pid, broker):
+    if _alive(pid) and _is_our_broker(pid, node):
         return pid
-    broker.pid_file.unlink(missing_ok=True)
+    node.pid_file.unlink(missing_ok=True)
     return None
 
 
-def answers(port: int, timeout_s: float = 2.0) -> bool:
-    """Whether a Kafka broker on `port` serves metadata that lists at least one broker.
+def broker_ids(port: int, timeout_s: float = 2.0) -> frozenset[int] | None:
+    """The ids of the live (unfenced) brokers the node on `port` knows; None if it does not answer.
 
     A TCP connect is not enough: the socket opens before the broker has registered with
     the controller, and clients that connect then get no brokers to talk to.
     """
     header = struct.pack(">hhih", _METADATA_API_KEY, _METADATA_VERSION, 1, len(_CLIENT_ID))
-    # topics = null (all topics), allow_auto_topic_creation = false
-    request = header + _CLIENT_ID + struct.pack(">i?", -1, False)
+    # topics = [] (none: only the brokers), allow_auto_topic_creation = false
+    request = header + _CLIENT_ID + struct.pack(">i?", 0, False)
     try:
         with socket.create_connection((HOST, port), timeout=timeout_s) as sock:
             sock.sendall(struct.pack(">i", len(request)) + request)
             (size,) = struct.unpack(">i", _recv_exact(sock, 4))
-            response = _recv_exact(sock, min(size, 12))
-    except OSError:
-        return False
-    if len(response) < 12:
-        return False
-    fields: tuple[int, int, int] = struct.unpack(">iii", response)
-    correlation_id, _throttle_ms, broker_count = fields
-    return correlation_id == 1 and broker_count >= 1
+            response = _recv_exact(sock, size)
+        return _parse_brokers(response)
+    except (OSError, struct.error, ValueError):
+        return None
+
+
+def answers(port: int, timeout_s: float = 2.0) -> bool:
+    """Whether a Kafka broker on `port` serves metadata that lists at least one broker."""
+    return bool(broker_ids(port, timeout_s))
+
+
+def _parse_brokers(response: bytes) -> frozenset[int]:
+    # correlation_id, throttle_time_ms, then brokers: [node_id, host, port, rack?]
+    correlation_id, _throttle_ms, count = struct.unpack_from(">iii", response, 0)
+    if correlation_id != 1:
+        raise ValueError(f"correlation id {correlation_id}, expected 1")
+    offset, ids = 12, set()
+    for _ in range(count):
+        (node_id, host_len) = struct.unpack_from(">ih", response, offset)
+        offset += 6 + host_len + 4  # host, then port
+        (rack_len,) = struct.unpack_from(">h", response, offset)
+        offset += 2 + max(rack_len, 0)
+        ids.add(node_id)
+    return frozenset(ids)
 
 
 def resolve_classpath() -> str:
@@ -232,24 +311,111 @@ def _cache_dir() -> Path:
 
 
 def _recorded_port(state_dir: Path) -> int | None:
-    try:
-        config = (state_dir / "server.properties").read_text()
-    except FileNotFoundError:
-        return None
-    found = re.search(r"^listeners=PLAINTEXT://[^:]+:(\d+)", config, re.MULTILINE)
-    return int(found.group(1)) if found else None
+    for config_file in (
+        state_dir / "server.properties",
+        state_dir / "node-1" / "server.properties",
+    ):
+        with contextlib.suppress(FileNotFoundError):
+            found = re.search(
+                r"^listeners=PLAINTEXT://[^:]+:(\d+)", config_file.read_text(), re.MULTILINE
+            )
+            return int(found.group(1)) if found else None
+    return None
+
+
+def _recorded_size(state_dir: Path) -> int | None:
+    """How many nodes this state dir was last configured for, if any."""
+    if (state_dir / "server.properties").exists():
+        return 1
+    nodes = [d for d in state_dir.glob("node-*") if (d / "server.properties").exists()]
+    return len(nodes) or None
+
+
+def _check_layout(cluster: Cluster) -> None:
+    recorded = _recorded_size(cluster.state_dir)
+    if recorded is not None and recorded != cluster.size:
+        raise LauncherError(
+            f"{cluster.state_dir} holds a {recorded}-node cluster, not {cluster.size}: "
+            f"start it with --nodes {recorded}, or stop it and use another --state-dir"
+        )
 
 
 @contextlib.contextmanager
-def _locked(broker: Broker) -> Iterator[None]:
-    """Serialise start/stop on one state dir, so two racing starts launch one broker."""
-    with open(broker.state_dir / "launcher.lock", "w") as lock:
+def _locked(cluster: Cluster) -> Iterator[None]:
+    """Serialise start/stop on one state dir, so two racing starts launch one cluster."""
+    cluster.state_dir.mkdir(parents=True, exist_ok=True)
+    with open(cluster.state_dir / "launcher.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         yield
 
 
-def _check_ports_free(broker: Broker) -> None:
-    for port in (broker.port, broker.controller_port):
+def _start_nodes(cluster: Cluster, wanted: Sequence[Node], timeout_s: float) -> Running:
+    """Start the nodes of `wanted` that do not run; wait until every running node serves."""
+    with _locked(cluster):
+        _check_layout(cluster)
+        pids = running_pids(cluster)
+        running_port = _recorded_port(cluster.state_dir)
+        if pids and running_port != cluster.port:
+            raise LauncherError(
+                f"the cluster of {cluster.state_dir} already runs on port {running_port} "
+                f"(pids {_pid_list(pids)}); stop it first to move it to {cluster.port}"
+            )
+        missing = [n for n in wanted if n.node_id not in pids]
+        if not missing:
+            _wait_until_ready(cluster, pids, time.monotonic() + timeout_s)
+            print(f"already running at {cluster.bootstrap_servers} ({_pid_list(pids)})", flush=True)
+            return Running(pids, started=False)
+        for node in missing:
+            _check_ports_free(node)
+        java = _find_tool("java", "a Java 17+ runtime (apt-get install default-jre-headless)")
+        classpath = resolve_classpath()
+        for node in missing:
+            node.state_dir.mkdir(parents=True, exist_ok=True)
+            node.config_file.write_text(render_config(cluster, node))
+        _format_storage(cluster, missing, java, classpath)
+        began = time.monotonic()
+        spawned = {n.node_id: _spawn(n, java, classpath, _heap(cluster)) for n in missing}
+        pids.update(spawned)
+        try:
+            _wait_until_ready(cluster, pids, began + timeout_s)
+        except LauncherError:
+            for node_id, pid in spawned.items():
+                _terminate(pid, timeout_s=5.0)
+                cluster.node(node_id).pid_file.unlink(missing_ok=True)
+            raise
+        elapsed = time.monotonic() - began
+        what = "broker" if cluster.size == 1 else f"{len(spawned)} of {cluster.size} nodes"
+        print(f"{what} up at {cluster.bootstrap_servers} in {elapsed:.1f} s "
+              f"({_pid_list(spawned)})", flush=True)  # fmt: skip
+        return Running(pids, started=True)
+
+
+def _stop(nodes: Sequence[Node], timeout_s: float) -> bool:
+    """SIGTERM every node at once (a quorum stops faster together), SIGKILL stragglers."""
+    pids = {n: pid for n in nodes if (pid := running_pid(n)) is not None}
+    if not pids:
+        return False
+    began = time.monotonic()
+    print(f"stopping Kafka ({_pid_list({n.node_id: p for n, p in pids.items()})})…", flush=True)
+    for pid in pids.values():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    for node, pid in pids.items():
+        if not _terminate(pid, max(0.0, began + timeout_s - time.monotonic())):
+            print(f"Kafka node {node.node_id} ignored SIGTERM for {timeout_s:.0f} s; killed it")
+        node.pid_file.unlink(missing_ok=True)
+    print(f"stopped in {time.monotonic() - began:.1f} s", flush=True)
+    return True
+
+
+def _pid_list(pids: dict[int, int]) -> str:
+    if list(pids) == [1]:
+        return f"pid {pids[1]}"
+    return "pids " + ", ".join(f"{node}:{pid}" for node, pid in sorted(pids.items()))
+
+
+def _check_ports_free(node: Node) -> None:
+    for port in (node.port, node.controller_port):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
             # SO_REUSEADDR as the JVM sets it: a port in TIME_WAIT after a stop is free.
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -258,7 +424,7 @@ def _check_ports_free(broker: Broker) -> None:
             except OSError as exc:
                 raise LauncherError(
                     f"port {HOST}:{port} is in use by another process ({exc.strerror}); "
-                    f"the broker needs {broker.port} and {broker.controller_port}: "
+                    f"node {node.node_id} needs {node.port} and {node.controller_port}: "
                     "stop that process or choose another --port"
                 ) from exc
 
@@ -274,68 +440,121 @@ def _find_tool(name: str, what: str) -> str:
     return found
 
 
-def _render_config(broker: Broker) -> None:
+def render_config(cluster: Cluster, node: Node) -> str:
+    """One node's server.properties: the one place that says what a node listens on.
+
+    Listeners are named here (name -> port, name -> protocol): a further listener, such
+    as SASL_SSL for clients, is one more entry in each map.
+    """
+    listeners = {"PLAINTEXT": node.port, "CONTROLLER": node.controller_port}
+    advertised = {"PLAINTEXT": node.port}
+    protocols = {"PLAINTEXT": "PLAINTEXT", "CONTROLLER": "PLAINTEXT"}
     template = string.Template(SERVER_TEMPLATE.read_text())
-    broker.config_file.write_text(
-        template.substitute(
-            port=broker.port, controller_port=broker.controller_port, data_dir=broker.data_dir
-        )
+    return template.substitute(
+        node_id=node.node_id,
+        voters=",".join(f"{n.node_id}@{HOST}:{n.controller_port}" for n in cluster.nodes),
+        listeners=",".join(f"{name}://{HOST}:{port}" for name, port in listeners.items()),
+        advertised_listeners=",".join(
+            f"{name}://{HOST}:{port}" for name, port in advertised.items()
+        ),
+        protocol_map=",".join(f"{name}:{protocol}" for name, protocol in protocols.items()),
+        data_dir=node.data_dir,
+        replication_factor=cluster.replication_factor,
+        min_insync_replicas=min_insync_replicas(cluster.replication_factor),
     )
 
 
-def _format_storage(broker: Broker, java: str, classpath: str) -> None:
-    if (broker.data_dir / "meta.properties").exists():
+def _format_storage(cluster: Cluster, nodes: Sequence[Node], java: str, classpath: str) -> None:
+    """Format the nodes that have no storage yet, all with the cluster's one id, in parallel."""
+    blank = [n for n in nodes if not (n.data_dir / "meta.properties").exists()]
+    if not blank:
         return
-    print(f"formatting storage in {broker.data_dir}…", flush=True)
-    cluster_id = _run_tool(java, classpath, "random-uuid").strip()
-    _run_tool(java, classpath, "format", "-t", cluster_id, "-c", str(broker.config_file))
-
-
-def _run_tool(java: str, classpath: str, *args: str) -> str:
+    cluster_id = _existing_cluster_id(cluster) or _new_cluster_id()
+    print(f"formatting storage of {len(blank)} node(s) in {cluster.state_dir}…", flush=True)
     # No log4j config here: log4j's default prints errors only, so stdout is the answer.
-    result = subprocess.run(
-        [java, "-cp", classpath, "kafka.tools.StorageTool", *args],
-        stdin=subprocess.DEVNULL, capture_output=True, text=True, check=False,
-    )  # fmt: skip
-    if result.returncode != 0:
-        raise LauncherError(
-            f"kafka-storage {args[0]} failed (exit {result.returncode}):\n"
-            + _tail(result.stdout + result.stderr)
-        )
-    return result.stdout
+    runs = [
+        (node, subprocess.Popen(
+            [java, "-cp", classpath, "kafka.tools.StorageTool",
+             "format", "-t", cluster_id, "-c", str(node.config_file)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        ))
+        for node in blank
+    ]  # fmt: skip
+    for node, run in runs:
+        output, _ = run.communicate()
+        if run.returncode != 0:
+            raise LauncherError(
+                f"kafka-storage format of node {node.node_id} failed (exit {run.returncode}):\n"
+                + _tail(output)
+            )
 
 
-def _spawn(broker: Broker, java: str, classpath: str) -> int:
-    if broker.log_file.exists():
+def _existing_cluster_id(cluster: Cluster) -> str | None:
+    for node in cluster.nodes:
+        meta = _read(node.data_dir / "meta.properties")
+        if found := re.search(r"^cluster\.id=(\S+)", meta, re.MULTILINE):
+            return found.group(1)
+    return None
+
+
+def _new_cluster_id() -> str:
+    """A Kafka cluster id (`kafka-storage random-uuid` without starting a JVM for it)."""
+    while True:
+        cluster_id = base64.urlsafe_b64encode(os.urandom(16)).decode().rstrip("=")
+        if not cluster_id.startswith("-"):  # Kafka avoids these: they read as CLI flags
+            return cluster_id
+
+
+def _heap(cluster: Cluster) -> str:
+    # Several JVMs share a laptop: each node of a cluster gets less than a lone broker.
+    return "-Xmx768m" if cluster.size == 1 else "-Xmx512m"
+
+
+def _spawn(node: Node, java: str, classpath: str, heap: str) -> int:
+    if node.log_file.exists():
         # One previous log is kept for the start that follows a crash.
-        broker.log_file.replace(broker.log_file.with_name("server.log.1"))
-    with open(broker.log_file, "ab") as log:
+        node.log_file.replace(node.log_file.with_name("server.log.1"))
+    with open(node.log_file, "ab") as log:
         process = subprocess.Popen(
-            [java, *JVM_OPTS, f"-Dlog4j2.configurationFile={LOG4J_CONFIG}",
-             "-cp", classpath, "kafka.Kafka", str(broker.config_file)],
+            [java, heap, *JVM_OPTS, f"-Dlog4j2.configurationFile={LOG4J_CONFIG}",
+             "-cp", classpath, "kafka.Kafka", str(node.config_file)],
             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-            cwd=broker.state_dir,
+            cwd=node.state_dir,
             # Own session: Ctrl-C in the terminal that ran `start` must not reach it.
             start_new_session=True,
         )  # fmt: skip
     _spawned[process.pid] = process
-    broker.pid_file.write_text(f"{process.pid}\n")
+    node.pid_file.write_text(f"{process.pid}\n")
     return process.pid
 
 
-def _wait_until_ready(broker: Broker, pid: int, deadline: float) -> None:
-    while not answers(broker.port):
-        if not _alive(pid):
+def _wait_until_ready(cluster: Cluster, pids: dict[int, int], deadline: float) -> None:
+    """Wait until every running node serves metadata listing every running node.
+
+    So a client that bootstraps from any node sees all of them, and a topic created next
+    can be placed on as many replicas as there are nodes.
+    """
+    expected = frozenset(pids)
+    waiting = dict(pids)
+    while waiting:
+        for node_id, pid in list(waiting.items()):
+            node = cluster.node(node_id)
+            if not _alive(pid):
+                raise LauncherError(
+                    f"Kafka node {node_id} (pid {pid}) exited during start; "
+                    f"last lines of {node.log_file}:\n" + _tail(_read(node.log_file))
+                )
+            if expected <= (broker_ids(node.port) or frozenset()):
+                del waiting[node_id]
+        if waiting and time.monotonic() > deadline:
+            node = cluster.node(min(waiting))
             raise LauncherError(
-                f"Kafka (pid {pid}) exited during start; last lines of {broker.log_file}:\n"
-                + _tail(_read(broker.log_file))
+                f"Kafka node {node.node_id} (pid {waiting[node.node_id]}) did not list nodes "
+                f"{sorted(expected)} on {node.bootstrap_server} in time; "
+                f"last lines of {node.log_file}:\n" + _tail(_read(node.log_file))
             )
-        if time.monotonic() > deadline:
-            raise LauncherError(
-                f"Kafka (pid {pid}) did not answer on {broker.bootstrap_servers} in time; "
-                f"last lines of {broker.log_file}:\n" + _tail(_read(broker.log_file))
-            )
-        time.sleep(0.2)
+        if waiting:
+            time.sleep(0.2)
 
 
 def _terminate(pid: int, timeout_s: float) -> bool:
@@ -366,13 +585,13 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _is_our_broker(pid: int, broker: Broker) -> bool:
+def _is_our_broker(pid: int, node: Node) -> bool:
     """Guard against a recycled pid: the process must be Kafka run on this state dir."""
     try:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except FileNotFoundError:
         return not Path("/proc/self").exists()  # No procfs (macOS): trust the pid.
-    return b"kafka.Kafka" in cmdline and str(broker.config_file).encode() in cmdline
+    return b"kafka.Kafka" in cmdline and str(node.config_file).encode() in cmdline
 
 
 def _recv_exact(sock: socket.socket, count: int) -> bytes:
@@ -401,43 +620,64 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("action", choices=("start", "stop", "status"))
     parser.add_argument(
         "--port", type=int, default=None,
-        help=f"broker port; the controller uses PORT+1 "
+        help=f"first node's port; node i listens on PORT+2(i-1), its controller one above "
         f"(default: $TOKENBUS_KAFKA_PORT, the last one used, or {DEFAULT_PORT})",
     )  # fmt: skip
     parser.add_argument(
         "--state-dir", default=None,
-        help=f"data, config, log and pid file "
+        help=f"data, config, log and pid files "
         f"(default: $TOKENBUS_KAFKA_STATE_DIR or ./{DEFAULT_STATE_DIR})",
+    )  # fmt: skip
+    parser.add_argument(
+        "--nodes", type=int, default=None,
+        help="nodes of the KRaft cluster, each a broker and a controller voter "
+        "(default: $TOKENBUS_KAFKA_NODES, the number last used, or 1)",
     )  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
     """Carry out a parsed `start|stop|status`; the exit code follows `status` conventions."""
-    broker = Broker.resolve(args.port, args.state_dir)
     try:
+        cluster = Cluster.resolve(args.port, args.state_dir, args.nodes)
         if args.action == "start":
-            start(broker)
+            start(cluster)
             return 0
         if args.action == "stop":
-            if not stop(broker):
-                print(f"not running (state dir {broker.state_dir})", flush=True)
+            if not stop(cluster):
+                print(f"not running (state dir {cluster.state_dir})", flush=True)
             return 0
-        pid = running_pid(broker)
-        if pid is not None and answers(broker.port):
-            print(f"running at {broker.bootstrap_servers} (pid {pid})")
-            return 0
-        state = "not answering" if pid is not None else "not running"
-        print(f"{state} (port {broker.port}, state dir {broker.state_dir})")
-        return 1
+        return _status(cluster)
     except LauncherError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 1
 
 
+def _status(cluster: Cluster) -> int:
+    pids = running_pids(cluster)
+    serving = {i: p for i, p in pids.items() if answers(cluster.node(i).port)}
+    if len(serving) == cluster.size:
+        print(f"running at {cluster.bootstrap_servers} ({_pid_list(serving)})")
+        return 0
+    if cluster.size > 1:
+        for node in cluster.nodes:
+            pid = pids.get(node.node_id)
+            state = (
+                "not running" if pid is None
+                else "serving" if node.node_id in serving else "not answering"
+            )  # fmt: skip
+            print(f"  node {node.node_id} at {node.bootstrap_server}: {state}"
+                  + (f" (pid {pid})" if pid else ""))  # fmt: skip
+    state = "not answering" if pids else "not running"
+    if pids and cluster.size > 1:
+        state = f"{len(serving)} of {cluster.size} nodes serving"
+    print(f"{state} (port {cluster.port}, state dir {cluster.state_dir})")
+    return 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m deploy.kafka.launcher",
-        description=f"Local single-node Apache Kafka {KAFKA_VERSION} (KRaft) on the JVM.",
+        description=f"Local Apache Kafka {KAFKA_VERSION} (KRaft, 1 or more nodes) on the JVM.",
     )
     add_arguments(parser)
     return run(parser.parse_args(argv))

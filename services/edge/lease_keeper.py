@@ -7,13 +7,13 @@ import time
 
 import structlog
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.errors import KafkaError
 from aiokafka.structs import RecordMetadata
 
 from services.edge.leases import LeaseBook, LeaseRecord
-from shared.kafka import encode, make_consumer
+from shared.kafka import cluster_replication, encode, make_consumer, new_topic
 from shared.settings import TokenbusSettings
 
 log = structlog.get_logger()
@@ -44,7 +44,8 @@ def lease_topic_configs(ttl_s: float) -> dict[str, str]:
 async def ensure_lease_topic(admin: AIOKafkaAdminClient, topic: str, ttl_s: float) -> None:
     """Create the lease topic, or make an existing one use broker append time."""
     configs = lease_topic_configs(ttl_s)
-    response = await admin.create_topics([NewTopic(topic, 1, 1, topic_configs=configs)])
+    replication = await cluster_replication(admin)
+    response = await admin.create_topics([new_topic(topic, 1, replication, configs)])
     errors = [e for _, e, *_ in response.topic_errors if e not in (0, TOPIC_ALREADY_EXISTS)]
     if errors:
         raise RuntimeError(f"could not create the lease topic {topic}: error codes {errors}")

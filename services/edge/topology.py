@@ -7,11 +7,12 @@ from typing import Protocol
 
 import structlog
 from aiokafka import TopicPartition
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.admin import AIOKafkaAdminClient
 
 from services.edge.deadlines import Deadlines
 from services.edge.metrics import EdgeMetrics
 from services.edge.results import ResultReader
+from shared.kafka import cluster_replication, new_topic
 from shared.messages import ReplyTo
 from shared.topics import Topics
 
@@ -98,11 +99,14 @@ class TopicTopology:
         self._retention_s = retention_s
         self._metrics = metrics
         self.deletions: Deadlines[str] = Deadlines()
+        self._replication: int | None = None
 
     async def open(self, request_id: str) -> tuple[ReplyTo, int]:
         topic = self._topics.request_results(request_id)
         started = time.perf_counter()
-        response = await self._admin.create_topics([NewTopic(topic, 1, 1)])
+        if self._replication is None:  # asked once: the broker count changes rarely
+            self._replication = await cluster_replication(self._admin)
+        response = await self._admin.create_topics([new_topic(topic, 1, self._replication)])
         self._metrics.topic_create_seconds.observe(time.perf_counter() - started)
         errors = [e for _, e, *_ in response.topic_errors if e]
         if errors:

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import structlog
 from faststream import AckPolicy, FastStream
-from faststream.kafka import KafkaBroker
 from faststream.kafka.annotations import KafkaMessage
 from faststream.kafka.opentelemetry import KafkaTelemetryMiddleware
 
 from services.ingest.admission import Admitted, Duplicate, RecentIds, admit
 from services.ingest.settings import IngestSettings
 from services.ingest.telemetry import observe_admission
-from shared.kafka import encode, key_of
+from shared.kafka import encode, key_of, make_faststream_broker
 from shared.topics import Topics
 
 log = structlog.get_logger()
@@ -21,12 +20,9 @@ def build_app(settings: IngestSettings) -> FastStream:
     topics = Topics(settings.topic_prefix)
     limits = settings.limits()
     recent = RecentIds(settings.ingest_dedupe_window)
-    broker = KafkaBroker(
-        settings.bootstrap_servers,
+    broker = make_faststream_broker(
+        settings,
         client_id="ingest",
-        acks="all",
-        enable_idempotence=True,
-        logger=None,
         # Traces each record (continuing its `traceparent`) and every publish: the only
         # tracing of ingest's Kafka I/O, so nothing below propagates trace headers by hand.
         middlewares=(KafkaTelemetryMiddleware(),),

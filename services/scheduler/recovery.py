@@ -18,7 +18,7 @@ from aiokafka import AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
 from services.scheduler.batch_log import BatchLog, LoggedBatch
-from shared.kafka import encode, key_of
+from shared.kafka import encode, key_of, make_producer
 from shared.messages import Heartbeat, QueuedRequest
 from shared.settings import TokenbusSettings
 from shared.topics import Topics
@@ -76,13 +76,10 @@ class Recovery:
         # A fresh transactional producer per recovery: starting it fences (aborts) any
         # recovery still in flight elsewhere under the same transactional id, so the
         # committed offset read next includes whatever such a recovery completed.
-        producer = AIOKafkaProducer(
-            bootstrap_servers=self._settings.bootstrap_servers,
+        producer = make_producer(
+            self._settings,
             client_id="scheduler-recovery",
             transactional_id=f"{self._settings.topic_prefix}.scheduler.recovery",
-            enable_idempotence=True,
-            acks="all",
-            linger_ms=0,
         )
         await producer.start()
         try:
