@@ -17,10 +17,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import websockets
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.errors import KafkaError
 
 from services.worker.engines.sim_text import complete
+from shared.kafka import make_producer
+from shared.settings import TokenbusSettings
 from tests.chaos.checker import History
 
 Frame = dict[str, Any]
@@ -252,12 +254,9 @@ class KafkaRequester:
         self.reply_topic = reply_topic
         self.partitions = partitions
         self.tag = tag
-        self.producer = AIOKafkaProducer(
-            bootstrap_servers=bootstrap,
-            client_id=f"chaos-app-{tag}",
-            acks="all",
-            enable_idempotence=True,
-            request_timeout_ms=30000,
+        # An application's producer as the README asks for: idempotent, acks=all.
+        self.producer = make_producer(
+            TokenbusSettings(KAFKA_BOOTSTRAP_SERVERS=bootstrap), client_id=f"chaos-app-{tag}"
         )
         self.consumer = AIOKafkaConsumer(
             bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False

@@ -8,12 +8,17 @@ leads the planned partition at that moment (`Brokers`, present when the run has 
 from __future__ import annotations
 
 import asyncio
+import random
 import signal
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from aiokafka.admin import AIOKafkaAdminClient
+
+from deploy.kafka import launcher
 from shared.messages import Heartbeat
 from tests.chaos.faults import BROKER_KINDS, Fault
 from tests.stack import Stack, free_port, wait_until
@@ -28,7 +33,6 @@ CHAOS_ENV = {
     "TOKENBUS_WORKER_HEARTBEAT_MS": "300",
     "TOKENBUS_SCHEDULER_WORKER_MISSED_BEATS": "5",
     "TOKENBUS_SCHEDULER_RECOVERY_GRACE_MS": "300",
-    "TOKENBUS_EDGE_LEASE_TTL_S": "3",  # a restarted edge gets a results partition soon
     # 50 tokens/s per sequence: a request streams for 0.2-0.8 s, so every kill finds some
     # mid-stream.
     "TOKENBUS_WORKER_SIM_TOKEN_RATE": "50",
@@ -43,6 +47,59 @@ class Brokers(Protocol):
     def kill(self, node: int) -> None: ...
 
     def restart(self, node: int) -> None: ...
+
+
+def cluster_ports(count: int) -> int:
+    """A port P with P … P+count-1 free, below the kernel's ephemeral range (32768 up).
+
+    A cluster binds its ports only after formatting storage, many seconds after they were
+    probed; in the ephemeral range an outgoing connection of any process on the machine can
+    take one meanwhile (seen: BindException on a busy machine).
+    """
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(20000, 32768 - count)
+        if all(_bindable(port + i) for i in range(count)):
+            return port
+    raise RuntimeError(f"no {count} adjacent free ports below 32768")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+@dataclass(frozen=True)
+class LocalCluster:
+    """`Brokers` of a local KRaft cluster started by the project's launcher."""
+
+    cluster: launcher.Cluster
+
+    def leader(self, topic: str, partition: int) -> int:
+        return asyncio.run(_leader(self.cluster.bootstrap_servers, topic, partition))
+
+    def kill(self, node: int) -> None:
+        launcher.kill_node(self.cluster, node)
+
+    def restart(self, node: int) -> None:
+        launcher.start_node(self.cluster, node)
+
+
+async def _leader(bootstrap: str, topic: str, partition: int) -> int:
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        for entry in await admin.describe_topics([topic]):
+            for p in entry["partitions"]:
+                if p["partition"] == partition and p["leader"] >= 0:
+                    return int(p["leader"])
+    finally:
+        await admin.close()
+    raise RuntimeError(f"{topic}/{partition} has no leader now")
 
 
 @dataclass(frozen=True)
@@ -99,42 +156,87 @@ class ChaosSystem:
 
 @dataclass
 class Injector:
-    """Plays a fault plan against the system; `done` lists what happened, when."""
+    """Plays a fault plan against the system and supervises it.
+
+    `done` lists the faults played, when; `self_exits` every service that exited without
+    being killed (it is started again at once, as `tokenbus up` or systemd would).
+    """
 
     system: ChaosSystem
     brokers: Brokers | None
     log: Callable[[str], None]
     done: list[str] = field(default_factory=list)
+    self_exits: list[str] = field(default_factory=list)
+    _down: set[str] = field(default_factory=set)  # killed by a fault, not yet restarted
+    _broker_back: asyncio.Task[None] | None = None  # the killed node's restart
 
     async def run(self, faults: list[Fault], zero: float) -> None:
         for fault in faults:
             delay = zero + fault.at_s - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
-            # A fault waits for the previous restart: one failure at a time, as planned.
             await self._play(fault, zero)
+        if self._broker_back is not None:
+            await self._broker_back
+
+    async def supervise(self, zero: float) -> None:
+        """Until cancelled: start again any service that exited on its own."""
+        while True:
+            await asyncio.sleep(0.5)
+            for name, service in self.system.services.items():
+                proc = self.system.stack.processes.get(service.key)
+                if name in self._down or proc is None or proc.poll() is None:
+                    continue
+                line = (
+                    f"t={time.monotonic() - zero:5.1f}s {name} exited on its own"
+                    f" (code {proc.returncode}); started again"
+                )
+                self.self_exits.append(line)
+                self.log(line)
+                self.system.launch(name)
 
     async def _play(self, fault: Fault, zero: float) -> None:
         struck = time.monotonic() - zero
         if fault.kind in BROKER_KINDS:
-            if self.brokers is None:
-                raise RuntimeError(f"{fault.describe()}: this run has no cluster to kill nodes of")
-            brokers = self.brokers
-            topic_kind, partition = fault.target.split("/")
-            topics = self.system.stack.topics
-            topic = topics.requests if topic_kind == "requests" else topics.results
-            node = await asyncio.to_thread(brokers.leader, topic, int(partition))
-            what = f"broker node {node} (leader of {fault.target})"
-            await asyncio.to_thread(brokers.kill, node)
-            await asyncio.sleep(fault.down_s)
-            await asyncio.to_thread(brokers.restart, node)
-        else:
-            what = fault.target
+            await self._kill_broker(fault, zero)
+            return
+        self._down.add(fault.target)
+        try:
             await asyncio.to_thread(self.system.kill, fault.target)
             await asyncio.sleep(fault.down_s)
             self.system.launch(fault.target)
-        line = (
-            f"t={struck:5.1f}s kill -9 {what}; started again at t={time.monotonic() - zero:5.1f}s"
-        )
+        finally:
+            self._down.discard(fault.target)
+        self._played(f"t={struck:5.1f}s kill -9 {fault.target}", zero)
+
+    async def _kill_broker(self, fault: Fault, zero: float) -> None:
+        """Kill the node leading the fault's partition; start it again in the background.
+
+        A JVM takes from seconds to a minute to start on a busy machine: service faults go on
+        meanwhile, but the next broker fault waits until every node is back, so at most one
+        node of three is ever down (the cluster's min.insync.replicas=2 holds).
+        """
+        if self.brokers is None:
+            raise RuntimeError(f"{fault.describe()}: this run has no cluster to kill nodes of")
+        brokers = self.brokers
+        if self._broker_back is not None:
+            await self._broker_back
+        struck = time.monotonic() - zero
+        topic_kind, partition = fault.target.split("/")
+        topics = self.system.stack.topics
+        topic = topics.requests if topic_kind == "requests" else topics.results
+        node = await asyncio.to_thread(brokers.leader, topic, int(partition))
+        await asyncio.to_thread(brokers.kill, node)
+
+        async def restart() -> None:
+            await asyncio.sleep(fault.down_s)
+            await asyncio.to_thread(brokers.restart, node)
+            what = f"broker node {node} (leader of {fault.target})"
+            self._played(f"t={struck:5.1f}s kill -9 {what}", zero)
+
+        self._broker_back = asyncio.create_task(restart())
+
+    def _played(self, what: str, zero: float) -> None:
+        line = f"{what}; started again at t={time.monotonic() - zero:5.1f}s"
         self.done.append(line)
         self.log(line)
