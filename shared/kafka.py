@@ -58,8 +58,7 @@ def make_faststream_broker(
 ) -> KafkaBroker:
     """A FastStream broker whose publisher is the same idempotent acks=all producer."""
     return KafkaBroker(
-        # A list: FastStream hands a string on as one host, so "a:1,b:2" would not resolve.
-        settings.bootstrap_servers.split(","),
+        settings.bootstrap_servers,
         client_id=client_id,
         acks="all",
         enable_idempotence=True,
