@@ -58,7 +58,8 @@ def make_faststream_broker(
 ) -> KafkaBroker:
     """A FastStream broker whose publisher is the same idempotent acks=all producer."""
     return KafkaBroker(
-        settings.bootstrap_servers,
+        # A list: FastStream hands a string on as one host, "a:1,b:2" included.
+        [server.strip() for server in settings.bootstrap_servers.split(",") if server.strip()],
         client_id=client_id,
         acks="all",
         enable_idempotence=True,

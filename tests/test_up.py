@@ -1,4 +1,4 @@
-"""`tokenbus up` as a user runs it: real broker, real services, and nothing left after a stop."""
+"""`tokenbus up` as a user runs it: real broker and services, restarts, nothing left after."""
 
 from __future__ import annotations
 
@@ -7,14 +7,19 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
+
+import websockets
 
 from shared.kafka import delete_topics, wait_for_broker
 from shared.settings import TokenbusSettings
 from shared.topics import Topics
+from tests.chat_client import run_requests
 from tests.processes import cmdline, descendants, free_port_pair, running
 from tests.stack import free_port, new_prefix, wait_until
 
@@ -79,7 +84,39 @@ def service_pids(pids: set[int]) -> dict[str, int]:
     return found
 
 
-def test_up_serves_and_sigterm_stops_services_and_its_broker(tmp_path: Path) -> None:
+def chat_works(port: int, timeout_s: float = 180) -> None:
+    """A chat request through the edge answered to its end (chat.done) before the deadline.
+
+    A connection the edge closes (1012, service restart: it lost its lease while Kafka was
+    away) or refuses (it is being restarted) is retried, as a client reconnects.
+    """
+
+    async def chat() -> dict[str, Any] | None:
+        async with websockets.connect(f"ws://127.0.0.1:{port}/v1/chat") as ws:
+            request = {"client_id": "c", "prompt": "still there?", "max_tokens": 4}
+            transcripts = await run_requests(ws, [request], timeout=60)
+        return transcripts["c"].final
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            final = asyncio.run(chat())
+            break
+        except (websockets.ConnectionClosed, OSError, TimeoutError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(1)
+    assert final is not None
+    assert final["type"] == "chat.done", final
+
+
+def restarted(up: subprocess.Popen[bytes], service: str, old_pid: int) -> int | None:
+    """The pid of `service` under `up` once it is a new process, else None."""
+    pid = service_pids(descendants(up.pid)).get(service)
+    return pid if pid not in (None, old_pid) and running(pid) else None
+
+
+def test_up_restarts_the_broker_it_started_and_sigterm_stops_everything(tmp_path: Path) -> None:
     state = tmp_path / "kafka"
     kafka_port, edge_port = free_port_pair(), free_port()
     env = {k: v for k, v in os.environ.items() if not k.endswith("BOOTSTRAP_SERVERS")}
@@ -92,6 +129,26 @@ def test_up_serves_and_sigterm_stops_services_and_its_broker(tmp_path: Path) -> 
         assert broker in tree, "up should run the broker it started as its own child"
         assert set(service_pids(tree)) == SERVICES
 
+        os.kill(broker, signal.SIGKILL)
+        wait_until(
+            lambda: (
+                f"Kafka (pid {broker}) exited with code -9 (SIGKILL); restarting in"
+                in log.read_text()
+            ),
+            30,
+            "up to report the broker's exit",
+        )
+
+        def new_broker() -> bool:
+            pid_file = state / "kafka.pid"
+            return pid_file.exists() and int(pid_file.read_text()) not in (broker,)
+
+        wait_until(new_broker, 180, "a restarted broker")
+        assert int((state / "kafka.pid").read_text()) in descendants(up.pid)
+        chat_works(edge_port)
+        assert up.poll() is None, log.read_text()
+
+        tree = descendants(up.pid)
         up.send_signal(signal.SIGTERM)
         assert up.wait(timeout=90) == 0, log.read_text()
         # `up` waits for every child before it exits; the deadline only covers stragglers
@@ -100,7 +157,7 @@ def test_up_serves_and_sigterm_stops_services_and_its_broker(tmp_path: Path) -> 
         assert not (state / "kafka.pid").exists()
 
 
-def test_a_dying_service_stops_up_with_an_error_and_spares_a_broker_it_did_not_start(
+def test_a_killed_service_is_restarted_and_a_broker_up_did_not_start_is_spared(
     tmp_path: Path, bootstrap: str
 ) -> None:
     prefix, edge_port = new_prefix(), free_port()
@@ -114,9 +171,19 @@ def test_a_dying_service_stops_up_with_an_error_and_spares_a_broker_it_did_not_s
             assert set(services) == SERVICES
             assert not any("kafka.Kafka" in cmdline(pid) for pid in tree)
 
-            os.kill(services["scheduler"], signal.SIGKILL)
-            assert up.wait(timeout=60) == 1, log.read_text()
-            assert "service scheduler" in log.read_text()
+            scheduler = services["scheduler"]
+            os.kill(scheduler, signal.SIGKILL)
+            wait_until(
+                lambda: restarted(up, "scheduler", scheduler) is not None, 60, "a new scheduler"
+            )
+            said = f"scheduler (pid {scheduler}) exited with code -9 (SIGKILL); restarting in 1.0 s"
+            assert said in log.read_text()
+            chat_works(edge_port)
+            assert up.poll() is None, log.read_text()
+
+            tree = descendants(up.pid)
+            up.send_signal(signal.SIGTERM)
+            assert up.wait(timeout=90) == 0, log.read_text()
             wait_until(
                 lambda: not any(running(pid) for pid in tree), 10, "every process of up to end"
             )

@@ -1,4 +1,4 @@
-"""`tokenbus up`: broker, topics and the four services on one machine, in the foreground."""
+"""`tokenbus up`: broker, topics and the four services on one machine, supervised."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Coroutine
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pydantic import Field
@@ -21,6 +22,7 @@ from pydantic import Field
 from deploy.kafka import launcher
 from shared.kafka import wait_for_broker
 from shared.settings import TokenbusSettings
+from tokenbus.crashloop import Backoff, CrashLoop
 from tokenbus.topics import ensure_topics
 
 if TYPE_CHECKING:
@@ -34,27 +36,68 @@ POLL_S = 0.2
 
 
 class UpSettings(TokenbusSettings):
-    """Where the edge listens; `--host`/`--port` override the environment."""
+    """Where the edge listens and how exited processes are restarted; flags override."""
 
     edge_host: str = Field(default="127.0.0.1", description="Edge bind address.")
     edge_port: int = Field(default=8000, ge=1, le=65535, description="Edge HTTP/WebSocket port.")
+    up_restart_backoff_s: float = Field(
+        default=1.0,
+        gt=0,
+        description="`tokenbus up`: wait before restarting a service or Kafka node that exited;"
+        " doubles with each crash in a row.",
+    )
+    up_restart_backoff_max_s: float = Field(
+        default=60.0, gt=0, description="`tokenbus up`: the longest wait before a restart."
+    )
+    up_restart_reset_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="`tokenbus up`: a process that stayed up this long is restarted after the"
+        " first wait again.",
+    )
+
+    def backoff(self) -> Backoff:
+        return Backoff(
+            self.up_restart_backoff_s, self.up_restart_backoff_max_s, self.up_restart_reset_s
+        )
 
 
 class UpError(Exception):
-    """Start-up failed or a service died; the message names what and why."""
+    """Start-up failed; the message names what and why."""
+
+
+@dataclass
+class Supervised:
+    """One process `up` keeps running: the one now running, or when the next starts.
+
+    Caller: `Deployment`, the only owner.
+    """
+
+    name: str
+    crashes: CrashLoop
+    process: subprocess.Popen[bytes] | None = None
+    started_at: float = 0.0
+    restart_at: float | None = None
 
 
 class Deployment:
-    """The processes `up` owns: the services, and the broker if it started it."""
+    """The processes `up` owns: the services, and the Kafka nodes if it started them.
 
-    def __init__(self, settings: UpSettings, broker: launcher.Cluster) -> None:
+    Each is restarted with back-off when it exits; only SIGINT/SIGTERM stop them.
+    """
+
+    def __init__(self, settings: UpSettings, cluster: launcher.Cluster) -> None:
         self.settings = settings
-        self.broker = broker
+        self.cluster = cluster
         self.owns_broker = False
-        self.children: dict[str, subprocess.Popen[bytes]] = {}
+        self.services = {name: Supervised(name, CrashLoop(settings.backoff())) for name in SERVICES}
+        self.broker = Supervised("Kafka", CrashLoop(settings.backoff()))
+        self.broker_pids: dict[int, int] = {}
+        self.broker_restart: asyncio.Task[launcher.Running] | None = None
+        self.env: dict[str, str] = {}
 
     async def run(self) -> int:
-        """Run until SIGINT/SIGTERM (exit 0) or until something fails (exit 1)."""
+        """Run until SIGINT/SIGTERM (exit 0) or until start-up fails (exit 1)."""
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
         for signum in (signal.SIGINT, signal.SIGTERM):
@@ -63,9 +106,11 @@ class Deployment:
             # Not raced against `stop`: a broker half-started by a cancelled thread could
             # not be stopped. A signal meanwhile takes effect once it is up.
             if "bootstrap_servers" not in self.settings.model_fields_set:
-                _pid, self.owns_broker = await asyncio.to_thread(launcher.start, self.broker)
+                running = await asyncio.to_thread(launcher.start, self.cluster)
+                self.owns_broker = running.started
+                self.broker_pids, self.broker.started_at = running.pids, time.monotonic()
                 self.settings = self.settings.model_copy(
-                    update={"bootstrap_servers": self.broker.bootstrap_servers}
+                    update={"bootstrap_servers": self.cluster.bootstrap_servers}
                 )
             if stop.is_set():
                 return 0
@@ -76,8 +121,11 @@ class Deployment:
         finally:
             print("tokenbus up: shutting down…", flush=True)
             await self._stop_children()
+            if self.broker_restart is not None:
+                # The launcher's lock makes the stop below wait for a start in its thread.
+                self.broker_restart.cancel()
             if self.owns_broker:
-                await asyncio.to_thread(launcher.stop, self.broker)
+                await asyncio.to_thread(launcher.stop, self.cluster)
             for signum in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(signum)
 
@@ -88,22 +136,25 @@ class Deployment:
             raise UpError(str(exc)) from exc
         await ensure_topics(self.settings)
         began = time.monotonic()
-        self._spawn_services()
+        self.env = self._service_env()
+        for service in self.services.values():
+            self._start(service)
         await self._until_healthy(began + READY_TIMEOUT_S)
         host, port = self.settings.edge_host, self.settings.edge_port
+        nodes = f", {self.cluster.size} nodes" if self.owns_broker and self.cluster.size > 1 else ""
         print(
             f"tokenbus up: ready in {time.monotonic() - began:.1f} s "
-            f"(Kafka at {self.settings.bootstrap_servers})\n"
+            f"(Kafka at {self.settings.bootstrap_servers}{nodes})\n"
             f"  chat page  http://{host}:{port}/\n"
             f"  WebSocket  ws://{host}:{port}/v1/chat\n"
             "Ctrl-C stops everything.",
             flush=True,
         )
         while True:
-            self._raise_if_a_child_exited()
+            self._supervise(time.monotonic())
             await asyncio.sleep(POLL_S)
 
-    def _spawn_services(self) -> None:
+    def _service_env(self) -> dict[str, str]:
         env = dict(os.environ)
         env["KAFKA_BOOTSTRAP_SERVERS"] = self.settings.bootstrap_servers
         env["TOKENBUS_EDGE_HOST"] = self.settings.edge_host
@@ -111,49 +162,118 @@ class Deployment:
         # Locally there is rarely a GPU: the simulator unless the user chose an engine.
         env.setdefault("TOKENBUS_WORKER_ENGINE", "sim")
         env.setdefault("TOKENBUS_TRACE_DIR", os.path.abspath(".tokenbus/traces"))  # tokenbus trace
-        # One resume key for every edge this deployment runs, unless the operator set one.
+        # One resume key for every edge this deployment runs (a restarted edge included),
+        # unless the operator set one.
         env.setdefault("TOKENBUS_RESUME_SECRET", secrets.token_urlsafe(32))
-        for name in SERVICES:
-            # Own process group: Ctrl-C reaches only `up`, which stops the services in
-            # order, and killing the group also ends anything a service spawned (vLLM's
-            # engine core runs in a child process).
-            self.children[name] = subprocess.Popen(
-                [sys.executable, "-m", f"services.{name}"], env=env, start_new_session=True
-            )
-            print(f"tokenbus up: started {name} (pid {self.children[name].pid})", flush=True)
+        return env
+
+    def _start(self, service: Supervised) -> None:
+        # Own process group: Ctrl-C reaches only `up`, which stops the services in order,
+        # and killing the group also ends anything a service spawned (vLLM's engine core
+        # runs in a child process).
+        service.process = subprocess.Popen(
+            [sys.executable, "-m", f"services.{service.name}"],
+            env=self.env,
+            start_new_session=True,
+        )
+        service.started_at, service.restart_at = time.monotonic(), None
+        print(f"tokenbus up: started {service.name} (pid {service.process.pid})", flush=True)
 
     async def _until_healthy(self, deadline: float) -> None:
         url = f"http://{self.settings.edge_host}:{self.settings.edge_port}/healthz"
         while True:
-            # Checked first: ready means the edge answers *and* no service has died.
-            self._raise_if_a_child_exited()
+            self._supervise(time.monotonic())
             if await asyncio.to_thread(_answers_200, url):
                 return
             if time.monotonic() > deadline:
                 raise UpError(f"{url} did not answer 200 within {READY_TIMEOUT_S:.0f} s")
             await asyncio.sleep(POLL_S)
 
-    def _raise_if_a_child_exited(self) -> None:
-        for name, child in self.children.items():
-            code = child.poll()
-            if code is not None:
-                raise UpError(f"service {name} (pid {child.pid}) exited with code {code}")
+    def _supervise(self, now: float) -> None:
+        """One round: notice exits, restart what is due, the Kafka nodes `up` started too."""
+        for service in self.services.values():
+            # 1) A service that exited: end what it left in its group, schedule its restart.
+            if service.process is not None and (code := service.process.poll()) is not None:
+                _signal_group(service.process, signal.SIGKILL)
+                self._schedule_restart(service, f"pid {service.process.pid}", code, now)
+                service.process = None
+            # 2) A restart that is due.
+            if service.restart_at is not None and now >= service.restart_at:
+                self._start(service)
+        if self.owns_broker:
+            self._supervise_broker(now)
+
+    def _supervise_broker(self, now: float) -> None:
+        if self.broker_restart is not None:
+            if not self.broker_restart.done():
+                return
+            self._restarted_broker(self.broker_restart, now)
+            self.broker_restart = None
+        if self.broker.restart_at is None:
+            dead = {
+                i: p for i, p in self.broker_pids.items() if launcher.exit_status(p) is not None
+            }
+            if dead:
+                node_id, pid = min(dead.items())
+                what = f"node {node_id} (pid {pid})" if self.cluster.size > 1 else f"pid {pid}"
+                self._schedule_restart(self.broker, what, launcher.exit_status(pid), now)
+        elif now >= self.broker.restart_at:
+            # In a thread: the services go on being supervised while the nodes start.
+            self.broker_restart = asyncio.create_task(
+                asyncio.to_thread(launcher.start, self.cluster)
+            )
+
+    def _restarted_broker(self, attempt: asyncio.Task[launcher.Running], now: float) -> None:
+        error = attempt.exception()
+        if error is None:
+            self.broker_pids.update(attempt.result().pids)
+            self.broker.started_at, self.broker.restart_at = now, None
+            print(f"tokenbus up: restarted Kafka ({_pids(self.broker_pids)})", flush=True)
+            return
+        if not isinstance(error, launcher.LauncherError):
+            raise error
+        print(f"tokenbus up: Kafka did not start again: {error}", flush=True)
+        self._schedule_restart(self.broker, "start", None, now)
+
+    def _schedule_restart(
+        self, process: Supervised, what: str, code: int | None, now: float
+    ) -> None:
+        delay = process.crashes.next_delay(up_for_s=now - process.started_at)
+        process.restart_at = now + delay
+        print(
+            f"tokenbus up: {process.name} ({what}) exited with {_exit_code(code)}; "
+            f"restarting in {delay:.1f} s (crash {process.crashes.crashes} in a row)",
+            flush=True,
+        )
 
     async def _stop_children(self) -> None:
         """SIGTERM every service's process group, SIGKILL what is left after a timeout."""
-        for child in self.children.values():
+        children = {s.name: s.process for s in self.services.values() if s.process is not None}
+        for child in children.values():
             _signal_group(child, signal.SIGTERM)
         deadline = time.monotonic() + STOP_TIMEOUT_S
-        while any(c.poll() is None for c in self.children.values()):
+        while any(c.poll() is None for c in children.values()):
             if time.monotonic() > deadline:
-                stuck = [n for n, c in self.children.items() if c.poll() is None]
+                stuck = [n for n, c in children.items() if c.poll() is None]
                 print(f"tokenbus up: killing {', '.join(stuck)} after {STOP_TIMEOUT_S:.0f} s")
                 break
             await asyncio.sleep(0.05)
-        for child in self.children.values():
+        for child in children.values():
             # Also after a clean exit: whatever the service left in its group goes too.
             _signal_group(child, signal.SIGKILL)
             child.wait()
+
+
+def _pids(pids: dict[int, int]) -> str:
+    return ", ".join(f"node {node} pid {pid}" for node, pid in sorted(pids.items()))
+
+
+def _exit_code(code: int | None) -> str:
+    if code is None:
+        return "an unknown status"
+    if code < 0:
+        return f"code {code} ({signal.Signals(-code).name})"
+    return f"code {code}"
 
 
 async def _until_stopped(stop: asyncio.Event, work: Coroutine[Any, Any, int]) -> int:
@@ -199,10 +319,20 @@ def register(commands: Subcommands) -> None:
         help="port of the local broker `up` starts unless KAFKA_BOOTSTRAP_SERVERS is set "
         f"(default: $TOKENBUS_KAFKA_PORT or {launcher.DEFAULT_PORT})",
     )  # fmt: skip
+    parser.add_argument(
+        "--kafka-nodes", type=int, default=None,
+        help="nodes of the local Kafka cluster `up` starts (3: replicated topics; "
+        "default: $TOKENBUS_KAFKA_NODES, the number last used in the state dir, or 1)",
+    )  # fmt: skip
     parser.set_defaults(handler=_up)
 
 
 def _up(args: argparse.Namespace) -> int:
     overrides = {"edge_host": args.host, "edge_port": args.port}
     settings = UpSettings(**{k: v for k, v in overrides.items() if v is not None})
-    return asyncio.run(Deployment(settings, launcher.Cluster.resolve(args.kafka_port)).run())
+    try:
+        cluster = launcher.Cluster.resolve(args.kafka_port, nodes=args.kafka_nodes)
+    except launcher.LauncherError as exc:
+        print(f"tokenbus up: error: {exc}", file=sys.stderr)
+        return 1
+    return asyncio.run(Deployment(settings, cluster).run())

@@ -222,6 +222,13 @@ def running_pids(cluster: Cluster) -> dict[int, int]:
     return {n.node_id: pid for n in cluster.nodes if (pid := running_pid(n)) is not None}
 
 
+def exit_status(pid: int) -> int | None:
+    """How a node this process started ended (negative: the signal); None while it runs or
+    when another process started it."""
+    process = _spawned.get(pid)
+    return None if process is None else process.poll()
+
+
 def running_pid(node: Node) -> int | None:
     """The pid of this node if it is alive; clears a stale pid file."""
     try:

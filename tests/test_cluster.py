@@ -1,0 +1,201 @@
+"""A real three-node KRaft cluster from the launcher: replicated topics, and writes through a crash.
+
+The cluster is this module's own (free ports, a temp state dir), never the shared broker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiokafka import TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+
+from deploy.kafka import launcher
+from shared.kafka import create_topics, make_consumer, make_producer
+from shared.settings import TokenbusSettings
+from shared.topics import Topics
+from tests.processes import free_port_run, running
+from tests.stack import new_prefix
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[launcher.Cluster]:
+    state = tmp_path_factory.mktemp("cluster")
+    cluster, started = launcher.start_cluster(nodes=3, port=free_port_run(6), state_dir=state)
+    try:
+        assert set(started.pids) == {1, 2, 3}
+        yield cluster
+    finally:
+        launcher.stop(cluster)
+
+
+def settings_for(cluster: launcher.Cluster) -> TokenbusSettings:
+    return TokenbusSettings(
+        KAFKA_BOOTSTRAP_SERVERS=cluster.bootstrap_servers, topic_prefix=new_prefix()
+    )
+
+
+@asynccontextmanager
+async def admin_of(settings: TokenbusSettings) -> AsyncIterator[AIOKafkaAdminClient]:
+    admin = AIOKafkaAdminClient(bootstrap_servers=settings.bootstrap_servers)
+    await admin.start()
+    try:
+        yield admin
+    finally:
+        await admin.close()
+
+
+async def partitions_of(admin: AIOKafkaAdminClient, topic: str) -> list[dict[str, Any]]:
+    """The topic's partitions, once the node asked knows it (a new topic reaches each node
+    of a cluster a moment after it is created)."""
+
+    async def described() -> list[dict[str, Any]]:
+        [entry] = await admin.describe_topics([topic])
+        partitions: list[dict[str, Any]] = entry["partitions"]
+        return sorted(partitions, key=lambda p: int(p["partition"]))
+
+    found: list[dict[str, Any]] = await wait_for(f"metadata of {topic}", 30, described)
+    return found
+
+
+async def topic_config(admin: AIOKafkaAdminClient, topic: str, name: str) -> str:
+    resource = ConfigResource(ConfigResourceType.TOPIC, topic, {name: None})
+    described = (await admin.describe_configs([resource]))[0].to_object()
+    entries = described["resources"][0]["config_entries"]
+    return str({e["config_names"]: e["config_value"] for e in entries}[name])
+
+
+async def wait_for(what: str, timeout_s: float, check: Any) -> Any:
+    """Await `check()` until it returns something truthy; fail naming `what` after the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = await check()
+        if found:
+            return found
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        await asyncio.sleep(0.2)
+
+
+def test_the_bootstrap_string_lists_every_node(cluster: launcher.Cluster) -> None:
+    port = cluster.port
+    expected = f"127.0.0.1:{port},127.0.0.1:{port + 2},127.0.0.1:{port + 4}"
+    assert cluster.bootstrap_servers == expected
+    assert set(launcher.running_pids(cluster)) == {1, 2, 3}
+    assert all(launcher.broker_ids(n.port) == {1, 2, 3} for n in cluster.nodes)
+
+
+async def test_deployment_topics_get_three_replicas_and_two_in_sync(
+    cluster: launcher.Cluster,
+) -> None:
+    settings = settings_for(cluster)
+    wanted = Topics(settings.topic_prefix).partitions()
+    assert sorted(await create_topics(settings, wanted)) == sorted(wanted)
+    async with admin_of(settings) as admin:
+        for topic, count in wanted.items():
+            partitions = await partitions_of(admin, topic)
+            assert len(partitions) == count, topic
+            assert all(sorted(p["replicas"]) == [1, 2, 3] for p in partitions), topic
+            assert await topic_config(admin, topic, "min.insync.replicas") == "2", topic
+
+
+async def test_an_explicit_replication_factor_wins_and_min_isr_follows(
+    cluster: launcher.Cluster,
+) -> None:
+    settings = settings_for(cluster)
+    topic = f"{settings.topic_prefix}.single"
+    await create_topics(settings, {topic: 1}, replication=1)
+    async with admin_of(settings) as admin:
+        [partition] = await partitions_of(admin, topic)
+        assert len(partition["replicas"]) == 1
+        assert await topic_config(admin, topic, "min.insync.replicas") == "1"
+
+
+async def test_writes_survive_the_leaders_kill_and_its_restart(cluster: launcher.Cluster) -> None:
+    settings = settings_for(cluster)
+    topic = f"{settings.topic_prefix}.through-a-crash"
+    await create_topics(settings, {topic: 1})
+    producer = make_producer(settings, client_id="cluster-test")
+    await producer.start()
+    async with admin_of(settings) as admin:
+        try:
+            sent = [f"before-{i}".encode() for i in range(20)]
+            for value in sent:
+                await producer.send_and_wait(topic, value, partition=0)
+            [partition] = await partitions_of(admin, topic)
+            leader = int(partition["leader"])
+            killed = launcher.kill_node(cluster, leader)
+            assert killed is not None
+            assert not running(killed)
+
+            # acks=all with min ISR 2: the two survivors take the writes once one leads.
+            during = [f"during-{i}".encode() for i in range(20)]
+            for value in during:
+                await asyncio.wait_for(producer.send_and_wait(topic, value, partition=0), 90)
+            sent += during
+
+            async def led_by_another() -> bool:
+                [p] = await partitions_of(admin, topic)
+                return int(p["leader"]) not in (leader, -1)
+
+            await wait_for("a new leader", 60, led_by_another)
+
+            pid = await asyncio.to_thread(launcher.start_node, cluster, leader)
+            assert pid != killed
+            assert running(pid)
+
+            async def back_in_sync() -> bool:
+                [p] = await partitions_of(admin, topic)
+                return sorted(p["isr"]) == [1, 2, 3]
+
+            await wait_for(f"node {leader} back in the ISR", 90, back_in_sync)
+            after = [f"after-{i}".encode() for i in range(20)]
+            for value in after:
+                await producer.send_and_wait(topic, value, partition=0)
+            sent += after
+        finally:
+            await producer.stop()
+
+    # Every write once, in order: acks=all lost none, idempotence duplicated none.
+    assert await read_all(settings, TopicPartition(topic, 0), len(sent)) == sent
+
+
+async def read_all(settings: TokenbusSettings, tp: TopicPartition, count: int) -> list[bytes]:
+    consumer = make_consumer(settings, group_id=None, client_id="cluster-test-reader")
+    await consumer.start()
+    try:
+        consumer.assign([tp])
+        await consumer.seek_to_beginning(tp)
+        values: list[bytes] = []
+        deadline = time.monotonic() + 60
+        while len(values) < count and time.monotonic() < deadline:
+            batch = await consumer.getmany(tp, timeout_ms=1000)
+            values += [r.value or b"" for r in batch.get(tp, [])]
+        # One more fetch: anything beyond `count` would be a duplicate.
+        batch = await consumer.getmany(tp, timeout_ms=500)
+        return values + [r.value or b"" for r in batch.get(tp, [])]
+    finally:
+        await consumer.stop()
+
+
+def test_cli_status_names_a_dead_node_and_start_brings_it_back(
+    cluster: launcher.Cluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    killed = launcher.kill_node(cluster, 3)
+    assert killed is not None
+    args = ["status", "--state-dir", str(cluster.state_dir)]
+    assert launcher.main(args) == 1
+    out = capsys.readouterr().out
+    assert f"node 3 at 127.0.0.1:{cluster.port + 4}: not running" in out
+    assert "2 of 3 nodes serving" in out
+    assert launcher.main(["start", "--state-dir", str(cluster.state_dir)]) == 0
+    assert "1 of 3 nodes up" in capsys.readouterr().out
+    assert launcher.main(args) == 0
+    assert launcher.running_pids(cluster)[3] != killed
