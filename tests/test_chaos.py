@@ -108,7 +108,15 @@ def test_no_acknowledged_request_is_lost_or_answered_twice_under_kill_9(
     done = injector.done
     verdicts = [judge(h) for h in run.histories()]
     summary = summarize(verdicts)
-    report = _report(seed, faults, injector, table(verdicts), run.counts(), run.seen())
+    report = _report(
+        seed,
+        faults,
+        injector,
+        system.startup_exits,
+        table(verdicts),
+        run.counts(),
+        run.seen(),
+    )
     REPORT.parent.mkdir(parents=True, exist_ok=True)
     REPORT.write_text(report)
     say("\n" + report)
@@ -161,6 +169,7 @@ def _report(
     seed: int,
     faults: list[Fault],
     injector: Injector,
+    startup_exits: list[str],
     summary_table: str,
     counts: dict[str, int],
     seen: dict[str, int],
@@ -174,6 +183,7 @@ def _report(
         f" WebSocket and {RATE['kafka']:g} req/s from a Kafka producer.\n\n"
         f"Faults planned:\n{planned}\n\nFaults played:\n{played}\n\n"
         f"Services that exited on their own (restarted by the supervisor):\n{exits}\n\n"
+        f"Exits while the system came up: {', '.join(startup_exits) or 'none'}\n\n"
         f"{summary_table}\n\n"
         f"Not acknowledged, so not judged: {extra}\n\n"
         f"What the faults showed: {', '.join(f'{k}={v}' for k, v in seen.items())}\n"

@@ -12,6 +12,7 @@ import random
 import signal
 import socket
 import time
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -19,9 +20,10 @@ from typing import Protocol
 from aiokafka.admin import AIOKafkaAdminClient
 
 from deploy.kafka import launcher
+from shared.kafka import create_topics, wait_for_broker
 from shared.messages import Heartbeat
 from tests.chaos.faults import BROKER_KINDS, Fault
-from tests.stack import Stack, free_port, wait_until
+from tests.stack import Stack, free_port
 
 WORKERS = ("worker-a", "worker-b")
 
@@ -47,6 +49,19 @@ class Brokers(Protocol):
     def kill(self, node: int) -> None: ...
 
     def restart(self, node: int) -> None: ...
+
+
+def _healthy(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1) as r:
+            return bool(r.status == 200)
+    except OSError:
+        return False
+
+
+async def _create_topics(stack: Stack) -> None:
+    await wait_for_broker(stack.settings, timeout_s=60)
+    await create_topics(stack.settings, stack.topics.partitions())
 
 
 def cluster_ports(count: int) -> int:
@@ -115,9 +130,18 @@ class ChaosSystem:
     services: dict[str, Service]
     port_b: int
 
+    startup_exits: list[str] = field(default_factory=list)
+
     @classmethod
-    def start(cls, stack: Stack) -> ChaosSystem:
-        stack.start()  # ingest, scheduler, worker-a, edge-a
+    def start(cls, stack: Stack, timeout_s: float = 150) -> ChaosSystem:
+        """Topics, then all six processes; ready once both edges answer and both workers beat.
+
+        A service that exits while the system comes up is started again, as a supervisor
+        would (seen: an edge whose first admin request timed out on a loaded machine); each
+        such exit is kept in `startup_exits`.
+        """
+        asyncio.run(_create_topics(stack))
+        stack.edge_port = free_port()
         port_b = free_port()
         services = {
             "ingest": Service("ingest", "ingest"),
@@ -132,11 +156,30 @@ class ChaosSystem:
             "edge-b": Service("edge", "edge-b", {"TOKENBUS_EDGE_PORT": str(port_b)}),
         }
         system = cls(stack, services, port_b)
-        system.launch("worker-b")
-        system.launch("edge-b")
-        wait_until(lambda: stack.edge_ready(port_b), 90, "edge B's /healthz")
-        wait_until(lambda: system.workers_heard() >= set(WORKERS), 90, "both workers' beats")
-        return system
+        for name in services:
+            system.launch(name)
+        deadline = time.monotonic() + timeout_s
+        heard: set[str] = set()
+        while True:
+            system._relaunch_exited()
+            edges = _healthy(stack.edge_port) and _healthy(port_b)
+            if edges and heard < set(WORKERS):
+                heard = system.workers_heard()
+            if edges and heard >= set(WORKERS):
+                return system
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"system not ready in {timeout_s:.0f} s: edges ready={edges},"
+                    f" workers heard={sorted(heard)}, exits={system.startup_exits}"
+                )
+            time.sleep(0.5)
+
+    def _relaunch_exited(self) -> None:
+        for name, service in self.services.items():
+            proc = self.stack.processes.get(service.key)
+            if proc is not None and proc.poll() is not None:
+                self.startup_exits.append(f"{name} (code {proc.returncode})")
+                self.launch(name)
 
     @property
     def urls(self) -> list[str]:
