@@ -211,16 +211,23 @@ class Injector:
     done: list[str] = field(default_factory=list)
     self_exits: list[str] = field(default_factory=list)
     _down: set[str] = field(default_factory=set)  # killed by a fault, not yet restarted
-    _broker_back: asyncio.Task[None] | None = None  # the killed node's restart
+    _one_broker: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     async def run(self, faults: list[Fault], zero: float) -> None:
-        for fault in faults:
-            delay = zero + fault.at_s - time.monotonic()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            await self._play(fault, zero)
-        if self._broker_back is not None:
-            await self._broker_back
+        """Each fault strikes at its own time; broker faults one after another (see below)."""
+        async with asyncio.TaskGroup() as tg:
+            for fault in faults:
+                tg.create_task(self._at(fault, zero))
+
+    async def _at(self, fault: Fault, zero: float) -> None:
+        delay = zero + fault.at_s - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        if fault.kind in BROKER_KINDS:
+            async with self._one_broker:
+                await self._kill_broker(fault, zero)
+        else:
+            await self._kill_service(fault, zero)
 
     async def supervise(self, zero: float) -> None:
         """Until cancelled: start again any service that exited on its own."""
@@ -238,11 +245,8 @@ class Injector:
                 self.log(line)
                 self.system.launch(name)
 
-    async def _play(self, fault: Fault, zero: float) -> None:
+    async def _kill_service(self, fault: Fault, zero: float) -> None:
         struck = time.monotonic() - zero
-        if fault.kind in BROKER_KINDS:
-            await self._kill_broker(fault, zero)
-            return
         self._down.add(fault.target)
         try:
             await asyncio.to_thread(self.system.kill, fault.target)
@@ -253,31 +257,27 @@ class Injector:
         self._played(f"t={struck:5.1f}s kill -9 {fault.target}", zero)
 
     async def _kill_broker(self, fault: Fault, zero: float) -> None:
-        """Kill the node leading the fault's partition; start it again in the background.
+        """Kill the node leading the fault's partition; start it again; wait until it is up.
 
-        A JVM takes from seconds to a minute to start on a busy machine: service faults go on
-        meanwhile, but the next broker fault waits until every node is back, so at most one
-        node of three is ever down (the cluster's min.insync.replicas=2 holds).
+        Called under `_one_broker`: a JVM takes from seconds to a minute to start on a busy
+        machine, and the next broker fault waits until every node is back, so at most one
+        node of three is ever down (the cluster's min.insync.replicas=2 holds). Service
+        faults do not wait for it.
         """
         if self.brokers is None:
             raise RuntimeError(f"{fault.describe()}: this run has no cluster to kill nodes of")
         brokers = self.brokers
-        if self._broker_back is not None:
-            await self._broker_back
         struck = time.monotonic() - zero
         topic_kind, partition = fault.target.split("/")
         topics = self.system.stack.topics
         topic = topics.requests if topic_kind == "requests" else topics.results
         node = await asyncio.to_thread(brokers.leader, topic, int(partition))
         await asyncio.to_thread(brokers.kill, node)
-
-        async def restart() -> None:
-            await asyncio.sleep(fault.down_s)
-            await asyncio.to_thread(brokers.restart, node)
-            what = f"broker node {node} (leader of {fault.target})"
-            self._played(f"t={struck:5.1f}s kill -9 {what}", zero)
-
-        self._broker_back = asyncio.create_task(restart())
+        await asyncio.sleep(fault.down_s)
+        await asyncio.to_thread(brokers.restart, node)
+        self._played(
+            f"t={struck:5.1f}s kill -9 broker node {node} (leader of {fault.target})", zero
+        )
 
     def _played(self, what: str, zero: float) -> None:
         line = f"{what}; started again at t={time.monotonic() - zero:5.1f}s"
