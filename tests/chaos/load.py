@@ -357,6 +357,11 @@ class LoadRun:
     def settled(self) -> bool:
         return self.app.settled() and all(u.settled() for u in self.users)
 
+    def finals(self) -> int:
+        """How many requests have their final outcome now: rises while the system answers."""
+        ws = sum(r.final for u in self.users for r in u.requests.values())
+        return ws + sum(r.final for r in self.app.requests.values())
+
     def histories(self) -> list[History]:
         return [h for u in self.users for h in u.histories()] + self.app.histories()
 
@@ -381,16 +386,6 @@ class LoadRun:
             "ws_resume_retries": sum(u.resume_retries for u in self.users),
             "kafka_later_attempt_records": sum(int(x["attempt"]) > 0 for x in records),
         }
-
-
-async def until(predicate: Callable[[], bool], within_s: float) -> bool:
-    """Poll `predicate` every 100 ms until true (True) or `within_s` passes (False)."""
-    deadline = time.monotonic() + within_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        await asyncio.sleep(0.1)
-    return True
 
 
 async def cancel_all(tasks: list[asyncio.Task[None]]) -> None:
