@@ -26,7 +26,9 @@ from shared.settings import TokenbusSettings
 from tests.chaos.checker import History
 
 Frame = dict[str, Any]
-RESUME_RETRY_S = 0.5
+# A refused resume (`overloaded`) is tried again after 0.5 s, doubling to 4 s, as a client
+# honouring a retry hint would.
+RESUME_RETRY_S = (0.5, 4.0)
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,7 @@ class WsRequest:
     last_seq: int = -1
     final: bool = False
     resuming: bool = False
+    resume_refusals: int = 0  # in a row; reset when a resume is answered
     refused: str | None = None  # an error before `chat.accepted`: never acknowledged
     orphaned: bool = False  # its socket dropped before `chat.accepted`: never acknowledged
 
@@ -210,13 +213,14 @@ class WsUser:
         if kind == "error" and r.resuming and frame.get("code") == "overloaded":
             # The resume could not read the stream now: not the request's outcome; again.
             self.resume_retries += 1
+            r.resume_refusals += 1
             task = asyncio.create_task(self._resume_later(ws, r))
             self._retries.add(task)
             task.add_done_callback(self._retries.discard)
             return
         r.frames.append(frame)
         if kind == "stream.resumed":
-            r.resuming = False
+            r.resuming, r.resume_refusals = False, 0
         elif kind == "chat.delta":
             r.last_seq = int(frame["seq"])
         elif kind == "chat.reset":
@@ -225,7 +229,8 @@ class WsUser:
             r.final, r.resuming = True, False
 
     async def _resume_later(self, ws: websockets.ClientConnection, r: WsRequest) -> None:
-        await asyncio.sleep(RESUME_RETRY_S)
+        first, cap = RESUME_RETRY_S
+        await asyncio.sleep(min(cap, first * 2 ** (r.resume_refusals - 1)))
         await self._resume(ws, r)
 
 
