@@ -6,6 +6,9 @@ The cluster is this module's own (free ports, a temp state dir), never the share
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
@@ -23,6 +26,9 @@ from shared.settings import TokenbusSettings
 from shared.topics import Topics
 from tests.processes import free_port_run, running
 from tests.stack import new_prefix
+
+# The console script pyproject declares, from the environment running the tests.
+TOKENBUS = Path(sys.executable).parent / "tokenbus"
 
 
 @pytest.fixture(scope="module")
@@ -66,10 +72,17 @@ async def partitions_of(admin: AIOKafkaAdminClient, topic: str) -> list[dict[str
 
 
 async def topic_config(admin: AIOKafkaAdminClient, topic: str, name: str) -> str:
+    """One config of a topic, once the node asked knows the topic (as `partitions_of`)."""
     resource = ConfigResource(ConfigResourceType.TOPIC, topic, {name: None})
-    described = (await admin.describe_configs([resource]))[0].to_object()
-    entries = described["resources"][0]["config_entries"]
-    return str({e["config_names"]: e["config_value"] for e in entries}[name])
+
+    async def described() -> str | None:
+        answer = (await admin.describe_configs([resource]))[0].to_object()
+        entries = answer["resources"][0]["config_entries"]
+        values = {e["config_names"]: e["config_value"] for e in entries}
+        return None if name not in values else str(values[name])
+
+    value: str = await wait_for(f"{name} of {topic}", 30, described)
+    return value
 
 
 async def wait_for(what: str, timeout_s: float, check: Any) -> Any:
@@ -199,3 +212,28 @@ def test_cli_status_names_a_dead_node_and_start_brings_it_back(
     assert "1 of 3 nodes up" in capsys.readouterr().out
     assert launcher.main(args) == 0
     assert launcher.running_pids(cluster)[3] != killed
+
+
+def test_topics_create_cli_replicates_by_default_and_takes_a_factor(
+    cluster: launcher.Cluster,
+) -> None:
+    def topics_create(prefix: str, *args: str) -> str:
+        env = dict(
+            os.environ,
+            KAFKA_BOOTSTRAP_SERVERS=cluster.bootstrap_servers,
+            TOKENBUS_TOPIC_PREFIX=prefix,
+        )
+        result = subprocess.run(
+            [str(TOKENBUS), "topics", "create", *args],
+            env=env, capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stdout + result.stderr
+        return result.stdout
+
+    prefix = new_prefix()
+    out = topics_create(prefix)
+    assert f"created  {prefix}.batches (4 partitions, replication 3, min.insync.replicas 2)" in out
+    assert f"existed  {prefix}.batches" in topics_create(prefix)
+    other = new_prefix()
+    out = topics_create(other, "--replication-factor", "2")
+    assert f"created  {other}.batches (4 partitions, replication 2, min.insync.replicas 1)" in out

@@ -215,7 +215,7 @@ class Deployment:
             }
             if dead:
                 node_id, pid = min(dead.items())
-                what = f"node {node_id} (pid {pid})" if self.cluster.size > 1 else f"pid {pid}"
+                what = f"node {node_id}, pid {pid}" if self.cluster.size > 1 else f"pid {pid}"
                 self._schedule_restart(self.broker, what, launcher.exit_status(pid), now)
         elif now >= self.broker.restart_at:
             # In a thread: the services go on being supervised while the nodes start.
