@@ -29,7 +29,8 @@ from shared.kafka import create_topics
 from tests.chaos.checker import failures, judge, summarize, table
 from tests.chaos.faults import BROKER_KINDS, SERVICE_KINDS, Fault, plan
 from tests.chaos.load import KafkaRequester, LoadRun, WsUser, cancel_all, plan_load
-from tests.chaos.system import CHAOS_ENV, ChaosSystem, Injector, LocalCluster, cluster_ports
+from tests.chaos.system import CHAOS_ENV, ChaosSystem, Injector, LocalCluster
+from tests.processes import free_port_run
 from tests.stack import ROOT, Stack, new_prefix
 
 LOAD_S = 60.0
@@ -60,7 +61,7 @@ def run_dir() -> Path:
 @pytest.fixture
 def cluster(run_dir: Path) -> Iterator[LocalCluster]:
     """Three KRaft nodes of our own: RF 3, min.insync.replicas 2 (the launcher's rule)."""
-    nodes = launcher.Cluster.resolve(cluster_ports(6), run_dir / "kafka", nodes=3)
+    nodes = launcher.Cluster.resolve(free_port_run(6), run_dir / "kafka", nodes=3)
     try:
         launcher.start(nodes)
         yield LocalCluster(nodes)

@@ -8,9 +8,7 @@ leads the planned partition at that moment (`Brokers`, present when the run has 
 from __future__ import annotations
 
 import asyncio
-import random
 import signal
-import socket
 import time
 import urllib.request
 from collections.abc import Callable
@@ -62,30 +60,6 @@ def _healthy(port: int) -> bool:
 async def _create_topics(stack: Stack) -> None:
     await wait_for_broker(stack.settings, timeout_s=60)
     await create_topics(stack.settings, stack.topics.partitions())
-
-
-def cluster_ports(count: int) -> int:
-    """A port P with P … P+count-1 free, below the kernel's ephemeral range (32768 up).
-
-    A cluster binds its ports only after formatting storage, many seconds after they were
-    probed; in the ephemeral range an outgoing connection of any process on the machine can
-    take one meanwhile (seen: BindException on a busy machine).
-    """
-    rng = random.SystemRandom()
-    for _ in range(200):
-        port = rng.randrange(20000, 32768 - count)
-        if all(_bindable(port + i) for i in range(count)):
-            return port
-    raise RuntimeError(f"no {count} adjacent free ports below 32768")
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket() as probe:
-        try:
-            probe.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
 
 
 @dataclass(frozen=True)
