@@ -81,10 +81,22 @@ class _Stream:
     problems: list[str] = field(default_factory=list)
     redelivered: int = 0
     stale: int = 0
+    after_final: int = 0  # frames or records past the final: named once, then counted
 
     def duplicate(self, problem: str) -> None:
         self.duplicated = True
         self.problems.append(problem)
+
+    def past_final(self, what: str) -> None:
+        self.after_final += 1
+        if self.after_final == 1:
+            self.duplicate(f"{what} after the final ({self.outcome})")
+
+    def listed_problems(self) -> tuple[str, ...]:
+        more = self.after_final - 1
+        extra = [f"{more} more after the final"] if more > 0 else []
+        problems = tuple(self.problems + extra)
+        return problems or (("no final outcome",) if self.outcome is None else ())
 
     def fault(self, problem: str) -> None:
         self.corrupt = True
@@ -118,8 +130,7 @@ def judge(history: History) -> Verdict:
         outcome=stream.outcome,
         duplicated=stream.duplicated,
         corrupt=stream.corrupt,
-        problems=tuple(stream.problems)
-        or (("no final outcome",) if stream.outcome is None else ()),
+        problems=stream.listed_problems(),
         redelivered=stream.redelivered,
         stale=stream.stale,
     )
@@ -130,7 +141,7 @@ def _websocket_step(stream: _Stream, frame: Mapping[str, Any]) -> None:
     if kind == "chat.accepted":
         return
     if stream.outcome is not None:
-        stream.duplicate(f"{kind} after the final ({stream.outcome})")
+        stream.past_final(str(kind))
         return
     if kind == "stream.resumed":
         shown = (int(frame["attempt"]), int(frame["after_seq"]))
@@ -175,7 +186,7 @@ def _kafka_step(stream: _Stream, record: Mapping[str, Any]) -> None:
         elif attempt < stream.final_id[0]:
             stream.stale += 1
         else:
-            stream.duplicate(f"{kind} of attempt {attempt} seq {seq} after the final")
+            stream.past_final(f"{kind} of attempt {attempt} seq {seq}")
         return
     if attempt < stream.attempt:
         stream.stale += 1

@@ -176,8 +176,14 @@ def test_kafka_consumer_rules_drop_stale_and_identical_records() -> None:
 def test_kafka_lost_duplicated_gap_conflict() -> None:
     assert kafka(rec("delta", 0, 0, TEXT)).lost
     assert kafka().lost
-    rerun = kafka(rec("delta", 0, 0, TEXT), rec("done", 0, 1), rec("delta", 1, 0, TEXT))
+    rerun = kafka(
+        rec("delta", 0, 0, TEXT), rec("done", 0, 1), rec("delta", 1, 0, TEXT), rec("done", 1, 1)
+    )
     assert rerun.duplicated
+    assert rerun.problems == (
+        "delta of attempt 1 seq 0 after the final (done)",
+        "1 more after the final",
+    )
     two = kafka(rec("delta", 0, 0, TEXT), rec("done", 0, 1), rec("error", 0, 2, "internal"))
     assert two.duplicated
     gap = kafka(rec("delta", 0, 0, "The bus"), rec("delta", 0, 2, " leaves."), rec("done", 0, 3))
@@ -223,4 +229,4 @@ def test_table_and_failures_name_the_counts() -> None:
     assert "| all | 4 | 2 | deadline_exceeded: 1 | 1 | 1 | 0 | 0 | 0 |" in text
     listed = failures(_verdicts())
     assert "websocket c: no final outcome" in listed
-    assert "kafka d: done of attempt 1 seq 0 after the final" in listed
+    assert "kafka d: done of attempt 1 seq 0 after the final (done)" in listed
