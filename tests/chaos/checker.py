@@ -260,7 +260,9 @@ def summarize(verdicts: Iterable[Verdict]) -> Summary:
 def table(verdicts: Iterable[Verdict]) -> str:
     """A Markdown table: one row per channel and the total."""
     verdicts = list(verdicts)
-    rows = [(c, summarize(v for v in verdicts if v.channel == c)) for c in CHANNELS]
+    rows: list[tuple[str, Summary]] = [
+        (c, summarize(v for v in verdicts if v.channel == c)) for c in CHANNELS
+    ]
     rows.append(("all", summarize(verdicts)))
     head = (
         "| channel | acknowledged | done | errors by code | lost | duplicated | corrupt"

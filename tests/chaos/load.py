@@ -193,10 +193,10 @@ class WsUser:
     def _on_frame(self, ws: websockets.ClientConnection, frame: Frame) -> None:
         kind = frame.get("type")
         if kind == "chat.accepted":
-            r = self.requests[frame["client_id"]]
-            r.request_id, r.resume_token = frame["request_id"], frame["resume_token"]
-            self._by_request[r.request_id] = r
-            r.frames.append(frame)
+            sent = self.requests[frame["client_id"]]
+            sent.request_id, sent.resume_token = frame["request_id"], frame["resume_token"]
+            self._by_request[frame["request_id"]] = sent
+            sent.frames.append(frame)
             return
         rid = frame.get("request_id")
         if rid is None:
