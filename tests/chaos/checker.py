@@ -10,8 +10,8 @@ requester saw of one acknowledged request, in arrival order:
 - `kafka`: the result records on the producer's reply topic, in offset order. A consumer
   applies the documented rules itself (README "Writing requests straight to Kafka"): records
   of an older attempt than the newest seen are dropped (stale), a record identical to one
-  already read at its `(attempt, seq)` is dropped (redelivered); anything else that repeats or
-  skips a `seq` is a fault.
+  already read at its `(attempt, seq)` is dropped (redelivered), a `reset` record starts the
+  attempt it names if that is newer; anything else that repeats or skips a `seq` is a fault.
 
 Verdicts, per request:
 - lost: no final outcome (`done` or `error`) at all;
@@ -175,6 +175,9 @@ def _websocket_step(stream: _Stream, frame: Mapping[str, Any]) -> None:
 
 def _kafka_step(stream: _Stream, record: Mapping[str, Any]) -> None:
     attempt, seq, kind = int(record["attempt"]), int(record["seq"]), str(record["kind"])
+    if kind == "reset":
+        _kafka_reset(stream, attempt)
+        return
     body = str(record.get("text") if kind == "delta" else record.get("code", ""))
     if stream.outcome is not None:
         assert stream.final_id is not None
@@ -212,6 +215,20 @@ def _kafka_step(stream: _Stream, record: Mapping[str, Any]) -> None:
         stream.finish(body, (attempt, seq, kind))
     else:
         stream.fault(f"unexpected record kind {kind!r}")
+
+
+def _kafka_reset(stream: _Stream, attempt: int) -> None:
+    """`reset`: attempt `attempt` supersedes every earlier one; it carries no text or seq."""
+    if stream.outcome is not None:
+        assert stream.final_id is not None
+        if attempt > stream.final_id[0]:
+            stream.past_final(f"reset to attempt {attempt}")
+        else:
+            stream.stale += 1
+    elif attempt > stream.attempt:
+        stream.new_attempt(attempt)
+    else:
+        stream.stale += 1  # announced already (by this reset or the attempt's own records)
 
 
 def _text_mismatch(got: str, want: str, attempt: int) -> str:

@@ -173,6 +173,22 @@ def test_kafka_consumer_rules_drop_stale_and_identical_records() -> None:
     assert (v.redelivered, v.stale) == (2, 2)
 
 
+def test_kafka_reset_records_start_the_attempt_they_name() -> None:
+    v = kafka(
+        rec("delta", 0, 0, "The"),
+        rec("reset", 1, 0),
+        rec("delta", 0, 1, " zombie"),
+        rec("delta", 1, 0, TEXT),
+        rec("reset", 1, 0),
+        rec("done", 1, 1),
+    )
+    assert v.ok, v.problems
+    assert v.stale == 2
+    after = kafka(rec("delta", 0, 0, TEXT), rec("done", 0, 1), rec("reset", 1, 0))
+    assert after.duplicated
+    assert after.problems == ("reset to attempt 1 after the final (done)",)
+
+
 def test_kafka_lost_duplicated_gap_conflict() -> None:
     assert kafka(rec("delta", 0, 0, TEXT)).lost
     assert kafka().lost
