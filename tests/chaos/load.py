@@ -12,6 +12,7 @@ import contextlib
 import json
 import random
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -374,7 +375,10 @@ class LoadRun:
         ws = [r for u in self.users for r in u.requests.values()]
         return {
             "planned": len(self.planned),
-            "ws_refused": sum(r.refused is not None for r in ws),
+            **{
+                f"ws_refused_{code}": n
+                for code, n in sorted(Counter(r.refused for r in ws if r.refused).items())
+            },
             "ws_orphaned": sum(r.orphaned for r in ws),
             "ws_unsent": sum(not r.sent for r in ws),
             "kafka_unacked": sum(r.acked is False for r in self.app.requests.values()),
