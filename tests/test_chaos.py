@@ -139,6 +139,8 @@ def test_no_acknowledged_request_is_lost_or_answered_twice_under_kill_9(
 
     assert summary.passed, "\n" + failures(verdicts)
     assert summary.done >= summary.acknowledged // 2, "most requests should complete"
+    # A system that refused most work would pass the rest trivially.
+    assert summary.acknowledged >= len(run.planned) // 2, f"most refused: {run.counts()}"
     assert not [u.protocol_errors for u in run.users if u.protocol_errors]
     assert not run.app.foreign, f"records for no request on the reply topic: {run.app.foreign[:3]}"
     assert len(done) == len(faults), f"faults played: {done}"
