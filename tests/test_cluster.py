@@ -19,6 +19,7 @@ import pytest
 from aiokafka import TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+from aiokafka.errors import KafkaError
 
 from deploy.kafka import launcher
 from shared.kafka import create_topics, make_consumer, make_producer
@@ -63,7 +64,10 @@ async def partitions_of(admin: AIOKafkaAdminClient, topic: str) -> list[dict[str
     of a cluster a moment after it is created)."""
 
     async def described() -> list[dict[str, Any]]:
-        [entry] = await admin.describe_topics([topic])
+        try:
+            [entry] = await admin.describe_topics([topic])
+        except KafkaError:  # asked a node that is down (aiokafka does not try another)
+            return []
         partitions: list[dict[str, Any]] = entry["partitions"]
         return sorted(partitions, key=lambda p: int(p["partition"]))
 
@@ -76,7 +80,10 @@ async def topic_config(admin: AIOKafkaAdminClient, topic: str, name: str) -> str
     resource = ConfigResource(ConfigResourceType.TOPIC, topic, {name: None})
 
     async def described() -> str | None:
-        answer = (await admin.describe_configs([resource]))[0].to_object()
+        try:
+            answer = (await admin.describe_configs([resource]))[0].to_object()
+        except KafkaError:  # asked a node that is down
+            return None
         entries = answer["resources"][0]["config_entries"]
         values = {e["config_names"]: e["config_value"] for e in entries}
         return None if name not in values else str(values[name])
@@ -131,7 +138,15 @@ async def test_an_explicit_replication_factor_wins_and_min_isr_follows(
         assert await topic_config(admin, topic, "min.insync.replicas") == "1"
 
 
-async def test_writes_survive_the_leaders_kill_and_its_restart(cluster: launcher.Cluster) -> None:
+@pytest.fixture
+def whole(cluster: launcher.Cluster) -> launcher.Cluster:
+    """The cluster with every node running, whatever an earlier test left dead."""
+    launcher.start(cluster)
+    return cluster
+
+
+async def test_writes_survive_the_leaders_kill_and_its_restart(whole: launcher.Cluster) -> None:
+    cluster = whole
     settings = settings_for(cluster)
     topic = f"{settings.topic_prefix}.through-a-crash"
     await create_topics(settings, {topic: 1})
@@ -199,8 +214,9 @@ async def read_all(settings: TokenbusSettings, tp: TopicPartition, count: int) -
 
 
 def test_cli_status_names_a_dead_node_and_start_brings_it_back(
-    cluster: launcher.Cluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    whole: launcher.Cluster, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    cluster = whole
     killed = launcher.kill_node(cluster, 3)
     assert killed is not None
     args = ["status", "--state-dir", str(cluster.state_dir)]
@@ -215,8 +231,10 @@ def test_cli_status_names_a_dead_node_and_start_brings_it_back(
 
 
 def test_topics_create_cli_replicates_by_default_and_takes_a_factor(
-    cluster: launcher.Cluster,
+    whole: launcher.Cluster,
 ) -> None:
+    cluster = whole
+
     def topics_create(prefix: str, *args: str) -> str:
         env = dict(
             os.environ,
