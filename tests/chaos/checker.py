@@ -1,0 +1,305 @@
+"""Judges what requesters saw: one final outcome per request, every `done` the engine's text.
+
+Pure: histories in, verdicts and a table out; no I/O, no clock. A history is what one
+requester saw of one acknowledged request, in arrival order:
+
+- `websocket`: the server frames of the request across every socket it was read on
+  (`chat.delta`, `chat.reset`, `chat.done`, `error`, `stream.resumed`). The edge has already
+  applied the stream rules, so the client must see them kept exactly: any repeated `seq` is a
+  duplicate, any hole a gap, a `chat.reset` only to a newer attempt.
+- `kafka`: the result records on the producer's reply topic, in offset order. A consumer
+  applies the documented rules itself (README "Writing requests straight to Kafka"): records
+  of an older attempt than the newest seen are dropped (stale), a record identical to one
+  already read at its `(attempt, seq)` is dropped (redelivered), a `reset` record starts the
+  attempt it names if that is newer; anything else that repeats or skips a `seq` is a fault.
+
+Verdicts, per request:
+- lost: no final outcome (`done` or `error`) at all;
+- duplicated: a second final, a repeated delta (websocket), or the request talking again after
+  its final (a re-run after it was answered);
+- corrupt: a gap, a delta that conflicts with one already read, a reset to an attempt not newer,
+  an error code outside the protocol's stable codes, or a `done` whose text is not the engine's.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from shared.messages import ErrorCode
+
+Channel = Literal["websocket", "kafka"]
+CHANNELS: tuple[Channel, ...] = ("websocket", "kafka")
+STABLE_CODES = frozenset(code.value for code in ErrorCode)
+
+
+@dataclass(frozen=True)
+class History:
+    """What one requester saw of one acknowledged request (see the module docstring)."""
+
+    request_id: str
+    channel: Channel
+    expected_text: str
+    events: tuple[Mapping[str, Any], ...]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    request_id: str
+    channel: Channel
+    outcome: str | None  # "done", an error code, or None: lost
+    duplicated: bool
+    corrupt: bool
+    problems: tuple[str, ...]
+    redelivered: int = 0  # kafka: identical records a consumer drops by (attempt, seq)
+    stale: int = 0  # kafka: records of a superseded attempt, dropped
+
+    @property
+    def lost(self) -> bool:
+        return self.outcome is None
+
+    @property
+    def ok(self) -> bool:
+        return not (self.lost or self.duplicated or self.corrupt)
+
+
+@dataclass
+class _Stream:
+    """The requester's reading of one request so far."""
+
+    expected_text: str
+    attempt: int = 0
+    next_seq: int = 0
+    text: list[str] = field(default_factory=list)
+    outcome: str | None = None
+    final_id: tuple[int, int, str] | None = None  # (attempt, seq, kind) of the final record
+    seen: dict[tuple[int, int], tuple[str, str]] = field(default_factory=dict)
+    duplicated: bool = False
+    corrupt: bool = False
+    problems: list[str] = field(default_factory=list)
+    redelivered: int = 0
+    stale: int = 0
+    after_final: int = 0  # frames or records past the final: named once, then counted
+
+    def duplicate(self, problem: str) -> None:
+        self.duplicated = True
+        self.problems.append(problem)
+
+    def past_final(self, what: str) -> None:
+        self.after_final += 1
+        if self.after_final == 1:
+            self.duplicate(f"{what} after the final ({self.outcome})")
+
+    def listed_problems(self) -> tuple[str, ...]:
+        more = self.after_final - 1
+        extra = [f"{more} more after the final"] if more > 0 else []
+        problems = tuple(self.problems + extra)
+        return problems or (("no final outcome",) if self.outcome is None else ())
+
+    def fault(self, problem: str) -> None:
+        self.corrupt = True
+        self.problems.append(problem)
+
+    def new_attempt(self, attempt: int) -> None:
+        self.attempt, self.next_seq, self.text = attempt, 0, []
+
+    def finish(self, outcome: str, final_id: tuple[int, int, str]) -> None:
+        if self.outcome is not None:
+            self.duplicate(f"a second final ({outcome}) after {self.outcome}")
+            return
+        self.outcome, self.final_id = outcome, final_id
+        if outcome == "done":
+            text = "".join(self.text)
+            if text != self.expected_text:
+                self.fault(_text_mismatch(text, self.expected_text, self.attempt))
+        elif outcome not in STABLE_CODES:
+            self.fault(f"error code {outcome!r} is not a stable protocol code")
+
+
+def judge(history: History) -> Verdict:
+    """The verdict on one request."""
+    stream = _Stream(history.expected_text)
+    step = _websocket_step if history.channel == "websocket" else _kafka_step
+    for event in history.events:
+        step(stream, event)
+    return Verdict(
+        request_id=history.request_id,
+        channel=history.channel,
+        outcome=stream.outcome,
+        duplicated=stream.duplicated,
+        corrupt=stream.corrupt,
+        problems=stream.listed_problems(),
+        redelivered=stream.redelivered,
+        stale=stream.stale,
+    )
+
+
+def _websocket_step(stream: _Stream, frame: Mapping[str, Any]) -> None:
+    kind = frame.get("type")
+    if kind == "chat.accepted":
+        return
+    if stream.outcome is not None:
+        stream.past_final(str(kind))
+        return
+    if kind == "stream.resumed":
+        shown = (int(frame["attempt"]), int(frame["after_seq"]))
+        if shown != (stream.attempt, stream.next_seq - 1):
+            stream.fault(
+                f"stream.resumed at attempt {shown[0]} after seq {shown[1]}, but the client"
+                f" had attempt {stream.attempt} up to seq {stream.next_seq - 1}"
+            )
+    elif kind == "chat.reset":
+        attempt = int(frame["attempt"])
+        if attempt <= stream.attempt:
+            stream.fault(f"chat.reset to attempt {attempt}, not newer than {stream.attempt}")
+        else:
+            stream.new_attempt(attempt)
+    elif kind == "chat.delta":
+        seq = int(frame["seq"])
+        if seq < stream.next_seq:
+            stream.duplicate(f"delta seq {seq} of attempt {stream.attempt} shown again")
+        elif seq > stream.next_seq:
+            stream.fault(f"gap: delta seq {seq} of attempt {stream.attempt}, {stream.next_seq} due")
+        else:
+            stream.next_seq = seq + 1
+            stream.text.append(str(frame["text"]))
+    elif kind == "chat.done":
+        stream.finish("done", (stream.attempt, stream.next_seq, "done"))
+    elif kind == "error":
+        stream.finish(str(frame.get("code")), (stream.attempt, stream.next_seq, "error"))
+    else:
+        stream.fault(f"unexpected frame type {kind!r}")
+
+
+def _kafka_step(stream: _Stream, record: Mapping[str, Any]) -> None:
+    attempt, seq, kind = int(record["attempt"]), int(record["seq"]), str(record["kind"])
+    if kind == "reset":
+        _kafka_reset(stream, attempt)
+        return
+    body = str(record.get("text") if kind == "delta" else record.get("code", ""))
+    if stream.outcome is not None:
+        assert stream.final_id is not None
+        if (attempt, seq, kind) == stream.final_id or stream.seen.get((attempt, seq)) == (
+            kind,
+            body,
+        ):
+            stream.redelivered += 1
+        elif attempt < stream.final_id[0]:
+            stream.stale += 1
+        else:
+            stream.past_final(f"{kind} of attempt {attempt} seq {seq}")
+        return
+    if attempt < stream.attempt:
+        stream.stale += 1
+        return
+    if attempt > stream.attempt:
+        stream.new_attempt(attempt)
+    if seq < stream.next_seq:
+        if stream.seen.get((attempt, seq)) == (kind, body):
+            stream.redelivered += 1
+        else:
+            stream.fault(f"{kind} of attempt {attempt} seq {seq} conflicts with the one read")
+        return
+    if seq > stream.next_seq:
+        stream.fault(f"gap: {kind} seq {seq} of attempt {attempt}, {stream.next_seq} due")
+        return
+    stream.seen[(attempt, seq)] = (kind, body)
+    stream.next_seq = seq + 1
+    if kind == "delta":
+        stream.text.append(body)
+    elif kind == "done":
+        stream.finish("done", (attempt, seq, kind))
+    elif kind == "error":
+        stream.finish(body, (attempt, seq, kind))
+    else:
+        stream.fault(f"unexpected record kind {kind!r}")
+
+
+def _kafka_reset(stream: _Stream, attempt: int) -> None:
+    """`reset`: attempt `attempt` supersedes every earlier one; it carries no text or seq."""
+    if stream.outcome is not None:
+        assert stream.final_id is not None
+        if attempt > stream.final_id[0]:
+            stream.past_final(f"reset to attempt {attempt}")
+        else:
+            stream.stale += 1
+    elif attempt > stream.attempt:
+        stream.new_attempt(attempt)
+    else:
+        stream.stale += 1  # announced already (by this reset or the attempt's own records)
+
+
+def _text_mismatch(got: str, want: str, attempt: int) -> str:
+    at = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), None)
+    if at is None:
+        at = min(len(got), len(want))
+    return (
+        f"done, but attempt {attempt}'s text differs from the engine's at character {at}"
+        f" ({len(got)} characters shown, {len(want)} expected)"
+    )
+
+
+@dataclass(frozen=True)
+class Summary:
+    """The counts of one run, for one channel or all of them."""
+
+    acknowledged: int
+    done: int
+    errors: Mapping[str, int]
+    lost: int
+    duplicated: int
+    corrupt: int
+    redelivered: int = 0
+    stale: int = 0
+
+    @property
+    def passed(self) -> bool:
+        return self.acknowledged > 0 and self.lost == self.duplicated == self.corrupt == 0
+
+
+def summarize(verdicts: Iterable[Verdict]) -> Summary:
+    verdicts = list(verdicts)
+    errors = Counter(v.outcome for v in verdicts if v.outcome not in (None, "done"))
+    return Summary(
+        acknowledged=len(verdicts),
+        done=sum(v.outcome == "done" for v in verdicts),
+        errors={str(code): n for code, n in sorted(errors.items(), key=lambda kv: str(kv[0]))},
+        lost=sum(v.lost for v in verdicts),
+        duplicated=sum(v.duplicated for v in verdicts),
+        corrupt=sum(v.corrupt for v in verdicts),
+        redelivered=sum(v.redelivered for v in verdicts),
+        stale=sum(v.stale for v in verdicts),
+    )
+
+
+def table(verdicts: Iterable[Verdict]) -> str:
+    """A Markdown table: one row per channel and the total."""
+    verdicts = list(verdicts)
+    rows: list[tuple[str, Summary]] = [
+        (c, summarize(v for v in verdicts if v.channel == c)) for c in CHANNELS
+    ]
+    rows.append(("all", summarize(verdicts)))
+    head = (
+        "| channel | acknowledged | done | errors by code | lost | duplicated | corrupt"
+        " | redelivered records | stale records |\n"
+        "|---|---:|---:|---|---:|---:|---:|---:|---:|"
+    )
+    lines = [head]
+    for name, s in rows:
+        errors = ", ".join(f"{code}: {n}" for code, n in s.errors.items()) or "0"
+        lines.append(
+            f"| {name} | {s.acknowledged} | {s.done} | {errors} | {s.lost} | {s.duplicated}"
+            f" | {s.corrupt} | {s.redelivered} | {s.stale} |"
+        )
+    return "\n".join(lines)
+
+
+def failures(verdicts: Iterable[Verdict], limit: int = 20) -> str:
+    """The first `limit` failed verdicts, one line each, for an assertion message."""
+    bad = [v for v in verdicts if not v.ok]
+    lines = [f"{v.channel} {v.request_id}: {'; '.join(v.problems)}" for v in bad[:limit]]
+    if len(bad) > limit:
+        lines.append(f"... and {len(bad) - limit} more")
+    return "\n".join(lines)

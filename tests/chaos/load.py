@@ -1,0 +1,406 @@
+"""Open-loop chaos load: WebSocket users that resume on the other edge, and Kafka producers.
+
+Every requester keeps what it saw of each request (`tests/chaos/checker.py` judges it). A
+WebSocket user whose socket drops opens one on the other edge and sends `stream.resume`
+for each accepted request without a final, naming the attempt and `seq` it last showed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import websockets
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.errors import KafkaError
+
+from services.worker.engines.sim_text import complete
+from shared.kafka import make_producer
+from shared.settings import TokenbusSettings
+from tests.chaos.checker import History
+
+Frame = dict[str, Any]
+# A refused resume (`overloaded`) is tried again after 0.5 s, doubling to 4 s, as a client
+# honouring a retry hint would.
+RESUME_RETRY_S = (0.5, 4.0)
+
+
+@dataclass(frozen=True)
+class Planned:
+    """One request of the load: when it leaves, over what, and what it asks."""
+
+    at_s: float
+    channel: str  # "websocket" or "kafka"
+    prompt: str
+    max_tokens: int
+    priority: str
+
+    @property
+    def expected_text(self) -> str:
+        return complete(self.prompt, self.max_tokens).text
+
+
+def plan_load(seed: int, rate: dict[str, float], duration_s: float) -> list[Planned]:
+    """Poisson arrivals per channel at `rate` req/s for `duration_s`, merged by time."""
+    rng = random.Random(seed)
+    planned: list[Planned] = []
+    for channel, per_s in sorted(rate.items()):
+        at, i = rng.expovariate(per_s), 0
+        while at < duration_s:
+            planned.append(
+                Planned(
+                    at_s=at,
+                    channel=channel,
+                    prompt=f"chaos {seed} {channel} {i}",
+                    max_tokens=rng.randint(8, 40),
+                    priority=rng.choice(("interactive", "interactive", "background")),
+                )
+            )
+            at += rng.expovariate(per_s)
+            i += 1
+    return sorted(planned, key=lambda p: p.at_s)
+
+
+# -- WebSocket -----------------------------------------------------------------------------
+
+
+@dataclass
+class WsRequest:
+    planned: Planned
+    client_id: str
+    sent: bool = False
+    request_id: str | None = None
+    resume_token: str | None = None
+    frames: list[Frame] = field(default_factory=list)
+    attempt: int = 0
+    last_seq: int = -1
+    final: bool = False
+    resuming: bool = False
+    resume_refusals: int = 0  # in a row; reset when a resume is answered
+    refused: str | None = None  # an error before `chat.accepted`: never acknowledged
+    orphaned: bool = False  # its socket dropped before `chat.accepted`: never acknowledged
+
+    @property
+    def settled(self) -> bool:
+        """Nothing more is owed to the client about it."""
+        return self.final or self.refused is not None or self.orphaned or not self.sent
+
+
+class WsUser:
+    """One chat user: one socket at a time, moved to the other edge when it drops."""
+
+    def __init__(self, name: str, urls: list[str], first: int, log: Callable[[str], None]) -> None:
+        self.name = name
+        self.urls = urls
+        self.edge = first
+        self.log = log
+        self.requests: dict[str, WsRequest] = {}
+        self._by_request: dict[str, WsRequest] = {}
+        self._outbox: asyncio.Queue[WsRequest] = asyncio.Queue()
+        self.reconnects = 0
+        self.resume_retries = 0
+        self.protocol_errors: list[str] = []
+        self._retries: set[asyncio.Task[None]] = set()
+
+    def submit(self, planned: Planned) -> None:
+        request = WsRequest(planned, client_id=f"{self.name}-{len(self.requests)}")
+        self.requests[request.client_id] = request
+        self._outbox.put_nowait(request)
+
+    def settled(self) -> bool:
+        return self._outbox.empty() and all(r.settled for r in self.requests.values())
+
+    def histories(self) -> list[History]:
+        return [
+            History(r.request_id, "websocket", r.planned.expected_text, tuple(r.frames))
+            for r in self.requests.values()
+            if r.request_id is not None
+        ]
+
+    async def run(self) -> None:
+        """Keep a socket open to some edge until cancelled."""
+        while True:
+            url = self.urls[self.edge]
+            try:
+                async with websockets.connect(
+                    url,
+                    additional_headers={"Authorization": f"Bearer chaos-{self.name}"},
+                    open_timeout=5,
+                    ping_interval=None,
+                    max_size=4 * 1024 * 1024,
+                ) as ws:
+                    await self._serve(ws)
+            except (OSError, TimeoutError, websockets.InvalidHandshake):
+                await asyncio.sleep(0.2)  # that edge is down: try the other one
+            except websockets.ConnectionClosed:
+                pass
+            self._orphan_unaccepted()
+            self.edge = (self.edge + 1) % len(self.urls)
+            self.reconnects += 1
+
+    def _orphan_unaccepted(self) -> None:
+        for r in self.requests.values():
+            if r.sent and r.request_id is None and r.refused is None and not r.final:
+                r.orphaned = True
+            r.resuming = False
+
+    async def _serve(self, ws: websockets.ClientConnection) -> None:
+        if self.reconnects:
+            self.log(f"{self.name} connected to {self.urls[self.edge]}")
+        for r in self._by_request.values():
+            if not r.final:
+                await self._resume(ws, r)
+        writer = asyncio.create_task(self._write(ws))
+        try:
+            async for raw in ws:
+                self._on_frame(ws, json.loads(raw))
+        finally:
+            await cancel_all([writer, *self._retries])
+
+    async def _resume(self, ws: websockets.ClientConnection, r: WsRequest) -> None:
+        r.resuming = True
+        await ws.send(
+            json.dumps(
+                {
+                    "type": "stream.resume",
+                    "resume_token": r.resume_token,
+                    "after_seq": r.last_seq,
+                    "attempt": r.attempt,
+                }
+            )
+        )
+
+    async def _write(self, ws: websockets.ClientConnection) -> None:
+        while True:
+            r = await self._outbox.get()
+            p = r.planned
+            body = {
+                "type": "chat.request",
+                "client_id": r.client_id,
+                "prompt": p.prompt,
+                "max_tokens": p.max_tokens,
+                "priority": p.priority,
+            }
+            r.sent = True
+            await ws.send(json.dumps(body))
+
+    def _on_frame(self, ws: websockets.ClientConnection, frame: Frame) -> None:
+        kind = frame.get("type")
+        if kind == "chat.accepted":
+            sent = self.requests[frame["client_id"]]
+            sent.request_id, sent.resume_token = frame["request_id"], frame["resume_token"]
+            self._by_request[frame["request_id"]] = sent
+            sent.frames.append(frame)
+            return
+        rid = frame.get("request_id")
+        if rid is None:
+            client = self.requests.get(frame.get("client_id") or "")
+            if kind == "error" and client is not None and client.request_id is None:
+                client.refused = str(frame.get("code"))
+            else:
+                self.protocol_errors.append(f"{self.name}: frame for nobody: {frame}")
+            return
+        r = self._by_request.get(rid)
+        if r is None:
+            self.protocol_errors.append(f"{self.name}: frame for an unknown request: {frame}")
+            return
+        if kind == "error" and r.resuming and frame.get("code") == "overloaded":
+            # The resume could not read the stream now: not the request's outcome; again.
+            self.resume_retries += 1
+            r.resume_refusals += 1
+            task = asyncio.create_task(self._resume_later(ws, r))
+            self._retries.add(task)
+            task.add_done_callback(self._retries.discard)
+            return
+        r.frames.append(frame)
+        if kind == "stream.resumed":
+            r.resuming, r.resume_refusals = False, 0
+        elif kind == "chat.delta":
+            r.last_seq = int(frame["seq"])
+        elif kind == "chat.reset":
+            r.attempt, r.last_seq = int(frame["attempt"]), -1
+        elif kind in ("chat.done", "error"):
+            r.final, r.resuming = True, False
+
+    async def _resume_later(self, ws: websockets.ClientConnection, r: WsRequest) -> None:
+        first, cap = RESUME_RETRY_S
+        await asyncio.sleep(min(cap, first * 2 ** (r.resume_refusals - 1)))
+        await self._resume(ws, r)
+
+
+# -- Kafka ---------------------------------------------------------------------------------
+
+
+@dataclass
+class KafkaRequest:
+    planned: Planned
+    request_id: str
+    acked: bool | None = None  # None: the produce has not answered yet
+    records: list[Frame] = field(default_factory=list)
+
+    @property
+    def final(self) -> bool:
+        return any(r["kind"] in ("done", "error") for r in self.records)
+
+
+class KafkaRequester:
+    """An external application: writes requests with its own reply_to, reads that topic."""
+
+    def __init__(
+        self, bootstrap: str, requests_topic: str, reply_topic: str, partitions: int, tag: str
+    ) -> None:
+        self.requests_topic = requests_topic
+        self.reply_topic = reply_topic
+        self.partitions = partitions
+        self.tag = tag
+        # An application's producer as the README asks for: idempotent, acks=all.
+        self.producer = make_producer(
+            TokenbusSettings(KAFKA_BOOTSTRAP_SERVERS=bootstrap), client_id=f"chaos-app-{tag}"
+        )
+        self.consumer = AIOKafkaConsumer(
+            bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False
+        )
+        self.requests: dict[str, KafkaRequest] = {}
+        self.produce_errors: list[str] = []
+        self.foreign: list[str] = []
+        self._sends: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        await self.producer.start()
+        await self.consumer.start()
+        parts = [TopicPartition(self.reply_topic, p) for p in range(self.partitions)]
+        self.consumer.assign(parts)
+        await self.consumer.seek_to_beginning(*parts)
+
+    async def stop(self) -> None:
+        for task in self._sends:
+            task.cancel()
+        await asyncio.gather(*self._sends, return_exceptions=True)
+        await self.producer.stop()
+        await self.consumer.stop()
+
+    def submit(self, planned: Planned) -> None:
+        rid = f"chaos-{self.tag}-{len(self.requests)}"
+        request = KafkaRequest(planned, rid)
+        self.requests[rid] = request
+        task = asyncio.create_task(self._send(request))
+        self._sends.add(task)
+        task.add_done_callback(self._sends.discard)
+
+    async def _send(self, request: KafkaRequest) -> None:
+        p = request.planned
+        value = {
+            "request_id": request.request_id,
+            "tenant": "chaos-app",
+            "prompt": p.prompt,
+            "max_tokens": p.max_tokens,
+            "priority": p.priority,
+            "reply_to": {"topic": self.reply_topic},
+        }
+        try:
+            await self.producer.send_and_wait(
+                self.requests_topic, json.dumps(value).encode(), key=request.request_id.encode()
+            )
+        except KafkaError as exc:
+            request.acked = False
+            self.produce_errors.append(f"{request.request_id}: {exc!r}")
+        else:
+            request.acked = True
+
+    async def read(self) -> None:
+        """File every reply record under its request, in offset order, until cancelled."""
+        while True:
+            batches = await self.consumer.getmany(timeout_ms=200)
+            for records in batches.values():
+                for record in records:
+                    value: Frame = json.loads(record.value or b"{}")
+                    request = self.requests.get(str(value.get("request_id")))
+                    if request is None:
+                        self.foreign.append(str(value)[:200])
+                    else:
+                        request.records.append(value)
+
+    def settled(self) -> bool:
+        return all(r.acked is False or (r.acked and r.final) for r in self.requests.values())
+
+    def histories(self) -> list[History]:
+        return [
+            History(r.request_id, "kafka", r.planned.expected_text, tuple(r.records))
+            for r in self.requests.values()
+            if r.acked
+        ]
+
+
+# -- the run ---------------------------------------------------------------------------------
+
+
+@dataclass
+class LoadRun:
+    users: list[WsUser]
+    app: KafkaRequester
+    planned: list[Planned]
+
+    async def send_all(self, zero: float) -> None:
+        """Hand each planned request to its requester at its time (open loop: never waits)."""
+        ws_i = 0
+        for p in self.planned:
+            delay = zero + p.at_s - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if p.channel == "kafka":
+                self.app.submit(p)
+            else:
+                self.users[ws_i % len(self.users)].submit(p)
+                ws_i += 1
+
+    def settled(self) -> bool:
+        return self.app.settled() and all(u.settled() for u in self.users)
+
+    def finals(self) -> int:
+        """How many requests have their final outcome now: rises while the system answers."""
+        ws = sum(r.final for u in self.users for r in u.requests.values())
+        return ws + sum(r.final for r in self.app.requests.values())
+
+    def histories(self) -> list[History]:
+        return [h for u in self.users for h in u.histories()] + self.app.histories()
+
+    def counts(self) -> dict[str, int]:
+        ws = [r for u in self.users for r in u.requests.values()]
+        return {
+            "planned": len(self.planned),
+            **{
+                f"ws_refused_{code}": n
+                for code, n in sorted(Counter(r.refused for r in ws if r.refused).items())
+            },
+            "ws_orphaned": sum(r.orphaned for r in ws),
+            "ws_unsent": sum(not r.sent for r in ws),
+            "kafka_unacked": sum(r.acked is False for r in self.app.requests.values()),
+        }
+
+    def seen(self) -> dict[str, int]:
+        """How often the faults showed: resets, resumes, re-run attempts on the reply topic."""
+        frames = [f for u in self.users for r in u.requests.values() for f in r.frames]
+        records = [x for r in self.app.requests.values() for x in r.records]
+        return {
+            "ws_resets": sum(f["type"] == "chat.reset" for f in frames),
+            "ws_resumed_streams": sum(f["type"] == "stream.resumed" for f in frames),
+            "ws_reconnects": sum(u.reconnects for u in self.users),
+            "ws_resume_retries": sum(u.resume_retries for u in self.users),
+            "kafka_later_attempt_records": sum(int(x["attempt"]) > 0 for x in records),
+        }
+
+
+async def cancel_all(tasks: list[asyncio.Task[None]]) -> None:
+    """Cancel and await each task; a task that died of a closed socket counts as ended."""
+    for task in tasks:
+        task.cancel()
+    for task in tasks:
+        with contextlib.suppress(asyncio.CancelledError, websockets.ConnectionClosed):
+            await task

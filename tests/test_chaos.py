@@ -1,0 +1,229 @@
+"""The chaos check: open-loop load over WebSocket and Kafka while processes die with kill -9.
+
+Every request that got `chat.accepted`, or whose record the broker acknowledged, must end in
+exactly one final outcome, and every `done` must carry the engine's exact text with no gap and
+no duplicate (tests/chaos/checker.py). Faults come from a seed printed at the start; run
+`TOKENBUS_CHAOS_SEED=<seed> pytest tests/test_chaos.py` to play the same plan again
+(`TOKENBUS_CHAOS_KINDS=ingest,edge,edge` narrows the faults, for a diagnosis only).
+The table of the last run is written to `.tokenbus/chaos/last-run.md`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import random
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+
+from bench.loadgen import warm_up
+from deploy.kafka import launcher
+from shared.kafka import create_topics
+from tests.chaos.checker import failures, judge, summarize, table
+from tests.chaos.faults import BROKER_KINDS, SERVICE_KINDS, Fault, plan
+from tests.chaos.load import KafkaRequester, LoadRun, WsUser, cancel_all, plan_load
+from tests.chaos.system import CHAOS_ENV, ChaosSystem, Injector, LocalCluster
+from tests.processes import free_port_run
+from tests.stack import ROOT, Stack, new_prefix
+
+LOAD_S = 60.0
+RATE = {"websocket": 20.0, "kafka": 10.0}  # requests/s, open loop
+FAULT_WINDOW_S = (5.0, 50.0)  # the last restart is done well before the load ends
+# After the load, wait for every acknowledged request's final while answers keep coming:
+# stop when none came for DRAIN_STALL_S (what is open then is lost), or at DRAIN_MAX_S.
+DRAIN_STALL_S = 20.0
+DRAIN_MAX_S = 150.0
+WS_USERS = 6
+# Every process kind once, workers and edges twice (each instance in turn), and the leader
+# brokers of a requests and a results partition.
+KINDS = (*SERVICE_KINDS, "worker", "edge", *BROKER_KINDS)
+REPLY_PARTITIONS = 2
+REPORT = ROOT / ".tokenbus" / "chaos" / "last-run.md"
+# The last run's broker data, service logs and timeline (chaos.log), kept for a post-mortem;
+# each run clears it first.
+RUN_DIR = ROOT / ".tokenbus" / "chaos" / "run"
+
+
+@pytest.fixture
+def run_dir() -> Path:
+    shutil.rmtree(RUN_DIR, ignore_errors=True)
+    (RUN_DIR / "logs").mkdir(parents=True)
+    return RUN_DIR
+
+
+@pytest.fixture
+def cluster(run_dir: Path) -> Iterator[LocalCluster]:
+    """Three KRaft nodes of our own: RF 3, min.insync.replicas 2 (the launcher's rule)."""
+    nodes = launcher.Cluster.resolve(free_port_run(6), run_dir / "kafka", nodes=3)
+    try:
+        launcher.start(nodes)
+        yield LocalCluster(nodes)
+    finally:
+        launcher.stop(nodes)
+
+
+@pytest.fixture
+def system(cluster: LocalCluster, run_dir: Path) -> Iterator[ChaosSystem]:
+    stack = Stack(
+        bootstrap=cluster.cluster.bootstrap_servers,
+        prefix=new_prefix(),
+        log_dir=run_dir / "logs",
+        env_overrides=dict(CHAOS_ENV),
+    )
+    try:
+        yield ChaosSystem.start(stack)
+    finally:
+        stack.stop()
+
+
+# Five minutes on a quiet two-core machine (a JVM per node, six services); the margin is for
+# a machine others share.
+@pytest.mark.timeout(480)
+def test_no_acknowledged_request_is_lost_or_answered_twice_under_kill_9(
+    system: ChaosSystem,
+    cluster: LocalCluster,
+    run_dir: Path,
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The test's own clients log every refused connection to a killed node; the timeline in
+    # chaos.log and the services' logs say what happened.
+    caplog.set_level(logging.CRITICAL, logger="aiokafka")
+    seed = int(os.environ.get("TOKENBUS_CHAOS_SEED") or random.SystemRandom().randrange(1 << 30))
+    # TOKENBUS_CHAOS_KINDS narrows the faults for a diagnosis (e.g. "ingest,worker,worker");
+    # the check itself always runs them all.
+    kinds = tuple(k for k in os.environ.get("TOKENBUS_CHAOS_KINDS", "").split(",") if k) or KINDS
+    faults = plan(seed, kinds, *FAULT_WINDOW_S)
+    lines: list[str] = []
+
+    def say(line: str) -> None:
+        lines.append(line)
+        with (run_dir / "chaos.log").open("a") as timeline:
+            timeline.write(f"{time.strftime('%H:%M:%S')} {line}\n")
+        with capsys.disabled():
+            print(f"[chaos] {line}", flush=True)
+
+    say(f"seed {seed} (replay: TOKENBUS_CHAOS_SEED={seed} pytest tests/test_chaos.py)")
+    for fault in faults:
+        say("planned: " + fault.describe())
+
+    run, injector = asyncio.run(_run(system, cluster, seed, faults, say))
+    done = injector.done
+    histories = run.histories()
+    verdicts = [judge(h) for h in histories]
+    summary = summarize(verdicts)
+    report = _report(
+        seed,
+        faults,
+        injector,
+        system.startup_exits,
+        table(verdicts),
+        run.counts(),
+        run.seen(),
+        failures(verdicts, limit=10),
+    )
+    REPORT.parent.mkdir(parents=True, exist_ok=True)
+    REPORT.write_text(report)
+    say("\n" + report)
+    with (run_dir / "failed.jsonl").open("w") as out:
+        for verdict, history in zip(verdicts, histories, strict=True):
+            if not verdict.ok:
+                out.write(json.dumps({**asdict(verdict), "events": history.events}) + "\n")
+
+    assert summary.passed, "\n" + failures(verdicts)
+    assert summary.done >= summary.acknowledged // 2, "most requests should complete"
+    # A system that refused most work would pass the rest trivially.
+    assert summary.acknowledged >= len(run.planned) // 2, f"most refused: {run.counts()}"
+    assert not [u.protocol_errors for u in run.users if u.protocol_errors]
+    assert not run.app.foreign, f"records for no request on the reply topic: {run.app.foreign[:3]}"
+    assert len(done) == len(faults), f"faults played: {done}"
+
+
+async def _run(
+    system: ChaosSystem,
+    brokers: LocalCluster,
+    seed: int,
+    faults: list[Fault],
+    say: Callable[[str], None],
+) -> tuple[LoadRun, Injector]:
+    stack = system.stack
+    reply_topic = f"{stack.prefix}.chaos-replies"
+    await create_topics(stack.settings, {reply_topic: REPLY_PARTITIONS})
+    for url in system.urls:
+        await warm_up(url, requests=2, timeout_s=90)
+    app = KafkaRequester(stack.bootstrap, stack.topics.requests, reply_topic, REPLY_PARTITIONS, "a")
+    users = [WsUser(f"u{i}", system.urls, i % 2, say) for i in range(WS_USERS)]
+    run = LoadRun(users, app, plan_load(seed, RATE, LOAD_S))
+    injector = Injector(system, brokers, say)
+    await app.start()
+    tasks = [asyncio.create_task(u.run()) for u in users]
+    tasks.append(asyncio.create_task(app.read()))
+    zero = time.monotonic()
+    tasks.append(asyncio.create_task(injector.supervise(zero)))
+    inject = asyncio.create_task(injector.run(faults, zero))
+    tasks.append(inject)
+    try:
+        await run.send_all(zero)
+        say(f"load sent at t={time.monotonic() - zero:.1f}s; draining")
+        # Faults a slow broker restart delayed may still strike while the load drains.
+        ended = await _drain(run, inject)
+        say(f"drain: {ended} at t={time.monotonic() - zero:.1f}s")
+        if not inject.done():
+            say("faults still waiting after the drain (a node slow to restart): cancelled")
+        else:
+            await inject  # raises what the injector raised
+    finally:
+        await cancel_all(tasks)
+        await app.stop()
+    return run, injector
+
+
+async def _drain(run: LoadRun, inject: asyncio.Task[None]) -> str:
+    """Wait until every acknowledged request has its final, or answers stop coming."""
+    start = last_change = time.monotonic()
+    last = run.finals()
+    while True:
+        now = time.monotonic()
+        if inject.done() and run.settled():
+            return "settled"
+        if (finals := run.finals()) != last:
+            last, last_change = finals, now
+        if now - last_change > DRAIN_STALL_S:
+            return f"no answer for {DRAIN_STALL_S:g} s"
+        if now - start > DRAIN_MAX_S:
+            return f"still answering after {DRAIN_MAX_S:g} s"
+        await asyncio.sleep(0.2)
+
+
+def _report(
+    seed: int,
+    faults: list[Fault],
+    injector: Injector,
+    startup_exits: list[str],
+    summary_table: str,
+    counts: dict[str, int],
+    seen: dict[str, int],
+    failed: str,
+) -> str:
+    played = "\n".join(f"- {line}" for line in injector.done)
+    exits = "\n".join(f"- {line}" for line in injector.self_exits) or "- none"
+    planned = "\n".join(f"- {f.describe()}" for f in faults)
+    extra = ", ".join(f"{k}={v}" for k, v in counts.items())
+    return (
+        f"Seed {seed}; load {LOAD_S:g} s open loop at {RATE['websocket']:g} req/s over"
+        f" WebSocket and {RATE['kafka']:g} req/s from a Kafka producer.\n\n"
+        f"Faults planned:\n{planned}\n\nFaults played:\n{played}\n\n"
+        f"Services that exited on their own (restarted by the supervisor):\n{exits}\n\n"
+        f"Exits while the system came up: {', '.join(startup_exits) or 'none'}\n\n"
+        f"{summary_table}\n\n"
+        f"Not acknowledged, so not judged: {extra}\n\n"
+        f"What the faults showed: {', '.join(f'{k}={v}' for k, v in seen.items())}\n"
+        + (f"\nFirst failed requests:\n```\n{failed}\n```\n" if failed else "")
+    )
