@@ -15,11 +15,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from aiokafka.admin import AIOKafkaAdminClient
-
 from deploy.kafka import launcher
-from shared.kafka import create_topics, wait_for_broker
+from shared.kafka import create_topics, make_admin, wait_for_broker
 from shared.messages import Heartbeat
+from shared.settings import TokenbusSettings
 from tests.chaos.faults import BROKER_KINDS, Fault
 from tests.stack import Stack, free_port
 
@@ -79,7 +78,7 @@ class LocalCluster:
 
 
 async def _leader(bootstrap: str, topic: str, partition: int) -> int:
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    admin = make_admin(TokenbusSettings(KAFKA_BOOTSTRAP_SERVERS=bootstrap))
     await admin.start()
     try:
         for entry in await admin.describe_topics([topic]):
