@@ -12,6 +12,8 @@ TEST_STATE=.tokenbus/test-kafka
 # Tools the tests and the local broker run; installed only when missing (root in CI).
 missing=()
 command -v kcat >/dev/null || missing+=(kcat)
+# The secured-broker tests make their CA and certificates with openssl.
+command -v openssl >/dev/null || missing+=(openssl)
 # The chat page is tested in a real headless browser (Debian's, driven by chromedriver).
 command -v chromium >/dev/null || missing+=(chromium)
 command -v chromedriver >/dev/null || missing+=(chromium-driver)
