@@ -29,6 +29,7 @@ import json
 import os
 import random
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,9 @@ from bench.stats import percentile
 from shared.topics import Topics
 
 MODES = ("fair", "fifo")
+TENANTS = ("a", "b")
+# A tenant's chat URL, with its API key in it.
+UrlOf = Callable[[str], str]
 PHASES = ("b alone", "a alone", "a + b")
 
 
@@ -85,11 +89,9 @@ class TenantClient:
         self._reader = asyncio.create_task(self._read())
 
     @classmethod
-    async def connect(cls, url: str, tenant: str) -> TenantClient:
-        # The edge names the tenant after the API key (services/edge/app.py `_tenant`).
-        ws = await websockets.connect(
-            url, additional_headers={"Authorization": f"Bearer {tenant}-key"}, max_queue=None
-        )
+    async def connect(cls, url_of: UrlOf, tenant: str) -> TenantClient:
+        # The edge knows the tenant by its API key, which the URL carries.
+        ws = await websockets.connect(url_of(tenant), max_queue=None)
         return cls(ws, tenant)
 
     async def _read(self) -> None:
@@ -188,9 +190,11 @@ class PhaseResult:
         return out
 
 
-async def tenant_b(url: str, s: Scenario, a: TenantClient | None = None) -> tuple[list[float], int]:
+async def tenant_b(
+    url_of: UrlOf, s: Scenario, a: TenantClient | None = None
+) -> tuple[list[float], int]:
     """B's paced requests; their TTFTs, and how many of A's waited unstarted meanwhile."""
-    b = await TenantClient.connect(url, "b")
+    b = await TenantClient.connect(url_of, "b")
     queued = 0
     try:
         for _ in range(s.b_requests):
@@ -206,8 +210,8 @@ async def tenant_b(url: str, s: Scenario, a: TenantClient | None = None) -> tupl
         await b.close()
 
 
-async def flood_a(url: str, s: Scenario) -> TenantClient:
-    a = await TenantClient.connect(url, "a")
+async def flood_a(url_of: UrlOf, s: Scenario) -> TenantClient:
+    a = await TenantClient.connect(url_of, "a")
     rng = random.Random(s.seed)
     for _ in range(s.a_requests):
         await a.send(rng.randint(*s.a_max_tokens))
@@ -252,13 +256,13 @@ class TierTopics:
             await asyncio.sleep(0.05)
 
 
-async def run_phase(url: str, phase: str, s: Scenario, tiers: TierTopics) -> PhaseResult:
+async def run_phase(url_of: UrlOf, phase: str, s: Scenario, tiers: TierTopics) -> PhaseResult:
     result = PhaseResult()
     if phase == "b alone":
-        result.b_ttft_ms, _ = await tenant_b(url, s)
+        result.b_ttft_ms, _ = await tenant_b(url_of, s)
         return result
     before = await tiers.records()
-    a = await flood_a(url, s)
+    a = await flood_a(url_of, s)
     try:
         if phase == "a + b":
             # B starts once A's flood has passed ingest and fills the worker: the rest of
@@ -266,7 +270,7 @@ async def run_phase(url: str, phase: str, s: Scenario, tiers: TierTopics) -> Pha
             await tiers.until(before + s.a_requests, 120)
             result.a_to_tier_s = time.perf_counter() - min(x.sent for x in a.answers.values())
             await a.until(lambda: a.count(started=True) >= s.slots, 60, "A filling the worker")
-            result.b_ttft_ms, result.a_queued_max = await tenant_b(url, s, a)
+            result.b_ttft_ms, result.a_queued_max = await tenant_b(url_of, s, a)
         await finish_a(a, s, result)
     finally:
         await a.close()
@@ -279,7 +283,7 @@ async def measure(bootstrap: str, s: Scenario, log_dir: Path) -> dict[str, dict[
     stacks: dict[str, PipelineStack] = {}
     for mode in MODES:
         env = s.stack_env() | {"TOKENBUS_SCHEDULER_FAIR_SHARE": str(mode == "fair").lower()}
-        stacks[mode] = PipelineStack(f"fair{mode}", env, log_dir, bootstrap)
+        stacks[mode] = PipelineStack(f"fair{mode}", env, log_dir, bootstrap, tenants=TENANTS)
     results: dict[str, dict[str, PhaseResult]] = {mode: {} for mode in MODES}
     try:
         async with contextlib.AsyncExitStack() as tiers_of:
@@ -292,8 +296,8 @@ async def measure(bootstrap: str, s: Scenario, log_dir: Path) -> dict[str, dict[
                 )
             for n, phase in enumerate(PHASES):
                 for mode in MODES[n % 2 :] + MODES[: n % 2]:
-                    url = stacks[mode].ws_url
-                    results[mode][phase] = await run_phase(url, phase, s, tiers[mode])
+                    url_of = stacks[mode].ws_url_as
+                    results[mode][phase] = await run_phase(url_of, phase, s, tiers[mode])
                     print(f"  {mode:5} {phase:8} {results[mode][phase].row()}", flush=True)
     finally:
         for stack in stacks.values():

@@ -118,7 +118,14 @@ class Stack:
 class PipelineStack(Stack):
     """Ingest, scheduler, worker and edge on a fresh topic prefix of a running broker."""
 
-    def __init__(self, name: str, env: dict[str, str], log_dir: Path, bootstrap: str) -> None:
+    def __init__(
+        self,
+        name: str,
+        env: dict[str, str],
+        log_dir: Path,
+        bootstrap: str,
+        tenants: tuple[str, ...] = (),
+    ) -> None:
         self.prefix = f"bench{name}{uuid.uuid4().hex[:8]}"
         super().__init__(name, env, log_dir)
         self.env.update(
@@ -130,8 +137,12 @@ class PipelineStack(Stack):
         self.settings = TokenbusSettings(
             KAFKA_BOOTSTRAP_SERVERS=bootstrap, topic_prefix=self.prefix
         )
-        # The edge requires a key: one for the bench, with limits the load never reaches.
+        # The edge requires a key: one for the bench (and one per extra tenant), with limits
+        # the load never reaches.
         keys, self.api_key, _ = keyfile.add_key(keyfile.KeysFile(), "bench", BENCH_LIMITS, 0.0)
+        self.api_keys: dict[str, str] = {}
+        for tenant in tenants:
+            keys, self.api_keys[tenant], _ = keyfile.add_key(keys, tenant, BENCH_LIMITS, 0.0)
         keys_file = log_dir / f"{name}-keys.json"
         keyfile.save(keys_file, keys)
         self.env["TOKENBUS_EDGE_KEYS_FILE"] = str(keys_file)
@@ -139,6 +150,10 @@ class PipelineStack(Stack):
     @property
     def ws_url(self) -> str:
         return f"ws://bench:{self.api_key}@127.0.0.1:{self.port}/v1/chat"
+
+    def ws_url_as(self, tenant: str) -> str:
+        """The chat URL with `tenant`'s key (one of the `tenants` it was made with)."""
+        return f"ws://{tenant}:{self.api_keys[tenant]}@127.0.0.1:{self.port}/v1/chat"
 
     async def start(self) -> None:
         await wait_for_broker(self.settings, timeout_s=30)

@@ -24,7 +24,7 @@ from bench.fairness import (
     tenant_b,
 )
 from bench.stats import percentile
-from tests.stack import Stack, new_prefix
+from tests.stack import UNLIMITED, Stack, new_prefix
 
 # Small enough for a loaded 2-core machine: the worker's 6 slots take ~10 s of sim time
 # for A's 120 requests of 60-140 tokens at 200 tokens/s; B's 12 requests take ~2 s.
@@ -44,6 +44,7 @@ def fair_stack(bootstrap: str, log_dir: Path) -> Iterator[Stack]:
         prefix=new_prefix(),
         log_dir=log_dir,
         env_overrides=SCENARIO.stack_env(),
+        tenant_limits={"a": UNLIMITED, "b": UNLIMITED},
     )
     try:
         yield s.start()
@@ -56,7 +57,7 @@ def p99(values: list[float]) -> float:
 
 
 async def scenario(stack: Stack) -> tuple[list[float], list[float], PhaseResult, int]:
-    url = stack.ws_url
+    url = stack.ws_url_as
     async with TierTopics(stack.bootstrap, stack.prefix) as tiers:
         alone, _ = await tenant_b(url, SCENARIO)
         before = await tiers.records()

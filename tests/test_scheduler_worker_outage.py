@@ -94,7 +94,11 @@ async def produce(bootstrap: str, topic: str, value: bytes) -> None:
 def read_results(bootstrap: str, topic: str) -> dict[str, list[dict[str, Any]]]:
     """Every result record on `topic` now, per request; {} while the broker cannot say."""
     try:
-        values = asyncio.run(asyncio.wait_for(read_topic(bootstrap, topic, 1), 30))
+        values = asyncio.run(
+            asyncio.wait_for(
+                read_topic(TokenbusSettings(KAFKA_BOOTSTRAP_SERVERS=bootstrap), topic, 1), 30
+            )
+        )
     except (KafkaError, OSError, TimeoutError):
         return {}
     out: dict[str, list[dict[str, Any]]] = {}
