@@ -123,6 +123,11 @@ class Scheduler:
         # One step (plan, send, commit) at a time; a rebalance waits for the step in flight.
         self._step_lock = asyncio.Lock()
         self._log_lock = asyncio.Lock()  # the batch log consumer has one reader at a time
+        # Held by a take-over from its first await to its end, and by the tier reader while
+        # it admits what it fetched: the consumer may hand over records of a partition while
+        # its take-over is still reading the batches topic, and such a record must not be
+        # admitted before the scan says whether it was dispatched already.
+        self._intake_lock = asyncio.Lock()
         self._dispatched_before: dict[tuple[str, int], float] = {}  # found by restart scans
         # Per tier partition we own, the (request_id, attempt) read from it.
         self._seen: dict[TopicPartition, OrderedDict[tuple[str, int], None]] = {}
@@ -240,18 +245,21 @@ class Scheduler:
             if not fetched:
                 continue
             self.telemetry.fetched(consumer, fetched)
-            now = time.time()
             answers: list[tuple[Waiting, ErrorResult]] = []
             poisons: list[Poison] = []
-            for tp, records in fetched.items():
-                for record in records:
-                    if not self.ledger.read(tp, record.offset):
-                        continue  # handed on before a restart or rebalance
-                    answer = self._admit(tp, record, now)
-                    if isinstance(answer, Poison):
-                        poisons.append(answer)
-                    elif answer is not None:
-                        answers.append(answer)
+            async with self._intake_lock:  # a take-over in flight finishes its scan first
+                now = time.time()
+                for tp, records in fetched.items():
+                    if not self.ledger.owns(tp):
+                        continue  # revoked while we waited
+                    for record in records:
+                        if not self.ledger.read(tp, record.offset):
+                            continue  # handed on before a restart or rebalance
+                        answer = self._admit(tp, record, now)
+                        if isinstance(answer, Poison):
+                            poisons.append(answer)
+                        elif answer is not None:
+                            answers.append(answer)
             for poison in poisons:
                 await self._reject(poison)
             await self._answer(answers)
@@ -602,6 +610,10 @@ class Scheduler:
         """Restore the ledger of newly assigned partitions; learn what was already dispatched."""
         if not assigned:
             return
+        async with self._intake_lock:
+            await self._take_over(assigned)
+
+    async def _take_over(self, assigned: set[TopicPartition]) -> None:
         # Retried until they answer (a broker just back): without the commit and the
         # batches read after it, these partitions cannot be scheduled without duplicates.
         committed = await retrying(
