@@ -16,23 +16,23 @@ is dead-lettered by the worker that takes it next).
 A request whose `reply_to` already holds a final record (`done` or `error`, any attempt)
 written since its batch was dispatched is not handed back: the worker finished it and was
 killed before it said so (its next heartbeat or offset commit). That read is bounded
-(FINAL_CHECK_TIMEOUT_S); when it fails, every request is handed back (at least once).
+(FINAL_CHECK_TIMEOUT_S, shared/finals.py); when it fails, every request is handed back
+(at least once).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-from collections.abc import Callable, Collection, Set
+from collections.abc import Callable, Set
 
 import structlog
 from aiokafka import AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
-from aiokafka.errors import KafkaError
 from aiokafka.structs import RecordMetadata
 
 from services.scheduler.batch_log import BatchLog, LoggedBatch
-from shared.kafka import encode, key_of, make_consumer, make_producer
+from shared import finals
+from shared.kafka import encode, key_of, make_producer
 from shared.messages import Heartbeat, QueuedRequest, ResetResult
 from shared.results import WRITE_ERRORS, cluster_metadata, send_result, target_problem
 from shared.settings import TokenbusSettings
@@ -40,7 +40,6 @@ from shared.topics import Topics
 
 RESET_TIMEOUT_S = 5.0  # longest the reset records of one recovery may take to be stored
 FINAL_CHECK_TIMEOUT_S = 5.0  # longest the read of the reply topics for finals may take
-FINAL_KINDS = frozenset({"done", "error"})
 
 log = structlog.get_logger()
 
@@ -139,7 +138,13 @@ class Recovery:
         requests = unfinished(batches, last, exclude)
         if requests:
             since_ms = min(b.timestamp_ms for b in batches)
-            answered = await self._answered(requests, since_ms)
+            answered = await finals.answered(
+                self._settings,
+                requests,
+                since_ms,
+                FINAL_CHECK_TIMEOUT_S,
+                client_id="scheduler-recovery-finals",
+            )
             if answered:
                 log.info(
                     "worker.recovery_skipped_answered",
@@ -168,68 +173,6 @@ class Recovery:
             end=end,
         )
         return [(r.request_id, r.attempt) for r in requests]
-
-    async def _answered(self, requests: list[QueuedRequest], since_ms: int) -> set[str]:
-        """The ids of `requests` whose `reply_to` holds a final record written since `since_ms`.
-
-        Bounded by FINAL_CHECK_TIMEOUT_S; empty (hand everything back) if the read fails.
-        """
-        try:
-            async with asyncio.timeout(FINAL_CHECK_TIMEOUT_S):
-                return await self._read_finals(requests, since_ms)
-        except (KafkaError, TimeoutError, OSError) as exc:
-            log.warning("recovery.final_check_failed", error=repr(exc), requests=len(requests))
-            return set()
-
-    async def _read_finals(self, requests: list[QueuedRequest], since_ms: int) -> set[str]:
-        wanted = {r.request_id for r in requests}
-        tps = await self._reply_partitions(requests)
-        if not tps:
-            return set()
-        consumer = make_consumer(
-            self._settings, group_id=None, client_id="scheduler-recovery-finals"
-        )
-        await consumer.start()
-        try:
-            consumer.assign(sorted(tps))
-            found = await consumer.offsets_for_times({tp: since_ms for tp in tps})
-            ends = await consumer.end_offsets(sorted(tps))
-            todo: dict[TopicPartition, int] = {}
-            for tp in tps:
-                at = found.get(tp)
-                if at is not None and at.offset < ends[tp]:
-                    consumer.seek(tp, at.offset)
-                    todo[tp] = ends[tp]
-            answered: set[str] = set()
-            while todo:
-                fetched = await consumer.getmany(*todo, timeout_ms=200)
-                for records in fetched.values():
-                    for record in records:
-                        request_id = _final_of(record.value)
-                        if request_id in wanted:
-                            answered.add(request_id)
-                for tp in list(todo):
-                    if await consumer.position(tp) >= todo[tp]:
-                        del todo[tp]
-            return answered
-        finally:
-            await consumer.stop()
-
-    async def _reply_partitions(self, requests: list[QueuedRequest]) -> set[TopicPartition]:
-        """Every partition a final of `requests` can be on (all of the topic's if unnamed)."""
-        known = self._producer.client.cluster
-        topics: Collection[str] = {r.reply_to.topic for r in requests}
-        cluster = await cluster_metadata(self._producer, FINAL_CHECK_TIMEOUT_S, topics)
-        out: set[TopicPartition] = set()
-        for request in requests:
-            topic = request.reply_to.topic
-            if request.reply_to.partition is not None:
-                out.add(TopicPartition(topic, request.reply_to.partition))
-                continue
-            partitions = cluster.partitions_for_topic(topic) or known.partitions_for_topic(topic)
-            for partition in partitions or ():
-                out.add(TopicPartition(topic, partition))
-        return out
 
     async def _supersede(
         self, requests: list[QueuedRequest], still_dead: Callable[[], bool]
@@ -277,15 +220,3 @@ class Recovery:
             if failed:
                 log.warning("reset.failed", count=failed, of=len(futures))
         return True
-
-
-def _final_of(value: bytes | None) -> str | None:
-    """The request id of a final result record (`done` or `error`); None for anything else."""
-    try:
-        body = json.loads(value or b"")
-    except ValueError:
-        return None
-    if not isinstance(body, dict) or body.get("kind") not in FINAL_KINDS:
-        return None
-    request_id = body.get("request_id")
-    return request_id if isinstance(request_id, str) else None

@@ -1,0 +1,208 @@
+"""On the real broker: a request is never answered twice after a kill -9 (finding 1).
+
+Two windows closed here (docs/reliability.md, "What the chaos check found"):
+
+- a worker killed right after it wrote a request's `done`, before its next heartbeat said
+  so: the scheduler's recovery must not hand that request back as the next attempt;
+- a scheduler killed and restarted: the restart must not dispatch again what it
+  dispatched before, even when its consumer hands it tier records while it is still
+  reading the batches topic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import websockets
+from aiokafka import TopicPartition
+
+from services.scheduler.batch_log import BatchLog
+from services.scheduler.recovery import Recovery
+from shared.kafka import create_topics, encode, key_of, make_admin, make_consumer, make_producer
+from shared.messages import (
+    Batch,
+    DoneResult,
+    Heartbeat,
+    QueuedRequest,
+    ReplyTo,
+    Tier,
+    Timings,
+    Usage,
+)
+from shared.results import send_result
+from shared.topics import Topics
+from tests.chat_client import ChatSession
+from tests.stack import Stack, new_prefix, read_topic, settings_from_env, wait_until
+from tests.worker_logs import events
+
+WORKER = "w-killed"
+
+
+async def test_recovery_does_not_hand_back_a_request_its_dead_worker_answered(
+    bootstrap: str,
+) -> None:
+    """The history a kill -9 just after `done` leaves, written as it happens, then recovered.
+
+    A batch of three requests to a worker; its last heartbeat still holds all three; then
+    it writes `done` for one (and an `error` for another) and dies before beating again.
+    Recovery must hand back only the third, announce a reset only for the third, and
+    still move the worker's committed offset past the batch.
+    """
+    settings = settings_from_env({}, KAFKA_BOOTSTRAP_SERVERS=bootstrap, topic_prefix=new_prefix())
+    prefix = settings.topic_prefix
+    replies = f"{prefix}.app-replies"
+    topics = {**_topics(prefix), replies: 3}
+    await create_topics(settings, topics)
+    ids = [f"eo-{uuid.uuid4().hex[:8]}-{i}" for i in range(3)]
+    requests = [
+        QueuedRequest(
+            request_id=rid,
+            prompt="p",
+            tier=Tier.interactive,
+            prompt_tokens=1,
+            reply_to=ReplyTo(topic=replies),  # no partition: keyed, any of the three
+        )
+        for rid in ids
+    ]
+    batches = f"{prefix}.batches"
+    tp = TopicPartition(batches, 0)
+    producer = make_producer(settings, client_id="test-history")
+    admin = make_admin(settings)
+    reader = make_consumer(settings, group_id=None, client_id="test-batch-log")
+    await producer.start()
+    await admin.start()
+    await reader.start()
+    try:
+        batch = Batch(
+            batch_id=uuid.uuid4().hex,
+            tier=Tier.interactive,
+            requests=requests,
+            reason="full",
+            worker_id=WORKER,
+        )
+        sent = await producer.send_and_wait(batches, encode(batch), partition=0)
+        # The worker's group commits the batch's offset (it had not finished it).
+        group = make_consumer(settings, group_id=f"{prefix}.worker.{WORKER}", client_id=WORKER)
+        await group.start()
+        group.assign([tp])
+        await group.commit({tp: sent.offset})
+        await group.stop()
+        # It answered the first (done) and the second (error), then was killed.
+        done = DoneResult(
+            request_id=ids[0],
+            seq=3,
+            finish_reason="stop",
+            usage=Usage(prompt_tokens=1, completion_tokens=3),
+            timings=Timings(queue_ms=1.0, batch_size=3, ttft_ms=1.0, total_ms=2.0),
+        )
+        await (await send_result(producer, requests[0].reply_to, done))
+        error = {"request_id": ids[1], "attempt": 0, "seq": 0, "kind": "error"}
+        error |= {"code": "internal", "message": "engine failed"}
+        await producer.send_and_wait(replies, json.dumps(error).encode(), key=key_of(ids[1]))
+        last = Heartbeat(
+            worker_id=WORKER,
+            model="sim",
+            total_slots=4,
+            free_slots=1,
+            running=3,
+            queued_tokens=0,
+            utilisation=0.75,
+            batch_partition=0,
+            batches_consumed=sent.offset + 1,
+            held=[(rid, 0) for rid in ids],
+            interval_ms=300.0,
+            started_at=1.0,
+        )
+        recovery = Recovery(settings, admin, BatchLog(reader), producer)
+        handed = await recovery.recover(last)
+
+        assert handed == [(ids[2], 0)]
+        interactive = Topics(prefix).tier(Tier.interactive)
+        tier = [
+            QueuedRequest.model_validate_json(v)
+            for v in await read_topic(settings, interactive, topics[interactive])
+        ]
+        assert [(r.request_id, r.attempt) for r in tier] == [(ids[2], 1)]
+        records = [json.loads(v) for v in await read_topic(settings, replies, 3)]
+        resets = [(r["request_id"], r["attempt"]) for r in records if r["kind"] == "reset"]
+        assert resets == [(ids[2], 1)]
+        committed = await admin.list_consumer_group_offsets(
+            f"{prefix}.worker.{WORKER}", partitions=[tp]
+        )
+        assert committed[tp].offset == sent.offset + 1  # the batch is recovered all the same
+    finally:
+        await reader.stop()
+        await admin.close()
+        await producer.stop()
+
+
+def _topics(prefix: str) -> dict[str, int]:
+    return Topics(prefix).partitions()
+
+
+@pytest.fixture(scope="module")
+def slow_commits(bootstrap: str, log_dir: Path) -> Iterator[Stack]:
+    s = Stack(
+        bootstrap=bootstrap,
+        prefix=new_prefix(),
+        log_dir=log_dir,
+        env_overrides={
+            "TOKENBUS_SCHEDULER_ID": "sched-eo",
+            # One commit at start and none after: the restart re-reads every tier record
+            # and must find every one of them in the batches topic, however its consumer
+            # interleaves the fetches with that read.
+            "TOKENBUS_SCHEDULER_COMMIT_INTERVAL_MS": "600000",
+            "TOKENBUS_SCHEDULER_INTERACTIVE_MAX_BATCH_SIZE": "2",
+        },
+    )
+    try:
+        yield s.start()
+    finally:
+        s.stop()
+
+
+async def test_a_restarted_scheduler_dispatches_nothing_twice(slow_commits: Stack) -> None:
+    stack = slow_commits
+    requests: list[dict[str, Any]] = [
+        {
+            "client_id": f"r{i}",
+            "prompt": f"restart the scheduler, request {i}",
+            "max_tokens": 8,
+            "priority": "background" if i % 2 else "interactive",
+        }
+        for i in range(60)
+    ]
+    async with websockets.connect(stack.ws_url) as ws:
+        session = ChatSession(ws)
+        for request in requests:
+            await session.send(request)
+        await session.until(session.all_ended, within=90)
+    ids = {t.request_id for t in session.by_client.values()}
+    assert all(t.final and t.final["type"] == "chat.done" for t in session.by_client.values())
+
+    await asyncio.to_thread(stack.stop_service, "scheduler", signal.SIGKILL)
+    stack.start_service("scheduler")
+    # Every tier record is read again (nothing was committed as handed on); each must be
+    # found in the batches topic, none dispatched again.
+    await asyncio.to_thread(
+        wait_until,
+        lambda: ids <= _already_dispatched(stack),
+        60,
+        "every re-read request found in the batches topic",
+    )
+    ran = Counter(e["request_id"] for e in events(stack.log("worker"), "request.finished"))
+    assert {ran[rid] for rid in ids} == {1}, {rid: ran[rid] for rid in ids if ran[rid] != 1}
+    assert len(events(stack.log("scheduler"), "scheduler.started")) == 2
+
+
+def _already_dispatched(stack: Stack) -> set[str]:
+    found = events(stack.log("scheduler"), "request.already_dispatched")
+    return {str(e["request_id"]) for e in found}
