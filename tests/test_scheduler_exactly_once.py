@@ -44,6 +44,7 @@ from tests.stack import Stack, new_prefix, read_topic, settings_from_env, wait_u
 from tests.worker_logs import events
 
 WORKER = "w-killed"
+FILLER_BATCHES = 20_000
 
 
 async def test_recovery_does_not_hand_back_a_request_its_dead_worker_answered(
@@ -188,6 +189,9 @@ async def test_a_restarted_scheduler_dispatches_nothing_twice(slow_commits: Stac
     ids = {t.request_id for t in session.by_client.values()}
     assert all(t.final and t.final["type"] == "chat.done" for t in session.by_client.values())
 
+    # Batches addressed to nobody, so the restart's read of the batches topic takes a
+    # while: the tier consumer hands out records during it, which must wait for it.
+    await _fill_batches(stack, FILLER_BATCHES)
     await asyncio.to_thread(stack.stop_service, "scheduler", signal.SIGKILL)
     stack.start_service("scheduler")
     # Every tier record is read again (nothing was committed as handed on); each must be
@@ -201,6 +205,32 @@ async def test_a_restarted_scheduler_dispatches_nothing_twice(slow_commits: Stac
     ran = Counter(e["request_id"] for e in events(stack.log("worker"), "request.finished"))
     assert {ran[rid] for rid in ids} == {1}, {rid: ran[rid] for rid in ids if ran[rid] != 1}
     assert len(events(stack.log("scheduler"), "scheduler.started")) == 2
+
+
+async def _fill_batches(stack: Stack, count: int) -> None:
+    filler = QueuedRequest(
+        request_id="filler",
+        prompt="p",
+        tier=Tier.background,
+        prompt_tokens=1,
+        reply_to=ReplyTo(topic=f"{stack.prefix}.nowhere"),
+    )
+    producer = make_producer(stack.settings, client_id="test-filler")
+    await producer.start()
+    try:
+        futures = []
+        for i in range(count):
+            batch = Batch(
+                batch_id=f"filler-{i}",
+                tier=Tier.background,
+                requests=[filler],
+                reason="full",
+                worker_id="nobody",
+            )
+            futures.append(await producer.send(stack.topics.batches, encode(batch), partition=0))
+        await asyncio.gather(*futures)
+    finally:
+        await producer.stop()
 
 
 def _already_dispatched(stack: Stack) -> set[str]:
