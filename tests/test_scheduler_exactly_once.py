@@ -26,6 +26,7 @@ from aiokafka import TopicPartition
 
 from services.scheduler.batch_log import BatchLog
 from services.scheduler.recovery import Recovery
+from services.worker.engines.sim_text import complete
 from shared.kafka import create_topics, encode, key_of, make_admin, make_consumer, make_producer
 from shared.messages import (
     Batch,
@@ -236,3 +237,88 @@ async def _fill_batches(stack: Stack, count: int) -> None:
 def _already_dispatched(stack: Stack) -> set[str]:
     found = events(stack.log("scheduler"), "request.already_dispatched")
     return {str(e["request_id"]) for e in found}
+
+
+async def test_a_restarted_worker_does_not_rerun_what_its_former_process_answered(
+    bootstrap: str, log_dir: Path
+) -> None:
+    """Its former process wrote one request's `done` and was killed before committing.
+
+    The new process replays the batch it left (as the next attempt): the answered request
+    must not run again, the other must, to its whole text.
+    """
+    stack = Stack(bootstrap=bootstrap, prefix=new_prefix(), log_dir=log_dir)
+    settings = stack.settings
+    replies = f"{stack.prefix}.app-replies"
+    await create_topics(settings, {**stack.topics.partitions(), replies: 1})
+    worker_id = "worker-replay"
+    answered, unanswered = (
+        QueuedRequest(
+            request_id=f"replay-{name}-{uuid.uuid4().hex[:8]}",
+            prompt=f"replay {name}",
+            tier=Tier.interactive,
+            prompt_tokens=2,
+            max_tokens=12,
+            reply_to=ReplyTo(topic=replies),
+        )
+        for name in ("answered", "unanswered")
+    )
+    tp = TopicPartition(stack.topics.batches, 0)
+    producer = make_producer(settings, client_id="test-history")
+    await producer.start()
+    try:
+        batch = Batch(
+            batch_id=uuid.uuid4().hex,
+            tier=Tier.interactive,
+            requests=[answered, unanswered],
+            reason="full",
+            worker_id=worker_id,
+        )
+        sent = await producer.send_and_wait(stack.topics.batches, encode(batch), partition=0)
+        group_id = stack.topics.worker_group(worker_id)
+        group = make_consumer(settings, group_id=group_id, client_id="test-group")
+        await group.start()
+        group.assign([tp])
+        await group.commit({tp: sent.offset})
+        await group.stop()
+        done = DoneResult(
+            request_id=answered.request_id,
+            seq=0,
+            finish_reason="length",
+            usage=Usage(prompt_tokens=2, completion_tokens=12),
+            timings=Timings(queue_ms=1.0, batch_size=2, ttft_ms=1.0, total_ms=2.0),
+        )
+        await (await send_result(producer, answered.reply_to, done))
+    finally:
+        await producer.stop()
+    try:
+        stack.start_service(
+            "worker",
+            TOKENBUS_WORKER_ID=worker_id,
+            TOKENBUS_WORKER_BATCH_PARTITION="0",
+        )
+
+        async def finals() -> list[dict[str, Any]]:
+            records = [json.loads(v) for v in await read_topic(settings, replies, 1)]
+            return [r for r in records if r["kind"] in ("done", "error")]
+
+        deadline = asyncio.get_running_loop().time() + 60
+        while not any(f["request_id"] == unanswered.request_id for f in await finals()):
+            assert asyncio.get_running_loop().time() < deadline, "the replayed request never ran"
+            await asyncio.sleep(0.2)  # poll interval for the reply topic
+        by_id = Counter(f["request_id"] for f in await finals())
+        assert by_id == {answered.request_id: 1, unanswered.request_id: 1}
+        await asyncio.to_thread(
+            wait_until,
+            lambda: events(stack.log("worker"), "batch.replay_skipped_answered"),
+            10,
+            "the replay's check logged",
+        )
+        records = [json.loads(v) for v in await read_topic(settings, replies, 1)]
+        rerun = [r for r in records if r["request_id"] == unanswered.request_id]
+        assert {r["attempt"] for r in rerun} == {1}
+        text = "".join(r["text"] for r in rerun if r["kind"] == "delta")
+        assert text == complete("replay unanswered", 12).text
+        assert not [r for r in records if r["request_id"] == answered.request_id][1:]
+    finally:
+        await asyncio.to_thread(stack.stop)
