@@ -235,23 +235,17 @@ class Scheduler:
                 await asyncio.sleep(wait)
                 continue
             next_wait = backoffs()
-            # Records of a partition revoked meanwhile belong to its new owner now.
-            assigned = consumer.assignment()
-            fetched = {
-                tp: records
-                for tp, records in fetched.items()
-                if tp in assigned and self.ledger.owns(tp)
-            }
-            if not fetched:
-                continue
-            self.telemetry.fetched(consumer, fetched)
             answers: list[tuple[Waiting, ErrorResult]] = []
             poisons: list[Poison] = []
-            async with self._intake_lock:  # a take-over in flight finishes its scan first
+            # A take-over in flight finishes its scan first: aiokafka fetches a newly
+            # assigned partition while `on_partitions_assigned` still runs.
+            async with self._intake_lock:
+                fetched = self._owned(consumer, fetched)
+                if not fetched:
+                    continue
+                self.telemetry.fetched(consumer, fetched)
                 now = time.time()
                 for tp, records in fetched.items():
-                    if not self.ledger.owns(tp):
-                        continue  # revoked while we waited
                     for record in records:
                         if not self.ledger.read(tp, record.offset):
                             continue  # handed on before a restart or rebalance
@@ -265,6 +259,29 @@ class Scheduler:
             await self._answer(answers)
             self._pause_far_ahead(consumer)
             self._wake.set()
+
+    def _owned(
+        self,
+        consumer: AIOKafkaConsumer,
+        fetched: dict[TopicPartition, list[ConsumerRecord[bytes, bytes]]],
+    ) -> dict[TopicPartition, list[ConsumerRecord[bytes, bytes]]]:
+        """The fetched records this scheduler may admit now.
+
+        Records of a partition revoked meanwhile belong to its new owner. Records of one
+        assigned but not yet taken over (its ledger not restored) are fetched again later:
+        dropped, they would be lost (the consumer's position has moved past them).
+        """
+        assigned = consumer.assignment()
+        out: dict[TopicPartition, list[ConsumerRecord[bytes, bytes]]] = {}
+        for tp, records in fetched.items():
+            if tp not in assigned or not records:
+                continue
+            if not self.ledger.owns(tp):
+                log.info("tier_records.refetch", topic=tp.topic, partition=tp.partition)
+                consumer.seek(tp, records[0].offset)
+                continue
+            out[tp] = records
+        return out
 
     def _admit(
         self, tp: TopicPartition, record: ConsumerRecord[bytes, bytes], now: float
