@@ -26,7 +26,7 @@ from shared.kafka import create_topics, make_producer
 from shared.messages import QueuedRequest, ReplyTo, Tier
 from shared.settings import TokenbusSettings
 from tests.processes import free_port_pair
-from tests.stack import ROOT, Stack, new_prefix, read_topic, wait_until
+from tests.stack import ROOT, Stack, new_prefix, read_topic, settings_from_env, wait_until
 from tests.test_scheduler_failover import long_prompts
 from tests.worker_logs import events
 
@@ -94,7 +94,8 @@ async def produce(bootstrap: str, topic: str, value: bytes) -> None:
 def read_results(bootstrap: str, topic: str) -> dict[str, list[dict[str, Any]]]:
     """Every result record on `topic` now, per request; {} while the broker cannot say."""
     try:
-        values = asyncio.run(asyncio.wait_for(read_topic(bootstrap, topic, 1), 30))
+        settings = settings_from_env({}, KAFKA_BOOTSTRAP_SERVERS=bootstrap)
+        values = asyncio.run(asyncio.wait_for(read_topic(settings, topic, 1), 30))
     except (KafkaError, OSError, TimeoutError):
         return {}
     out: dict[str, list[dict[str, Any]]] = {}
