@@ -239,6 +239,11 @@ def test_each_service_gets_only_what_it_uses() -> None:
         assert may(role, write, topics.request_results("r1"))
         assert not may(role, write, topics.result_leases)
     assert may("edge", write, topics.result_leases)
+    # Recovery and a worker's replay read whether a request was answered (shared/finals.py).
+    for role in ("scheduler", "worker"):
+        assert may(role, read, topics.results)
+        assert may(role, read, f"{reply_prefix(topics)}a")
+        assert not may(role, read, topics.result_leases)
     # Only the edge makes and removes topics; every other topic change is the admin's.
     makers = {a.principal for a in acls if a.operation in (Operation.CREATE, Operation.DELETE)}
     assert makers == {"User:edge"}

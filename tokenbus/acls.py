@@ -111,6 +111,14 @@ def grants(topics: Topics) -> dict[str, list[Grant]]:
         _topics_under(reply_prefix(topics), write),
         Grant(Resource.TOPIC, topics.result_leases, Pattern.LITERAL, (write,), Permission.DENY),
     ]
+    # Whoever takes over a dead worker's work first reads whether a request was answered
+    # already (shared/finals.py): the same topics, read, the lease log still excluded.
+    results_in = [
+        _topic(topics.results, read),
+        _topics_under(per_request, read),
+        _topics_under(reply_prefix(topics), read),
+        Grant(Resource.TOPIC, topics.result_leases, Pattern.LITERAL, (read,), Permission.DENY),
+    ]
     worker_groups = Grant(Resource.GROUP, topics.worker_group(""), Pattern.PREFIXED, (read,))
     return {
         "edge": [
@@ -142,6 +150,7 @@ def grants(topics: Topics) -> dict[str, list[Grant]]:
             _topic(topics.workers, read),
             _topic(topics.dlq, write),  # records it cannot read (poison)
             *results_out,  # requests that expire before dispatch; resets before a re-run
+            *results_in,  # recovery: requests already answered are not handed back
             # Recovery: one transaction writes the hand-backs and moves the dead worker's
             # group offset, so it writes that transactional id and reads worker groups.
             Grant(
@@ -160,6 +169,7 @@ def grants(topics: Topics) -> dict[str, list[Grant]]:
             _topic(topics.dlq, write),  # records it cannot read (poison)
             *(_topic(t, write) for t in tiers),  # a draining worker hands requests back
             *results_out,
+            *results_in,  # a replay of a former process skips what it answered
         ],
         "app": [
             _topic(topics.requests, write),

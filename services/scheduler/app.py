@@ -123,6 +123,11 @@ class Scheduler:
         # One step (plan, send, commit) at a time; a rebalance waits for the step in flight.
         self._step_lock = asyncio.Lock()
         self._log_lock = asyncio.Lock()  # the batch log consumer has one reader at a time
+        # Held by a take-over from its first await to its end, and by the tier reader while
+        # it admits what it fetched: the consumer may hand over records of a partition while
+        # its take-over is still reading the batches topic, and such a record must not be
+        # admitted before the scan says whether it was dispatched already.
+        self._intake_lock = asyncio.Lock()
         self._dispatched_before: dict[tuple[str, int], float] = {}  # found by restart scans
         # Per tier partition we own, the (request_id, attempt) read from it.
         self._seen: dict[TopicPartition, OrderedDict[tuple[str, int], None]] = {}
@@ -230,33 +235,53 @@ class Scheduler:
                 await asyncio.sleep(wait)
                 continue
             next_wait = backoffs()
-            # Records of a partition revoked meanwhile belong to its new owner now.
-            assigned = consumer.assignment()
-            fetched = {
-                tp: records
-                for tp, records in fetched.items()
-                if tp in assigned and self.ledger.owns(tp)
-            }
-            if not fetched:
-                continue
-            self.telemetry.fetched(consumer, fetched)
-            now = time.time()
             answers: list[tuple[Waiting, ErrorResult]] = []
             poisons: list[Poison] = []
-            for tp, records in fetched.items():
-                for record in records:
-                    if not self.ledger.read(tp, record.offset):
-                        continue  # handed on before a restart or rebalance
-                    answer = self._admit(tp, record, now)
-                    if isinstance(answer, Poison):
-                        poisons.append(answer)
-                    elif answer is not None:
-                        answers.append(answer)
+            # A take-over in flight finishes its scan first: aiokafka fetches a newly
+            # assigned partition while `on_partitions_assigned` still runs.
+            async with self._intake_lock:
+                fetched = self._owned(consumer, fetched)
+                if not fetched:
+                    continue
+                self.telemetry.fetched(consumer, fetched)
+                now = time.time()
+                for tp, records in fetched.items():
+                    for record in records:
+                        if not self.ledger.read(tp, record.offset):
+                            continue  # handed on before a restart or rebalance
+                        answer = self._admit(tp, record, now)
+                        if isinstance(answer, Poison):
+                            poisons.append(answer)
+                        elif answer is not None:
+                            answers.append(answer)
             for poison in poisons:
                 await self._reject(poison)
             await self._answer(answers)
             self._pause_far_ahead(consumer)
             self._wake.set()
+
+    def _owned(
+        self,
+        consumer: AIOKafkaConsumer,
+        fetched: dict[TopicPartition, list[ConsumerRecord[bytes, bytes]]],
+    ) -> dict[TopicPartition, list[ConsumerRecord[bytes, bytes]]]:
+        """The fetched records this scheduler may admit now.
+
+        Records of a partition revoked meanwhile belong to its new owner. Records of one
+        assigned but not yet taken over (its ledger not restored) are fetched again later:
+        dropped, they would be lost (the consumer's position has moved past them).
+        """
+        assigned = consumer.assignment()
+        out: dict[TopicPartition, list[ConsumerRecord[bytes, bytes]]] = {}
+        for tp, records in fetched.items():
+            if tp not in assigned or not records:
+                continue
+            if not self.ledger.owns(tp):
+                log.info("tier_records.refetch", topic=tp.topic, partition=tp.partition)
+                consumer.seek(tp, records[0].offset)
+                continue
+            out[tp] = records
+        return out
 
     def _admit(
         self, tp: TopicPartition, record: ConsumerRecord[bytes, bytes], now: float
@@ -602,6 +627,10 @@ class Scheduler:
         """Restore the ledger of newly assigned partitions; learn what was already dispatched."""
         if not assigned:
             return
+        async with self._intake_lock:
+            await self._take_over(assigned)
+
+    async def _take_over(self, assigned: set[TopicPartition]) -> None:
         # Retried until they answer (a broker just back): without the commit and the
         # batches read after it, these partitions cannot be scheduled without duplicates.
         committed = await retrying(

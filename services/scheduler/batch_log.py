@@ -21,6 +21,7 @@ class LoggedBatch:
     tp: TopicPartition
     offset: int
     batch: Batch
+    timestamp_ms: int = 0  # the batch record's timestamp (when it was dispatched)
 
 
 class BatchLog:
@@ -60,7 +61,7 @@ class BatchLog:
                     except ValidationError as exc:
                         log.error("batch_log.invalid", offset=record.offset, error=str(exc))
                         continue
-                    out.append(LoggedBatch(tp, record.offset, batch))
+                    out.append(LoggedBatch(tp, record.offset, batch, record.timestamp))
             for tp in list(todo):
                 if await c.position(tp) >= todo[tp]:
                     del todo[tp]

@@ -12,6 +12,12 @@ Before that, each request's `reply_to` gets a `reset` record of the new attempt:
 declared dead may only have been paused, and whatever it writes when it wakes belongs to
 an attempt the edge now drops. A `reply_to` that cannot be written gets none (its request
 is dead-lettered by the worker that takes it next).
+
+A request whose `reply_to` already holds a final record (`done` or `error`, any attempt)
+written since its batch was dispatched is not handed back: the worker finished it and was
+killed before it said so (its next heartbeat or offset commit). That read is bounded
+(FINAL_CHECK_TIMEOUT_S, shared/finals.py); when it fails, every request is handed back
+(at least once).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.structs import RecordMetadata
 
 from services.scheduler.batch_log import BatchLog, LoggedBatch
+from shared import finals
 from shared.kafka import encode, key_of, make_producer
 from shared.messages import Heartbeat, QueuedRequest, ResetResult
 from shared.results import WRITE_ERRORS, cluster_metadata, send_result, target_problem
@@ -32,6 +39,7 @@ from shared.settings import TokenbusSettings
 from shared.topics import Topics
 
 RESET_TIMEOUT_S = 5.0  # longest the reset records of one recovery may take to be stored
+FINAL_CHECK_TIMEOUT_S = 5.0  # longest the read of the reply topics for finals may take
 
 log = structlog.get_logger()
 
@@ -128,6 +136,22 @@ class Recovery:
             return []
         batches = await self._batch_log.read({tp: start})
         requests = unfinished(batches, last, exclude)
+        if requests:
+            since_ms = min(b.timestamp_ms for b in batches)
+            answered = await finals.answered(
+                self._settings,
+                requests,
+                since_ms,
+                FINAL_CHECK_TIMEOUT_S,
+                client_id="scheduler-recovery-finals",
+            )
+            if answered:
+                log.info(
+                    "worker.recovery_skipped_answered",
+                    worker_id=last.worker_id,
+                    answered=len(answered),
+                )
+                requests = [r for r in requests if r.request_id not in answered]
         # Once a reset is written the hand-back must follow (the edge now waits for N + 1),
         # so whether the worker is still dead is asked last thing before the first write.
         if not await self._supersede(requests, still_dead):

@@ -27,6 +27,7 @@ from aiokafka.structs import ConsumerRecord
 from pydantic import ValidationError
 
 from services.worker.settings import WorkerSettings
+from shared import finals
 from shared.dead_letters import Addressed, address_of
 from shared.kafka import make_consumer
 from shared.messages import Batch, QueuedRequest, error_message
@@ -36,6 +37,7 @@ from shared.topics import Topics
 log = structlog.get_logger()
 
 FETCH_MS = 1000
+REPLAY_CHECK_TIMEOUT_S = 5.0  # longest the check of a replayed batch's finals may take
 
 
 @dataclass(frozen=True)
@@ -164,12 +166,33 @@ class BatchIntake:
                 continue
             if batch is not None:
                 if record.offset < self._replay_below:
-                    batch = _next_attempts(batch)
+                    batch = await self._replayed(batch, record.timestamp)
                     parsed = ParsedBatch(batch, parsed.problem, parsed.rejected)
                 for request in batch.requests:
                     self._held[(request.request_id, request.attempt)] = None
             out.append((record, parsed))
         return out
+
+    async def _replayed(self, batch: Batch, dispatched_ms: int) -> Batch:
+        """A former process's batch as the next attempts, less what that process answered.
+
+        It may have written a request's `done` and been killed before committing past it.
+        """
+        done = await finals.answered(
+            self.settings,
+            batch.requests,
+            dispatched_ms,
+            REPLAY_CHECK_TIMEOUT_S,
+            client_id=f"{self.worker_id}-replay-finals",
+        )
+        if done:
+            log.info("batch.replay_skipped_answered", batch_id=batch.batch_id, answered=len(done))
+        requests = [
+            r.model_copy(update={"attempt": r.attempt + 1})
+            for r in batch.requests
+            if r.request_id not in done
+        ]
+        return batch.model_copy(update={"requests": requests})
 
     def renew(self) -> None:
         """This process is a new incarnation from now on (after fencing itself)."""
@@ -203,8 +226,3 @@ class BatchIntake:
                 # Kept for the next batch's commit (a broker outage, a coordinator move); a
                 # recovery meanwhile reads from the older offset, which only costs a re-read.
                 log.warning("commit.failed", error=repr(exc))
-
-
-def _next_attempts(batch: Batch) -> Batch:
-    requests = [r.model_copy(update={"attempt": r.attempt + 1}) for r in batch.requests]
-    return batch.model_copy(update={"requests": requests})

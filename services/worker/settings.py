@@ -62,8 +62,9 @@ class WorkerSettings(TokenbusSettings):
     worker_result_write_timeout_s: float = Field(
         default=10.0,
         gt=0,
-        description="How long writing a result record may keep failing (retried with backoff)"
-        " before its run is handed back to be run again.",
+        description="How long queueing a result record may keep failing (retried with backoff)"
+        " before its run is handed back to be run again; a record already sent is waited for"
+        " until Kafka stores or refuses it.",
     )
 
     # sim engine

@@ -131,7 +131,6 @@ class WsUser:
             try:
                 async with websockets.connect(
                     url,
-                    additional_headers={"Authorization": f"Bearer chaos-{self.name}"},
                     open_timeout=5,
                     ping_interval=None,
                     max_size=4 * 1024 * 1024,

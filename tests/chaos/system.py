@@ -156,7 +156,8 @@ class ChaosSystem:
 
     @property
     def urls(self) -> list[str]:
-        return [self.stack.ws_url, f"ws://127.0.0.1:{self.port_b}/v1/chat"]
+        # Both with the `default` tenant's key: the edges refuse sockets without one.
+        return [self.stack.ws_url, self.stack.ws_url_as("default", port=self.port_b)]
 
     def launch(self, name: str) -> None:
         service = self.services[name]
