@@ -8,7 +8,7 @@ PYTHON ?= $(shell for p in python3.13 python3.12 python3.11 python3; do \
 	$$p -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null && { echo $$p; break; }; \
 	done)
 
-.PHONY: venv run test lint bench
+.PHONY: venv run test chaos lint bench
 
 venv: $(VENV)/.installed
 
@@ -26,6 +26,11 @@ run: venv
 # PYTEST_ARGS passes through, e.g. `make test PYTEST_ARGS='-k launcher'`.
 test: venv
 	deploy/test.sh $(PYTEST_ARGS)
+
+# The chaos check alone (own three-node cluster, kill -9 of every service and of broker
+# leaders, a checker that counts): docs/reliability.md.
+chaos: venv
+	$(PY) -m pytest -q -m chaos tests/test_chaos.py $(PYTEST_ARGS)
 
 lint: venv
 	@export PATH="$(CURDIR)/$(VENV)/bin:$$PATH"; status=0; \
