@@ -345,6 +345,18 @@ class Scheduler:
             elif span < limit * 3 // 4 and tp in paused:
                 consumer.resume(tp)
 
+    async def _dead_letter(self, record: ConsumerRecord[bytes, bytes], reason: str) -> None:
+        """Dead-letter a record this process cannot read (`invalid_request`), bounded in time."""
+        await dead_letter(
+            self._producer,
+            self.topics.dlq,
+            record,
+            code=ErrorCode.invalid_request.value,
+            reason=reason,
+            reader=f"scheduler:{self.settings.scheduler_id}",
+            within_s=self.settings.scheduler_answer_timeout_s,
+        )
+
     async def _read_heartbeats(self, consumer: AIOKafkaConsumer) -> None:
         next_wait = backoffs()
         while True:
@@ -367,15 +379,7 @@ class Scheduler:
                         problem = error_message(exc)
                     if problem is not None:
                         log.error("heartbeat.invalid", offset=record.offset, error=problem)
-                        await dead_letter(
-                            self._producer,
-                            self.topics.dlq,
-                            record,
-                            code=ErrorCode.invalid_request.value,
-                            reason=f"invalid heartbeat: {problem}",
-                            reader=f"scheduler:{self.settings.scheduler_id}",
-                            within_s=self.settings.scheduler_answer_timeout_s,
-                        )
+                        await self._dead_letter(record, f"invalid heartbeat: {problem}")
                         continue
                     # Read back at start-up: proof of life only if it is this fresh.
                     stale = now - beat.sent_at > beat.interval_ms / 1000.0
@@ -511,15 +515,7 @@ class Scheduler:
     async def _reject(self, poison: Poison) -> None:
         """Dead-letter a tier record that is not a request; answer it if it can be."""
         record = poison.record
-        await dead_letter(
-            self._producer,
-            self.topics.dlq,
-            record,
-            code=ErrorCode.invalid_request.value,
-            reason=f"invalid tier record: {poison.reason}",
-            reader=f"scheduler:{self.settings.scheduler_id}",
-            within_s=self.settings.scheduler_answer_timeout_s,
-        )
+        await self._dead_letter(record, f"invalid tier record: {poison.reason}")
         address = poison.address
         if address is not None:
             error = ErrorResult(

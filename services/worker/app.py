@@ -234,18 +234,22 @@ class Worker:
                 self._batch_tasks.add(task)
                 task.add_done_callback(self._batch_tasks.discard)
 
-    async def _reject(self, record: ConsumerRecord[bytes, bytes], parsed: ParsedBatch) -> None:
-        """Dead-letter a batch record that is not a valid batch; answer what can be answered."""
-        log.error("batch.invalid", offset=record.offset, error=parsed.problem)
+    async def _dead_letter(self, record: ConsumerRecord[bytes, bytes], reason: str) -> None:
+        """Dead-letter a record this process cannot read (`invalid_request`), bounded in time."""
         await dead_letter(
             self._producer,
             self.topics.dlq,
             record,
             code=ErrorCode.invalid_request.value,
-            reason=f"invalid batch: {parsed.problem}",
+            reason=reason,
             reader=self._reader,
             within_s=self.settings.worker_result_write_timeout_s,
         )
+
+    async def _reject(self, record: ConsumerRecord[bytes, bytes], parsed: ParsedBatch) -> None:
+        """Dead-letter a batch record that is not a valid batch; answer what can be answered."""
+        log.error("batch.invalid", offset=record.offset, error=parsed.problem)
+        await self._dead_letter(record, f"invalid batch: {parsed.problem}")
         for rejected in parsed.rejected:
             if rejected.address is None:
                 continue
@@ -419,15 +423,7 @@ class Worker:
             control = _control_records.validate_json(record.value or b"")
         except ValidationError as exc:
             log.error("control.invalid", offset=record.offset, error=str(exc)[:500])
-            await dead_letter(
-                self._producer,
-                self.topics.dlq,
-                record,
-                code=ErrorCode.invalid_request.value,
-                reason=f"invalid control record: {error_message(exc)}",
-                reader=self._reader,
-                within_s=self.settings.worker_result_write_timeout_s,
-            )
+            await self._dead_letter(record, f"invalid control record: {error_message(exc)}")
             return
         if not isinstance(control, CancelRecord):
             return  # edge-to-edge news (a resumed stream): nothing for a worker
