@@ -1,0 +1,123 @@
+"""`tokenbus.client` against a real stack with two edges: kill -9 the edge serving the SDK
+mid-stream and the caller still gets the whole answer, once; cancel; a dead edge skipped."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from services.worker.engines.sim_text import complete
+from shared.messages import ChatMessage, ChatRequest
+from tests.stack import Stack, free_port, new_prefix, wait_until
+from tokenbus.client import ChatError, Client, Delta
+
+TOKEN_RATE = 20  # sim tokens/s: a delta every 50 ms, so "mid-stream" lasts seconds
+
+
+@dataclass
+class TwoEdges:
+    stack: Stack
+    port_b: int
+
+    @property
+    def url_a(self) -> str:
+        return self.stack.ws_url_as(None)
+
+    @property
+    def url_b(self) -> str:
+        return self.stack.ws_url_as(None, port=self.port_b)
+
+    def client(self, *urls: str, **options: float) -> Client:
+        return Client(list(urls), api_key=self.stack.keys["default"], **options)
+
+
+@pytest.fixture(scope="module")
+def edges(bootstrap: str, log_dir: Path) -> Iterator[TwoEdges]:
+    stack = Stack(
+        bootstrap=bootstrap,
+        prefix=new_prefix(),
+        log_dir=log_dir,
+        env_overrides={"TOKENBUS_WORKER_SIM_TOKEN_RATE": str(TOKEN_RATE)},
+    )
+    try:
+        stack.start()
+        port_b = free_port()
+        stack.start_service("edge", key="edge-b", TOKENBUS_EDGE_PORT=str(port_b))
+        wait_until(lambda: stack.edge_ready(port_b), 60, "edge B's /healthz")
+        yield TwoEdges(stack, port_b)
+    finally:
+        stack.stop()
+
+
+def expected(messages: list[dict[str, str]], max_tokens: int) -> str:
+    request = ChatRequest(messages=[ChatMessage.model_validate(m) for m in messages])
+    return complete(request.prompt_text(), max_tokens).text
+
+
+async def test_the_edge_killed_mid_stream_the_sdk_yields_the_whole_text_once(
+    edges: TwoEdges,
+) -> None:
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "what happens when an edge dies"},
+    ]
+    n = 60
+    stack = edges.stack
+    client = edges.client(edges.url_a, edges.url_b)
+    stream = client.chat(messages, max_tokens=n)
+    deltas: list[Delta] = []
+    killed_after = -1
+    try:
+        async for delta in stream:
+            deltas.append(delta)
+            if len(deltas) == 5:
+                stack.stop_service("edge", signal.SIGKILL)  # edge A, serving the stream
+                killed_after = len(deltas)
+    finally:
+        if stack.processes["edge"].poll() is not None:
+            stack.start_service("edge")
+            wait_until(stack.edge_ready, 60, "edge A back")
+    text = expected(messages, n)
+    assert killed_after == 5
+    assert stream.url == edges.url_b, "the stream moved to edge B"
+    assert stream.reconnects == 1
+    assert not any(d.reset for d in deltas)
+    assert [d.seq for d in deltas] == list(range(len(deltas))), "each delta once, in order"
+    assert "".join(d.text for d in deltas) == text == stream.text
+    assert stream.done is not None
+    assert stream.done.usage.completion_tokens == len(deltas)
+
+
+async def test_cancel_ends_the_stream_without_an_error(edges: TwoEdges) -> None:
+    prompt, n = "cancel me from the sdk", 200
+    plan = complete(prompt, n)
+    assert plan.completion_tokens > 20, "the answer must outlast the cancel"
+    stream = edges.client(edges.url_a).chat(prompt, max_tokens=n)
+    deltas = []
+    async for delta in stream:
+        deltas.append(delta)
+        if len(deltas) == 2:
+            await stream.cancel()
+    assert stream.done is None
+    assert stream.state.end is not None
+    assert stream.state.end.code == "cancelled"
+    assert len(deltas) < plan.completion_tokens
+    assert plan.text.startswith(stream.text)
+
+
+async def test_an_edge_that_is_down_is_skipped(edges: TwoEdges) -> None:
+    dead = f"ws://127.0.0.1:{free_port()}/v1/chat"
+    client = edges.client(dead, edges.url_b)
+    messages = [{"role": "user", "content": "hello"}]
+    assert await client.complete(messages, max_tokens=8) == expected(messages, 8)
+
+
+async def test_a_wrong_key_is_unauthorized_at_once(edges: TwoEdges) -> None:
+    client = Client(edges.url_a, api_key="tb_not-a-key")
+    with pytest.raises(ChatError) as refused:
+        await client.complete("hello", max_tokens=4)
+    assert refused.value.code == "unauthorized"
