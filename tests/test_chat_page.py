@@ -1,20 +1,42 @@
-"""The chat page in headless Chromium: a person types, the answer streams in."""
+"""The chat page in headless Chromium: a person types, the answer streams in; a conversation
+of several turns, a stop button, Markdown made safe, and an edge restarted mid-answer."""
 
 from __future__ import annotations
 
 import shutil
+import signal
 import tempfile
-import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
+from selenium.webdriver.remote.webelement import WebElement
 
 from services.worker.engines.sim_text import complete
+from shared.messages import ChatMessage, ChatRequest
 from shared.settings import TokenbusSettings
-from tests.stack import Stack
+from tests.stack import Stack, new_prefix, wait_until
+
+# Slow enough that "mid-answer" lasts seconds: an answer of 80 tokens takes about 5 s.
+TOKEN_RATE = 15
+MAX_TOKENS = TokenbusSettings().default_max_tokens  # the page sends no max_tokens
+
+
+@pytest.fixture(scope="module")
+def stack(bootstrap: str, log_dir: Path) -> Iterator[Stack]:
+    s = Stack(
+        bootstrap=bootstrap,
+        prefix=new_prefix(),
+        log_dir=log_dir,
+        env_overrides={"TOKENBUS_WORKER_SIM_TOKEN_RATE": str(TOKEN_RATE)},
+    )
+    try:
+        yield s.start()
+    finally:
+        s.stop()
 
 
 def _require(name: str) -> str:
@@ -48,37 +70,146 @@ def browser() -> Iterator[webdriver.Chrome]:
         shutil.rmtree(profile, ignore_errors=True)
 
 
-def _poll(predicate: object, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():  # type: ignore[operator]
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+def expected(turns: list[tuple[str, str]]) -> str:
+    """The sim's answer to a conversation: it depends on every turn's role and text."""
+    messages = [ChatMessage(role=role, content=text) for role, text in turns]  # type: ignore[arg-type]
+    return complete(ChatRequest(messages=messages).prompt_text(), MAX_TOKENS).text
+
+
+def tokens(turns: list[tuple[str, str]]) -> int:
+    messages = [ChatMessage(role=role, content=text) for role, text in turns]  # type: ignore[arg-type]
+    return complete(ChatRequest(messages=messages).prompt_text(), MAX_TOKENS).completion_tokens
+
+
+def open_page(browser: webdriver.Chrome, stack: Stack) -> None:
+    # As `tokenbus up` prints it: the key in the fragment, which the page sends in `auth`.
+    browser.get(f"{stack.http_url}/#key={stack.keys['default']}")
+    status = browser.find_element(By.ID, "status")
+    wait_until(lambda: status.text.startswith("connected"), 20, "the page's WebSocket")
+    assert "key=" not in browser.current_url, "the key stays out of the address bar"
+
+
+def ask(browser: webdriver.Chrome, prompt: str) -> None:
+    browser.find_element(By.ID, "prompt").send_keys(prompt)
+    browser.find_element(By.ID, "send").click()
+
+
+def answers(browser: webdriver.Chrome) -> list[WebElement]:
+    return browser.find_elements(By.CSS_SELECTOR, "#log .assistant")
+
+
+def shown(el: WebElement) -> str:
+    """The answer's text as the page renders it (one Markdown paragraph for the sim)."""
+    return str(el.get_property("textContent")).strip()
+
+
+def timings(browser: webdriver.Chrome) -> list[WebElement]:
+    return browser.find_elements(By.CSS_SELECTOR, "#log .timings")
 
 
 def test_a_typed_message_streams_its_answer_into_the_page(
     stack: Stack, browser: webdriver.Chrome
 ) -> None:
-    # As `tokenbus up` prints it: the key in the fragment, which the page sends in `auth`.
-    browser.get(f"{stack.http_url}/#key={stack.keys['default']}")
-    status = browser.find_element(By.ID, "status")
-    _poll(lambda: status.text.startswith("connected"), 20, "the page's WebSocket")
-    assert "key=" not in browser.current_url, "the key stays out of the address bar"
-
+    open_page(browser, stack)
     prompt = "hello from a real browser"
-    browser.find_element(By.ID, "prompt").send_keys(prompt)
-    browser.find_element(By.ID, "send").click()
-
-    expected = complete(prompt, TokenbusSettings().default_max_tokens).text
-    answers = lambda: browser.find_elements(By.CSS_SELECTOR, "#log .assistant")  # noqa: E731
-    _poll(
-        lambda: answers() and answers()[0].get_property("textContent") == expected,
-        30,
-        "the streamed answer",
-    )
-    _poll(lambda: bool(browser.find_elements(By.CSS_SELECTOR, "#log .meta")), 10, "chat.done")
-    meta = browser.find_elements(By.CSS_SELECTOR, "#log .meta")
-    assert "tokens" in meta[0].text
+    ask(browser, prompt)
+    text = expected([("user", prompt)])
+    wait_until(lambda: answers(browser) and shown(answers(browser)[0]) == text, 30, "the answer")
+    wait_until(lambda: bool(timings(browser)), 10, "the timings line")
+    line = timings(browser)[0].text
+    assert "tokens" in line
+    assert "TTFT" in line
+    assert "tokens/s" in line
+    assert answers(browser)[0].get_property("innerHTML").startswith("<p>"), "rendered Markdown"
     assert not browser.find_elements(By.CSS_SELECTOR, "#log .error")
     assert browser.find_element(By.CSS_SELECTOR, "#log .user").text == prompt
+
+
+def test_the_second_answer_is_conditioned_on_the_first_turn(
+    stack: Stack, browser: webdriver.Chrome
+) -> None:
+    open_page(browser, stack)
+    first, second = "what is a bus", "go on"
+    ask(browser, first)
+    a1 = expected([("user", first)])
+    wait_until(lambda: len(timings(browser)) == 1, 40, "the first answer's end")
+    assert shown(answers(browser)[0]) == a1
+    ask(browser, second)
+    # The sim's text is a function of the whole prompt: the second answer is this one only
+    # if the request carried the first question, its answer and the second question.
+    a2 = expected([("user", first), ("assistant", a1), ("user", second)])
+    assert a2 != expected([("user", second)])
+    wait_until(lambda: len(timings(browser)) == 2, 40, "the second answer's end")
+    assert shown(answers(browser)[1]) == a2
+    assert not browser.find_elements(By.CSS_SELECTOR, "#log .error")
+
+
+def test_stop_cancels_the_answer_mid_way(stack: Stack, browser: webdriver.Chrome) -> None:
+    open_page(browser, stack)
+    prompt = "a long answer please"
+    full = expected([("user", prompt)])
+    assert tokens([("user", prompt)]) > 60, "the answer must outlast the stop"
+    ask(browser, prompt)
+    wait_until(lambda: len(shown(answers(browser)[0]).split()) >= 3, 30, "the answer's start")
+    browser.find_element(By.ID, "stop").click()
+    wait_until(
+        lambda: browser.find_elements(By.CSS_SELECTOR, "#log .stopped"), 20, "the edge's cancel"
+    )
+    text = shown(answers(browser)[0])
+    assert full.startswith(text)
+    assert len(text) < len(full), "stopped before the end"
+    assert not timings(browser), "a stopped answer has no chat.done"
+    assert not browser.find_elements(By.CSS_SELECTOR, "#log .error")
+    assert browser.find_element(By.ID, "send").is_enabled()
+
+
+def test_the_edge_restarted_mid_answer_the_page_shows_the_whole_text_once(
+    stack: Stack, browser: webdriver.Chrome
+) -> None:
+    open_page(browser, stack)
+    prompt = "explain the scheduler"
+    full = expected([("user", prompt)])
+    assert tokens([("user", prompt)]) > 100, "the answer must outlast the kill"
+    ask(browser, prompt)
+    wait_until(lambda: len(shown(answers(browser)[0]).split()) >= 5, 30, "the answer's start")
+    stack.stop_service("edge", signal.SIGKILL)
+    at_kill = shown(answers(browser)[0])
+    assert full.startswith(at_kill)
+    assert at_kill != full, "killed mid-answer"
+    assert not timings(browser)
+    stack.start_service("edge")  # the same port: the page reconnects to where it came from
+    wait_until(stack.edge_ready, 60, "the edge back")
+    wait_until(lambda: bool(timings(browser)), 60, "the answer's end after the restart")
+    assert len(answers(browser)) == 1
+    assert shown(answers(browser)[0]) == full, "the whole text, once"
+    assert len(timings(browser)) == 1
+    assert browser.find_element(By.ID, "status").text.startswith("connected")
+    assert not browser.find_elements(By.CSS_SELECTOR, "#log .error")
+
+
+def test_markdown_and_code_are_rendered_and_script_is_removed(
+    stack: Stack, browser: webdriver.Chrome
+) -> None:
+    open_page(browser, stack)
+    answer = (
+        "# Title\n\nSome **bold** text.\n\n```python\nprint('hi')\n```\n\n"
+        '<img src="x" onerror="window.pwned = 1"><script>window.pwned = 2</script>'
+        "[link](javascript:window.pwned=3)"
+    )
+    html = browser.execute_script(
+        "const el = document.createElement('div');"
+        "el.innerHTML = renderMarkdown(arguments[0]);"
+        "document.getElementById('log').appendChild(el);"
+        "return el.innerHTML;",
+        answer,
+    )
+    assert "<h1>Title</h1>" in html
+    assert "<strong>bold</strong>" in html
+    assert '<pre><code class="language-python">' in html
+    assert "onerror" not in html
+    assert "<script" not in html
+    assert "javascript:" not in html
+    link = browser.find_element(By.CSS_SELECTOR, "#log a")
+    link.click()
+    wait_until(lambda: browser.find_element(By.CSS_SELECTOR, "#log img"), 5, "the image")
+    assert browser.execute_script("return window.pwned === undefined")

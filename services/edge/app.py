@@ -23,7 +23,8 @@ from pydantic import TypeAdapter, ValidationError
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, Response
-from starlette.routing import Route, WebSocketRoute
+from starlette.routing import Mount, Route, WebSocketRoute
+from starlette.staticfiles import StaticFiles
 from starlette.types import Message
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
@@ -855,6 +856,7 @@ def build_app(settings: EdgeSettings) -> Starlette:
     return Starlette(
         routes=[
             Route("/", edge.index),
+            Mount("/static", StaticFiles(directory=STATIC), name="static"),  # the page's files
             Route("/healthz", edge.healthz),
             Route("/metrics", edge.metrics_page),
             WebSocketRoute("/v1/chat", edge.chat),
