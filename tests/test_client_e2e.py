@@ -25,7 +25,7 @@ from shared.messages import (
     Usage,
 )
 from tests.stack import Stack, free_port, new_prefix, wait_until
-from tokenbus.client import ChatError, Client, Delta
+from tokenbus.client import ChatError, Client, ConnectionLost, Delta
 
 TOKEN_RATE = 20  # sim tokens/s: a delta every 50 ms, so "mid-stream" lasts seconds
 
@@ -188,3 +188,12 @@ async def test_a_wrong_key_is_unauthorized_at_once(edges: TwoEdges) -> None:
     with pytest.raises(ChatError) as refused:
         await client.complete("hello", max_tokens=4)
     assert refused.value.code == "unauthorized"
+
+
+async def test_no_edge_answering_is_connection_lost_after_the_reconnect_timeout() -> None:
+    dead = [f"ws://127.0.0.1:{free_port()}/v1/chat" for _ in range(2)]
+    client = Client(dead, api_key="tb_any", reconnect_timeout_s=1.0)
+    started = time.monotonic()
+    with pytest.raises(ConnectionLost, match="no edge"):
+        await client.complete("hello", max_tokens=4)
+    assert time.monotonic() - started >= 1.0

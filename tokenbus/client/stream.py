@@ -18,7 +18,7 @@ from typing import Any
 import structlog
 import websockets
 from websockets.asyncio.client import ClientConnection
-from websockets.exceptions import ConnectionClosed, InvalidStatus, InvalidURI
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 
 from services.edge.protocol import DoneFrame, ErrorFrame
 from shared.messages import ErrorCode
@@ -192,9 +192,8 @@ class ChatStream:
                             f"{url}: HTTP {exc.response.status_code} {body}".strip(),
                         ) from exc
                     last = exc
-                except InvalidURI:
-                    raise
-                except (OSError, TimeoutError) as exc:
+                except (OSError, TimeoutError, InvalidHandshake) as exc:
+                    # Refused, timed out, or the edge died in the handshake: try the next.
                     last = exc
                 else:
                     if url != self.url:
