@@ -244,8 +244,9 @@ async def test_a_restarted_worker_does_not_rerun_what_its_former_process_answere
 ) -> None:
     """Its former process wrote one request's `done` and was killed before committing.
 
-    The new process replays the batch it left (as the next attempt): the answered request
-    must not run again, the other must, to its whole text.
+    The new process hands the batch it left back to the schedulers (as the next attempt,
+    shared/handover.py): the answered request must not run again, the other must, to its
+    whole text.
     """
     stack = Stack(bootstrap=bootstrap, prefix=new_prefix(), log_dir=log_dir)
     settings = stack.settings
@@ -297,6 +298,7 @@ async def test_a_restarted_worker_does_not_rerun_what_its_former_process_answere
             TOKENBUS_WORKER_ID=worker_id,
             TOKENBUS_WORKER_BATCH_PARTITION="0",
         )
+        stack.start_service("scheduler")
 
         async def finals() -> list[dict[str, Any]]:
             records = [json.loads(v) for v in await read_topic(settings, replies, 1)]
@@ -304,15 +306,15 @@ async def test_a_restarted_worker_does_not_rerun_what_its_former_process_answere
 
         deadline = asyncio.get_running_loop().time() + 60
         while not any(f["request_id"] == unanswered.request_id for f in await finals()):
-            assert asyncio.get_running_loop().time() < deadline, "the replayed request never ran"
+            assert asyncio.get_running_loop().time() < deadline, "the handed-back request never ran"
             await asyncio.sleep(0.2)  # poll interval for the reply topic
         by_id = Counter(f["request_id"] for f in await finals())
         assert by_id == {answered.request_id: 1, unanswered.request_id: 1}
         await asyncio.to_thread(
             wait_until,
-            lambda: events(stack.log("worker"), "batch.replay_skipped_answered"),
+            lambda: events(stack.log("worker"), "takeover.skipped_answered"),
             10,
-            "the replay's check logged",
+            "the take-over's check logged",
         )
         records = [json.loads(v) for v in await read_topic(settings, replies, 1)]
         rerun = [r for r in records if r["request_id"] == unanswered.request_id]
