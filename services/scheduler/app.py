@@ -183,8 +183,19 @@ class Scheduler:
             for consumer in (reader, beats):
                 await consumer.start()
                 stops.append(consumer.stop)
-            await self._start_floors()
-            await self._seek_recent_heartbeats(beats)
+            # A broker node away at start is waited out, not a crash loop (finding 4).
+            await retrying(
+                self._start_floors,
+                within_s=None,
+                what="start_floors",
+                retry_on=(KafkaError, TimeoutError),
+            )
+            await retrying(
+                lambda: self._seek_recent_heartbeats(beats),
+                within_s=None,
+                what="seek_heartbeats",
+                retry_on=(KafkaError, TimeoutError),
+            )
             await tiers.start()
             stops.append(tiers.stop)
             log.info("scheduler.started", scheduler_id=s.scheduler_id, policy=s.scheduler_policy)
