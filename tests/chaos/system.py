@@ -215,9 +215,8 @@ class Injector:
     def _skip(self, fault: Fault, zero: float) -> bool:
         if not self.closed:
             return False
-        line = (
-            f"t={time.monotonic() - zero:5.1f}s {fault.describe()}: not begun, the load had ended"
-        )
+        now = time.monotonic() - zero
+        line = f"{fault.describe()}: not begun by t={now:.1f}s, when the load had ended"
         self.skipped.append(line)
         self.log(line)
         return True
