@@ -33,16 +33,20 @@ from tests.chaos.system import CHAOS_ENV, ChaosSystem, Injector, LocalCluster
 from tests.processes import free_port_run
 from tests.stack import ROOT, Stack, new_prefix
 
-# `make chaos`; not in `make test` while the races in docs/reliability.md are open.
+# In `make test`; `make chaos` runs it alone (`-m chaos`).
 pytestmark = pytest.mark.chaos
 
 LOAD_S = 60.0
 RATE = {"websocket": 20.0, "kafka": 10.0}  # requests/s, open loop
 FAULT_WINDOW_S = (5.0, 50.0)  # the last restart is done well before the load ends
 # After the load, wait for every acknowledged request's final while answers keep coming:
-# stop when none came for DRAIN_STALL_S (what is open then is lost), or at DRAIN_MAX_S.
+# stop when none came for DRAIN_STALL_S with no fault under way (what is open then is
+# lost), or once the run has used CALL_BUDGET_S. That bound is wide on purpose: on a
+# quiet two-core box the drain settles in seconds; on a machine others load (a node's JVM
+# taking a minute to start again, every process starved) answers keep coming for minutes,
+# and a request still being answered is slow, not lost (docs/reliability.md, ADR 0022).
 DRAIN_STALL_S = 20.0
-DRAIN_MAX_S = 150.0
+CALL_BUDGET_S = 420.0
 WS_USERS = 6
 # Every process kind once, workers and edges twice (each instance in turn), and the leader
 # brokers of a requests and a results partition.
@@ -86,9 +90,9 @@ def system(cluster: LocalCluster, run_dir: Path) -> Iterator[ChaosSystem]:
         stack.stop()
 
 
-# Five minutes on a quiet two-core machine (a JVM per node, six services); the margin is for
-# a machine others share.
-@pytest.mark.timeout(480)
+# Two to three minutes on a quiet two-core machine (a JVM per node, six services); the
+# margin is for a machine others share (CALL_BUDGET_S, plus the cluster's start and stop).
+@pytest.mark.timeout(600)
 def test_no_acknowledged_request_is_lost_or_answered_twice_under_kill_9(
     system: ChaosSystem,
     cluster: LocalCluster,
@@ -117,7 +121,8 @@ def test_no_acknowledged_request_is_lost_or_answered_twice_under_kill_9(
     for fault in faults:
         say("planned: " + fault.describe())
 
-    run, injector = asyncio.run(_run(system, cluster, seed, faults, say))
+    deadline = time.monotonic() + CALL_BUDGET_S
+    run, injector = asyncio.run(_run(system, cluster, seed, faults, say, deadline))
     done = injector.done
     histories = run.histories()
     verdicts = [judge(h) for h in histories]
@@ -155,6 +160,7 @@ async def _run(
     seed: int,
     faults: list[Fault],
     say: Callable[[str], None],
+    deadline: float,
 ) -> tuple[LoadRun, Injector]:
     stack = system.stack
     reply_topic = f"{stack.prefix}.chaos-replies"
@@ -175,11 +181,13 @@ async def _run(
     try:
         await run.send_all(zero)
         say(f"load sent at t={time.monotonic() - zero:.1f}s; draining")
-        # Faults a slow broker restart delayed may still strike while the load drains.
-        ended = await _drain(run, inject)
+        # A fault a slow broker restart delayed past the load is skipped (and listed); one
+        # under way finishes first: the drain waits for it, not for a stall (see _drain).
+        injector.close()
+        ended = await _drain(run, inject, deadline)
         say(f"drain: {ended} at t={time.monotonic() - zero:.1f}s")
         if not inject.done():
-            say("faults still waiting after the drain (a node slow to restart): cancelled")
+            say("a fault still under way after the drain (a node slow to restart): cancelled")
         else:
             await inject  # raises what the injector raised
     finally:
@@ -188,7 +196,7 @@ async def _run(
     return run, injector
 
 
-async def _drain(run: LoadRun, inject: asyncio.Task[None]) -> str:
+async def _drain(run: LoadRun, inject: asyncio.Task[None], deadline: float) -> str:
     """Wait until every acknowledged request has its final, or answers stop coming."""
     start = last_change = time.monotonic()
     last = run.finals()
@@ -196,12 +204,13 @@ async def _drain(run: LoadRun, inject: asyncio.Task[None]) -> str:
         now = time.monotonic()
         if inject.done() and run.settled():
             return "settled"
-        if (finals := run.finals()) != last:
+        if (finals := run.finals()) != last or not inject.done():
+            # A node still on its way back holds answers up: that is no stall.
             last, last_change = finals, now
         if now - last_change > DRAIN_STALL_S:
             return f"no answer for {DRAIN_STALL_S:g} s"
-        if now - start > DRAIN_MAX_S:
-            return f"still answering after {DRAIN_MAX_S:g} s"
+        if now > deadline:
+            return f"still answering after {now - start:.0f} s (the run's budget is spent)"
         await asyncio.sleep(0.2)
 
 
@@ -216,6 +225,7 @@ def _report(
     failed: str,
 ) -> str:
     played = "\n".join(f"- {line}" for line in injector.done)
+    skipped = "\n".join(f"- {line}" for line in injector.skipped) or "- none"
     exits = "\n".join(f"- {line}" for line in injector.self_exits) or "- none"
     planned = "\n".join(f"- {f.describe()}" for f in faults)
     extra = ", ".join(f"{k}={v}" for k, v in counts.items())
@@ -223,6 +233,7 @@ def _report(
         f"Seed {seed}; load {LOAD_S:g} s open loop at {RATE['websocket']:g} req/s over"
         f" WebSocket and {RATE['kafka']:g} req/s from a Kafka producer.\n\n"
         f"Faults planned:\n{planned}\n\nFaults played:\n{played}\n\n"
+        f"Faults skipped (not begun when the load ended):\n{skipped}\n\n"
         f"Services that exited on their own (restarted by the supervisor):\n{exits}\n\n"
         f"Exits while the system came up: {', '.join(startup_exits) or 'none'}\n\n"
         f"{summary_table}\n\n"

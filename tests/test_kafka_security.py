@@ -255,6 +255,10 @@ def test_each_service_gets_only_what_it_uses() -> None:
         ("User:scheduler", "p.worker."),
         ("User:worker", "p.worker."),
     }
+    # A worker's unfinished batches are re-issued under its own transactional id, by the
+    # recovery or by its next process (shared/handover.py): both may write those ids.
+    txns = {(a.principal, a.name) for a in acls if a.resource is Resource.TRANSACTIONAL_ID}
+    assert txns == {("User:scheduler", "p.worker."), ("User:worker", "p.worker.")}
     assert len(set(acls)) == len(acls)
 
 

@@ -244,8 +244,9 @@ async def test_a_restarted_worker_does_not_rerun_what_its_former_process_answere
 ) -> None:
     """Its former process wrote one request's `done` and was killed before committing.
 
-    The new process replays the batch it left (as the next attempt): the answered request
-    must not run again, the other must, to its whole text.
+    The new process hands the batch it left back to the schedulers (as the next attempt,
+    shared/handover.py): the answered request must not run again, the other must, to its
+    whole text.
     """
     stack = Stack(bootstrap=bootstrap, prefix=new_prefix(), log_dir=log_dir)
     settings = stack.settings
@@ -297,6 +298,7 @@ async def test_a_restarted_worker_does_not_rerun_what_its_former_process_answere
             TOKENBUS_WORKER_ID=worker_id,
             TOKENBUS_WORKER_BATCH_PARTITION="0",
         )
+        stack.start_service("scheduler")
 
         async def finals() -> list[dict[str, Any]]:
             records = [json.loads(v) for v in await read_topic(settings, replies, 1)]
@@ -304,15 +306,15 @@ async def test_a_restarted_worker_does_not_rerun_what_its_former_process_answere
 
         deadline = asyncio.get_running_loop().time() + 60
         while not any(f["request_id"] == unanswered.request_id for f in await finals()):
-            assert asyncio.get_running_loop().time() < deadline, "the replayed request never ran"
+            assert asyncio.get_running_loop().time() < deadline, "the handed-back request never ran"
             await asyncio.sleep(0.2)  # poll interval for the reply topic
         by_id = Counter(f["request_id"] for f in await finals())
         assert by_id == {answered.request_id: 1, unanswered.request_id: 1}
         await asyncio.to_thread(
             wait_until,
-            lambda: events(stack.log("worker"), "batch.replay_skipped_answered"),
+            lambda: events(stack.log("worker"), "takeover.skipped_answered"),
             10,
-            "the replay's check logged",
+            "the take-over's check logged",
         )
         records = [json.loads(v) for v in await read_topic(settings, replies, 1)]
         rerun = [r for r in records if r["request_id"] == unanswered.request_id]
@@ -322,3 +324,87 @@ async def test_a_restarted_worker_does_not_rerun_what_its_former_process_answere
         assert not [r for r in records if r["request_id"] == answered.request_id][1:]
     finally:
         await asyncio.to_thread(stack.stop)
+
+
+@pytest.fixture(scope="module")
+def quick_commits(bootstrap: str, log_dir: Path) -> Iterator[Stack]:
+    s = Stack(
+        bootstrap=bootstrap,
+        prefix=new_prefix(),
+        log_dir=log_dir,
+        env_overrides={
+            "TOKENBUS_SCHEDULER_ID": "sched-seen",
+            "TOKENBUS_SCHEDULER_COMMIT_INTERVAL_MS": "100",
+        },
+    )
+    try:
+        yield s.start()
+    finally:
+        s.stop()
+
+
+async def test_a_second_hand_back_after_a_scheduler_restart_is_not_run_again(
+    quick_commits: Stack,
+) -> None:
+    """ADR 0014's open hazard: the recovery of a worker declared dead and that worker, woken
+    and fenced, both hand one request back as the same next attempt. The first copy runs and
+    is committed, the scheduler is killed and restarted, then the second copy arrives: it
+    must be dropped as the first process would have (tier_history.py), not run again."""
+    stack = quick_commits
+    settings = stack.settings
+    replies = f"{stack.prefix}.app-replies"
+    await create_topics(settings, {replies: 1})
+    request = QueuedRequest(
+        request_id=f"twice-{uuid.uuid4().hex[:8]}",
+        prompt="handed back twice",
+        tier=Tier.interactive,
+        prompt_tokens=3,
+        max_tokens=8,
+        reply_to=ReplyTo(topic=replies, partition=0),
+        attempt=1,
+    )
+    tier = stack.topics.tier(Tier.interactive)
+    producer = make_producer(settings, client_id="test-hand-backs")
+    admin = make_admin(settings)
+    await producer.start()
+    await admin.start()
+    try:
+        first = await producer.send_and_wait(tier, encode(request), key=key_of(request.request_id))
+        tp = TopicPartition(tier, first.partition)
+
+        async def finals() -> list[dict[str, Any]]:
+            records = [json.loads(v) for v in await read_topic(settings, replies, 1)]
+            return [r for r in records if r["kind"] in ("done", "error")]
+
+        async def committed_past_first() -> bool:
+            group = f"{stack.prefix}.scheduler"
+            offsets = await admin.list_consumer_group_offsets(group, partitions=[tp])
+            return tp in offsets and offsets[tp].offset > first.offset
+
+        deadline = asyncio.get_running_loop().time() + 60
+        while not (await finals() and await committed_past_first()):
+            assert asyncio.get_running_loop().time() < deadline, "the first copy never ran"
+            await asyncio.sleep(0.2)  # poll interval for the reply topic and the commit
+        assigned = len(events(stack.log("scheduler"), "tier_partitions.assigned"))
+        await asyncio.to_thread(stack.stop_service, "scheduler", signal.SIGKILL)
+        stack.start_service("scheduler")
+        await asyncio.to_thread(
+            wait_until,
+            lambda: len(events(stack.log("scheduler"), "tier_partitions.assigned")) > assigned,
+            60,
+            "the restarted scheduler's take-over",
+        )
+        await producer.send_and_wait(tier, encode(request), key=key_of(request.request_id))
+        await asyncio.to_thread(
+            wait_until,
+            lambda: any(
+                e["request_id"] == request.request_id
+                for e in events(stack.log("scheduler"), "request.duplicate")
+            ),
+            60,
+            "the second copy dropped as a duplicate",
+        )
+        assert [f["request_id"] for f in await finals()] == [request.request_id]
+    finally:
+        await admin.close()
+        await producer.stop()

@@ -120,6 +120,11 @@ def grants(topics: Topics) -> dict[str, list[Grant]]:
         Grant(Resource.TOPIC, topics.result_leases, Pattern.LITERAL, (read,), Permission.DENY),
     ]
     worker_groups = Grant(Resource.GROUP, topics.worker_group(""), Pattern.PREFIXED, (read,))
+    # A worker's unfinished batches are re-issued under a transactional id named like its
+    # group, by the scheduler's recovery or by the worker's own next process.
+    worker_txns = Grant(
+        Resource.TRANSACTIONAL_ID, topics.worker_group(""), Pattern.PREFIXED, (write,)
+    )
     return {
         "edge": [
             _topic(topics.requests, write),
@@ -152,24 +157,21 @@ def grants(topics: Topics) -> dict[str, list[Grant]]:
             *results_out,  # requests that expire before dispatch; resets before a re-run
             *results_in,  # recovery: requests already answered are not handed back
             # Recovery: one transaction writes the hand-backs and moves the dead worker's
-            # group offset, so it writes that transactional id and reads worker groups.
-            Grant(
-                Resource.TRANSACTIONAL_ID,
-                f"{topics.prefix}.scheduler.recovery",
-                Pattern.LITERAL,
-                (write,),
-            ),
+            # group offset, under the worker's own transactional id (shared/handover.py),
+            # so it writes those transactional ids and reads worker groups.
+            worker_txns,
             worker_groups,
         ],
         "worker": [
             _topic(topics.batches, read),
             worker_groups,  # each worker commits under `<prefix>.worker.<id>`
+            worker_txns,  # ...and takes its former process's batches over under that id
             _topic(topics.control, read),
             _topic(topics.workers, write),
             _topic(topics.dlq, write),  # records it cannot read (poison)
             *(_topic(t, write) for t in tiers),  # a draining worker hands requests back
             *results_out,
-            *results_in,  # a replay of a former process skips what it answered
+            *results_in,  # a take-over of a former process's batches skips what it answered
         ],
         "app": [
             _topic(topics.requests, write),

@@ -31,7 +31,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from services.edge.auth import Close, Guard, SocketAuth, Upgrade
 from services.edge.broker_health import BrokerHealth, BrokerUnavailable
 from services.edge.deadlines import Deadlines
-from services.edge.lease_keeper import LeaseKeeper, LeaseLost, ensure_lease_topic
+from services.edge.lease_keeper import LeaseKeeper, LeaseLost, TopicNotReady, ensure_lease_topic
 from services.edge.metrics import EdgeMetrics
 from services.edge.producer import EdgeProducer
 from services.edge.protocol import (
@@ -72,6 +72,7 @@ from shared.messages import (
     Tier,
 )
 from shared.metrics import EdgeRequestMetrics
+from shared.retry import retrying
 from shared.topics import Topics
 
 log = structlog.get_logger()
@@ -324,12 +325,27 @@ class Edge:
         return any(tp.topic == topic for tp in self.followed.values())
 
     async def _lease_partition(self, keeper: LeaseKeeper) -> int:
+        """Lease a results partition; waits out a cluster that cannot answer yet.
+
+        A broker node away, or a results topic not yet in a fresh or restarted broker's
+        metadata, is retried with backoff and logged (`write.retry`, what=lease_partition),
+        never an exit: an edge that exited here crash-looped until the node was back
+        (docs/reliability.md, finding 4).
+        """
+        return await retrying(
+            lambda: self._try_lease_partition(keeper),
+            within_s=None,
+            what="lease_partition",
+            retry_on=(KafkaError, TimeoutError, TopicNotReady),
+        )
+
+    async def _try_lease_partition(self, keeper: LeaseKeeper) -> int:
         s = self.settings
         assert self._admin is not None
         await ensure_lease_topic(self._admin, self.topics.result_leases, s.edge_lease_ttl_s)
         partitions = await self._partition_count(self.topics.results)
         if partitions is None:
-            raise RuntimeError(f"{self.topics.results} does not exist: create the topics first")
+            raise TopicNotReady(f"{self.topics.results} is not in the cluster's metadata yet")
         wanted = s.edge_result_partition
         if wanted is not None and wanted >= partitions:
             raise RuntimeError(f"edge_result_partition={wanted}, but the topic has {partitions}")

@@ -29,6 +29,7 @@ from aiokafka.errors import KafkaError
 from aiokafka.structs import ConsumerRecord, RecordMetadata
 from pydantic import ValidationError
 
+from services.scheduler import tier_history
 from services.scheduler.backlog import Passenger
 from services.scheduler.batch_log import BatchLog
 from services.scheduler.ledger import Ledger
@@ -182,8 +183,19 @@ class Scheduler:
             for consumer in (reader, beats):
                 await consumer.start()
                 stops.append(consumer.stop)
-            await self._start_floors()
-            await self._seek_recent_heartbeats(beats)
+            # A broker node away at start is waited out, not a crash loop (finding 4).
+            await retrying(
+                self._start_floors,
+                within_s=None,
+                what="start_floors",
+                retry_on=(KafkaError, TimeoutError),
+            )
+            await retrying(
+                lambda: self._seek_recent_heartbeats(beats),
+                within_s=None,
+                what="seek_heartbeats",
+                retry_on=(KafkaError, TimeoutError),
+            )
             await tiers.start()
             stops.append(tiers.stop)
             log.info("scheduler.started", scheduler_id=s.scheduler_id, policy=s.scheduler_policy)
@@ -657,6 +669,23 @@ class Scheduler:
                 what="batch_log",
                 retry_on=(KafkaError, TimeoutError),
             )
+        # What these partitions held just before the commit: a copy of a hand-back read
+        # after it is dropped as the process that handed the first on would have.
+        offsets = {tp: e.offset for tp, e in committed.items() if tp in assigned and e.offset > 0}
+        recent = await retrying(
+            lambda: tier_history.recent_keys(
+                self.settings, offsets, client_id=f"scheduler-{self.settings.scheduler_id}-seen"
+            ),
+            within_s=None,
+            what="tier_history",
+            retry_on=(KafkaError, TimeoutError),
+        )
+        for tp, keys in recent.items():
+            seen = self._seen.setdefault(tp, OrderedDict())
+            for key in keys:
+                seen[key] = None
+            while len(seen) > SEEN_MEMORY:
+                seen.popitem(last=False)
         now = time.time()
         for old in [k for k, t in self._dispatched_before.items() if now - t > DISPATCHED_MEMORY_S]:
             del self._dispatched_before[old]
@@ -667,6 +696,7 @@ class Scheduler:
             "tier_partitions.assigned",
             partitions=sorted(f"{tp.topic}/{tp.partition}" for tp in assigned),
             batches_scanned=len(logged),
+            seen_restored=sum(len(keys) for keys in recent.values()),
         )
 
     async def release(self, revoked: set[TopicPartition]) -> None:

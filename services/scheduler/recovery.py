@@ -4,9 +4,11 @@ Which requests: every request in a batch addressed to the worker, read from its 
 partition from the worker's committed offset (the oldest batch it had not finished) to
 the end, that it had not acknowledged (batch at or past its last `batches_consumed`) or
 still held (in its last heartbeat's `held`). The hand-backs and the move of the worker's
-committed offset to the end happen in one Kafka transaction, so a recovery interrupted
-by a crash is redone from the start, never half-counted; the fixed transactional id
-fences a second scheduler recovering at the same time.
+committed offset to the end happen in one Kafka transaction, under the worker's own
+transactional id (shared/handover.py), so a recovery interrupted by a crash is redone from
+the start, never half-counted, and a second scheduler recovering the same worker, or the
+worker's next process taking the same range over at its start, is fenced: exactly one of
+them re-issues each batch.
 
 Before that, each request's `reply_to` gets a `reset` record of the new attempt: a worker
 declared dead may only have been paused, and whatever it writes when it wakes belongs to
@@ -22,23 +24,20 @@ killed before it said so (its next heartbeat or offset commit). That read is bou
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable, Set
 
 import structlog
 from aiokafka import AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
-from aiokafka.structs import RecordMetadata
 
 from services.scheduler.batch_log import BatchLog, LoggedBatch
-from shared import finals
-from shared.kafka import encode, key_of, make_producer
-from shared.messages import Heartbeat, QueuedRequest, ResetResult
-from shared.results import WRITE_ERRORS, cluster_metadata, send_result, target_problem
+from shared import finals, handover
+from shared.kafka import make_producer
+from shared.messages import Heartbeat, QueuedRequest
+from shared.resets import announce_next_attempts
 from shared.settings import TokenbusSettings
 from shared.topics import Topics
 
-RESET_TIMEOUT_S = 5.0  # longest the reset records of one recovery may take to be stored
 FINAL_CHECK_TIMEOUT_S = 5.0  # longest the read of the reply topics for finals may take
 
 log = structlog.get_logger()
@@ -68,8 +67,7 @@ def unfinished(
     return out
 
 
-def next_attempt(request: QueuedRequest) -> QueuedRequest:
-    return request.model_copy(update={"attempt": request.attempt + 1})
+next_attempt = handover.next_attempt  # the request as it is handed back
 
 
 class Recovery:
@@ -104,13 +102,14 @@ class Recovery:
             return []
         group = self._topics.worker_group(last.worker_id)
         tp = TopicPartition(self._topics.batches, last.batch_partition)
-        # A fresh transactional producer per recovery: starting it fences (aborts) any
-        # recovery still in flight elsewhere under the same transactional id, so the
-        # committed offset read next includes whatever such a recovery completed.
+        # A fresh transactional producer per recovery, under the worker's own id (shared/
+        # handover.py): starting it fences (aborts) a recovery still in flight elsewhere, or
+        # the worker's next process taking the same range over, and waits out one that is
+        # committing, so the committed offset read next includes whatever either completed.
         producer = make_producer(
             self._settings,
             client_id="scheduler-recovery",
-            transactional_id=f"{self._settings.topic_prefix}.scheduler.recovery",
+            transactional_id=handover.transactional_id(self._topics, last.worker_id),
         )
         await producer.start()
         try:
@@ -127,9 +126,12 @@ class Recovery:
         exclude: Set[tuple[str, int]],
         still_dead: Callable[[], bool],
     ) -> list[tuple[str, int]]:
-        committed = await self._admin.list_consumer_group_offsets(group, partitions=[tp])
-        start = committed[tp].offset if tp in committed else -1
-        if start < 0:
+        async def read_committed() -> int | None:
+            committed = await self._admin.list_consumer_group_offsets(group, partitions=[tp])
+            return committed[tp].offset if tp in committed else None
+
+        start = await handover.committed_offset(read_committed)
+        if start is None:
             return []  # the worker commits its start position before its first heartbeat
         end = (await self._batch_log.end_offsets([tp]))[tp]
         if end <= start:
@@ -154,16 +156,13 @@ class Recovery:
                 requests = [r for r in requests if r.request_id not in answered]
         # Once a reset is written the hand-back must follow (the edge now waits for N + 1),
         # so whether the worker is still dead is asked last thing before the first write.
-        if not await self._supersede(requests, still_dead):
+        if not still_dead():
             log.info("worker.recovery_cancelled", worker_id=last.worker_id)
             return []
-        async with producer.transaction():
-            for request in requests:
-                again = next_attempt(request)
-                await producer.send(
-                    self._topics.tier(request.tier), encode(again), key=key_of(again.request_id)
-                )
-            await producer.send_offsets_to_transaction({tp: end}, group)
+        await announce_next_attempts(
+            self._producer, requests, "the worker running it was declared dead"
+        )
+        await handover.commit_hand_backs(producer, self._topics, requests, {tp: end}, group)
         log.info(
             "worker.recovered",
             worker_id=last.worker_id,
@@ -173,50 +172,3 @@ class Recovery:
             end=end,
         )
         return [(r.request_id, r.attempt) for r in requests]
-
-    async def _supersede(
-        self, requests: list[QueuedRequest], still_dead: Callable[[], bool]
-    ) -> bool:
-        """Announce each request's next attempt on its `reply_to`, best effort, bounded.
-
-        False, with nothing written, if the worker is no longer dead when it would start.
-
-        Written before the hand-back, and waited for (up to RESET_TIMEOUT_S), so that the
-        reset is in each stream before anything of the next attempt. A reset that cannot be
-        written is logged and skipped: the hand-back must not wait on one bad `reply_to`,
-        and the worker's own fencing still stops a woken zombie.
-        """
-        known = self._producer.client.cluster
-        cluster = None
-        unknown = {r.reply_to.topic for r in requests} - set(known.topics())
-        if unknown:
-            # One look-up for all unknown topics (per-request result topics), not one each.
-            cluster = await cluster_metadata(self._producer, RESET_TIMEOUT_S, unknown)
-        futures: list[asyncio.Future[RecordMetadata]] = []
-        if not still_dead():
-            return False  # nothing written: the caller leaves the worker alone
-        for request in requests:
-            topic = request.reply_to.topic
-            partitions = known.partitions_for_topic(topic)
-            if partitions is None and cluster is not None:
-                partitions = cluster.partitions_for_topic(topic)
-            problem = target_problem(request.reply_to, partitions)
-            if problem is not None:
-                log.warning("reset.skipped", request_id=request.request_id, reason=problem)
-                continue
-            reset = ResetResult(
-                request_id=request.request_id,
-                attempt=request.attempt + 1,
-                reason="the worker running it was declared dead",
-            )
-            try:
-                async with asyncio.timeout(RESET_TIMEOUT_S):
-                    futures.append(await send_result(self._producer, request.reply_to, reset))
-            except WRITE_ERRORS as exc:
-                log.warning("reset.failed", request_id=request.request_id, error=repr(exc))
-        if futures:
-            done, pending = await asyncio.wait(futures, timeout=RESET_TIMEOUT_S)
-            failed = len(pending) + sum(1 for f in done if f.exception() is not None)
-            if failed:
-                log.warning("reset.failed", count=failed, of=len(futures))
-        return True

@@ -102,7 +102,7 @@ class Worker:
         try:
             await control.start()
             await batches.start()
-            await self.intake.start(batches)
+            await self.intake.start(batches, producer)
             await self.engine.start()
             runner = RequestRunner(
                 self.engine,

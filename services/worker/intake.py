@@ -7,6 +7,11 @@ from that committed offset. Batches addressed to another worker id are skipped. 
 heartbeat reports the partition, how far the worker has read (`batches_consumed`, the
 scheduler's acknowledgement) and the (request_id, attempt) of every request it holds.
 
+At start, what a former process of the same id left between the committed offset and the
+end goes back to the schedulers as the next attempt, in one transaction under the id the
+scheduler's recovery uses too (shared/handover.py): it is never run here beside a copy the
+recovery handed back.
+
 A batch record that is not a valid batch is never retried: `parse_batch` keeps the
 requests of it that are valid (they run), and says which are not and where their answer
 goes; the caller dead-letters the record and answers those.
@@ -21,23 +26,25 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import structlog
-from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaError
 from aiokafka.structs import ConsumerRecord
 from pydantic import ValidationError
 
 from services.worker.settings import WorkerSettings
-from shared import finals
+from shared import finals, handover
 from shared.dead_letters import Addressed, address_of
-from shared.kafka import make_consumer
+from shared.kafka import make_consumer, make_producer
 from shared.messages import Batch, QueuedRequest, error_message
 from shared.offsets import OffsetTracker
+from shared.resets import announce_next_attempts
+from shared.retry import retrying
 from shared.topics import Topics
 
 log = structlog.get_logger()
 
 FETCH_MS = 1000
-REPLAY_CHECK_TIMEOUT_S = 5.0  # longest the check of a replayed batch's finals may take
+REPLAY_CHECK_TIMEOUT_S = 5.0  # longest the check of a former process's finals may take
 
 
 @dataclass(frozen=True)
@@ -115,7 +122,7 @@ class BatchIntake:
         self._held: dict[tuple[str, int], None] = {}
         self._offsets = OffsetTracker()
         self._commit_lock = asyncio.Lock()
-        self._replay_below = 0  # batches below were taken by a previous process of this id
+        self._topics = topics
 
     def consumer(self) -> AIOKafkaConsumer:
         # A new worker id starts at the live end: nothing was addressed to it before its
@@ -127,24 +134,94 @@ class BatchIntake:
             auto_offset_reset="latest",
         )
 
-    async def start(self, consumer: AIOKafkaConsumer) -> None:
-        """Assign our partition; commit where we start so a recovery has a lower bound."""
+    async def start(self, consumer: AIOKafkaConsumer, producer: AIOKafkaProducer) -> None:
+        """Assign our partition; take over what a former process of this id left unfinished.
+
+        Batches between the committed offset and today's end were addressed to a former
+        process with this id: it may have streamed part of them, or been recovered by a
+        scheduler meanwhile. They go back to the schedulers as the next attempt, less what
+        it answered, in one transaction with the move of the committed offset to the end,
+        under the id the scheduler's recovery uses too (shared/handover.py): exactly one of
+        the two re-issues them. `producer` writes the `reset` records. Retried until done
+        (a broker node away): nothing is read or run before.
+        """
         consumer.assign([self.tp])
-        position = await consumer.position(self.tp)
-        end = (await consumer.end_offsets([self.tp]))[self.tp]
-        # Batches between our committed offset and today's end were addressed to a former
-        # process with this id (not recovered yet): it may have streamed part of them, so
-        # they run again as the next attempt.
-        self._replay_below = end
-        await consumer.commit({self.tp: position})
-        self.consumed = position
+        end = await retrying(
+            lambda: self._take_over(consumer, producer),
+            within_s=None,
+            what="takeover",
+            retry_on=(KafkaError, TimeoutError),
+            worker_id=self.worker_id,
+        )
+        consumer.seek(self.tp, end)
+        self.consumed = end
+
+    async def _take_over(self, consumer: AIOKafkaConsumer, producer: AIOKafkaProducer) -> int:
+        """One try of `start`'s take-over; returns the offset reading starts from."""
+        txn = make_producer(
+            self.settings,
+            client_id=f"{self.worker_id}-takeover",
+            transactional_id=handover.transactional_id(self._topics, self.worker_id),
+        )
+        # Starting it aborts a recovery of this id still open, and waits out one committing.
+        await txn.start()
+        try:
+
+            async def read_committed() -> int | None:
+                offset: int | None = await consumer.committed(self.tp)
+                return offset
+
+            committed = await handover.committed_offset(read_committed)
+            end: int = (await consumer.end_offsets([self.tp]))[self.tp]
+            # A new id starts at the live end: nothing was addressed to it before its first
+            # heartbeat, which comes after this commit.
+            start = end if committed is None else min(committed, end)
+            requests = await self._left_unfinished(consumer, start, end)
+            await announce_next_attempts(producer, requests, "the worker running it was restarted")
+            await handover.commit_hand_backs(
+                txn, self._topics, requests, {self.tp: end}, self.group
+            )
+        finally:
+            await txn.stop()
         log.info(
             "intake.started",
             worker_id=self.worker_id,
             partition=self.tp.partition,
-            position=position,
-            replay=max(0, end - position),
+            committed=committed,
+            position=end,
+            handed_back=len(requests),
         )
+        return end
+
+    async def _left_unfinished(
+        self, consumer: AIOKafkaConsumer, start: int, end: int
+    ) -> list[QueuedRequest]:
+        """The requests of our batches in [start, end), less those already answered."""
+        if end <= start:
+            return []
+        consumer.seek(self.tp, start)
+        batches: list[tuple[int, Batch]] = []  # (record timestamp, batch)
+        while await consumer.position(self.tp) < end:
+            fetched = await consumer.getmany(self.tp, timeout_ms=FETCH_MS)
+            for record in fetched.get(self.tp, []):
+                if record.offset >= end:
+                    continue
+                batch = parse_batch(record.value or b"").batch
+                if batch is not None and batch.worker_id in (None, self.worker_id):
+                    batches.append((record.timestamp, batch))
+        requests = handover.distinct(r for _, b in batches for r in b.requests)
+        if not requests:
+            return []
+        done = await finals.answered(
+            self.settings,
+            requests,
+            min(ts for ts, _ in batches),
+            REPLAY_CHECK_TIMEOUT_S,
+            client_id=f"{self.worker_id}-takeover-finals",
+        )
+        if done:
+            log.info("takeover.skipped_answered", worker_id=self.worker_id, answered=len(done))
+        return [r for r in requests if r.request_id not in done]
 
     async def take(
         self, consumer: AIOKafkaConsumer
@@ -165,34 +242,10 @@ class BatchIntake:
                 await self.done(consumer, record.offset)
                 continue
             if batch is not None:
-                if record.offset < self._replay_below:
-                    batch = await self._replayed(batch, record.timestamp)
-                    parsed = ParsedBatch(batch, parsed.problem, parsed.rejected)
                 for request in batch.requests:
                     self._held[(request.request_id, request.attempt)] = None
             out.append((record, parsed))
         return out
-
-    async def _replayed(self, batch: Batch, dispatched_ms: int) -> Batch:
-        """A former process's batch as the next attempts, less what that process answered.
-
-        It may have written a request's `done` and been killed before committing past it.
-        """
-        done = await finals.answered(
-            self.settings,
-            batch.requests,
-            dispatched_ms,
-            REPLAY_CHECK_TIMEOUT_S,
-            client_id=f"{self.worker_id}-replay-finals",
-        )
-        if done:
-            log.info("batch.replay_skipped_answered", batch_id=batch.batch_id, answered=len(done))
-        requests = [
-            r.model_copy(update={"attempt": r.attempt + 1})
-            for r in batch.requests
-            if r.request_id not in done
-        ]
-        return batch.model_copy(update={"requests": requests})
 
     def renew(self) -> None:
         """This process is a new incarnation from now on (after fencing itself)."""
