@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from enum import StrEnum
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
@@ -161,6 +161,14 @@ class QueuedRequest(RequestRecord):
         """Tokens this request may occupy: its prompt plus everything it may generate."""
         return self.prompt_tokens + self.effective_max_tokens
 
+    def next_attempt(self) -> QueuedRequest:
+        """The request as it is run again elsewhere: same id, the next attempt number.
+
+        The one place the retry rule lives: a hand-back, a recovery and a replay all count
+        attempts with it, and a reset announces the attempt it returns.
+        """
+        return self.model_copy(update={"attempt": self.attempt + 1})
+
     @classmethod
     def from_record(cls, record: RequestRecord, *, tier: Tier, reply_to: ReplyTo) -> QueuedRequest:
         data = record.model_dump()
@@ -215,10 +223,38 @@ class DoneResult(ResultBase):
     timings: Timings
 
 
+class RequestAttempt(Protocol):
+    """One attempt of a request: what an answer to it is addressed by."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def attempt(self) -> int: ...
+
+
 class ErrorResult(ResultBase):
     kind: Literal["error"] = "error"
     code: ErrorCode
     message: str
+
+    @classmethod
+    def for_request(
+        cls, request: RequestAttempt | str, code: ErrorCode, message: str, *, seq: int = 0
+    ) -> ErrorResult:
+        """The error that answers one attempt of a request; a bare id is its first attempt.
+
+        `seq` is 0 unless the error ends a stream that already carried records.
+        """
+        if isinstance(request, str):
+            return cls(request_id=request, seq=seq, code=code, message=message)
+        return cls(
+            request_id=request.request_id,
+            attempt=request.attempt,
+            seq=seq,
+            code=code,
+            message=message,
+        )
 
 
 class ResetResult(ResultBase):
@@ -232,6 +268,13 @@ class ResetResult(ResultBase):
     kind: Literal["reset"] = "reset"
     seq: int = Field(default=0, ge=0)
     reason: str = ""
+
+    @classmethod
+    def before_retry(cls, request: QueuedRequest, reason: str) -> ResetResult:
+        """The reset that announces the request's next attempt (`QueuedRequest.next_attempt`)."""
+        return cls(
+            request_id=request.request_id, attempt=request.next_attempt().attempt, reason=reason
+        )
 
 
 ResultRecord = Annotated[

@@ -69,7 +69,7 @@ class Rejected:
         """The error the requester gets, when it named (or defaulted) a usable reply_to."""
         if self.request_id is None or self.reply_to is None:
             return None
-        return ErrorResult(request_id=self.request_id, seq=0, code=self.code, message=self.message)
+        return ErrorResult.for_request(self.request_id, self.code, self.message)
 
 
 @dataclass(frozen=True)

@@ -313,7 +313,7 @@ class Scheduler:
         budget = self.policy.config.tiers[request.tier].max_batch_tokens
         if request.token_cost > budget:
             message = f"{request.token_cost} tokens is above the {request.tier} budget of {budget}"
-            return waiting, self._error(request, ErrorCode.invalid_request, message)
+            return waiting, ErrorResult.for_request(request, ErrorCode.invalid_request, message)
         request = self.telemetry.arrived(request, _headers(record))
         waiting = Waiting(request, tp, record.offset)
         deadline = request.deadline_at
@@ -518,12 +518,8 @@ class Scheduler:
         await self._dead_letter(record, f"invalid tier record: {poison.reason}")
         address = poison.address
         if address is not None:
-            error = ErrorResult(
-                request_id=address.request_id,
-                attempt=address.attempt,
-                seq=0,
-                code=ErrorCode.invalid_request,
-                message=f"invalid request: {poison.reason}",
+            error = ErrorResult.for_request(
+                address, ErrorCode.invalid_request, f"invalid request: {poison.reason}"
             )
             await self._write_answer(address.reply_to, error, None)
         self.ledger.handed_on(poison.tp, record.offset)
@@ -760,19 +756,9 @@ class Scheduler:
 
     # -- helpers -------------------------------------------------------------------------------
 
-    @staticmethod
-    def _error(request: QueuedRequest, code: ErrorCode, message: str) -> ErrorResult:
-        return ErrorResult(
-            request_id=request.request_id,
-            attempt=request.attempt,
-            seq=0,
-            code=code,
-            message=message,
-        )
-
     def _deadline_error(self, request: QueuedRequest) -> ErrorResult:
         message = f"deadline of {request.deadline_ms} ms passed while queued"
-        return self._error(request, ErrorCode.deadline_exceeded, message)
+        return ErrorResult.for_request(request, ErrorCode.deadline_exceeded, message)
 
 
 def _headers(record: ConsumerRecord[bytes, bytes]) -> Sequence[tuple[str, bytes]]:

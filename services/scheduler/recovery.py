@@ -68,10 +68,6 @@ def unfinished(
     return out
 
 
-def next_attempt(request: QueuedRequest) -> QueuedRequest:
-    return request.model_copy(update={"attempt": request.attempt + 1})
-
-
 class Recovery:
     """Hands back dead workers' requests; one instance per scheduler process."""
 
@@ -159,7 +155,7 @@ class Recovery:
             return []
         async with producer.transaction():
             for request in requests:
-                again = next_attempt(request)
+                again = request.next_attempt()
                 await producer.send(
                     self._topics.tier(request.tier), encode(again), key=key_of(again.request_id)
                 )
@@ -204,11 +200,7 @@ class Recovery:
             if problem is not None:
                 log.warning("reset.skipped", request_id=request.request_id, reason=problem)
                 continue
-            reset = ResetResult(
-                request_id=request.request_id,
-                attempt=request.attempt + 1,
-                reason="the worker running it was declared dead",
-            )
+            reset = ResetResult.before_retry(request, "the worker running it was declared dead")
             try:
                 async with asyncio.timeout(RESET_TIMEOUT_S):
                     futures.append(await send_result(self._producer, request.reply_to, reset))
