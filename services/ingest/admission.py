@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from collections import OrderedDict
+from collections.abc import Container
 from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Generic, TypeVar
@@ -114,11 +115,12 @@ def admit(
     key: bytes | None,
     topics: Topics,
     limits: RequestLimits,
-    recent: RecentIds,
+    recent: Container[str],
     max_record_bytes: int = 1_000_000,
 ) -> Decision:
     """Parse and validate one `tokenbus.requests` record; never raises, whatever `raw` holds.
 
+    `recent` holds the ids already handed on (a request seen again is a `Duplicate`);
     `max_record_bytes` bounds the tier record it would forward (the broker refuses larger).
     Whether `reply_to` exists is the shell's question (it needs the broker's metadata).
     """
