@@ -48,7 +48,7 @@ async def serve(settings: IngestSettings) -> None:
         await producer.start()
         stack.push_async_callback(producer.stop)
         ingest = Ingest(settings, producer, admin, IngestTelemetry(topics.requests))
-        reader = RequestReader(consumer, ingest)
+        reader = RequestReader(consumer, ingest, settings.ingest_commit_interval_ms / 1000)
         consumer.subscribe([topics.requests], listener=reader.listener())
         await consumer.start()
         stack.push_async_callback(consumer.stop)

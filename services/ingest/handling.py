@@ -172,9 +172,9 @@ class Ingest:
         # 2) Wait for the tier writes together; a write that failed is retried on its own.
         for i, pending in sending:
             outcomes[i] = await self._stored(pending)
-        for record, outcome in zip(records, outcomes, strict=True):
+        for outcome in outcomes:
             if outcome is not None:
-                self.telemetry.decided(outcome, record)
+                self.telemetry.decided(outcome)
         return outcomes
 
     async def _decide(self, record: Record, source: Source, in_batch: set[str]) -> Decision:

@@ -2,8 +2,9 @@
 
 Per admitted record, one consumer span continues the producer's `traceparent` (its context
 goes on in the tier record's headers, which the caller attaches), and one `admit` stage span
-tiles the request's life from the record's creation to its admission to a tier. Observes
-only: it returns headers for the caller to write, and never writes or changes a record.
+tiles the request's life from the record's creation to its admission to a tier; both are
+recorded as its tier record is written. Observes only: it returns headers for the caller to
+write, and never writes or changes a record.
 """
 
 from __future__ import annotations
@@ -35,51 +36,54 @@ class IngestTelemetry:
         self.metrics.lag.observe(consumer, fetched)
 
     def tier_headers(self, record: ConsumerRecord[bytes, bytes], decision: Admitted) -> Headers:
-        """The consume span of an admitted record; returns the headers its tier record carries.
+        """The spans of an admitted record; returns the headers its tier record carries.
 
-        The span is a child of the producer's span (the record's own `traceparent`); with no
-        tracing installed the producer's context is passed on unchanged.
+        Both continue the producer's span (the record's own `traceparent`): the consume span,
+        whose context the tier record carries on, and the `admit` stage. With no tracing
+        installed the producer's context is passed on unchanged.
         """
+        request = decision.request
+        producer = extract(record.headers)
         now = time.time()
         context = record_span(
             semconv.messaging_span_name("process", self.requests_topic),
             start=now,
             end=now,
-            context=extract(record.headers),
+            context=producer,
             kind=SpanKind.CONSUMER,
             attributes={
                 semconv.MESSAGING_SYSTEM: semconv.MESSAGING_SYSTEM_KAFKA,
                 semconv.MESSAGING_DESTINATION_NAME: self.requests_topic,
                 semconv.MESSAGING_OPERATION_TYPE: "process",
-                semconv.REQUEST_ID: decision.request.request_id,
+                semconv.REQUEST_ID: request.request_id,
+            },
+            tracer_=self.tracer,
+        )
+        record_span(
+            semconv.stage_span_name(semconv.STAGE_ADMIT),
+            start=request.created_at,
+            end=request.accepted_at,
+            # The producer's span: the stage covers the hop through the requests topic.
+            context=producer,
+            attributes={
+                semconv.STAGE: semconv.STAGE_ADMIT,
+                semconv.REQUEST_ID: request.request_id,
+                semconv.TIER: request.tier.value,
+                semconv.ADMISSION: "admitted",
+                semconv.MESSAGING_DESTINATION_NAME: decision.topic,
             },
             tracer_=self.tracer,
         )
         return inject(context=context)
 
-    def decided(self, decision: Decision, record: ConsumerRecord[bytes, bytes]) -> None:
-        """Count one decision; an admitted request gets its `admit` stage span."""
+    def decided(self, decision: Decision) -> None:
+        """Count one decision, once it is carried out."""
         metrics = self.metrics
         if isinstance(decision, Admitted):
             request = decision.request
             tier = request.tier.value
             metrics.records.labels("admitted", tier).inc()
             metrics.admit.labels(tier).observe(max(0.0, request.accepted_at - request.created_at))
-            record_span(
-                semconv.stage_span_name(semconv.STAGE_ADMIT),
-                start=request.created_at,
-                end=request.accepted_at,
-                # The producer's span: the stage covers the hop through the requests topic.
-                context=extract(record.headers),
-                attributes={
-                    semconv.STAGE: semconv.STAGE_ADMIT,
-                    semconv.REQUEST_ID: request.request_id,
-                    semconv.TIER: tier,
-                    semconv.ADMISSION: "admitted",
-                    semconv.MESSAGING_DESTINATION_NAME: decision.topic,
-                },
-                tracer_=self.tracer,
-            )
         elif isinstance(decision, Duplicate):
             metrics.records.labels("duplicate", "none").inc()
         else:
