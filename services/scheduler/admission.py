@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from aiokafka import TopicPartition
 from aiokafka.structs import ConsumerRecord
@@ -59,7 +60,7 @@ class Skip:
     tp: TopicPartition
     offset: int
     request_id: str
-    why: str
+    why: Literal["duplicate", "already_dispatched"]
 
 
 @dataclass(frozen=True)

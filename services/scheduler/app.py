@@ -235,11 +235,8 @@ class Scheduler:
                         elif isinstance(decision, Answer):
                             answers.append(decision)
                         elif isinstance(decision, Skip):
-                            log.info(
-                                "request.skipped",
-                                request_id=decision.request_id,
-                                why=decision.why,
-                            )
+                            # request.duplicate | request.already_dispatched
+                            log.info(f"request.{decision.why}", request_id=decision.request_id)
                             self._hand_on(tp, record.offset)
                         else:
                             log.error(
