@@ -51,11 +51,6 @@ def transactional_id(topics: Topics, worker_id: str) -> str:
     return topics.worker_group(worker_id)
 
 
-def next_attempt(request: QueuedRequest) -> QueuedRequest:
-    """The request as it is run again: same id, the next attempt number."""
-    return request.model_copy(update={"attempt": request.attempt + 1})
-
-
 async def committed_offset(
     read: Callable[[], Awaitable[int | None]],
     *,
@@ -100,7 +95,7 @@ async def commit_hand_backs(
     `group`'s committed offsets moved to `offsets`. Raises if the producer was fenced."""
     async with producer.transaction():
         for request in requests:
-            again = next_attempt(request)
+            again = request.next_attempt()
             await producer.send(
                 topics.tier(request.tier), encode(again), key=key_of(again.request_id)
             )

@@ -138,6 +138,11 @@ def make_faststream_broker(
     )
 
 
+# A fetch that finds nothing is held this long at the broker (Kafka's own default): see
+# `make_consumer`. For consumers whose seeks and assignment changes may wait that long.
+LONG_POLL_MS = 500
+
+
 def make_consumer(
     settings: TokenbusSettings,
     *topics: str,
@@ -145,9 +150,16 @@ def make_consumer(
     client_id: str,
     auto_offset_reset: str = "earliest",
     isolation_level: str = "read_uncommitted",
+    fetch_max_wait_ms: int | None = None,
     **extra: object,
 ) -> AIOKafkaConsumer:
-    """A consumer that never commits on its own: the owner commits what it has handed on."""
+    """A consumer that never commits on its own: the owner commits what it has handed on.
+
+    `fetch_max_wait_ms` (default: the setting) is how long the broker holds a fetch that
+    finds nothing; it answers as soon as a record arrives, so a long poll costs no latency
+    while records flow and saves the empty fetches of an idle one. It does delay a seek,
+    resume or new assignment on the same broker by up to that long.
+    """
     return AIOKafkaConsumer(
         *topics,
         bootstrap_servers=settings.bootstrap_servers,
@@ -155,7 +167,9 @@ def make_consumer(
         client_id=client_id,
         enable_auto_commit=False,
         auto_offset_reset=auto_offset_reset,
-        fetch_max_wait_ms=settings.fetch_max_wait_ms,
+        fetch_max_wait_ms=settings.fetch_max_wait_ms
+        if fetch_max_wait_ms is None
+        else fetch_max_wait_ms,
         isolation_level=isolation_level,
         **client_security(settings),
         **extra,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from enum import StrEnum
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
@@ -59,10 +59,15 @@ class ReplyTo(Model):
     partition: int | None = Field(default=None, ge=0)
 
 
+# One instance for every record validated without configured limits: building a model per
+# validator call was a measurable share of parsing a tier record.
+DEFAULT_LIMITS = RequestLimits()
+
+
 def _limits(info: ValidationInfo) -> RequestLimits:
-    ctx = info.context if isinstance(info.context, dict) else {}
-    limits = ctx.get("limits")
-    return limits if isinstance(limits, RequestLimits) else RequestLimits()
+    ctx = info.context
+    limits = ctx.get("limits") if isinstance(ctx, dict) else None
+    return limits if isinstance(limits, RequestLimits) else DEFAULT_LIMITS
 
 
 class ChatRequest(Model):
@@ -120,9 +125,7 @@ class ChatRequest(Model):
     @property
     def effective_max_tokens(self) -> int:
         # Always set by the validator; the fallback keeps the type honest.
-        return (
-            self.max_tokens if self.max_tokens is not None else RequestLimits().default_max_tokens
-        )
+        return self.max_tokens if self.max_tokens is not None else DEFAULT_LIMITS.default_max_tokens
 
 
 class RequestRecord(ChatRequest):
@@ -160,6 +163,14 @@ class QueuedRequest(RequestRecord):
     def token_cost(self) -> int:
         """Tokens this request may occupy: its prompt plus everything it may generate."""
         return self.prompt_tokens + self.effective_max_tokens
+
+    def next_attempt(self) -> QueuedRequest:
+        """The request as it is run again elsewhere: same id, the next attempt number.
+
+        The one place the retry rule lives: a hand-back, a recovery and a replay all count
+        attempts with it, and a reset announces the attempt it returns.
+        """
+        return self.model_copy(update={"attempt": self.attempt + 1})
 
     @classmethod
     def from_record(cls, record: RequestRecord, *, tier: Tier, reply_to: ReplyTo) -> QueuedRequest:
@@ -215,10 +226,38 @@ class DoneResult(ResultBase):
     timings: Timings
 
 
+class RequestAttempt(Protocol):
+    """One attempt of a request: what an answer to it is addressed by."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def attempt(self) -> int: ...
+
+
 class ErrorResult(ResultBase):
     kind: Literal["error"] = "error"
     code: ErrorCode
     message: str
+
+    @classmethod
+    def for_request(
+        cls, request: RequestAttempt | str, code: ErrorCode, message: str, *, seq: int = 0
+    ) -> ErrorResult:
+        """The error that answers one attempt of a request; a bare id is its first attempt.
+
+        `seq` is 0 unless the error ends a stream that already carried records.
+        """
+        if isinstance(request, str):
+            return cls(request_id=request, seq=seq, code=code, message=message)
+        return cls(
+            request_id=request.request_id,
+            attempt=request.attempt,
+            seq=seq,
+            code=code,
+            message=message,
+        )
 
 
 class ResetResult(ResultBase):
@@ -232,6 +271,13 @@ class ResetResult(ResultBase):
     kind: Literal["reset"] = "reset"
     seq: int = Field(default=0, ge=0)
     reason: str = ""
+
+    @classmethod
+    def before_retry(cls, request: QueuedRequest, reason: str) -> ResetResult:
+        """The reset that announces the request's next attempt (`QueuedRequest.next_attempt`)."""
+        return cls(
+            request_id=request.request_id, attempt=request.next_attempt().attempt, reason=reason
+        )
 
 
 ResultRecord = Annotated[

@@ -20,9 +20,11 @@ from typing import Any
 import structlog
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import (
+    InvalidProducerEpoch,
     KafkaError,
     OutOfOrderSequenceNumber,
     ProducerClosed,
+    ProducerFenced,
     UnknownProducerId,
 )
 from aiokafka.structs import RecordMetadata
@@ -33,7 +35,7 @@ from shared.retry import retrying
 log = structlog.get_logger()
 
 # Errors after which a producer never writes again.
-BROKEN = (OutOfOrderSequenceNumber, UnknownProducerId)
+BROKEN = (OutOfOrderSequenceNumber, UnknownProducerId, InvalidProducerEpoch, ProducerFenced)
 STOP_TIMEOUT_S = 5.0
 
 

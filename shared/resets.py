@@ -51,9 +51,7 @@ async def announce_next_attempts(
         if problem is not None:
             log.warning("reset.skipped", request_id=request.request_id, reason=problem)
             continue
-        reset = ResetResult(
-            request_id=request.request_id, attempt=request.attempt + 1, reason=reason
-        )
+        reset = ResetResult.before_retry(request, reason)
         try:
             async with asyncio.timeout(RESET_TIMEOUT_S):
                 futures.append(await send_result(producer, request.reply_to, reset))

@@ -1,7 +1,8 @@
 """Ingest's per-record steps with fakes for Kafka (the real broker is in test_ingest_*.py).
 
-`FakeBroker` and `FakeAdmin` stand in for FastStream's broker and aiokafka's admin client:
-they record what would be written and fail on a script, so each failure path is exact.
+`FakeProducer` and `FakeAdmin` stand in for the renewing producer and aiokafka's admin
+client: they record what would be written and fail on a script, so each failure path is
+exact.
 """
 
 from __future__ import annotations
@@ -16,34 +17,57 @@ import pytest
 from aiokafka import ConsumerRecord
 from aiokafka.errors import KafkaConnectionError, MessageSizeTooLargeError
 
-import services.ingest.app as app_module
+import services.ingest.handling as handling_module
 from services.ingest.admission import Admitted, Duplicate, Reason, Rejected
-from services.ingest.app import Ingest
 from services.ingest.dead_letter import REASON, REPLY, REPLY_ERROR, SOURCE
 from services.ingest.destinations import ReplyDestinations
+from services.ingest.handling import Ingest
 from services.ingest.settings import IngestSettings
+from services.ingest.telemetry import IngestTelemetry
 from shared.messages import ReplyTo
 
 PREFIX = "tb"
 
 
 @dataclass
-class FakeBroker:
-    """Records publishes; `failures[topic]` lists exceptions to raise, one per attempt."""
+class FakeProducer:
+    """Records sends; `failures[topic]` lists exceptions to raise, one per attempt.
+
+    `late[topic]` lists exceptions the write's future fails with (after the send was queued).
+    """
 
     failures: dict[str, list[BaseException]] = field(default_factory=dict)
+    late: dict[str, list[BaseException]] = field(default_factory=dict)
     hang: set[str] = field(default_factory=set)  # topics whose writes never complete
     published: list[dict[str, Any]] = field(default_factory=list)
     attempts: list[str] = field(default_factory=list)
 
-    async def publish(self, value: bytes, *, topic: str, **kw: Any) -> None:
+    async def send(
+        self, topic: str, value: bytes, *, key: bytes | None = None, **kw: Any
+    ) -> asyncio.Future[None]:
         self.attempts.append(topic)
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         if topic in self.hang:
-            await asyncio.sleep(3600)
+            return future
         pending = self.failures.get(topic)
         if pending:
             raise pending.pop(0)
-        self.published.append({"value": value, "topic": topic, **kw})
+        late = self.late.get(topic)
+        if late:
+            future.set_exception(late.pop(0))
+            return future
+        headers = {name: data.decode() for name, data in kw.pop("headers", None) or ()}
+        self.published.append(
+            {"value": value, "topic": topic, "key": key, "headers": headers, **kw}
+        )
+        future.set_result(None)
+        return future
+
+    async def send_and_wait(self, topic: str, value: bytes, **kw: Any) -> None:
+        await (await self.send(topic, value, **kw))
+
+    async def settled(self) -> None:
+        return None
 
     def on(self, topic: str) -> list[dict[str, Any]]:
         return [p for p in self.published if p["topic"] == topic]
@@ -72,10 +96,10 @@ def no_recall(monkeypatch: pytest.MonkeyPatch) -> None:
     async def fake_recall(*args: object) -> int:
         return 0
 
-    monkeypatch.setattr(app_module, "recall", fake_recall)
+    monkeypatch.setattr(handling_module, "recall", fake_recall)
 
 
-def make(broker: FakeBroker, **settings: Any) -> Ingest:
+def make(broker: FakeProducer, **settings: Any) -> Ingest:
     base = {
         "topic_prefix": PREFIX,
         "ingest_retry_backoff_ms": 1,
@@ -83,7 +107,8 @@ def make(broker: FakeBroker, **settings: Any) -> Ingest:
         "ingest_reply_timeout_ms": 50,
     }
     admin = FakeAdmin({f"{PREFIX}.results": 4, "mine": 1})
-    return Ingest(IngestSettings(**{**base, **settings}), broker, admin)  # type: ignore[arg-type]
+    telemetry = IngestTelemetry(f"{PREFIX}.requests")
+    return Ingest(IngestSettings(**{**base, **settings}), broker, admin, telemetry)  # type: ignore[arg-type]
 
 
 def record(value: bytes | dict[str, Any], offset: int = 0, key: bytes | None = None) -> Any:
@@ -101,7 +126,7 @@ async def handle(ingest: Ingest, rec: Any) -> object:
 
 
 async def test_a_tier_publish_that_fails_once_is_retried_not_dropped() -> None:
-    broker = FakeBroker(failures={"tb.requests.interactive": [KafkaConnectionError()]})
+    broker = FakeProducer(failures={"tb.requests.interactive": [KafkaConnectionError()]})
     ingest = make(broker)
     request = {"request_id": "r1", "prompt": "hi"}
     decision = await handle(ingest, record(request))
@@ -113,8 +138,38 @@ async def test_a_tier_publish_that_fails_once_is_retried_not_dropped() -> None:
     assert len(broker.on("tb.requests.interactive")) == 1
 
 
+async def test_a_tier_write_that_fails_after_it_was_queued_is_retried() -> None:
+    broker = FakeProducer(late={"tb.requests.interactive": [KafkaConnectionError()]})
+    ingest = make(broker)
+    decision = await handle(ingest, record({"request_id": "r1", "prompt": "hi"}))
+    assert isinstance(decision, Admitted)
+    assert broker.attempts == ["tb.requests.interactive"] * 2
+    assert len(broker.on("tb.requests.interactive")) == 1
+    assert "r1" in ingest.memory.forwarded
+
+
+async def test_a_batch_is_written_together_and_a_request_twice_in_it_goes_on_once() -> None:
+    broker = FakeProducer()
+    ingest = make(broker)
+    await ingest.recall()
+    batch = [
+        record({"request_id": "a", "prompt": "hi"}, offset=0),
+        record(b"garbage", offset=1),
+        record({"request_id": "b", "prompt": "hi", "priority": "background"}, offset=2),
+        record({"request_id": "a", "prompt": "hi"}, offset=3),
+    ]
+    outcomes = await ingest.handle_batch(batch)
+    assert [type(o) for o in outcomes] == [Admitted, Rejected, Admitted, Duplicate]
+    assert [p["key"] for p in broker.on("tb.requests.interactive")] == [b"a"]
+    assert [p["key"] for p in broker.on("tb.requests.background")] == [b"b"]
+    [letter] = broker.on("tb.requests.dlq")
+    assert letter["headers"][SOURCE] == "tb.requests/1/1"
+    assert "a" in ingest.memory.forwarded
+    assert "b" in ingest.memory.forwarded
+
+
 async def test_a_failed_publish_is_not_remembered() -> None:
-    broker = FakeBroker(failures={"tb.requests.interactive": [KafkaConnectionError()] * 3})
+    broker = FakeProducer(failures={"tb.requests.interactive": [KafkaConnectionError()] * 3})
     ingest = make(broker)
     task = asyncio.create_task(handle(ingest, record({"request_id": "r1", "prompt": "hi"})))
     while len(broker.attempts) < 2:  # noqa: ASYNC110 (the fake has no event to wait on)
@@ -125,7 +180,7 @@ async def test_a_failed_publish_is_not_remembered() -> None:
 
 
 async def test_a_tier_that_refuses_for_good_dead_letters_with_an_error() -> None:
-    broker = FakeBroker(failures={"tb.requests.interactive": [MessageSizeTooLargeError()]})
+    broker = FakeProducer(failures={"tb.requests.interactive": [MessageSizeTooLargeError()]})
     ingest = make(broker)
     decision = await handle(ingest, record({"request_id": "r1", "prompt": "hi"}))
     assert isinstance(decision, Rejected)
@@ -136,7 +191,7 @@ async def test_a_tier_that_refuses_for_good_dead_letters_with_an_error() -> None
 
 
 async def test_a_record_dead_lettered_before_is_not_dead_lettered_again() -> None:
-    broker = FakeBroker()
+    broker = FakeProducer()
     ingest = make(broker)
     assert isinstance(await handle(ingest, record(b"garbage", offset=7)), Rejected)
     assert await ingest.handle(record(b"garbage", offset=7)) is None  # redelivered
@@ -148,7 +203,7 @@ async def test_a_record_dead_lettered_before_is_not_dead_lettered_again() -> Non
 
 
 async def test_a_reply_that_cannot_be_written_is_given_up_in_bounded_time() -> None:
-    broker = FakeBroker(hang={"mine"})
+    broker = FakeProducer(hang={"mine"})
     ingest = make(broker, ingest_reply_attempts=3)
     bad = {"request_id": "r1", "prompt": "hi", "top_p": 9, "reply_to": {"topic": "mine"}}
     started = time.monotonic()
@@ -162,7 +217,7 @@ async def test_a_reply_that_cannot_be_written_is_given_up_in_bounded_time() -> N
 
 
 async def test_a_valid_request_whose_reply_to_is_missing_is_dead_lettered() -> None:
-    broker = FakeBroker()
+    broker = FakeProducer()
     ingest = make(broker)
     request = {"request_id": "r1", "prompt": "hi", "reply_to": {"topic": "gone"}}
     decision = await handle(ingest, record(request))
@@ -176,16 +231,16 @@ async def test_a_valid_request_whose_reply_to_is_missing_is_dead_lettered() -> N
 async def test_a_defect_on_one_record_dead_letters_it_and_the_next_flows(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    broker = FakeBroker()
+    broker = FakeProducer()
     ingest = make(broker)
-    real_admit = app_module.admit
+    real_admit = handling_module.admit
 
     def admit_failing_once(raw: bytes, *args: Any, **kw: Any) -> Any:
         if raw == b'{"boom": 1}':
             raise RuntimeError("a defect")
         return real_admit(raw, *args, **kw)
 
-    monkeypatch.setattr(app_module, "admit", admit_failing_once)
+    monkeypatch.setattr(handling_module, "admit", admit_failing_once)
     assert isinstance(await handle(ingest, record(b'{"boom": 1}')), Rejected)
     [letter] = broker.on("tb.requests.dlq")
     assert letter["headers"][REASON] == "internal"

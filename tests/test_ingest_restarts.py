@@ -17,20 +17,21 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aiokafka import ConsumerRecord
+from aiokafka import AIOKafkaProducer, ConsumerRecord
 from aiokafka.errors import OutOfOrderSequenceNumber
 
 from services.ingest.admission import Admitted
-from services.ingest.app import Ingest
+from services.ingest.handling import Ingest
 from services.ingest.settings import IngestSettings
+from services.ingest.telemetry import IngestTelemetry
 from shared.kafka import (
     create_topics,
     delete_topics,
     make_admin,
-    make_faststream_broker,
     make_producer,
 )
 from shared.messages import Tier
+from shared.producers import RenewingProducer
 from shared.settings import TokenbusSettings
 from shared.topics import Topics
 from tests.ingest_kafka import Results, read_all
@@ -219,8 +220,8 @@ async def test_a_producer_left_broken_is_renewed_and_the_request_forwarded(
     bootstrap: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """aiokafka's idempotent producer does not recover from OutOfOrderSequenceNumber (seen
-    after an outage expired a batch). The error is injected once at the publish call (a
-    test seam); the renewal and the retried write go to the real broker."""
+    after an outage expired a batch). The first producer's sends fail so (a test seam);
+    the renewal and the retried write go to the real broker."""
     prefix = new_prefix()
     settings = IngestSettings(
         KAFKA_BOOTSTRAP_SERVERS=bootstrap, topic_prefix=prefix, ingest_retry_backoff_ms=1
@@ -229,22 +230,26 @@ async def test_a_producer_left_broken_is_renewed_and_the_request_forwarded(
     await create_topics(settings, topics.partitions())
     admin = make_admin(settings)
     await admin.start()
-    broker = make_faststream_broker(settings, client_id="ingest-test")
-    await broker.connect()
-    try:
-        ingest = Ingest(settings, broker, admin)
-        await ingest.recall()
-        real_publish = broker.publish
-        calls: list[str] = []
+    made: list[AIOKafkaProducer] = []
+    calls: list[str] = []
 
-        async def broken_once(*args: Any, **kw: Any) -> Any:
-            calls.append(kw["topic"])
-            if len(calls) == 1:
+    def make() -> AIOKafkaProducer:
+        fresh = make_producer(settings, client_id="ingest-test")
+        if not made:
+
+            async def broken(topic: str, *args: Any, **kw: Any) -> Any:
+                calls.append(topic)
                 raise OutOfOrderSequenceNumber()
-            return await real_publish(*args, **kw)
 
-        monkeypatch.setattr(broker, "publish", broken_once)
-        before = broker.config.producer._producer  # type: ignore[attr-defined]
+            monkeypatch.setattr(fresh, "send", broken)
+        made.append(fresh)
+        return fresh
+
+    producer = RenewingProducer(make)
+    await producer.start()
+    try:
+        ingest = Ingest(settings, producer, admin, IngestTelemetry(topics.requests))
+        await ingest.recall()
         body = json.dumps({"request_id": "renewed", "prompt": "hi"}).encode()
         decision = await ingest.handle(
             ConsumerRecord(
@@ -262,11 +267,12 @@ async def test_a_producer_left_broken_is_renewed_and_the_request_forwarded(
             )
         )
         assert isinstance(decision, Admitted)
-        assert calls == [topics.tier(Tier.interactive)] * 2
-        assert broker.config.producer._producer is not before  # type: ignore[attr-defined]
+        assert calls == [topics.tier(Tier.interactive)]
+        assert len(made) == 2
+        assert producer.renewals == 1
         on_tier = await read_all(bootstrap, topics.tier(Tier.interactive), 4)
         assert [r.key for r in on_tier] == [b"renewed"]
     finally:
-        await broker.stop()
+        await producer.stop()
         await admin.close()
         await delete_topics(settings, topics.partitions())

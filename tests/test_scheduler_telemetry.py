@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry
 
 from services.scheduler.telemetry import SchedulerTelemetry
 from shared import semconv
-from shared.messages import Batch, QueuedRequest, ReplyTo, Tier
+from shared.messages import QueuedRequest, ReplyTo, Tier
 from shared.metrics import SchedulerMetrics
 from shared.telemetry import extract, span_context_of
 
@@ -43,19 +43,27 @@ def test_batch_span_links_every_request_and_requests_carry_their_own_trace() -> 
         tracer=provider.get_tracer("test"),
     )
     requests = [
-        tel.arrived(queued(f"r{i}", 100.0 + i), [("traceparent", p.encode())])
+        queued(f"r{i}", 100.0 + i).model_copy(update={"trace": {"traceparent": p}})
         for i, p in enumerate(PARENTS)
     ]
+    for request in requests:
+        tel.arrived(request)
     assert registry.get_sample_value("tokenbus_tier_queue_depth", {"tier": "interactive"}) == 2
-    batch = Batch(batch_id="b1", tier=Tier.interactive, requests=requests, reason="timeout",
-                  formed_at=110.5)  # fmt: skip
-    sent, headers = tel.batch_formed(batch, departed_at=110.0)
-    tel.batch_sent(sent)
+    trace = tel.batch_formed(batch_id="b1", tier=Tier.interactive, reason="timeout",
+                             requests=requests, departed_at=110.0, formed_at=110.5)  # fmt: skip
+    tel.batch_sent("b1")
+    headers = trace.headers
+    # What the worker gets: each request with the trace context telemetry returned for it.
+    sent = [
+        r.model_copy(update={"trace": t})
+        for r, t in zip(requests, trace.request_traces, strict=True)
+    ]
+    assert [r.trace for r in requests] == [{"traceparent": p} for p in PARENTS]  # not rewritten
 
     spans = exporter.get_finished_spans()
     stages = [s for s in spans if s.attributes and semconv.STAGE in s.attributes]
     assert len(stages) == 4
-    for request, parent in zip(sent.requests, PARENTS, strict=True):
+    for request, parent in zip(sent, PARENTS, strict=True):
         # Both stages continue the request's own trace.
         mine = [s for s in stages if s.attributes[semconv.REQUEST_ID] == request.request_id]
         assert {s.context.trace_id for s in mine} == {int(parent.split("-")[1], 16)}
@@ -88,24 +96,12 @@ def test_batch_span_links_every_request_and_requests_carry_their_own_trace() -> 
     )
 
 
-def test_a_handed_back_request_keeps_the_trace_it_carries() -> None:
-    tel = SchedulerTelemetry(
-        "t.batches",
-        {Tier.interactive: 4},
-        metrics=SchedulerMetrics.build(CollectorRegistry()),
-    )
-    carried = queued("r1", 1.0).model_copy(update={"trace": {"traceparent": PARENTS[0]}})
-    assert tel.arrived(carried, []).trace == {"traceparent": PARENTS[0]}
-    assert tel.arrived(carried, [("traceparent", PARENTS[1].encode())]).trace == {
-        "traceparent": PARENTS[1]
-    }
-
-
 def test_expired_requests_leave_the_queue_depth() -> None:
     registry = CollectorRegistry()
     metrics = SchedulerMetrics.build(registry)
     tel = SchedulerTelemetry("t.batches", {Tier.interactive: 4}, metrics=metrics)
-    request = tel.arrived(queued("r1", 1.0), [])
+    request = queued("r1", 1.0)
+    tel.arrived(request)
     tel.expired(request)
     t = {"tier": "interactive"}
     assert registry.get_sample_value("tokenbus_tier_queue_depth", t) == 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 from aiokafka import TopicPartition
 
 from services.scheduler.batch_log import LoggedBatch
-from services.scheduler.recovery import next_attempt, unfinished
+from services.scheduler.recovery import unfinished
 from services.scheduler.workers import WorkerRegistry
 from shared.messages import Batch, Heartbeat, QueuedRequest, ReplyTo, Tier
 
@@ -114,7 +114,7 @@ def test_unfinished_is_what_the_worker_held_or_never_acknowledged() -> None:
 
 def test_a_handed_back_request_is_the_next_attempt_of_the_same_request() -> None:
     first = request("r", attempt=1)
-    again = next_attempt(first)
+    again = first.next_attempt()
     assert again.attempt == 2
     assert again.model_dump(exclude={"attempt"}) == first.model_dump(exclude={"attempt"})
 

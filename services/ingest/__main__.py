@@ -1,10 +1,9 @@
 """Entry point: `python -m services.ingest`."""
 
-import asyncio
-
 from services.ingest.app import serve
 from services.ingest.settings import IngestSettings
 from shared.logs import configure_logging
+from shared.process import run_service
 from shared.telemetry import start_telemetry
 
 
@@ -12,8 +11,7 @@ def main() -> None:
     settings = IngestSettings()
     configure_logging("ingest", settings.log_level)
     start_telemetry("ingest")
-    # FastStream handles SIGINT/SIGTERM itself and closes the broker gracefully.
-    asyncio.run(serve(settings))
+    run_service(serve(settings))
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from collections import OrderedDict
+from collections.abc import Container
 from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Generic, TypeVar
@@ -69,7 +70,7 @@ class Rejected:
         """The error the requester gets, when it named (or defaulted) a usable reply_to."""
         if self.request_id is None or self.reply_to is None:
             return None
-        return ErrorResult(request_id=self.request_id, seq=0, code=self.code, message=self.message)
+        return ErrorResult.for_request(self.request_id, self.code, self.message)
 
 
 @dataclass(frozen=True)
@@ -114,11 +115,12 @@ def admit(
     key: bytes | None,
     topics: Topics,
     limits: RequestLimits,
-    recent: RecentIds,
+    recent: Container[str],
     max_record_bytes: int = 1_000_000,
 ) -> Decision:
     """Parse and validate one `tokenbus.requests` record; never raises, whatever `raw` holds.
 
+    `recent` holds the ids already handed on (a request seen again is a `Duplicate`);
     `max_record_bytes` bounds the tier record it would forward (the broker refuses larger).
     Whether `reply_to` exists is the shell's question (it needs the broker's metadata).
     """

@@ -42,6 +42,12 @@ class IngestSettings(TokenbusSettings):
     ingest_retry_backoff_max_ms: int = Field(
         default=5000, ge=1, description="Longest wait between retries of a failed Kafka write."
     )
+    ingest_commit_interval_ms: float = Field(
+        default=200.0,
+        ge=0,
+        description="Commit requests-topic offsets at most this often; a restart re-reads what"
+        " was handed on since, and the dedupe memory drops it (0: after every fetch).",
+    )
     ingest_max_record_bytes: int = Field(
         default=1_000_000,
         ge=10_000,

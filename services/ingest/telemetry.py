@@ -1,49 +1,90 @@
-"""Ingest's part of a request's trace and metrics: the `admit` stage and admission counts.
+"""Ingest's part of a request's trace and metrics: the consume span, the `admit` stage, counts.
 
-FastStream's Kafka telemetry middleware traces the record itself (a process span continuing
-the producer's `traceparent`, and the send span of the tier record); this adds the stage
-that tiles the request's life: from the record's creation to its admission to a tier.
+Per admitted record, one consumer span continues the producer's `traceparent` (its context
+goes on in the tier record's headers, which the caller attaches), and one `admit` stage span
+tiles the request's life from the record's creation to its admission to a tier; both are
+recorded as its tier record is written. Observes only: it returns headers for the caller to
+write, and never writes or changes a record.
 """
 
 from __future__ import annotations
 
-from aiokafka import AIOKafkaConsumer, TopicPartition
-from faststream.kafka.annotations import KafkaMessage
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiokafka import ConsumerRecord
+from opentelemetry.trace import SpanKind, Tracer
 
 from services.ingest.admission import Admitted, Decision, Duplicate
 from shared import semconv
-from shared.metrics import ingest_metrics
-from shared.telemetry import extract, record_span
+from shared.metrics import IngestMetrics, ingest_metrics
+from shared.telemetry import Headers, extract, inject, record_span, tracer
 
 
-def observe_admission(decision: Decision, message: KafkaMessage) -> None:
-    """Count one decision; an admitted request gets its `admit` stage span."""
-    raw = message.raw_message
-    assert not isinstance(raw, tuple), "ingest consumes records one at a time"
-    metrics = ingest_metrics()
-    consumer = message.consumer
-    if isinstance(consumer, AIOKafkaConsumer):
-        metrics.lag.observe_record(consumer, raw, TopicPartition(raw.topic, raw.partition))
-    if isinstance(decision, Admitted):
+@dataclass
+class IngestTelemetry:
+    """Caller: ingest's reader and handling, on the event loop. Affects: metrics and spans."""
+
+    requests_topic: str
+    metrics: IngestMetrics = field(default_factory=ingest_metrics)
+    tracer: Tracer = field(default_factory=tracer)
+
+    def fetched(self, consumer: Any, fetched: Mapping[Any, Sequence[Any]]) -> None:
+        """One fetch's records: the consumer's lag and each record's delay."""
+        self.metrics.lag.observe(consumer, fetched)
+
+    def tier_headers(self, record: ConsumerRecord[bytes, bytes], decision: Admitted) -> Headers:
+        """The spans of an admitted record; returns the headers its tier record carries.
+
+        Both continue the producer's span (the record's own `traceparent`): the consume span,
+        whose context the tier record carries on, and the `admit` stage. With no tracing
+        installed the producer's context is passed on unchanged.
+        """
         request = decision.request
-        tier = request.tier.value
-        metrics.records.labels("admitted", tier).inc()
-        metrics.admit.labels(tier).observe(max(0.0, request.accepted_at - request.created_at))
+        producer = extract(record.headers)
+        now = time.time()
+        context = record_span(
+            semconv.messaging_span_name("process", self.requests_topic),
+            start=now,
+            end=now,
+            context=producer,
+            kind=SpanKind.CONSUMER,
+            attributes={
+                semconv.MESSAGING_SYSTEM: semconv.MESSAGING_SYSTEM_KAFKA,
+                semconv.MESSAGING_DESTINATION_NAME: self.requests_topic,
+                semconv.MESSAGING_OPERATION_TYPE: "process",
+                semconv.REQUEST_ID: request.request_id,
+            },
+            tracer_=self.tracer,
+        )
         record_span(
             semconv.stage_span_name(semconv.STAGE_ADMIT),
             start=request.created_at,
             end=request.accepted_at,
             # The producer's span: the stage covers the hop through the requests topic.
-            context=extract(raw.headers),
+            context=producer,
             attributes={
                 semconv.STAGE: semconv.STAGE_ADMIT,
                 semconv.REQUEST_ID: request.request_id,
-                semconv.TIER: tier,
+                semconv.TIER: request.tier.value,
                 semconv.ADMISSION: "admitted",
                 semconv.MESSAGING_DESTINATION_NAME: decision.topic,
             },
+            tracer_=self.tracer,
         )
-    elif isinstance(decision, Duplicate):
-        metrics.records.labels("duplicate", "none").inc()
-    else:
-        metrics.records.labels("rejected", "none").inc()
+        return inject(context=context)
+
+    def decided(self, decision: Decision) -> None:
+        """Count one decision, once it is carried out."""
+        metrics = self.metrics
+        if isinstance(decision, Admitted):
+            request = decision.request
+            tier = request.tier.value
+            metrics.records.labels("admitted", tier).inc()
+            metrics.admit.labels(tier).observe(max(0.0, request.accepted_at - request.created_at))
+        elif isinstance(decision, Duplicate):
+            metrics.records.labels("duplicate", "none").inc()
+        else:
+            metrics.records.labels("rejected", "none").inc()

@@ -1,6 +1,6 @@
 """Entry point: `python -m services.scheduler`."""
 
-from services.scheduler.app import Scheduler
+from services.scheduler.app import serve
 from services.scheduler.settings import SchedulerSettings
 from shared.logs import configure_logging
 from shared.process import run_service
@@ -11,7 +11,7 @@ def main() -> None:
     settings = SchedulerSettings()
     configure_logging("scheduler", settings.log_level)
     start_telemetry("scheduler")
-    run_service(Scheduler(settings).run())
+    run_service(serve(settings))
 
 
 if __name__ == "__main__":

@@ -67,9 +67,6 @@ def unfinished(
     return out
 
 
-next_attempt = handover.next_attempt  # the request as it is handed back
-
-
 class Recovery:
     """Hands back dead workers' requests; one instance per scheduler process."""
 

@@ -18,14 +18,13 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Link, Span, SpanKind, Tracer, set_span_in_context
 
 from shared import semconv
-from shared.messages import Batch, QueuedRequest, Tier
+from shared.messages import QueuedRequest, Tier
 from shared.metrics import SchedulerMetrics, scheduler_metrics
 from shared.telemetry import (
+    Carrier,
     Headers,
     carrier,
     context_from,
-    extract,
-    has_trace,
     inject,
     ns,
     record_span,
@@ -34,8 +33,22 @@ from shared.telemetry import (
 )
 
 
+@dataclass(frozen=True)
+class BatchTrace:
+    """What a formed batch's record carries of its trace: per request, the `trace` field
+    (in the batch's order), and the batch span's headers."""
+
+    request_traces: list[Carrier]
+    headers: Headers
+
+
 @dataclass
 class SchedulerTelemetry:
+    """Observes the scheduler; it returns trace contexts to attach, never sends or rewrites.
+
+    Caller: the scheduler's tier reader and stepper, on one event loop.
+    """
+
     topic: str  # where batches go
     max_batch_size: Mapping[Tier, int]
     metrics: SchedulerMetrics = field(default_factory=scheduler_metrics)
@@ -46,21 +59,11 @@ class SchedulerTelemetry:
     def fetched(self, consumer: Any, fetched: Mapping[Any, Sequence[Any]]) -> None:
         self.metrics.lag.observe(consumer, fetched)
 
-    def arrived(
-        self, request: QueuedRequest, headers: Sequence[tuple[str, bytes]]
-    ) -> QueuedRequest:
-        """A request read from a tier topic; it keeps the trace context its record carried.
-
-        The record's headers win; a record without them (a request handed back by a worker)
-        keeps the context already in its `trace` field.
-        """
-        incoming = extract(headers)
-        if has_trace(incoming):
-            request = request.model_copy(update={"trace": carrier(incoming)})
+    def arrived(self, request: QueuedRequest) -> None:
+        """A request joined the backlog."""
         if request.request_id not in self._waiting:
             self._waiting[request.request_id] = request.tier
             self.metrics.queue_depth.labels(request.tier.value).inc()
-        return request
 
     def expired(self, request: QueuedRequest) -> None:
         self._leave(request.request_id)
@@ -70,17 +73,29 @@ class SchedulerTelemetry:
         """A waiting request this process gives up (its partition moved to another scheduler)."""
         self._leave(request.request_id)
 
-    def batch_formed(self, batch: Batch, departed_at: float) -> tuple[Batch, Headers]:
-        """Record each request's stages and the batch span; return the batch to send, whose
-        requests carry their `batch_form` context, and the headers carrying the batch span's.
+    def batch_formed(
+        self,
+        *,
+        batch_id: str,
+        tier: Tier,
+        reason: str,
+        requests: Sequence[QueuedRequest],
+        departed_at: float,
+        formed_at: float,
+    ) -> BatchTrace:
+        """Record each request's stages and the batch span, for the batch about to be formed.
+
+        Returns what the caller attaches to the record it writes: each request's `batch_form`
+        context (its `trace` field in the batch, so the worker continues it) and the headers
+        carrying the batch span's context. The batch itself is not changed.
         """
         t = self.tracer
-        tier = batch.tier.value
-        formed: list[QueuedRequest] = []
+        tier_name = tier.value
+        traces: list[Carrier] = []
         links: list[Link] = []
-        for request in batch.requests:
+        for request in requests:
             incoming = context_from(request.trace)
-            common = {semconv.REQUEST_ID: request.request_id, semconv.TIER: tier}
+            common = {semconv.REQUEST_ID: request.request_id, semconv.TIER: tier_name}
             record_span(
                 semconv.stage_span_name(semconv.STAGE_QUEUE_WAIT),
                 start=request.accepted_at,
@@ -92,27 +107,27 @@ class SchedulerTelemetry:
             form_ctx = record_span(
                 semconv.stage_span_name(semconv.STAGE_BATCH_FORM),
                 start=departed_at,
-                end=batch.formed_at,
+                end=formed_at,
                 context=incoming,
                 attributes={
                     semconv.STAGE: semconv.STAGE_BATCH_FORM,
-                    semconv.BATCH_ID: batch.batch_id,
-                    semconv.BATCH_REASON: batch.reason,
+                    semconv.BATCH_ID: batch_id,
+                    semconv.BATCH_REASON: reason,
                     **common,
                 },
                 tracer_=t,
             )
             links.append(Link(span_context_of(form_ctx), {semconv.REQUEST_ID: request.request_id}))
-            formed.append(request.model_copy(update={"trace": carrier(form_ctx)}))
+            traces.append(carrier(form_ctx))
             self._leave(request.request_id)
-            self.metrics.queue_wait.labels(tier).observe(
+            self.metrics.queue_wait.labels(tier_name).observe(
                 max(0.0, departed_at - request.accepted_at)
             )
-        size = len(batch.requests)
-        fill = size / max(1, self.max_batch_size.get(batch.tier, size))
-        self.metrics.batch_size.labels(tier).observe(size)
-        self.metrics.fill_ratio.labels(tier).observe(min(1.0, fill))
-        self.metrics.batches.labels(tier, batch.reason).inc()
+        size = len(requests)
+        fill = size / max(1, self.max_batch_size.get(tier, size))
+        self.metrics.batch_size.labels(tier_name).observe(size)
+        self.metrics.fill_ratio.labels(tier_name).observe(min(1.0, fill))
+        self.metrics.batches.labels(tier_name, reason).inc()
         # A trace of its own (the batch is not any one request's), linked to all of them.
         span = t.start_span(
             semconv.messaging_span_name(semconv.SPAN_BATCH_SEND, self.topic),
@@ -125,20 +140,19 @@ class SchedulerTelemetry:
                 semconv.MESSAGING_DESTINATION_NAME: self.topic,
                 semconv.MESSAGING_OPERATION_TYPE: "send",
                 semconv.MESSAGING_BATCH_MESSAGE_COUNT: size,
-                semconv.MESSAGING_KAFKA_MESSAGE_KEY: batch.batch_id,
-                semconv.BATCH_ID: batch.batch_id,
+                semconv.MESSAGING_KAFKA_MESSAGE_KEY: batch_id,
+                semconv.BATCH_ID: batch_id,
                 semconv.BATCH_SIZE: size,
-                semconv.BATCH_REASON: batch.reason,
+                semconv.BATCH_REASON: reason,
                 semconv.BATCH_FILL_RATIO: round(fill, 4),
-                semconv.TIER: tier,
+                semconv.TIER: tier_name,
             },
         )
-        self._sending[batch.batch_id] = span
-        headers = inject(context=set_span_in_context(span))
-        return batch.model_copy(update={"requests": formed}), headers
+        self._sending[batch_id] = span
+        return BatchTrace(traces, inject(context=set_span_in_context(span)))
 
-    def batch_sent(self, batch: Batch) -> None:
-        span = self._sending.pop(batch.batch_id, None)
+    def batch_sent(self, batch_id: str) -> None:
+        span = self._sending.pop(batch_id, None)
         if span is not None:
             span.end(end_time=ns(time.time()))
 

@@ -1,0 +1,411 @@
+"""Ingest's handling of fetched request records: decide each, hand all on, remember them.
+
+Each record ends in exactly one outcome: forwarded to its tier once, or dead-lettered once
+with an error to its `reply_to` when that can be delivered. A batch's tier records are sent
+together and awaited together (one produce request, not one per record); a transient Kafka
+failure is retried in place with backoff (nothing is skipped), anything else about a record
+is a rejection (so nothing is retried forever). Only once every record of a batch has its
+outcome does the caller commit the batch's offsets; a crash before that re-reads them, and
+the durable memory (memory.py) drops what was already handed on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import TypeAlias, TypeVar
+
+import structlog
+from aiokafka import ConsumerRecord
+from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.errors import (
+    InvalidTopicError,
+    KafkaError,
+    MessageSizeTooLargeError,
+    RecordTooLargeError,
+    TopicAuthorizationFailedError,
+)
+from aiokafka.structs import RecordMetadata
+
+from services.ingest.admission import (
+    Admitted,
+    Decision,
+    Duplicate,
+    Reason,
+    Rejected,
+    admit,
+    not_forwarded,
+    undeliverable,
+    without_reply,
+)
+from services.ingest.dead_letter import ReplyStatus, Source, dead_letter
+from services.ingest.destinations import MetadataUnavailable, ReplyDestinations
+from services.ingest.memory import Memory, recall
+from services.ingest.settings import IngestSettings
+from services.ingest.telemetry import IngestTelemetry
+from shared.kafka import Headers, encode, key_of
+from shared.messages import ErrorCode, ErrorResult, ReplyTo
+from shared.producers import RenewingProducer
+from shared.topics import Topics
+
+log = structlog.get_logger()
+
+# Failures that no retry can cure: the write itself is refused.
+PERMANENT = (
+    MessageSizeTooLargeError,
+    RecordTooLargeError,
+    TopicAuthorizationFailedError,
+    InvalidTopicError,
+    AssertionError,  # aiokafka's check of an explicit partition against its metadata
+)
+# Failures that pass: the broker or its metadata did not answer (yet).
+TRANSIENT = (KafkaError, MetadataUnavailable, TimeoutError, OSError)
+T = TypeVar("T")
+Record: TypeAlias = ConsumerRecord[bytes, bytes]
+
+
+@dataclass(frozen=True)
+class Backoff:
+    first_s: float
+    max_s: float
+
+    def after(self, delay_s: float) -> float:
+        return min(self.max_s, max(self.first_s, delay_s * 2))
+
+
+@dataclass
+class _Sending:
+    """An admitted record whose tier write is queued; its outcome is known once stored."""
+
+    record: Record
+    decision: Admitted
+    headers: Headers
+    future: asyncio.Future[RecordMetadata] | None  # None: the send failed at once, with:
+    failure: BaseException | None
+
+
+class Ingest:
+    """Decide, check where it may go, hand it on, remember it; one batch at a time.
+
+    Owner of `memory` (what was handed on) and of the writes of `producer`.
+    Caller: the request reader (reader.py), one `handle_batch` at a time.
+    """
+
+    def __init__(
+        self,
+        settings: IngestSettings,
+        producer: RenewingProducer,
+        admin: AIOKafkaAdminClient,
+        telemetry: IngestTelemetry,
+    ) -> None:
+        self.settings = settings
+        self.topics = Topics(settings.topic_prefix)
+        self.limits = settings.limits()
+        self.memory = Memory.of_size(settings.ingest_dedupe_window)
+        self.producer = producer
+        self.admin = admin
+        self.telemetry = telemetry
+        self._recalled = asyncio.Event()
+        self.destinations = ReplyDestinations(
+            admin, settings.reply_timeout_s, grace_s=settings.ingest_reply_to_grace_ms / 1000
+        )
+        self.backoff = Backoff(
+            settings.ingest_retry_backoff_ms / 1000, settings.ingest_retry_backoff_max_ms / 1000
+        )
+
+    async def recall(self) -> None:
+        """Refill the memory from the tier topics and the DLQ; retried until it succeeds,
+        since forwarding without it could run a request twice.
+
+        aiokafka may hand out records of a new assignment while its listener still runs,
+        so `handle_batch` waits for `_recalled` rather than trusting the listener's order.
+        """
+        self._recalled.clear()
+        delay = 0.0
+        while True:
+            try:
+                await recall(
+                    self.memory,
+                    self.topics,
+                    self.admin,
+                    self.settings,
+                    self.settings.ingest_dedupe_window,
+                )
+                self._recalled.set()
+                return
+            except Exception as exc:
+                delay = self.backoff.after(delay)
+                log.warning("memory.recall_failed", error=_describe(exc), retry_in_s=delay)
+                await asyncio.sleep(delay)
+
+    async def handle(self, record: Record) -> Decision | None:
+        """Hand one record on; None when it was dead-lettered before (a redelivery)."""
+        [decision] = await self.handle_batch([record])
+        return decision
+
+    async def handle_batch(self, records: Sequence[Record]) -> list[Decision | None]:
+        """Hand every record on; returns once each has its outcome, in the records' order.
+
+        None for a record dead-lettered before (a redelivery).
+        """
+        await self._recalled.wait()
+        outcomes: list[Decision | None] = [None] * len(records)
+        sending: list[tuple[int, _Sending]] = []
+        in_batch: set[str] = set()  # admitted ids of this batch: a second copy is a duplicate
+        # 1) Decide each record and queue its write; rejections are settled one by one.
+        for i, record in enumerate(records):
+            source = Source(record.topic, record.partition, record.offset)
+            if (source.partition, source.offset) in self.memory.dead_lettered:
+                log.info("record.already_dead_lettered", source=str(source))
+                continue
+            try:
+                decision = await self._decide(record, source, in_batch)
+                if isinstance(decision, Admitted):
+                    in_batch.add(decision.request.request_id)
+                    sending.append((i, await self._send(record, decision)))
+                outcomes[i] = decision
+            except TRANSIENT:
+                raise  # only from shutdown: the batch is read again
+            except Exception as exc:
+                outcomes[i] = await self._failed(record, source, exc)
+        # 2) Wait for the tier writes together; a write that failed is retried on its own.
+        for i, pending in sending:
+            outcomes[i] = await self._stored(pending)
+        for outcome in outcomes:
+            if outcome is not None:
+                self.telemetry.decided(outcome)
+        return outcomes
+
+    async def _decide(self, record: Record, source: Source, in_batch: set[str]) -> Decision:
+        """Admit the record, or reject it (answered and dead-lettered here)."""
+        value = record.value or b""
+        # 1) Decide from the record alone.
+        decision = admit(
+            value,
+            record.key,
+            self.topics,
+            self.limits,
+            _Seen(self.memory, in_batch),
+            max_record_bytes=self.settings.ingest_max_record_bytes,
+        )
+        if isinstance(decision, Duplicate):
+            log.info("request.duplicate", request_id=decision.request_id, source=str(source))
+            return decision
+        # 2) Nothing is forwarded or answered whose results could not be delivered.
+        reply_problem = None
+        reply_to = _reply_to(decision)
+        if reply_to is not None:
+            verdict = await self._retrying(
+                f"check reply_to {reply_to.topic}", lambda: self.destinations.check(reply_to)
+            )
+            if verdict is not None:
+                reply_problem = verdict.why
+                decision = (
+                    undeliverable(decision, verdict.reason, verdict.why)
+                    if isinstance(decision, Admitted)
+                    else without_reply(decision)
+                )
+        if isinstance(decision, Admitted):
+            return decision
+        # 3) Tell the requester, then dead-letter the record (last: it marks the end).
+        await self._reject(decision, record, source, reply_problem)
+        return decision
+
+    async def _send(self, record: Record, decision: Admitted) -> _Sending:
+        headers = self.telemetry.tier_headers(record, decision)
+        try:
+            future = await self.producer.send(
+                decision.topic,
+                decision.value,
+                key=key_of(decision.request.request_id),
+                headers=headers,
+            )
+        except (*TRANSIENT, *PERMANENT) as exc:
+            return _Sending(record, decision, headers, None, exc)
+        return _Sending(record, decision, headers, future, None)
+
+    async def _stored(self, sending: _Sending) -> Decision:
+        """The outcome of an admitted record once its tier write is stored (or refused)."""
+        decision = sending.decision
+        request = decision.request
+        failure = sending.failure
+        if sending.future is not None:
+            try:
+                await sending.future
+            except (*TRANSIENT, *PERMANENT) as exc:
+                failure = exc
+        if failure is not None:
+            if isinstance(failure, PERMANENT):
+                refused: Rejected | None = self._not_forwarded(decision, failure)
+            else:
+                log.warning(
+                    "kafka.retrying", what=f"publish to {decision.topic}", error=_describe(failure)
+                )
+                await self.producer.settled()
+                refused = await self._forward(sending)
+            if refused is not None:
+                record = sending.record
+                source = Source(record.topic, record.partition, record.offset)
+                await self._reject(refused, record, source, None)
+                return refused
+        # Remembered only now that a tier holds it: a failed write is retried, not dropped.
+        self.memory.forwarded.remember(request.request_id)
+        log.info("request.admitted", request_id=request.request_id, tier=request.tier.value)
+        return decision
+
+    @staticmethod
+    def _not_forwarded(decision: Admitted, exc: BaseException) -> Rejected:
+        log.error(
+            "request.not_forwarded", request_id=decision.request.request_id, error=_describe(exc)
+        )
+        return not_forwarded(decision, _describe(exc))
+
+    async def _forward(self, sending: _Sending) -> Rejected | None:
+        """Write an admitted record whose batched write failed, retrying until stored."""
+        decision = sending.decision
+        request = decision.request
+        try:
+            await self._retrying(
+                f"publish to {decision.topic}",
+                lambda: self.producer.send_and_wait(
+                    decision.topic,
+                    decision.value,
+                    key=key_of(request.request_id),
+                    headers=sending.headers,
+                ),
+            )
+        except PERMANENT as exc:
+            return self._not_forwarded(decision, exc)
+        return None
+
+    async def _failed(self, record: Record, source: Source, exc: Exception) -> Rejected:
+        # A defect, not the record's fault alone: still, no record may stop the flow.
+        log.exception("record.failed", source=str(source), error=_describe(exc))
+        rejected = Rejected(
+            Reason.internal, ErrorCode.internal, "ingest failed on this record", None, None
+        )
+        await self._reject(rejected, record, source, None)
+        return rejected
+
+    async def _reject(
+        self,
+        rejected: Rejected,
+        record: Record,
+        source: Source,
+        reply_problem: str | None,
+    ) -> None:
+        status = ReplyStatus.undeliverable if reply_problem else ReplyStatus.none
+        error = rejected.error_result()
+        if error is not None and rejected.reply_to is not None:
+            reply_problem = await self._reply(rejected.reply_to, error)
+            status = ReplyStatus.undeliverable if reply_problem else ReplyStatus.delivered
+        letter = dead_letter(
+            record.value or b"",
+            record.key,
+            source,
+            rejected,
+            status,
+            reply_problem,
+            self.settings.ingest_max_record_bytes,
+        )
+        headers = [(name, text.encode()) for name, text in letter.headers.items()]
+        while True:
+            try:
+                await self._retrying(
+                    f"publish to {self.topics.dlq}",
+                    lambda: self.producer.send_and_wait(
+                        self.topics.dlq, letter.value, key=letter.key, headers=headers
+                    ),
+                )
+                break
+            except PERMANENT as exc:
+                # The DLQ must take it: it is the only way this record ends. An operator
+                # has to fix the DLQ topic (its permissions or size limit); keep trying.
+                log.error("dlq.refused", source=str(source), error=_describe(exc))
+                await asyncio.sleep(self.backoff.max_s)
+        self.memory.dead_lettered.remember((source.partition, source.offset))
+        log.info(
+            "request.rejected",
+            request_id=rejected.request_id,
+            reason=rejected.reason.value,
+            reply=status.value,
+            source=str(source),
+            error=rejected.message,
+        )
+
+    async def _reply(self, reply_to: ReplyTo, error: ErrorResult) -> str | None:
+        """Write the error result to `reply_to`; None once written, else why it cannot be.
+
+        Each write waits at most `ingest_reply_timeout_ms`. A failed write to a destination
+        that still checks out is tried `ingest_reply_attempts` times; while the broker does
+        not answer at all it is retried without limit (the outage, not the destination).
+        """
+        failures, last = 0, ""
+        while True:
+            try:
+                await asyncio.wait_for(
+                    self.producer.send_and_wait(
+                        reply_to.topic,
+                        encode(error),
+                        key=key_of(error.request_id),
+                        partition=reply_to.partition,
+                    ),
+                    self.settings.reply_timeout_s,
+                )
+                return None
+            except PERMANENT as exc:
+                return f"reply_to {reply_to.topic} refused the error: {_describe(exc)}"
+            except TRANSIENT as exc:
+                failures += 1
+                last = _describe(exc)
+                log.warning(
+                    "reply.failed", request_id=error.request_id, error=last, failures=failures
+                )
+                await self.producer.settled()
+            self.destinations.forget(reply_to.topic)
+            verdict = await self._retrying(
+                f"check reply_to {reply_to.topic}", lambda: self.destinations.check(reply_to)
+            )
+            if verdict is not None:
+                return verdict.why
+            if failures >= self.settings.ingest_reply_attempts:
+                return f"reply_to {reply_to.topic} not written after {failures} tries: {last}"
+
+    async def _retrying(self, what: str, attempt: Callable[[], Awaitable[T]]) -> T:
+        """`attempt()` until it succeeds; a PERMANENT failure is raised, not retried."""
+        delay = 0.0
+        while True:
+            try:
+                return await attempt()
+            except PERMANENT:
+                raise
+            except TRANSIENT as exc:
+                delay = self.backoff.after(delay)
+                log.warning("kafka.retrying", what=what, error=_describe(exc), retry_in_s=delay)
+                # A broken producer is being replaced (shared/producers.py): retry on the new one.
+                await self.producer.settled()
+                await asyncio.sleep(delay)
+
+
+class _Seen:
+    """Request ids handed on: those remembered, and those admitted earlier in this batch."""
+
+    def __init__(self, memory: Memory, in_batch: set[str]) -> None:
+        self._memory = memory
+        self._in_batch = in_batch
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._in_batch or request_id in self._memory.forwarded
+
+
+def _reply_to(decision: Admitted | Rejected) -> ReplyTo | None:
+    if isinstance(decision, Admitted):
+        return decision.request.reply_to
+    return decision.reply_to if decision.error_result() is not None else None
+
+
+def _describe(exc: BaseException) -> str:
+    """An exception as a log/header value: its class and message, one bounded line."""
+    text = str(exc).replace("\n", " ")
+    return f"{type(exc).__name__}: {text}"[:300] if text else type(exc).__name__

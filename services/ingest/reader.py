@@ -1,0 +1,118 @@
+"""Ingest's read loop: fetch a batch of request records, hand it on, commit on an interval.
+
+Caller: the ingest app, one task. Owns the consumer between polls; the rebalance listener
+waits for the batch in hand, so a revoked partition is committed up to what was handed on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable
+
+import structlog
+from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
+from aiokafka.errors import KafkaError
+from aiokafka.structs import OffsetAndMetadata
+
+from services.ingest.handling import Ingest
+from shared.retry import backoffs
+
+log = structlog.get_logger()
+
+FETCH_MS = 1000  # longest one getmany waits: the loop's only idle wake-up
+MAX_RECORDS = 500  # records handed on (and committed) together at most
+
+
+class RequestReader:
+    """Reads `tokenbus.requests` in batches: every record of a batch ends in one outcome
+    (ingest's handling) before its offset may be committed.
+
+    Commits are batched too, at most one per `ingest_commit_interval_ms`: a crash re-reads
+    what was handed on since the last commit, and the durable memory drops it again.
+    """
+
+    def __init__(
+        self, consumer: AIOKafkaConsumer, ingest: Ingest, commit_interval_s: float
+    ) -> None:
+        self.consumer = consumer
+        self.ingest = ingest
+        self._commit_interval_s = commit_interval_s
+        self._batch = asyncio.Lock()  # held while a batch is handed on, and by a revocation
+        self._handed_on: dict[TopicPartition, int] = {}  # next offset to commit, per partition
+        self._last_commit = 0.0
+
+    async def run(self) -> None:
+        next_wait = backoffs()
+        try:
+            while True:
+                try:
+                    fetched = await self.consumer.getmany(
+                        timeout_ms=FETCH_MS, max_records=MAX_RECORDS
+                    )
+                except KafkaError as exc:
+                    wait = next_wait()
+                    log.warning("requests.fetch_failed", error=repr(exc), retry_in_s=wait)
+                    await asyncio.sleep(wait)
+                    continue
+                next_wait = backoffs()
+                async with self._batch:
+                    if fetched:
+                        self.ingest.telemetry.fetched(self.consumer, fetched)
+                        records = [r for rs in fetched.values() for r in rs]
+                        await self.ingest.handle_batch(records)
+                        owned = self.consumer.assignment()
+                        for tp, rs in fetched.items():
+                            if rs and tp in owned:  # else revoked meanwhile: not ours to commit
+                                self._handed_on[tp] = rs[-1].offset + 1
+                    if time.monotonic() - self._last_commit >= self._commit_interval_s:
+                        await self._commit(set(self._handed_on))
+        finally:
+            with contextlib.suppress(KafkaError):  # shutting down: at worst, read again
+                await self._commit(set(self._handed_on))
+
+    async def _commit(self, partitions: set[TopicPartition]) -> None:
+        """Commit what was handed on of `partitions`. Caller holds `_batch`."""
+        self._last_commit = time.monotonic()
+        offsets = {
+            tp: OffsetAndMetadata(self._handed_on.pop(tp), "")
+            for tp in partitions
+            if tp in self._handed_on
+        }
+        if not offsets:
+            return
+        try:
+            await self.consumer.commit(offsets)
+        except KafkaError as exc:
+            # A rebalance took the partition, or the broker is away: its next owner reads
+            # these records again, and the durable memory drops what was handed on.
+            log.warning("requests.commit_failed", error=repr(exc))
+
+    async def revoked(self, partitions: set[TopicPartition]) -> None:
+        """Let the batch in hand finish, then commit what was handed on of `partitions`."""
+        async with self._batch:
+            await self._commit(partitions)
+
+    def listener(self) -> ConsumerRebalanceListener:
+        return _Rebalance(self.revoked, self.ingest.recall)
+
+
+class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
+    """Commits what was handed on before a partition is given up; refills ingest's memory
+    before it reads any newly assigned partition."""
+
+    def __init__(
+        self,
+        revoked: Callable[[set[TopicPartition]], Awaitable[None]],
+        recall: Callable[[], Awaitable[None]],
+    ) -> None:
+        self._revoked = revoked
+        self._recall = recall
+
+    async def on_partitions_revoked(self, revoked: list[TopicPartition]) -> None:
+        await self._revoked(set(revoked))
+
+    async def on_partitions_assigned(self, assigned: list[TopicPartition]) -> None:
+        if assigned:
+            await self._recall()
