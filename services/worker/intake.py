@@ -187,11 +187,7 @@ class BatchIntake:
         )
         if done:
             log.info("batch.replay_skipped_answered", batch_id=batch.batch_id, answered=len(done))
-        requests = [
-            r.model_copy(update={"attempt": r.attempt + 1})
-            for r in batch.requests
-            if r.request_id not in done
-        ]
+        requests = [r.next_attempt() for r in batch.requests if r.request_id not in done]
         return batch.model_copy(update={"requests": requests})
 
     def renew(self) -> None:
