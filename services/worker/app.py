@@ -26,9 +26,10 @@ from services.worker.drain import Drain, hand_back
 from services.worker.engines.base import Engine
 from services.worker.fence import Fence
 from services.worker.intake import BatchIntake, ParsedBatch
+from services.worker.outbox import ResultOutbox
 from services.worker.runner import RequestRunner, RunOutcome
 from services.worker.settings import WorkerSettings
-from services.worker.telemetry import batch_received, observe_capacity, run_traced
+from services.worker.telemetry import RunTrace, WorkerTelemetry
 from shared.dead_letters import Source, dead_letter, dead_letter_value
 from shared.kafka import encode, make_consumer, make_producer
 from shared.messages import (
@@ -45,7 +46,6 @@ from shared.messages import (
 from shared.producers import RenewingProducer
 from shared.results import WRITE_ERRORS, ReplyTargets, send_result
 from shared.retry import backoffs, retrying
-from shared.telemetry import carrier
 from shared.topics import Topics
 
 log = structlog.get_logger()
@@ -84,6 +84,7 @@ class Worker:
         self._stale_before = 0.0
         self._fencing: set[asyncio.Task[None]] = set()
         self._reader = f"worker:{settings.worker_id}"
+        self.telemetry = WorkerTelemetry()
 
     async def run(self) -> None:
         s = self.settings
@@ -104,12 +105,14 @@ class Worker:
             await batches.start()
             await self.intake.start(batches)
             await self.engine.start()
+            outbox = ResultOutbox(producer, within_s=s.worker_result_write_timeout_s)
             runner = RequestRunner(
                 self.engine,
-                producer,
+                outbox,
                 s.worker_flush_ms,
                 s.worker_flush_tokens,
                 s.worker_flush_first,
+                telemetry=self.telemetry,
                 epoch_now=self._epoch_now,
                 write_timeout_s=s.worker_result_write_timeout_s,
             )
@@ -126,7 +129,7 @@ class Worker:
                 context_length=self.engine.context_length,
             )
             self.fence.stored(time.monotonic())  # starting up is no silence
-            async with asyncio.TaskGroup() as tg:
+            async with outbox, asyncio.TaskGroup() as tg:
                 taker = tg.create_task(self._take_batches(batches, runner, tg))
                 others = [
                     tg.create_task(self._obey_cancels(control)),
@@ -211,7 +214,7 @@ class Worker:
                 if batch is None:
                     await self._done(consumer, tp, record.offset)
                     continue
-                batch_received(batch, record, consumer, tp)
+                self.telemetry.batch_received(batch, record, consumer, tp)
                 if batch.batch_id in self._finished_batches:
                     # A second copy of a batch run to the end (a retried produce).
                     log.info("batch.duplicate", batch_id=batch.batch_id, offset=record.offset)
@@ -279,12 +282,8 @@ class Worker:
             results: list[RunOutcome | BaseException] = ["handed_back"] * len(batch.requests)
         else:
             source = Source(tp.topic, tp.partition, offset)
-            size = len(batch.requests)
             results = await asyncio.gather(
-                *(
-                    run_traced(r, batch, self._run_held(runner, r, size, epoch, source))
-                    for r in batch.requests
-                ),
+                *(self._run_held(runner, r, batch, epoch, source) for r in batch.requests),
                 return_exceptions=True,
             )
         for request, result in zip(batch.requests, results, strict=True):
@@ -315,13 +314,15 @@ class Worker:
         self,
         runner: RequestRunner,
         request: QueuedRequest,
-        batch_size: int,
+        batch: Batch,
         epoch: int,
         source: Source,
     ) -> RunOutcome:
         """Run the request; it stays held until answered (or, if handed back, until stored)."""
         try:
-            outcome = await self._run_request(runner, request, batch_size, epoch, source)
+            with self.telemetry.run(request, batch) as trace:
+                outcome = await self._run_request(runner, request, batch, trace, epoch, source)
+                self.telemetry.run_ended(trace, request, outcome)
         except BaseException:
             self.intake.finished(request)
             raise
@@ -333,7 +334,8 @@ class Worker:
         self,
         runner: RequestRunner,
         request: QueuedRequest,
-        batch_size: int,
+        batch: Batch,
+        trace: RunTrace,
         epoch: int,
         source: Source,
     ) -> RunOutcome:
@@ -364,8 +366,9 @@ class Worker:
                 within_s=self.settings.worker_result_write_timeout_s,
             )
             return "answered"
-        # The engine (vLLM) gets the request span's context, so its spans join the trace.
-        return await runner.run(request, batch_size, trace_headers=carrier(), epoch=epoch)
+        return await runner.run(
+            request, len(batch.requests), trace, formed_at=batch.formed_at, epoch=epoch
+        )
 
     async def _reply_problem(self, reply_to: ReplyTo) -> str | None:
         """Why `reply_to` cannot be written; None if it can (or the cluster cannot say now)."""
@@ -457,7 +460,8 @@ class Worker:
     async def _send_heartbeat(self, producer: AIOKafkaProducer) -> None:
         self._epoch_now()  # after a pause, fence before telling anyone we are alive
         cap = self.engine.capacity()
-        observe_capacity(cap.running, cap.total_slots)
+        self.telemetry.observe_capacity(cap.running, cap.total_slots)
+        self.telemetry.observe_engine_cpu(self.engine.cpu_seconds)
         intake = self.intake
         # Requests taken in but not yet in the engine count as busy too.
         free = min(cap.free_slots, max(0, cap.total_slots - len(intake)))
