@@ -18,6 +18,7 @@ from services.worker.engines.sim import SimEngine
 from services.worker.engines.sim_profiles import sim_profile
 from services.worker.engines.sim_text import complete
 from services.worker.outbox import ResultOutbox
+from services.worker.request_state import RunningRequests
 from services.worker.runner import RequestRunner
 from services.worker.telemetry import RunTrace, WorkerTelemetry
 from shared.messages import (
@@ -107,6 +108,7 @@ async def run(
             runner = RequestRunner(
                 engine,
                 outbox,
+                RunningRequests(engine),
                 flush_ms=1.0,
                 flush_tokens=1,
                 telemetry=WorkerTelemetry(recording=False),
@@ -183,7 +185,9 @@ async def test_a_later_attempt_of_a_request_running_here_supersedes_it_silently(
     try:
         async with ResultOutbox(producer, within_s=0.5) as outbox:
             telemetry = WorkerTelemetry(recording=False)
-            runner = RequestRunner(engine, outbox, 1.0, 1, telemetry=telemetry)
+            runner = RequestRunner(
+                engine, outbox, RunningRequests(engine), 1.0, 1, telemetry=telemetry
+            )
             old = asyncio.create_task(runner.run(first, 1, UNTRACED))
             await producer.stored_one.wait()  # the old attempt is streaming
             outcome = await runner.run(again, 1, UNTRACED)

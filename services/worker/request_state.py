@@ -16,7 +16,7 @@ from typing import Literal
 import structlog
 
 from services.worker.coalesce import Coalescer
-from services.worker.engines.base import EngineDelta, EngineFinish
+from services.worker.engines.base import Engine, EngineDelta, EngineFinish
 from services.worker.replies import Fenced, ReplyFailed, ReplyWriter
 from shared.messages import (
     DeltaResult,
@@ -199,3 +199,48 @@ class RequestState:
         # A fenced or failed writer: the run sees it at its next chunk or its final record.
         with contextlib.suppress(Fenced, ReplyFailed):
             self._publish(chunk)
+
+
+class RunningRequests:
+    """The one map of the requests running here, by id (the engine knows requests by id).
+
+    Caller: the runner (`start`, `end`), the drain and the fencing (`hand_back`).
+    Affects: each `RequestState.stopping`, and the engine (an abort per stop).
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self._states: dict[str, RequestState] = {}
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def ids(self) -> list[str]:
+        """Ids of the requests whose run has not returned yet, sorted."""
+        return sorted(self._states)
+
+    def get(self, request_id: str) -> RequestState | None:
+        return self._states.get(request_id)
+
+    def start(self, state: RequestState) -> None:
+        self._states[state.request_id] = state
+
+    def end(self, state: RequestState) -> None:
+        """The run returned: no more flushes; whoever waits for it to exit goes on."""
+        if self._states.get(state.request_id) is state:
+            del self._states[state.request_id]
+        state.close()
+
+    async def stop(self, request_id: str, why: Stopping) -> bool:
+        """Stop a running request without answering it; False if it is not running here."""
+        state = self._states.get(request_id)
+        if state is None:
+            return False
+        if why == "superseded" or state.stopping is None:
+            state.stopping = why
+        await self._engine.abort(request_id)
+        return True
+
+    async def hand_back(self, request_id: str) -> bool:
+        """Stop a running request to be run again; its `run` returns "handed_back"."""
+        return await self.stop(request_id, "hand_back")

@@ -26,7 +26,7 @@ from services.worker.engines.base import (
 )
 from services.worker.outbox import ResultOutbox
 from services.worker.replies import Fenced, ReplyFailed, ReplyWriter
-from services.worker.request_state import RequestState
+from services.worker.request_state import RequestState, RunningRequests
 from services.worker.telemetry import RunTrace, WorkerTelemetry
 from shared.messages import ErrorCode, ErrorResult, QueuedRequest, Tier
 from shared.telemetry import carrier
@@ -65,14 +65,15 @@ def engine_request(
 class RequestRunner:
     """Streams engine output for requests, one `run` call per request.
 
-    Caller: the worker's batch loop (`run`), its drain and fencing (`hand_back`).
-    Affects: `states`, one `RequestState` per request whose `run` has not returned.
+    Caller: the worker's batch loop. Affects: `runs`, where each run's state lives while
+    it runs (a drain or a fencing stops runs there).
     """
 
     def __init__(
         self,
         engine: Engine,
         outbox: ResultOutbox,
+        runs: RunningRequests,
         flush_ms: float,
         flush_tokens: int,
         flush_first: bool = True,
@@ -89,21 +90,7 @@ class RequestRunner:
         self._flush_seconds = flush_ms / 1000.0
         self._flush_tokens = flush_tokens
         self._flush_first = flush_first
-        self.states: dict[str, RequestState] = {}
-
-    @property
-    def running(self) -> frozenset[str]:
-        """Request ids whose `run` has not returned yet."""
-        return frozenset(self.states)
-
-    async def hand_back(self, request_id: str) -> bool:
-        """Stop a running request without answering it; its `run` returns "handed_back"."""
-        state = self.states.get(request_id)
-        if state is None:
-            return False
-        state.stopping = state.stopping or "hand_back"
-        await self._engine.abort(request_id)
-        return True
+        self.runs = runs
 
     async def run(
         self,
@@ -120,13 +107,12 @@ class RequestRunner:
         is fenced past it, the run writes nothing more and returns "rerun".
         """
         rid = request.request_id
-        while (older := self.states.get(rid)) is not None:
+        while (older := self.runs.get(rid)) is not None:
             if older.request.attempt >= request.attempt:
                 log.info("request.superseded", request_id=rid, attempt=request.attempt)
                 return "superseded"
             # Ours is an older attempt, re-run elsewhere meanwhile: it makes way, unheard.
-            older.stopping = "superseded"
-            await self._engine.abort(rid)
+            await self.runs.stop(rid, "superseded")
             await older.exited.wait()
         writer = ReplyWriter(
             self._outbox,
@@ -144,7 +130,7 @@ class RequestRunner:
             writer,
             coalescer,
         )
-        self.states[rid] = state
+        self.runs.start(state)
         try:
             return await self._run(state, trace)
         except (Fenced, ReplyFailed) as exc:
@@ -157,8 +143,7 @@ class RequestRunner:
             )
             return "rerun"
         finally:
-            del self.states[rid]
-            state.close()
+            self.runs.end(state)
 
     async def _run(self, state: RequestState, trace: RunTrace) -> RunOutcome:
         request = state.request
