@@ -264,6 +264,7 @@ class WorkerMetrics:
     slots_in_use: Gauge
     slots_total: Gauge
     lag: ConsumerLag
+    engine_cpu: Counter
     _output_tokens: float = 0.0
     _rate_mark: tuple[float, float] | None = None  # (time, output tokens) at the last sample
 
@@ -323,6 +324,12 @@ class WorkerMetrics:
                 registry=registry,
             ),
             ConsumerLag.build(registry),
+            Counter(
+                "tokenbus_worker_engine_cpu_seconds",
+                "CPU time the engine's own steps took in the worker process (sim engine; 0 for"
+                " engines that run elsewhere): the worker's CPU less this is the pipeline's.",
+                registry=registry,
+            ),
         )
 
     def observe_done(

@@ -94,6 +94,29 @@ class RenewingProducer:
         future.add_done_callback(functools.partial(self._stored, producer))
         return future
 
+    def create_batch(self) -> Any:
+        """An empty record batch to fill and hand to `send_batch` (aiokafka's `BatchBuilder`)."""
+        return self._inner.create_batch()
+
+    async def send_batch(
+        self, batch: Any, topic: str, *, partition: int
+    ) -> asyncio.Future[RecordMetadata]:
+        """Queue a filled batch for one partition; the future says whether it was stored."""
+        producer = self._inner
+        try:
+            future: asyncio.Future[RecordMetadata] = await producer.send_batch(
+                batch, topic, partition=partition
+            )
+        except (*BROKEN, ProducerClosed) as exc:
+            self._broken(producer, exc)
+            raise
+        except KafkaError as exc:
+            if self._sender_dead(producer):
+                self._broken(producer, exc)
+            raise
+        future.add_done_callback(functools.partial(self._stored, producer))
+        return future
+
     async def send_and_wait(
         self,
         topic: str,

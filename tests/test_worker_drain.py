@@ -12,7 +12,6 @@ from typing import Any
 import pytest
 import websockets
 
-from services.worker.drain import next_attempt
 from services.worker.engines.sim_text import complete
 from shared.kafka import make_admin
 from shared.messages import Heartbeat, QueuedRequest, ReplyTo, Tier
@@ -33,7 +32,7 @@ def test_next_attempt_keeps_the_request_and_counts_up() -> None:
         reply_to=ReplyTo(topic="t", partition=2),
         attempt=2,
     )
-    again = next_attempt(request)
+    again = request.next_attempt()
     assert again.attempt == 3
     assert again.model_dump(exclude={"attempt"}) == request.model_dump(exclude={"attempt"})
 

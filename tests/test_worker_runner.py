@@ -11,12 +11,16 @@ import asyncio
 import json
 from typing import Any
 
+from opentelemetry.context import Context
 from pydantic import TypeAdapter
 
 from services.worker.engines.sim import SimEngine
 from services.worker.engines.sim_profiles import sim_profile
 from services.worker.engines.sim_text import complete
+from services.worker.outbox import ResultOutbox
+from services.worker.request_state import RunningRequests
 from services.worker.runner import RequestRunner
+from services.worker.telemetry import RunTrace, WorkerTelemetry
 from shared.messages import (
     DeltaResult,
     DoneResult,
@@ -28,26 +32,49 @@ from shared.messages import (
 )
 
 MARKER = "FAULT-HERE"
+UNTRACED = RunTrace(Context(), None)
 _records: TypeAdapter[ResultRecord] = TypeAdapter(ResultRecord)
 
 
+class FakeBatch:
+    """A record batch as the fake fills it: every value appended, no size limit."""
+
+    def __init__(self) -> None:
+        self.values: list[bytes] = []
+
+    def append(self, *, key: bytes, value: bytes, timestamp: None, headers: Any) -> object:
+        self.values.append(value)
+        return object()
+
+
 class FakeProducer:
-    """Stores every record sent; `fail_from` makes sends from that count on fail to store."""
+    """Stores every record sent; `fail_from` makes records from that count on fail to store."""
 
     def __init__(self, fail_from: int | None = None) -> None:
         self.sent: list[dict[str, Any]] = []
         self.fail_from = fail_from
         self.stored_one = asyncio.Event()
 
-    async def send(self, topic: str, value: bytes, **kwargs: Any) -> asyncio.Future[Any]:
+    def create_batch(self) -> FakeBatch:
+        return FakeBatch()
+
+    async def send_batch(
+        self, batch: FakeBatch, topic: str, *, partition: int
+    ) -> asyncio.Future[Any]:
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        if self.fail_from is not None and len(self.sent) >= self.fail_from:
-            future.set_exception(TimeoutError("not stored"))
-            return future
-        self.sent.append(json.loads(value))
+        for value in batch.values:
+            if self.fail_from is not None and len(self.sent) >= self.fail_from:
+                future.set_exception(TimeoutError("not stored"))
+                return future
+            self.sent.append(json.loads(value))
         self.stored_one.set()
         future.set_result(None)
         return future
+
+    async def send(self, topic: str, value: bytes, **kwargs: Any) -> asyncio.Future[Any]:
+        batch = FakeBatch()
+        batch.values.append(value)
+        return await self.send_batch(batch, topic, partition=0)
 
     def records(self) -> list[DeltaResult | DoneResult | ErrorResult]:
         out = []
@@ -76,16 +103,19 @@ async def run(
     engine = SimEngine(profile, fail_marker=MARKER)
     await engine.start()
     clock = iter(epochs) if epochs is not None else None
-    runner = RequestRunner(
-        engine,
-        producer,  # type: ignore[arg-type]
-        flush_ms=1.0,
-        flush_tokens=1,
-        epoch_now=(lambda: next(clock, 1)) if clock is not None else (lambda: 0),
-        write_timeout_s=0.5,
-    )
     try:
-        outcome = await runner.run(request(prompt), batch_size=1)
+        async with ResultOutbox(producer, within_s=0.5) as outbox:
+            runner = RequestRunner(
+                engine,
+                outbox,
+                RunningRequests(engine),
+                flush_ms=1.0,
+                flush_tokens=1,
+                telemetry=WorkerTelemetry(recording=False),
+                epoch_now=(lambda: next(clock, 1)) if clock is not None else (lambda: 0),
+                write_timeout_s=0.5,
+            )
+            outcome = await runner.run(request(prompt), 1, UNTRACED)
     finally:
         await engine.stop()
     return outcome, engine
@@ -150,19 +180,23 @@ async def test_a_later_attempt_of_a_request_running_here_supersedes_it_silently(
     engine = SimEngine(profile)
     await engine.start()
     producer = FakeProducer()
-    runner = RequestRunner(engine, producer, flush_ms=1.0, flush_tokens=1)  # type: ignore[arg-type]
     first = request("a long enough answer please", max_tokens=200)
-    again = first.model_copy(update={"attempt": 1})
+    again = first.next_attempt()
     try:
-        old = asyncio.create_task(runner.run(first, batch_size=1))
-        await producer.stored_one.wait()  # the old attempt is streaming
-        outcome = await runner.run(again, batch_size=1)
-        assert await old == "superseded"
-        assert outcome == "answered"
-        # An attempt older than the one running is not run at all.
-        late = asyncio.create_task(runner.run(again, batch_size=1))
-        assert await runner.run(first, batch_size=1) == "superseded"
-        await late
+        async with ResultOutbox(producer, within_s=0.5) as outbox:
+            telemetry = WorkerTelemetry(recording=False)
+            runner = RequestRunner(
+                engine, outbox, RunningRequests(engine), 1.0, 1, telemetry=telemetry
+            )
+            old = asyncio.create_task(runner.run(first, 1, UNTRACED))
+            await producer.stored_one.wait()  # the old attempt is streaming
+            outcome = await runner.run(again, 1, UNTRACED)
+            assert await old == "superseded"
+            assert outcome == "answered"
+            # An attempt older than the one running is not run at all.
+            late = asyncio.create_task(runner.run(again, 1, UNTRACED))
+            assert await runner.run(first, 1, UNTRACED) == "superseded"
+            await late
     finally:
         await engine.stop()
     records = producer.records()

@@ -2,12 +2,25 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import structlog
+from aiokafka import AIOKafkaConsumer
+from aiokafka.errors import KafkaError
+from aiokafka.structs import ConsumerRecord
+from pydantic import TypeAdapter, ValidationError
+
+from services.worker.answers import Answers
 from services.worker.engines.base import Engine
-from shared.messages import CancelRecord
+from shared.messages import CancelRecord, ControlRecord, error_message
+from shared.retry import backoffs
+
+log = structlog.get_logger()
+
+_control_records: TypeAdapter[ControlRecord] = TypeAdapter(ControlRecord)
 
 
 @dataclass(frozen=True)
@@ -68,3 +81,54 @@ async def apply_cancel(
         arrival_to_free_ms=round((freed_at - arrived_at) * 1000, 3),
         record_age_ms=round((arrived_wall - cancel.sent_at) * 1000, 3),
     )
+
+
+class CancelListener:
+    """Caller: the worker (`run` as a task on the control topic, which every worker reads).
+
+    Affects: the engine (aborts), `early` (cancels whose batch has not come yet).
+    """
+
+    def __init__(self, engine: Engine, early: CancelBook, answers: Answers) -> None:
+        self._engine = engine
+        self._early = early
+        self._answers = answers
+
+    async def run(self, consumer: AIOKafkaConsumer) -> None:
+        next_wait = backoffs()
+        while True:
+            try:
+                fetched = await consumer.getmany()
+            except KafkaError as exc:
+                wait = next_wait()
+                log.warning("control.fetch_failed", error=repr(exc), retry_in_s=wait)
+                await asyncio.sleep(wait)
+                continue
+            next_wait = backoffs()
+            for records in fetched.values():
+                for record in records:
+                    await self._obey(record)
+
+    async def _obey(self, record: ConsumerRecord[bytes, bytes]) -> None:
+        arrived_at, arrived_wall = time.perf_counter(), time.time()
+        try:
+            control = _control_records.validate_json(record.value or b"")
+        except ValidationError as exc:
+            log.error("control.invalid", offset=record.offset, error=str(exc)[:500])
+            await self._answers.dead_letter(record, f"invalid control record: {error_message(exc)}")
+            return
+        if not isinstance(control, CancelRecord):
+            return  # edge-to-edge news (a resumed stream): nothing for a worker
+        applied = await apply_cancel(self._engine, control, arrived_at, arrived_wall)
+        if not applied.found:
+            self._early.remember(control.request_id, time.monotonic())
+        log.info(
+            "cancel.applied",
+            request_id=applied.request_id,
+            found=applied.found,
+            free_slots_before=applied.free_slots_before,
+            free_slots_after=applied.free_slots_after,
+            total_slots=applied.total_slots,
+            arrival_to_free_ms=applied.arrival_to_free_ms,
+            record_age_ms=applied.record_age_ms,
+        )

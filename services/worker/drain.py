@@ -17,18 +17,13 @@ from shared.topics import Topics
 log = structlog.get_logger()
 
 
-def next_attempt(request: QueuedRequest) -> QueuedRequest:
-    """The request as it is run again elsewhere: same id, the next attempt number."""
-    return request.model_copy(update={"attempt": request.attempt + 1})
-
-
 async def hand_back(producer: AIOKafkaProducer, topics: Topics, request: QueuedRequest) -> None:
     """Put the request back on its tier topic, keyed by request_id; return once stored.
 
     Retried with backoff for as long as it takes (a broker outage): it is the request's
     only way on, and the worker keeps it held (in its heartbeats) until then.
     """
-    again = next_attempt(request)
+    again = request.next_attempt()
 
     async def write() -> None:
         await producer.send_and_wait(

@@ -1,12 +1,13 @@
 """One run's result records on their way to `reply_to`: in order, bounded, and fenced.
 
-A record that cannot be queued (no metadata, a full buffer) is retried with backoff for
-up to `within_s`; one that Kafka did not store fails the run with `ReplyFailed` at the next
-write or at `flush` (a record still in flight after `within_s` is waited for until the
-producer stores or fails it: it cannot be unsent, and a re-run beside it would answer
-twice); a run whose worker was fenced since it started writes nothing more
-(`Fenced`). Either way the caller hands the request back to be run again as the next
-attempt: a stream is never left without its final record, and never committed silently.
+Records are put in the worker's `ResultOutbox` without waiting, which produces them in
+batches; a record the outbox could not queue within `within_s`, or that Kafka did not
+store, fails the run with `ReplyFailed` at the next write or at `flush` (a record still
+in flight after `within_s` is waited for until the producer stores or fails it: it cannot
+be unsent, and a re-run beside it would answer twice); a run whose worker was fenced since
+it started writes nothing more (`Fenced`). Either way the caller hands the request back to
+be run again as the next attempt: a stream is never left without its final record, and
+never committed silently.
 """
 
 from __future__ import annotations
@@ -15,13 +16,11 @@ import asyncio
 from collections.abc import Callable
 
 import structlog
-from aiokafka import AIOKafkaProducer
-from aiokafka.structs import RecordMetadata
 
-from shared.kafka import Headers
+from services.worker.outbox import ResultOutbox
+from shared.kafka import Headers, encode, key_of
 from shared.messages import ReplyTo
-from shared.results import WRITE_ERRORS, Result, send_result
-from shared.retry import retrying
+from shared.results import Result
 
 log = structlog.get_logger()
 
@@ -35,25 +34,32 @@ class ReplyFailed(Exception):
 
 
 class ReplyWriter:
-    """Caller: one `RequestRunner.run`. `epoch_now()` is the worker's fence check."""
+    """Caller: one run (`RequestState`). `epoch_now()` is the worker's fence check.
+
+    It is the outbox's `Ticket` for its records: told, one by one, whether each was stored.
+    """
 
     def __init__(
         self,
-        producer: AIOKafkaProducer,
+        outbox: ResultOutbox,
         reply_to: ReplyTo,
+        request_id: str,
         *,
         epoch: int,
         epoch_now: Callable[[], int],
         within_s: float,
     ) -> None:
-        self._producer = producer
+        self._outbox = outbox
         self._reply_to = reply_to
+        self._key = key_of(request_id)
+        self._request_id = request_id
         self._epoch = epoch
         self._epoch_now = epoch_now
         self._within_s = within_s
-        self._pending: list[asyncio.Future[RecordMetadata]] = []
+        self._unsettled = 0
+        self._settled = asyncio.Event()
+        self._settled.set()
         self._failure: BaseException | None = None
-        self._request_id = ""  # of the records written, for the logs
 
     def check(self) -> None:
         """Raise if this run may not write any more."""
@@ -62,28 +68,20 @@ class ReplyWriter:
         if self._failure is not None:
             raise ReplyFailed(repr(self._failure)) from self._failure
 
-    async def send(self, record: Result, headers: Headers | None = None) -> None:
+    def send(self, record: Result, headers: Headers | None = None) -> None:
         """Queue `record` after every earlier one; raise if the run may not go on."""
         self.check()
-        future = await retrying(
-            lambda: send_result(self._producer, self._reply_to, record, headers),
-            within_s=self._within_s,
-            what="result",
-            retry_on=WRITE_ERRORS,
-            request_id=record.request_id,
-        )
-        future.add_done_callback(self._stored)
-        self._pending = [f for f in self._pending if not f.done()]
-        self._pending.append(future)
-        self._request_id = record.request_id
+        self._outbox.put(self._reply_to, self._key, encode(record), headers, self)
+        self._unsettled += 1
+        self._settled.clear()
 
     async def flush(self) -> None:
         """Wait until every queued record is stored; raise `ReplyFailed` if one is not."""
-        pending = [f for f in self._pending if not f.done()]
-        if pending:
-            # Not wait_for: cancelling the producer's futures would not unsend anything.
-            await asyncio.wait(pending, timeout=self._within_s)
-            if any(not f.done() for f in pending):
+        if self._unsettled:
+            try:
+                async with asyncio.timeout(self._within_s):
+                    await self._settled.wait()
+            except TimeoutError:
                 # Queued records cannot be unsent: a re-run now would answer twice if they
                 # are stored later (the chaos check saw `done` land after the bound, during
                 # a broker node's failover). So wait until the producer settles each one: the
@@ -93,15 +91,23 @@ class ReplyWriter:
                 log.warning(
                     "results.slow",
                     request_id=self._request_id,
-                    pending=sum(1 for f in pending if not f.done()),
+                    pending=self._unsettled,
                     waited_s=self._within_s,
                 )
-                await asyncio.wait(pending)
+                await self._settled.wait()
         if self._failure is not None:
             raise ReplyFailed(repr(self._failure)) from self._failure
 
-    def _stored(self, future: asyncio.Future[RecordMetadata]) -> None:
-        if future.cancelled():
-            self._failure = self._failure or asyncio.CancelledError()
-        elif (exc := future.exception()) is not None:
-            self._failure = self._failure or exc
+    # -- Ticket: called by the outbox ----------------------------------------------------------
+
+    def stored(self) -> None:
+        self._settle()
+
+    def failed(self, error: BaseException) -> None:
+        self._failure = self._failure or error
+        self._settle()
+
+    def _settle(self) -> None:
+        self._unsettled -= 1
+        if self._unsettled <= 0:
+            self._settled.set()

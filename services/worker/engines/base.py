@@ -109,6 +109,10 @@ class Engine(Protocol):
     name: str
     # Tokens of context the model takes (prompt and generated); None: unknown, not checked.
     context_length: int | None
+    # CPU seconds the engine's own steps have taken in the worker process so far, so the
+    # worker's cost can be told apart from the engine's (0.0 where they run elsewhere or
+    # are not measured).
+    cpu_seconds: float
 
     async def start(self) -> None: ...
 

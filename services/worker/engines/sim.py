@@ -17,6 +17,8 @@ import asyncio
 import contextlib
 import heapq
 import itertools
+import time
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Literal
@@ -46,7 +48,8 @@ class _Sequence:
     request: EngineRequest
     plan: Completion
     prompt_tokens: int
-    outputs: asyncio.Queue[EngineOutput | Exception] = field(default_factory=asyncio.Queue)
+    outputs: deque[EngineOutput | Exception] = field(default_factory=deque)
+    ready: asyncio.Event = field(default_factory=asyncio.Event)  # set while outputs wait
     position: int = 0
     finished: bool = False
     fails: bool = False  # fault injection: fail after the first token
@@ -55,17 +58,36 @@ class _Sequence:
     def done(self) -> bool:
         return self.position >= len(self.plan.pieces)
 
+    def put(self, out: EngineOutput | Exception) -> None:
+        self.outputs.append(out)
+        self.ready.set()
+
+    async def take(self) -> EngineOutput | Exception:
+        """The next output; deltas queued behind each other come as one (a reader that fell
+        behind takes them in one go, as vLLM's output collector does)."""
+        outputs = self.outputs
+        while not outputs:
+            self.ready.clear()
+            await self.ready.wait()
+        out = outputs.popleft()
+        if not isinstance(out, EngineDelta) or not outputs:
+            return out
+        texts, tokens = [out.text], out.tokens
+        while outputs and isinstance(nxt := outputs[0], EngineDelta):
+            outputs.popleft()
+            texts.append(nxt.text)
+            tokens += nxt.tokens
+        return EngineDelta("".join(texts), tokens)
+
     def fail(self) -> None:
         self.finished = True
-        self.outputs.put_nowait(
-            SimulatedFault(f"sim fault injected into {self.request.request_id}")
-        )
+        self.put(SimulatedFault(f"sim fault injected into {self.request.request_id}"))
 
     def finish(self, reason: FinishReason | None = None) -> None:
         if self.finished:
             return
         self.finished = True
-        self.outputs.put_nowait(
+        self.put(
             EngineFinish(
                 finish_reason=self.plan.finish_reason if reason is None else reason,
                 prompt_tokens=self.prompt_tokens,
@@ -107,6 +129,7 @@ class SimEngine:
         self._loop: asyncio.Task[None] | None = None
         self._step_due = 0.0
         self.steps = 0  # engine steps taken, for tests and benchmarks
+        self.cpu_seconds = 0.0  # thread CPU time of the steps themselves (not of the readers)
 
     async def start(self) -> None:
         if self._loop is None:
@@ -135,7 +158,7 @@ class SimEngine:
         self._wakeup.set()
         try:
             while True:
-                out = await seq.outputs.get()
+                out = await seq.take()
                 if isinstance(out, Exception):
                     raise out
                 yield out
@@ -201,11 +224,14 @@ class SimEngine:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 self._step_due = loop.time()
+            cpu_at = time.thread_time()
             if self.mode == "continuous":
                 seconds = self._plan_continuous_step()
             else:
                 seconds = self._plan_static_step()
+            self.cpu_seconds += time.thread_time() - cpu_at
             await self._tick(loop, seconds)
+            cpu_at = time.thread_time()
             self.steps += 1
             for seq in list(self._running.values()):
                 self._emit(seq)
@@ -213,6 +239,7 @@ class SimEngine:
                 r.request.request_id in self._running for r in self._batch.rows
             ):
                 self._batch = None
+            self.cpu_seconds += time.thread_time() - cpu_at
 
     def _plan_continuous_step(self) -> float:
         joined = self._admit(self.profile.max_num_seqs)
@@ -248,7 +275,7 @@ class SimEngine:
             seq.fail()
             return
         if not seq.done:
-            seq.outputs.put_nowait(EngineDelta(seq.plan.pieces[seq.position], 1))
+            seq.put(EngineDelta(seq.plan.pieces[seq.position], 1))
             seq.position += 1
         if seq.done:
             seq.position = seq.plan.completion_tokens

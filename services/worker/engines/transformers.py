@@ -70,6 +70,7 @@ class TransformersEngine:
     """Batched streaming generation on a Hugging Face causal LM."""
 
     name = "transformers"
+    cpu_seconds = 0.0  # not measured: its steps run on a thread of their own
 
     def __init__(
         self, model: Any, tokenizer: Any, *, max_num_seqs: int, max_model_len: int | None = None

@@ -156,6 +156,7 @@ class VllmEngine:
     """Streams vLLM `RequestOutput` deltas as engine outputs; one pump task per request."""
 
     name = "vllm"
+    cpu_seconds = 0.0  # the engine core runs in its own process
 
     def __init__(self, api: VllmApi, args: Any) -> None:
         self._api = api

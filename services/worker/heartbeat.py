@@ -1,0 +1,102 @@
+"""The worker's heartbeats: what it can take, what it holds; soon after a slot frees."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import structlog
+from aiokafka.structs import RecordMetadata
+
+from services.worker.drain import Drain
+from services.worker.engines.base import Engine
+from services.worker.intake import BatchIntake
+from services.worker.liveness import Liveness
+from services.worker.settings import WorkerSettings
+from services.worker.telemetry import WorkerTelemetry
+from shared.kafka import encode
+from shared.messages import Heartbeat
+from shared.producers import RenewingProducer
+from shared.results import WRITE_ERRORS
+from shared.topics import Topics
+
+log = structlog.get_logger()
+
+# After a slot frees, the next heartbeat goes out this soon (not sooner), so schedulers
+# refill the slot without waiting for the regular interval.
+HEARTBEAT_MIN_GAP_S = 0.05
+
+
+class Heartbeats:
+    """Caller: the worker (`run` as a task, `send` once more when a drain starts)."""
+
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        producer: RenewingProducer,
+        engine: Engine,
+        intake: BatchIntake,
+        liveness: Liveness,
+        drain: Drain,
+        telemetry: WorkerTelemetry,
+    ) -> None:
+        self._settings = settings
+        self._topic = Topics(settings.topic_prefix).workers
+        self._key = settings.worker_id.encode()
+        self._producer = producer
+        self._engine = engine
+        self._intake = intake
+        self._liveness = liveness
+        self._drain = drain
+        self._telemetry = telemetry
+
+    async def run(self) -> None:
+        interval = self._settings.worker_heartbeat_ms / 1000.0
+        freed = self._intake.freed
+        while True:
+            freed.clear()
+            await self.send()
+            await asyncio.sleep(HEARTBEAT_MIN_GAP_S)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(interval - HEARTBEAT_MIN_GAP_S):
+                    await freed.wait()
+
+    async def send(self) -> None:
+        self._liveness.epoch_now()  # after a pause, fence before telling anyone we are alive
+        beat = self._beat()
+        sent_at = time.monotonic()
+        try:
+            future = await self._producer.send(self._topic, encode(beat), key=self._key)
+        except WRITE_ERRORS as exc:
+            log.warning("heartbeat.send_failed", error=repr(exc))
+            return
+
+        def stored(f: asyncio.Future[RecordMetadata]) -> None:
+            if not f.cancelled() and f.exception() is None:
+                self._liveness.stored(sent_at)
+
+        future.add_done_callback(stored)
+
+    def _beat(self) -> Heartbeat:
+        s, engine, intake = self._settings, self._engine, self._intake
+        cap = engine.capacity()
+        self._telemetry.observe_capacity(cap.running, cap.total_slots)
+        self._telemetry.observe_engine_cpu(engine.cpu_seconds)
+        # Requests taken in but not yet in the engine count as busy too.
+        free = min(cap.free_slots, max(0, cap.total_slots - len(intake)))
+        return Heartbeat(
+            worker_id=s.worker_id,
+            model=s.worker_model,
+            total_slots=cap.total_slots,
+            # A draining worker takes nothing new.
+            free_slots=0 if self._drain.requested.is_set() else free,
+            running=cap.running,
+            queued_tokens=cap.queued_tokens,
+            utilisation=min(1.0, cap.utilisation),
+            batch_partition=intake.tp.partition,
+            batches_consumed=intake.consumed,
+            held=intake.held(),
+            interval_ms=s.worker_heartbeat_ms,
+            started_at=intake.started_at,
+        )

@@ -1,0 +1,246 @@
+"""One request running on this worker: its stream, coalescer, writer and clock readings.
+
+The runner keeps one `RequestState` per running request in one dict (as vLLM's
+`RequestState`): a hand-back or a supersession is a flag on it, and everything its
+`request.finished` line and its final record say is read from it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+import structlog
+
+from services.worker.coalesce import Coalescer
+from services.worker.engines.base import Engine, EngineDelta, EngineFinish
+from services.worker.replies import Fenced, ReplyFailed, ReplyWriter
+from shared.messages import (
+    DeltaResult,
+    DoneResult,
+    ErrorCode,
+    ErrorResult,
+    QueuedRequest,
+    Timings,
+    Usage,
+)
+
+log = structlog.get_logger()
+
+# Why a run is being stopped from outside: handed back (a drain, a fencing), or superseded
+# by a later attempt of the same request that came to this worker.
+Stopping = Literal["hand_back", "superseded"]
+
+
+@dataclass
+class ChunkGaps:
+    """How evenly chunks left, on the monotonic clock, for the `request.finished` line.
+
+    The engine's own pauses (token inter-arrival) within a chunk window are kept apart, so
+    the gap that coalescing adds can be told from a slow or stalled engine.
+    """
+
+    last_chunk_at: float | None = None
+    last_token_at: float | None = None
+    token_gap: float = 0.0
+    max_gap: float = 0.0
+    max_excess: float = 0.0
+    flush_lateness: float = 0.0  # how far past flush time a chunk left: loop lag, not policy
+    wait_sum: float = 0.0
+    chunks: int = 0
+
+    def token(self, arrived: float) -> None:
+        last_chunk, last_token = self.last_chunk_at, self.last_token_at
+        since = last_token if last_chunk is None else max(last_chunk, last_token or last_chunk)
+        if since is not None:
+            self.token_gap = max(self.token_gap, arrived - since)
+        self.last_token_at = arrived
+
+    def chunk(self, now: float, waited: float, overdue: float) -> None:
+        self.wait_sum += waited
+        self.chunks += 1
+        self.flush_lateness = max(self.flush_lateness, overdue)
+        if self.last_chunk_at is not None:
+            self.max_gap = max(self.max_gap, now - self.last_chunk_at)
+            self.max_excess = max(self.max_excess, now - self.last_chunk_at - self.token_gap)
+        self.last_chunk_at = now
+        self.token_gap = 0.0
+
+
+@dataclass
+class RequestState:
+    """Caller: `RequestRunner` (one per run) and the flush timer it arms on the event loop."""
+
+    request: QueuedRequest
+    batch_size: int
+    formed_at: float  # when its batch was formed (the `batch_transit` stage starts there)
+    writer: ReplyWriter
+    coalescer: Coalescer
+    started: float = field(default_factory=time.time)
+    seq: int = 0
+    first_token_at: float | None = None
+    done_at: float | None = None
+    final_sent_at: float | None = None
+    stopping: Stopping | None = None
+    gaps: ChunkGaps = field(default_factory=ChunkGaps)
+    exited: asyncio.Event = field(default_factory=asyncio.Event)
+    _timer: asyncio.TimerHandle | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    def on_delta(self, out: EngineDelta) -> None:
+        """One engine output: buffer it, and send the chunk if it is due."""
+        now = time.time()
+        if self.first_token_at is None and out.tokens:
+            self.first_token_at = now
+        self.gaps.token(time.monotonic())
+        chunk = self.coalescer.add(out.text, out.tokens, now)
+        if chunk:
+            self._publish(chunk)
+        elif self._timer is None:
+            self._arm()
+
+    def flush_rest(self) -> None:
+        """Send what is still buffered (the stream ended)."""
+        rest = self.coalescer.take(time.time())
+        if rest:
+            self._publish(rest)
+
+    def final(
+        self, finish: EngineFinish | None, failure: ErrorResult | None
+    ) -> DoneResult | ErrorResult:
+        """The run's final record (`finish` is None only when `failure` is set)."""
+        self.done_at = done_at = time.time()
+        if failure is not None:
+            return failure
+        if finish is None:
+            raise AssertionError("engine stream ended without a finish record")
+        request = self.request
+        if finish.finish_reason == "cancelled":
+            return ErrorResult.for_request(
+                request, ErrorCode.cancelled, "request cancelled", seq=self.seq
+            )
+        return DoneResult(
+            request_id=request.request_id,
+            attempt=request.attempt,
+            seq=self.seq,
+            finish_reason=finish.finish_reason,
+            usage=Usage(
+                prompt_tokens=finish.prompt_tokens, completion_tokens=finish.completion_tokens
+            ),
+            timings=Timings(
+                queue_ms=round((self.started - request.created_at) * 1000, 3),
+                batch_size=self.batch_size,
+                ttft_ms=round(((self.first_token_at or done_at) - request.created_at) * 1000, 3),
+                total_ms=round((done_at - request.created_at) * 1000, 3),
+            ),
+        )
+
+    def log_finished(self, final: DoneResult | ErrorResult, finish: EngineFinish | None) -> None:
+        gaps = self.gaps
+        log.info(
+            "request.finished",
+            request_id=self.request.request_id,
+            attempt=self.request.attempt,
+            finish_reason=final.code.value
+            if isinstance(final, ErrorResult)
+            else final.finish_reason,
+            completion_tokens=finish.completion_tokens if finish is not None else 0,
+            chunks=self.seq,
+            max_chunk_gap_ms=round(gaps.max_gap * 1000, 3),
+            max_chunk_gap_over_token_gap_ms=round(gaps.max_excess * 1000, 3),
+            max_flush_lateness_ms=round(gaps.flush_lateness * 1000, 3),
+            mean_chunk_wait_ms=round(gaps.wait_sum / gaps.chunks * 1000, 3) if gaps.chunks else 0.0,
+        )
+
+    def close(self) -> None:
+        """The run returned: no more flushes; whoever waits for it to exit goes on."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self.exited.set()
+
+    def _publish(self, text: str) -> None:
+        coalescer = self.coalescer
+        self.gaps.chunk(time.monotonic(), coalescer.last_wait, coalescer.last_overdue)
+        request = self.request
+        self.writer.send(
+            DeltaResult(
+                request_id=request.request_id, attempt=request.attempt, seq=self.seq, text=text
+            )
+        )
+        self.seq += 1
+
+    def _arm(self) -> None:
+        flush_at = self.coalescer.flush_at()
+        if flush_at is None:
+            return
+        delay = max(0.0, flush_at - time.time())
+        self._timer = asyncio.get_running_loop().call_later(delay, self._flush_due)
+
+    def _flush_due(self) -> None:
+        """Timer: the oldest buffered token is due (the engine paused); send the buffer."""
+        self._timer = None
+        flush_at = self.coalescer.flush_at()
+        if flush_at is None:
+            return
+        now = time.time()
+        if now < flush_at:
+            self._arm()  # the buffer left meanwhile and filled again: wait for its own time
+            return
+        chunk = self.coalescer.take(now)
+        if not chunk:
+            return
+        # A fenced or failed writer: the run sees it at its next chunk or its final record.
+        with contextlib.suppress(Fenced, ReplyFailed):
+            self._publish(chunk)
+
+
+class RunningRequests:
+    """The one map of the requests running here, by id (the engine knows requests by id).
+
+    Caller: the runner (`start`, `end`), the drain and the fencing (`hand_back`).
+    Affects: each `RequestState.stopping`, and the engine (an abort per stop).
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self._states: dict[str, RequestState] = {}
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def ids(self) -> list[str]:
+        """Ids of the requests whose run has not returned yet, sorted."""
+        return sorted(self._states)
+
+    def get(self, request_id: str) -> RequestState | None:
+        return self._states.get(request_id)
+
+    def start(self, state: RequestState) -> None:
+        self._states[state.request_id] = state
+
+    def end(self, state: RequestState) -> None:
+        """The run returned: no more flushes; whoever waits for it to exit goes on."""
+        if self._states.get(state.request_id) is state:
+            del self._states[state.request_id]
+        state.close()
+
+    async def stop(self, request_id: str, why: Stopping) -> bool:
+        """Stop a running request without answering it; False if it is not running here."""
+        state = self._states.get(request_id)
+        if state is None:
+            return False
+        if why == "superseded" or state.stopping is None:
+            state.stopping = why
+        await self._engine.abort(request_id)
+        return True
+
+    async def hand_back(self, request_id: str) -> bool:
+        """Stop a running request to be run again; its `run` returns "handed_back"."""
+        return await self.stop(request_id, "hand_back")
