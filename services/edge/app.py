@@ -19,6 +19,7 @@ from pathlib import Path
 
 import structlog
 from aiokafka import TopicPartition
+from aiokafka.errors import KafkaError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -30,7 +31,7 @@ from services.edge.auth import Guard
 from services.edge.broker_link import BrokerLink
 from services.edge.chat_socket import ChatSocket
 from services.edge.gateway import Gateway
-from services.edge.lease_keeper import LeaseKeeper, LeaseLost, ensure_lease_topic
+from services.edge.lease_keeper import LeaseKeeper, LeaseLost, TopicNotReady, ensure_lease_topic
 from services.edge.metrics import EdgeMetrics
 from services.edge.results import ResultReader
 from services.edge.settings import EdgeSettings
@@ -41,6 +42,7 @@ from shared.kafka import make_admin, make_consumer, make_producer
 from shared.messages import ReplyTo
 from shared.metrics import EdgeRequestMetrics
 from shared.producers import RenewingProducer
+from shared.retry import retrying
 from shared.topics import Topics
 
 log = structlog.get_logger()
@@ -184,11 +186,26 @@ class Edge:
             backoff = min(backoff * 2, RESTART_MAX_S)
 
     async def _lease_partition(self, link: BrokerLink, keeper: LeaseKeeper) -> int:
+        """Lease a results partition; waits out a cluster that cannot answer yet.
+
+        A broker node away, or a results topic not yet in a fresh or restarted broker's
+        metadata, is retried with backoff and logged (`write.retry`, what=lease_partition),
+        never an exit: an edge that exited here crash-looped until the node was back
+        (docs/reliability.md, finding 4).
+        """
+        return await retrying(
+            lambda: self._try_lease_partition(link, keeper),
+            within_s=None,
+            what="lease_partition",
+            retry_on=(KafkaError, TimeoutError, TopicNotReady),
+        )
+
+    async def _try_lease_partition(self, link: BrokerLink, keeper: LeaseKeeper) -> int:
         s = self.settings
         await ensure_lease_topic(link.admin, self.topics.result_leases, s.edge_lease_ttl_s)
         partitions = await link.partition_count(self.topics.results)
         if partitions is None:
-            raise RuntimeError(f"{self.topics.results} does not exist: create the topics first")
+            raise TopicNotReady(f"{self.topics.results} is not in the cluster's metadata yet")
         wanted = s.edge_result_partition
         if wanted is not None and wanted >= partitions:
             raise RuntimeError(f"edge_result_partition={wanted}, but the topic has {partitions}")
