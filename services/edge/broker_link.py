@@ -75,7 +75,8 @@ class BrokerLink:
         """
         timeout = self.produce_timeout_s if timeout_s is None else timeout_s
         try:
-            result = await asyncio.wait_for(call, timeout)
+            async with asyncio.timeout(timeout):  # no task per call, unlike wait_for
+                result = await call
         except TimeoutError as exc:
             self.sent(exc)
             raise BrokerUnavailable(f"no answer from Kafka in {timeout:.1f} s") from exc
