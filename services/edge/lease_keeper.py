@@ -16,6 +16,7 @@ from aiokafka.structs import RecordMetadata
 
 from services.edge.leases import Lease, LeaseBook, LeaseRecord
 from shared.kafka import cluster_replication, encode, make_consumer, new_topic
+from shared.producers import RenewingProducer
 from shared.settings import TokenbusSettings
 
 log = structlog.get_logger()
@@ -83,7 +84,7 @@ class LeaseKeeper:
         settings: TokenbusSettings,
         topic: str,
         holder: str,
-        producer: Callable[[], AIOKafkaProducer],
+        producer: Callable[[], AIOKafkaProducer | RenewingProducer],
         ttl_s: float,
         on_send: Callable[[BaseException | None], None] | None = None,
     ) -> None:

@@ -9,14 +9,14 @@ aiokafka forgets them on every `assign`.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import structlog
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 from pydantic import TypeAdapter, ValidationError
 
-from services.edge.streams import StreamRouter
 from shared.messages import ResultRecord
 
 log = structlog.get_logger()
@@ -27,10 +27,26 @@ _results: TypeAdapter[ResultRecord] = TypeAdapter(ResultRecord)
 # never queues more than this many frames on a socket (see `edge_outbox_frames`).
 FETCH_MAX_RECORDS = 1000
 
-OnControl = Callable[[bytes], None]
 OnCaughtUp = Callable[[], None]
-# (consumer, partition, record) of each valid result record, before it is routed (telemetry)
-OnResult = Callable[[AIOKafkaConsumer, TopicPartition, "ConsumerRecord[bytes, bytes]"], None]
+
+
+class ResultSink(Protocol):
+    """Where the reader hands what it read (the gateway)."""
+
+    def on_fetched(
+        self,
+        consumer: AIOKafkaConsumer,
+        fetched: Mapping[TopicPartition, Sequence[ConsumerRecord[bytes, bytes]]],
+    ) -> None:
+        """What one fetch returned, before any of it is handed over (lag)."""
+
+    def on_control(self, value: bytes) -> None:
+        """One record of the control topic."""
+
+    def on_results(
+        self, results: Sequence[tuple[ConsumerRecord[bytes, bytes], ResultRecord]]
+    ) -> None:
+        """The valid result records of one partition from one fetch, parsed, in order."""
 
 
 @dataclass(frozen=True)
@@ -58,21 +74,11 @@ class _Tail:
 
 
 class ResultReader:
-    """Owns the consumer; routes result records to the router and control records out."""
+    """Owns the consumer; hands result and control records to a sink (`run`)."""
 
-    def __init__(
-        self,
-        consumer: AIOKafkaConsumer,
-        router: StreamRouter,
-        control: TopicPartition,
-        on_control: OnControl,
-        on_result: OnResult | None = None,
-    ) -> None:
+    def __init__(self, consumer: AIOKafkaConsumer, control: TopicPartition) -> None:
         self._consumer = consumer
-        self._on_result = on_result
-        self._router = router
         self._control = control
-        self._on_control = on_control
         self._tails: dict[TopicPartition, _Tail] = {}
         self._assigned: frozenset[TopicPartition] = frozenset()
         self._ops: list[_Follow | _Unfollow] = []
@@ -124,33 +130,40 @@ class ResultReader:
         self._ops.append(_Unfollow(tp))
         self._changed.set()
 
-    async def run(self) -> None:
+    async def run(self, sink: ResultSink) -> None:
         """Read until cancelled. Safe to call again after a failure: positions are kept here,
         and the first step assigns and seeks every followed partition afresh."""
         self._assigned = frozenset()
-        while True:
-            self._apply_changes()
-            self._fire_waiters()
-            fetch = asyncio.ensure_future(
-                self._consumer.getmany(timeout_ms=1000, max_records=FETCH_MAX_RECORDS)
-            )
-            wake = asyncio.ensure_future(self._changed.wait())
-            try:
-                await asyncio.wait({fetch, wake}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
+        # One waiter for changes, kept across fetches: most fetches end with records.
+        wake: asyncio.Task[bool] | None = None
+        try:
+            while True:
+                self._apply_changes()
+                self._fire_waiters()
+                fetch = asyncio.ensure_future(
+                    self._consumer.getmany(timeout_ms=1000, max_records=FETCH_MAX_RECORDS)
+                )
+                if wake is None or wake.done():
+                    wake = asyncio.ensure_future(self._changed.wait())
+                try:
+                    await asyncio.wait({fetch, wake}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    if not fetch.done():
+                        fetch.cancel()
+                try:
+                    fetched = await fetch
+                except asyncio.CancelledError:
+                    # Interrupted for a change of what to follow; nothing was taken from the
+                    # consumer's buffer, and positions are ours, so nothing is lost.
+                    if not self._changed.is_set():
+                        raise
+                    continue
+                sink.on_fetched(self._consumer, fetched)
+                for tp, records in fetched.items():
+                    self._handle(tp, records, sink)
+        finally:
+            if wake is not None:
                 wake.cancel()
-                if not fetch.done():
-                    fetch.cancel()
-            try:
-                fetched = await fetch
-            except asyncio.CancelledError:
-                # Interrupted for a change of what to follow; nothing was taken from the
-                # consumer's buffer, and positions are ours, so nothing is lost.
-                if not self._changed.is_set():
-                    raise
-                continue
-            for tp, records in fetched.items():
-                self._handle(tp, records)
 
     def _apply_changes(self) -> None:
         self._changed.clear()
@@ -181,23 +194,27 @@ class ResultReader:
         for tp in seeks & wanted:
             self._consumer.seek(tp, self._tails[tp].position)
 
-    def _handle(self, tp: TopicPartition, records: list[ConsumerRecord[bytes, bytes]]) -> None:
+    def _handle(
+        self, tp: TopicPartition, records: list[ConsumerRecord[bytes, bytes]], sink: ResultSink
+    ) -> None:
         tail = self._tails.get(tp)
-        if tail is None:
+        if tail is None or not records:
             return  # unfollowed while these were in flight
-        for record in records:
-            tail.position = record.offset + 1
-            if tp == self._control:
-                self._on_control(record.value or b"")
-                continue
-            try:
-                result = _results.validate_json(record.value or b"")
-            except ValidationError as exc:
-                log.error("result.invalid", topic=tp.topic, offset=record.offset, error=str(exc))
-                continue
-            if self._on_result is not None:
-                self._on_result(self._consumer, tp, record)
-            self._router.route(result)
+        tail.position = records[-1].offset + 1
+        if tp == self._control:
+            for record in records:
+                sink.on_control(record.value or b"")
+        else:
+            parsed: list[tuple[ConsumerRecord[bytes, bytes], ResultRecord]] = []
+            for record in records:
+                try:
+                    parsed.append((record, _results.validate_json(record.value or b"")))
+                except ValidationError as exc:
+                    log.error(
+                        "result.invalid", topic=tp.topic, offset=record.offset, error=str(exc)
+                    )
+            if parsed:
+                sink.on_results(parsed)
         self._fire_waiters()
 
     def _fire_waiters(self) -> None:
