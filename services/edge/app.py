@@ -32,6 +32,9 @@ from services.edge.broker_health import BrokerHealth, BrokerUnavailable
 from services.edge.deadlines import Deadlines
 from services.edge.lease_keeper import LeaseKeeper, LeaseLost, ensure_lease_topic
 from services.edge.metrics import EdgeMetrics
+from services.edge.openai.edge_streams import EdgeStreams
+from services.edge.openai.models import ModelDirectory
+from services.edge.openai.routes import OpenAIApi
 from services.edge.producer import EdgeProducer
 from services.edge.protocol import (
     AcceptedFrame,
@@ -122,6 +125,8 @@ class Edge:
         self.topology: ResultTopology | None = None
         self._admin: AIOKafkaAdminClient | None = None
         self.ready = False
+        # The OpenAI-compatible API (services/edge/openai/): the models workers advertise.
+        self.openai = EdgeStreams(self, ModelDirectory(settings.edge_models_stale_s))
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -143,6 +148,7 @@ class Edge:
                 TopicPartition(self.topics.control, 0),
                 self._on_control,
                 on_result=self._result_seen,
+                side={TopicPartition(self.topics.workers, 0): self.openai.heartbeat},
             )
             if s.edge_result_topology == "partition":
                 keeper = LeaseKeeper(
@@ -156,7 +162,7 @@ class Edge:
                 partition = await self._lease_partition(keeper)
                 reply_to = ReplyTo(topic=self.topics.results, partition=partition)
                 self.topology = PartitionTopology(reply_to, self.reader)
-                await self.reader.start(reply_tp(reply_to))
+                await self.reader.start(reply_tp(reply_to), self._models_since())
                 tasks.append(asyncio.create_task(self._keep_lease(keeper), name="edge-lease"))
             else:
                 self.topology = TopicTopology(
@@ -166,7 +172,7 @@ class Edge:
                     s.edge_result_topic_retention_s,
                     self.metrics,
                 )
-                await self.reader.start(None)
+                await self.reader.start(None, self._models_since())
             sweeper = TopicSweeper(
                 self._admin,
                 s,
@@ -205,6 +211,10 @@ class Edge:
             await consumer.stop()
             await self._admin.close()
             await self._producers.stop()
+
+    def _models_since(self) -> float:
+        """Heartbeats are read from this long ago, so `/v1/models` knows live workers at once."""
+        return time.time() - self.settings.edge_models_stale_s
 
     async def _supervised(self, name: str, loop: Callable[[], Awaitable[None]]) -> None:
         """Run a background loop for the edge's life; restart it with backoff if it fails.
@@ -852,12 +862,16 @@ def _log_withdraw_failure(request_id: str) -> Callable[[asyncio.Future[object]],
 
 def build_app(settings: EdgeSettings) -> Starlette:
     edge = Edge(settings)
+    openai = OpenAIApi(edge.openai, settings.edge_max_frame_bytes)
     return Starlette(
         routes=[
             Route("/", edge.index),
             Route("/healthz", edge.healthz),
             Route("/metrics", edge.metrics_page),
             WebSocketRoute("/v1/chat", edge.chat),
+            Route("/v1/chat/completions", openai.chat_completions, methods=["POST"]),
+            Route("/v1/completions", openai.completions, methods=["POST"]),
+            Route("/v1/models", openai.models),
         ],
         lifespan=edge.lifespan,
     )

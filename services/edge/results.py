@@ -9,7 +9,7 @@ aiokafka forgets them on every `assign`.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import structlog
@@ -67,8 +67,12 @@ class ResultReader:
         control: TopicPartition,
         on_control: OnControl,
         on_result: OnResult | None = None,
+        side: Mapping[TopicPartition, OnControl] | None = None,
     ) -> None:
         self._consumer = consumer
+        # Other partitions read for the edge's life, each handed to its own callback
+        # (the workers' heartbeats, for `/v1/models`).
+        self._side = dict(side or {})
         self._on_result = on_result
         self._router = router
         self._control = control
@@ -78,13 +82,18 @@ class ResultReader:
         self._ops: list[_Follow | _Unfollow] = []
         self._changed = asyncio.Event()
 
-    async def start(self, own: TopicPartition | None) -> None:
-        """Follow the control topic, and `own` (the edge's result partition), from their ends."""
-        permanent = [self._control] + ([own] if own is not None else [])
+    async def start(self, own: TopicPartition | None, side_since: float | None = None) -> None:
+        """Follow the control topic, and `own` (the edge's result partition), from their ends;
+        the side partitions from their first record at or after `side_since` (Unix seconds)."""
+        permanent = [self._control] + ([own] if own is not None else []) + list(self._side)
         self._consumer.assign(permanent)
         for tp in permanent:
             await self._consumer.seek_to_end(tp)
             position = await self._consumer.position(tp)
+            if tp in self._side and side_since is not None:
+                found = await self._consumer.offsets_for_times({tp: int(side_since * 1000)})
+                if found.get(tp) is not None:
+                    position = found[tp].offset
             self._tails[tp] = _Tail(position=position, permanent=True)
         self._assigned = frozenset(permanent)
 
@@ -189,6 +198,9 @@ class ResultReader:
             tail.position = record.offset + 1
             if tp == self._control:
                 self._on_control(record.value or b"")
+                continue
+            if (handler := self._side.get(tp)) is not None:
+                handler(record.value or b"")
                 continue
             try:
                 result = _results.validate_json(record.value or b"")

@@ -245,7 +245,14 @@ class SseStream:
             self._attempt, self._last_seq = self.after.attempt, self.after.seq
             self._texted = self.after.seq >= 0
 
+    started: bool = False  # an event was made: from now on an error is an event in the stream
+
     def take(self, frame: ServerFrame) -> list[bytes]:
+        out = self._take(frame)
+        self.started = self.started or bool(out)
+        return out
+
+    def _take(self, frame: ServerFrame) -> list[bytes]:
         if self.ended or isinstance(frame, AcceptedFrame | StreamResumedFrame):
             return []
         if isinstance(frame, ResetFrame):
