@@ -35,6 +35,8 @@ log = structlog.get_logger()
 # Errors after which a producer never writes again.
 BROKEN = (OutOfOrderSequenceNumber, UnknownProducerId)
 STOP_TIMEOUT_S = 5.0
+# One try at starting a fresh producer; a broker that hangs is tried again, not waited on.
+START_TIMEOUT_S = 5.0
 
 
 class RenewingProducer:
@@ -61,6 +63,12 @@ class RenewingProducer:
         """Return once no renewal is under way."""
         if self._renewal is not None:
             await asyncio.shield(self._renewal)
+
+    async def renew(self) -> None:
+        """Start afresh now, as if broken: for a writer that gave up on a write and cannot
+        tell whether it left the producer broken (the edge, after a timeout)."""
+        self._broken(self._inner, TimeoutError("a bounded write gave up"))
+        await self.settled()
 
     async def stop(self) -> None:
         if self._renewal is not None:
@@ -125,7 +133,8 @@ class RenewingProducer:
         async def start_fresh() -> AIOKafkaProducer:
             fresh = self._make()
             try:
-                await fresh.start()
+                async with asyncio.timeout(START_TIMEOUT_S):  # TimeoutError is an OSError
+                    await fresh.start()
             except BaseException:
                 with contextlib.suppress(Exception):
                     await fresh.stop()

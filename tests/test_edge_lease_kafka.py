@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 from aiokafka import AIOKafkaProducer
@@ -12,7 +13,7 @@ from aiokafka import AIOKafkaProducer
 from services.edge.lease_keeper import LeaseKeeper, LeaseLost, ensure_lease_topic
 from shared.kafka import create_topics, delete_topics, make_admin, make_producer
 from shared.settings import TokenbusSettings
-from tests.stack import new_prefix
+from tests.stack import Stack, free_port, new_prefix, wait_until
 
 TTL_S = 2.0
 PARTITIONS = 4
@@ -152,3 +153,28 @@ async def test_a_lease_topic_made_with_default_configs_is_switched_to_append_tim
         await producer.stop()
         await admin.close()
         await delete_topics(settings, [topic])
+
+
+def test_an_edge_started_before_its_results_topic_waits_for_it(
+    bootstrap: str, log_dir: Path
+) -> None:
+    """A fresh or restarted broker may not list the results topic yet (finding 4): the edge
+    retries with backoff and says so, and serves once the topic is there, same process."""
+    stack = Stack(bootstrap=bootstrap, prefix=new_prefix(), log_dir=log_dir)
+    stack.edge_port = free_port()
+    stack.start_service("edge")
+    try:
+        log = log_dir / f"{stack.prefix}-edge.log"
+
+        def retried() -> bool:
+            stack.check_alive()
+            return "what='lease_partition'" in (log.read_text() if log.exists() else "")
+
+        wait_until(retried, 60, "the edge's logged retry of its lease")
+        pid = stack.processes["edge"].pid
+        asyncio.run(create_topics(stack.settings, stack.topics.partitions()))
+        wait_until(stack.edge_ready, 60, "the edge's /healthz once the topics exist")
+        assert stack.processes["edge"].poll() is None
+        assert stack.processes["edge"].pid == pid
+    finally:
+        stack.stop()

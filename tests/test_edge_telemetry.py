@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
@@ -28,21 +28,6 @@ class FakeClock:
         return self.now
 
 
-@dataclass
-class FakeProducer:
-    """Stands in for aiokafka's producer: keeps what was sent."""
-
-    sent: list[tuple[str, bytes, list[tuple[str, bytes]]]] = field(default_factory=list)
-    fail: bool = False
-
-    async def send_and_wait(
-        self, topic: str, value: bytes, key: bytes, headers: list[tuple[str, bytes]]
-    ) -> None:
-        if self.fail:
-            raise ConnectionError("broker gone")
-        self.sent.append((topic, value, headers))
-
-
 @dataclass(frozen=True)
 class FakeRecord:
     topic: str
@@ -51,6 +36,12 @@ class FakeRecord:
     timestamp: int
     key: bytes
     headers: tuple[tuple[str, bytes], ...]
+
+
+@dataclass(frozen=True)
+class FakeTopicPartition:
+    topic: str
+    partition: int
 
 
 class FakeConsumer:
@@ -78,32 +69,28 @@ def record(request_id: str, created_at: float) -> RequestRecord:
     return RequestRecord(request_id=request_id, prompt="hi", created_at=created_at)
 
 
-async def test_a_request_from_frame_to_final_frame(
+def test_a_request_from_frame_to_final_frame(
     setup: tuple[EdgeTelemetry, InMemorySpanExporter, CollectorRegistry, FakeClock],
 ) -> None:
     tel, exporter, registry, clock = setup
-    tel.begin("r1", tier="interactive", max_tokens=8)
-    producer = FakeProducer()
-    await tel.publish(producer, "t.requests", record("r1", 1000.002))  # type: ignore[arg-type]
-    (_, _, headers) = producer.sent[0]
+    flight = tel.begin("r1", tier="interactive", max_tokens=8)
+    sending = tel.sending(flight, "t.requests", record("r1", 1000.002))
+    headers = sending.headers  # the caller writes the record with these
+    tel.sent(flight, sending, None)
     clock.now = 1000.1
-    tel.frame_written(DeltaFrame(request_id="r1", seq=0, text="a"))
-    tel.fetched(
-        FakeConsumer(),
-        {
-            "tp": [
-                FakeRecord("t.results", 0, 7, 1000_250, b"r1", (("traceparent", WORKER.encode()),))
-            ]
-        },
-    )
+    tel.frame_written(flight, DeltaFrame(request_id="r1", seq=0, text="a"))
+    result = FakeRecord("t.results", 0, 7, 1000_250, b"r1", (("traceparent", WORKER.encode()),))
+    tel.fetched(FakeConsumer(), {FakeTopicPartition("t.results", 0): [result]})
+    tel.result_record(flight, result)
     clock.now = 1000.3
     tel.frame_written(
+        flight,
         DoneFrame(
             request_id="r1",
             finish_reason="length",
             usage=Usage(prompt_tokens=1, completion_tokens=8),
             timings=Timings(queue_ms=1, batch_size=1, ttft_ms=2, total_ms=3),
-        )
+        ),
     )
     spans = {s.name: s for s in exporter.get_finished_spans()}
     root, accept, send, deliver = (
@@ -138,19 +125,21 @@ async def test_a_request_from_frame_to_final_frame(
     ) == pytest.approx(0.1)
     assert registry.get_sample_value("tokenbus_edge_delivery_seconds_sum", t) == pytest.approx(0.05)
     assert registry.get_sample_value("tokenbus_edge_requests_in_flight", {}) == 0
-    assert len(tel) == 0
+    assert flight.ended
 
 
-async def test_a_failed_produce_ends_the_trace_with_an_error(
+def test_a_failed_produce_ends_the_trace_with_an_error(
     setup: tuple[EdgeTelemetry, InMemorySpanExporter, CollectorRegistry, FakeClock],
 ) -> None:
     tel, exporter, registry, _ = setup
-    tel.begin("r1", tier="interactive", max_tokens=None)
-    with pytest.raises(ConnectionError):
-        await tel.publish(FakeProducer(fail=True), "t.requests", record("r1", 1000.0))  # type: ignore[arg-type]
+    flight = tel.begin("r1", tier="interactive", max_tokens=None)
+    sending = tel.sending(flight, "t.requests", record("r1", 1000.0))
+    tel.sent(flight, sending, ConnectionError("broker gone"))
     root = next(s for s in exporter.get_finished_spans() if s.name == "chat")
+    send = next(s for s in exporter.get_finished_spans() if s.name == "send t.requests")
     assert not root.status.is_ok
-    assert len(tel) == 0
+    assert not send.status.is_ok
+    assert registry.get_sample_value("tokenbus_edge_requests_in_flight", {}) == 0
     assert (
         registry.get_sample_value(
             "tokenbus_edge_responses_total", {"tier": "interactive", "outcome": "produce_failed"}
@@ -163,10 +152,12 @@ def test_an_error_frame_ends_the_request_and_continues_the_parent(
     setup: tuple[EdgeTelemetry, InMemorySpanExporter, CollectorRegistry, FakeClock],
 ) -> None:
     tel, exporter, _, _ = setup
-    tel.begin("r1", tier="background", max_tokens=4, parent={"traceparent": WORKER})
-    tel.frame_written(ErrorFrame(code=ErrorCode.deadline_exceeded, message="late", request_id="r1"))
+    flight = tel.begin("r1", tier="background", max_tokens=4, parent={"traceparent": WORKER})
+    error = ErrorFrame(code=ErrorCode.deadline_exceeded, message="late", request_id="r1")
+    tel.frame_written(flight, error)
     (root,) = exporter.get_finished_spans()
     assert root.context.trace_id == 0x4BF92F3577B34DA6A3CE929D0E0E4736
     assert root.attributes[semconv.ERROR_TYPE] == "deadline_exceeded"
-    # Frames of unknown requests are ignored.
-    tel.frame_written(ErrorFrame(code=ErrorCode.not_found, message="?", request_id="zz"))
+    # A frame after the final one measures nothing more.
+    tel.frame_written(flight, error)
+    assert len(exporter.get_finished_spans()) == 1

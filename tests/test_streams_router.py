@@ -33,7 +33,7 @@ class Client:
     def __init__(self) -> None:
         self.frames: list[ServerFrame] = []
 
-    def __call__(self, frame: ServerFrame) -> None:
+    def send(self, frame: ServerFrame, stream: ResultStream | None = None) -> None:
         self.frames.append(frame)
 
     @property
@@ -54,7 +54,7 @@ class Client:
 def accepted_router(ended: list[ResultStream] | None = None) -> tuple[StreamRouter, Client]:
     router = StreamRouter(on_end=(ended.append if ended is not None else None))
     client = Client()
-    router.open(RID, client, owner="socket")
+    router.open(RID, client)
     router.release(RID, _accepted())
     return router, client
 
@@ -96,7 +96,7 @@ def test_new_attempt_is_announced_and_old_attempt_is_never_shown_again() -> None
 def test_records_before_acceptance_wait_behind_it() -> None:
     router = StreamRouter()
     client = Client()
-    router.open(RID, client, owner="s")
+    router.open(RID, client)
     router.route(delta(0))
     router.route(done(1))
     assert client.frames == []
@@ -131,7 +131,7 @@ def test_a_detached_stream_shows_nothing_but_still_learns_it_ended() -> None:
     ended: list[ResultStream] = []
     router, client = accepted_router(ended)
     router.route(delta(0))
-    assert router.detach_owner("socket") == [RID]
+    assert [s.request_id for s in router.detach(client)] == [RID]
     stream = router.get(RID)
     assert stream is not None
     assert stream.detached
@@ -144,7 +144,7 @@ def test_a_detached_stream_shows_nothing_but_still_learns_it_ended() -> None:
 def test_resume_shows_only_what_follows_after_seq_once_caught_up() -> None:
     router = StreamRouter()
     client = Client()
-    router.resume(RID, client, "s2", ResumePoint(attempt=0, after_seq=1))
+    router.resume(RID, client, ResumePoint(attempt=0, after_seq=1))
     for record in [delta(0), delta(1), delta(2)]:  # the replay from the token's offset
         router.route(record)
     assert client.frames == []
@@ -157,7 +157,7 @@ def test_resume_shows_only_what_follows_after_seq_once_caught_up() -> None:
 def test_resume_of_a_superseded_attempt_gets_the_reset_and_the_new_attempt() -> None:
     router = StreamRouter()
     client = Client()
-    router.resume(RID, client, "s2", ResumePoint(attempt=0, after_seq=2))
+    router.resume(RID, client, ResumePoint(attempt=0, after_seq=2))
     for record in [delta(0), delta(1), delta(2), delta(3), delta(0, 1), delta(4), delta(1, 1)]:
         router.route(record)
     assert router.caught_up(RID)
@@ -174,7 +174,7 @@ def test_resume_of_a_superseded_attempt_gets_the_reset_and_the_new_attempt() -> 
 def test_resume_claiming_more_than_the_log_holds_is_refused() -> None:
     router = StreamRouter()
     client = Client()
-    router.resume(RID, client, "s2", ResumePoint(attempt=0, after_seq=5))
+    router.resume(RID, client, ResumePoint(attempt=0, after_seq=5))
     router.route(delta(0))
     router.route(delta(1))
     assert not router.caught_up(RID)

@@ -11,11 +11,12 @@ import structlog
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
-from aiokafka.errors import KafkaError
+from aiokafka.errors import KafkaError, for_code
 from aiokafka.structs import RecordMetadata
 
 from services.edge.leases import Lease, LeaseBook, LeaseRecord
 from shared.kafka import cluster_replication, encode, make_consumer, new_topic
+from shared.producers import RenewingProducer
 from shared.settings import TokenbusSettings
 
 log = structlog.get_logger()
@@ -24,6 +25,10 @@ TOPIC_ALREADY_EXISTS = 36
 LOG_APPEND_TIME = 1
 # Longest an edge waits for the lease topic's switch to append time to reach the log.
 APPEND_TIME_WAIT_S = 120.0
+
+
+class TopicNotReady(Exception):
+    """A topic the lease needs is not in the cluster's metadata (yet): retried, not fatal."""
 
 
 class LeaseLost(Exception):
@@ -49,7 +54,10 @@ async def ensure_lease_topic(admin: AIOKafkaAdminClient, topic: str, ttl_s: floa
     response = await admin.create_topics([new_topic(topic, 1, replication, configs)])
     errors = [e for _, e, *_ in response.topic_errors if e not in (0, TOPIC_ALREADY_EXISTS)]
     if errors:
-        raise RuntimeError(f"could not create the lease topic {topic}: error codes {errors}")
+        message = f"could not create the lease topic {topic}: error codes {errors}"
+        if all(for_code(e).retriable for e in errors):
+            raise TopicNotReady(message)  # a controller moving, a node away: tried again
+        raise RuntimeError(message)
     if any(e == TOPIC_ALREADY_EXISTS for _, e, *_ in response.topic_errors):
         # Made by someone else (`tokenbus topics create` makes it with default configs):
         # the edge owns this topic's configs.
@@ -76,7 +84,7 @@ class LeaseKeeper:
         settings: TokenbusSettings,
         topic: str,
         holder: str,
-        producer: Callable[[], AIOKafkaProducer],
+        producer: Callable[[], AIOKafkaProducer | RenewingProducer],
         ttl_s: float,
         on_send: Callable[[BaseException | None], None] | None = None,
     ) -> None:

@@ -9,14 +9,14 @@ aiokafka forgets them on every `assign`.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import structlog
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 from pydantic import TypeAdapter, ValidationError
 
-from services.edge.streams import StreamRouter
 from shared.messages import ResultRecord
 
 log = structlog.get_logger()
@@ -27,10 +27,24 @@ _results: TypeAdapter[ResultRecord] = TypeAdapter(ResultRecord)
 # never queues more than this many frames on a socket (see `edge_outbox_frames`).
 FETCH_MAX_RECORDS = 1000
 
-OnControl = Callable[[bytes], None]
 OnCaughtUp = Callable[[], None]
-# (consumer, partition, record) of each valid result record, before it is routed (telemetry)
-OnResult = Callable[[AIOKafkaConsumer, TopicPartition, "ConsumerRecord[bytes, bytes]"], None]
+
+
+class ResultSink(Protocol):
+    """Where the reader hands what it read (the gateway)."""
+
+    def on_fetched(
+        self,
+        consumer: AIOKafkaConsumer,
+        fetched: Mapping[TopicPartition, Sequence[ConsumerRecord[bytes, bytes]]],
+    ) -> None:
+        """What one fetch returned, before any of it is handed over (lag)."""
+
+    def on_control(self, value: bytes) -> None:
+        """One record of the control topic."""
+
+    def on_result(self, record: ConsumerRecord[bytes, bytes], result: ResultRecord) -> None:
+        """One valid result record, parsed."""
 
 
 @dataclass(frozen=True)
@@ -58,25 +72,19 @@ class _Tail:
 
 
 class ResultReader:
-    """Owns the consumer; routes result records to the router and control records out."""
+    """Owns the consumer; hands result and control records to a sink (`run`)."""
 
     def __init__(
         self,
         consumer: AIOKafkaConsumer,
-        router: StreamRouter,
         control: TopicPartition,
-        on_control: OnControl,
-        on_result: OnResult | None = None,
-        side: Mapping[TopicPartition, OnControl] | None = None,
+        side: Mapping[TopicPartition, Callable[[bytes], None]] | None = None,
     ) -> None:
         self._consumer = consumer
         # Other partitions read for the edge's life, each handed to its own callback
-        # (the workers' heartbeats, for `/v1/models`).
+        # (the workers' heartbeats, for `/v1/models`), never parsed as results.
         self._side = dict(side or {})
-        self._on_result = on_result
-        self._router = router
         self._control = control
-        self._on_control = on_control
         self._tails: dict[TopicPartition, _Tail] = {}
         self._assigned: frozenset[TopicPartition] = frozenset()
         self._ops: list[_Follow | _Unfollow] = []
@@ -133,7 +141,7 @@ class ResultReader:
         self._ops.append(_Unfollow(tp))
         self._changed.set()
 
-    async def run(self) -> None:
+    async def run(self, sink: ResultSink) -> None:
         """Read until cancelled. Safe to call again after a failure: positions are kept here,
         and the first step assigns and seeks every followed partition afresh."""
         self._assigned = frozenset()
@@ -158,8 +166,9 @@ class ResultReader:
                 if not self._changed.is_set():
                     raise
                 continue
+            sink.on_fetched(self._consumer, fetched)
             for tp, records in fetched.items():
-                self._handle(tp, records)
+                self._handle(tp, records, sink)
 
     def _apply_changes(self) -> None:
         self._changed.clear()
@@ -190,14 +199,16 @@ class ResultReader:
         for tp in seeks & wanted:
             self._consumer.seek(tp, self._tails[tp].position)
 
-    def _handle(self, tp: TopicPartition, records: list[ConsumerRecord[bytes, bytes]]) -> None:
+    def _handle(
+        self, tp: TopicPartition, records: list[ConsumerRecord[bytes, bytes]], sink: ResultSink
+    ) -> None:
         tail = self._tails.get(tp)
         if tail is None:
             return  # unfollowed while these were in flight
         for record in records:
             tail.position = record.offset + 1
             if tp == self._control:
-                self._on_control(record.value or b"")
+                sink.on_control(record.value or b"")
                 continue
             if (handler := self._side.get(tp)) is not None:
                 handler(record.value or b"")
@@ -207,9 +218,7 @@ class ResultReader:
             except ValidationError as exc:
                 log.error("result.invalid", topic=tp.topic, offset=record.offset, error=str(exc))
                 continue
-            if self._on_result is not None:
-                self._on_result(self._consumer, tp, record)
-            self._router.route(result)
+            sink.on_result(record, result)
         self._fire_waiters()
 
     def _fire_waiters(self) -> None:

@@ -13,41 +13,47 @@ would wait forever on an open socket. Pure, with the caller's clock:
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Protocol, TypeVar
+
+
+class Watched(Protocol):
+    """What the rule reads and writes of a stream (`streams.ResultStream`)."""
+
+    progress_at: float | None
+
+
+W = TypeVar("W", bound=Watched)
 
 
 class StallGuard:
-    """request_id -> when it last showed progress.
+    """The stall rule over streams; each stream keeps its own `progress_at`.
 
-    Caller: the edge (`seen` per result record, `forget` when a stream ends, `outage_over`
-    when the broker is back, `due` from housekeeping).
+    Caller: the edge (`seen` per result record, `outage_over` when the broker is back,
+    `due` and `next_at` from housekeeping). Affects: the streams' `progress_at`.
     """
 
     def __init__(self, stall_s: float) -> None:
         self.stall_s = stall_s
-        self._last: dict[str, float] = {}
 
-    def seen(self, request_id: str, now: float) -> None:
-        self._last[request_id] = now
+    @staticmethod
+    def seen(stream: Watched, now: float) -> None:
+        stream.progress_at = now
 
-    def forget(self, request_id: str) -> None:
-        self._last.pop(request_id, None)
-
-    def outage_over(self, open_ids: Iterable[str], now: float) -> None:
+    @staticmethod
+    def outage_over(streams: Iterable[Watched], now: float) -> None:
         """The broker is back: silence until now does not count, and open streams are watched."""
-        for request_id in open_ids:
-            self._last[request_id] = now
-        for request_id in self._last:
-            self._last[request_id] = now
+        for stream in streams:
+            stream.progress_at = now
 
-    def due(self, now: float) -> list[str]:
-        """Streams silent for `stall_s`; they are forgotten (the caller ends them)."""
-        out = [rid for rid, at in self._last.items() if now - at >= self.stall_s]
-        for request_id in out:
-            del self._last[request_id]
+    def due(self, streams: Iterable[W], now: float) -> list[W]:
+        """Streams silent for `stall_s`; they are no longer watched (the caller ends them)."""
+        out = [
+            s for s in streams if s.progress_at is not None and now - s.progress_at >= self.stall_s
+        ]
+        for stream in out:
+            stream.progress_at = None
         return out
 
-    def next_at(self) -> float | None:
-        return min(self._last.values()) + self.stall_s if self._last else None
-
-    def __len__(self) -> int:
-        return len(self._last)
+    def next_at(self, streams: Iterable[Watched]) -> float | None:
+        watched = [s.progress_at for s in streams if s.progress_at is not None]
+        return min(watched) + self.stall_s if watched else None

@@ -11,8 +11,11 @@ Pure: no I/O and no clock, so every framing rule is tested with plain values. Th
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+from aiokafka import TopicPartition
 
 from services.edge.protocol import (
     DeltaFrame,
@@ -24,12 +27,21 @@ from services.edge.protocol import (
 )
 from shared.messages import DeltaResult, DoneResult, ErrorCode, ErrorResult, ResetResult
 
-Deliver = Callable[[ServerFrame], None]
+if TYPE_CHECKING:
+    from services.edge.telemetry import InFlight
+
 Result = DeltaResult | DoneResult | ErrorResult | ResetResult
 
 
-def _discard(frame: ServerFrame) -> None:
-    """Where a detached stream's frames go while its socket is gone."""
+class Client(Protocol):
+    """Where a stream's frames go: a WebSocket's outbox, an HTTP response.
+
+    `send` never waits (the edge's one result reader calls it); `stream` is the stream the
+    frame belongs to (None: an answer to the client itself), for the writer to report the
+    frame written (`Gateway.written`).
+    """
+
+    def send(self, frame: ServerFrame, stream: ResultStream | None = None) -> None: ...
 
 
 @dataclass
@@ -60,28 +72,37 @@ class ResumePoint:
         return self.seen[self.attempt] < self.after_seq
 
 
-@dataclass
+@dataclass(eq=False)
 class ResultStream:
-    """One request's stream to one socket: the attempt shown and the next `seq` expected."""
+    """One request at this edge: everything the edge keeps for it, in one object.
+
+    The framing state (the attempt shown, the next `seq` expected, frames held until the
+    acceptance), the client it is shown to (None: detached, waiting for a resume), the
+    partition read for it alone, its trace, when it last made progress, and when its
+    disconnect grace ends. Forgetting a request is one `pop` from the router.
+    """
 
     request_id: str
-    deliver: Deliver
-    owner: object
+    client: Client | None
     attempt: int = 0
     next_seq: int = 0
     held: list[ServerFrame] | None = field(default_factory=list)
     resume: ResumePoint | None = None
     ended: bool = False  # its final frame is emitted; nothing more is shown
+    followed: TopicPartition | None = None  # a partition read for this request alone
+    flight: InFlight | None = None  # its trace and latency clocks (telemetry.py)
+    progress_at: float | None = None  # last record seen (None: not watched for stalls)
+    grace_until: float | None = None  # detached: cancelled at this time unless resumed
 
     @property
     def detached(self) -> bool:
-        return self.owner is None
+        return self.client is None
 
     def emit(self, frame: ServerFrame) -> None:
         if self.held is not None:  # not yet accepted / caught up: keep order behind it
             self.held.append(frame)
-        else:
-            self.deliver(frame)
+        elif self.client is not None:  # a detached stream's frames are not shown
+            self.client.send(frame, self)
 
 
 class StreamRouter:
@@ -95,14 +116,27 @@ class StreamRouter:
         self._streams: dict[str, ResultStream] = {}
         self._on_end = on_end
 
-    def open(self, request_id: str, deliver: Deliver, owner: object) -> ResultStream:
+    def open(
+        self,
+        request_id: str,
+        client: Client,
+        *,
+        followed: TopicPartition | None = None,
+        flight: InFlight | None = None,
+    ) -> ResultStream:
         """A new request's stream; its frames wait for `release` (the `chat.accepted`)."""
-        stream = ResultStream(request_id, deliver, owner)
+        stream = ResultStream(request_id, client, followed=followed, flight=flight)
         self._streams[request_id] = stream
         return stream
 
     def resume(
-        self, request_id: str, deliver: Deliver, owner: object, point: ResumePoint
+        self,
+        request_id: str,
+        client: Client,
+        point: ResumePoint,
+        *,
+        followed: TopicPartition | None = None,
+        flight: InFlight | None = None,
     ) -> ResultStream:
         """A resumed stream: shows what follows `point`; held until `caught_up`.
 
@@ -111,11 +145,12 @@ class StreamRouter:
         """
         stream = ResultStream(
             request_id,
-            deliver,
-            owner,
+            client,
             attempt=point.attempt,
             next_seq=point.after_seq + 1,
             resume=point,
+            followed=followed,
+            flight=flight,
         )
         self._streams[request_id] = stream
         return stream
@@ -126,9 +161,9 @@ class StreamRouter:
         if stream is None or stream.held is None:
             return
         held, stream.held = stream.held, None
-        stream.deliver(first)
+        stream.emit(first)
         for frame in held:
-            stream.deliver(frame)
+            stream.emit(frame)
         if any(isinstance(f, DoneFrame | ErrorFrame) for f in held):
             self._end(stream)
 
@@ -144,7 +179,7 @@ class StreamRouter:
         point = stream.resume
         if point.ahead_of_log():
             stream.held = None
-            stream.deliver(
+            stream.emit(
                 ErrorFrame(
                     code=ErrorCode.invalid_request,
                     message=(
@@ -171,24 +206,15 @@ class StreamRouter:
         """Forget a stream without delivering anything more."""
         return self._streams.pop(request_id, None)
 
-    def close_owner(self, owner: object) -> list[str]:
-        """Forget every stream of one socket; return their request ids."""
-        gone = [rid for rid, s in self._streams.items() if s.owner is owner]
-        for rid in gone:
-            del self._streams[rid]
-        return gone
-
-    def detach_owner(self, owner: object) -> list[str]:
-        """A socket went away: keep its streams, showing nothing, until resumed or cancelled.
+    def detach(self, client: Client) -> list[ResultStream]:
+        """A client went away: keep its streams, showing nothing, until resumed or cancelled.
 
         They still follow the records (so a stream that ends meanwhile is known to have
-        ended); return their request ids.
+        ended); return them.
         """
-        gone = [rid for rid, s in self._streams.items() if s.owner is owner]
-        for rid in gone:
-            stream = self._streams[rid]
-            stream.owner = None
-            stream.deliver = _discard
+        gone = [s for s in self._streams.values() if s.client is client]
+        for stream in gone:
+            stream.client = None
             stream.held = None
         return gone
 
@@ -260,6 +286,9 @@ class StreamRouter:
 
     def request_ids(self) -> list[str]:
         return list(self._streams)
+
+    def __iter__(self) -> Iterator[ResultStream]:
+        return iter(list(self._streams.values()))
 
     def __len__(self) -> int:
         return len(self._streams)

@@ -6,8 +6,10 @@ producer span of the request record (whose context rides in the record's headers
 the end the `deliver` stage: from the moment the worker wrote the final result record (its
 Kafka create time) to the frame on the socket, as a child of the worker's span.
 
-One `EdgeTelemetry` per edge: the results reader, the sockets and the submit path report
-to it; its metrics go to the edge's own registry (its `/metrics`).
+One `EdgeTelemetry` per edge: the results reader, the clients' writers and the submit path
+report to it; it observes only (it never sends or changes a record: `sending` returns the
+headers the caller attaches). A request's `InFlight` lives in its stream (`streams.py`), so
+nothing here is kept per request; its metrics go to the edge's own registry (`/metrics`).
 """
 
 from __future__ import annotations
@@ -17,23 +19,23 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from aiokafka import AIOKafkaProducer
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
 
 from services.edge.protocol import DeltaFrame, DoneFrame, ErrorFrame, ServerFrame
 from shared import semconv
-from shared.kafka import encode, key_of
+from shared.kafka import Headers
 from shared.messages import RequestRecord
 from shared.metrics import EdgeRequestMetrics, edge_metrics
 from shared.telemetry import extract, has_trace, inject, record_span, sent_at, tracer
 
-STALE_AFTER_S = 3600.0  # a request whose socket went away is forgotten after this
 
-
-@dataclass
+@dataclass(eq=False)
 class InFlight:
+    """One request's trace and latency clocks, from its frame to its final frame."""
+
+    request_id: str
     root: Span
     context: Context  # the root span's
     tier: str
@@ -41,6 +43,15 @@ class InFlight:
     first_delta: bool = False
     # The latest result record of the request: its create time and the context it carried.
     last_record: tuple[float, Context] | None = None
+    ended: bool = False  # the root span is ended; nothing more is measured
+
+
+@dataclass(frozen=True)
+class Sending:
+    """The producer span of a request record, and the headers that carry it."""
+
+    span: Span
+    headers: Headers
 
 
 @dataclass
@@ -51,7 +62,6 @@ class EdgeTelemetry:
     # Lag is measured on the shared results topic only: per-request topics would each make
     # a label value of their own.
     results_topic: str | None = None
-    _flights: dict[str, InFlight] = field(default_factory=dict)
 
     def begin(
         self,
@@ -60,10 +70,9 @@ class EdgeTelemetry:
         tier: str,
         max_tokens: int | None,
         parent: Mapping[str, str] | None = None,
-    ) -> None:
+    ) -> InFlight:
         """A request frame was read: open its root span (continuing `parent`'s trace, if any)."""
         now = self.clock()
-        self._forget_stale(now)
         parent_ctx = extract(parent) if parent else Context()
         attributes: dict[str, Any] = {
             semconv.GEN_AI_OPERATION_NAME: "chat",
@@ -80,79 +89,64 @@ class EdgeTelemetry:
             start_time=int(now * 1e9),
         )
         context = trace.set_span_in_context(root, parent_ctx)
-        self._flights[request_id] = InFlight(root, context, tier, now)
         self.metrics.in_flight.inc()
+        return InFlight(request_id, root, context, tier, now)
 
-    async def publish(self, producer: AIOKafkaProducer, topic: str, record: RequestRecord) -> None:
-        """Write the request record with its trace context; a failure ends the trace."""
-        flight = self._flights.get(record.request_id)
-        context = flight.context if flight is not None else Context()
-        if flight is not None:
-            record_span(
-                semconv.stage_span_name(semconv.STAGE_ACCEPT),
-                start=flight.started,
-                end=record.created_at,
-                context=context,
-                attributes={
-                    semconv.STAGE: semconv.STAGE_ACCEPT,
-                    semconv.REQUEST_ID: record.request_id,
-                },
-                tracer_=self.tracer,
-            )
+    def sending(self, flight: InFlight, topic: str, record: RequestRecord) -> Sending:
+        """The request record is about to be written: the `accept` stage, and the producer
+        span whose context the caller puts in the record's headers."""
+        record_span(
+            semconv.stage_span_name(semconv.STAGE_ACCEPT),
+            start=flight.started,
+            end=record.created_at,
+            context=flight.context,
+            attributes={semconv.STAGE: semconv.STAGE_ACCEPT, semconv.REQUEST_ID: flight.request_id},
+            tracer_=self.tracer,
+        )
         span = self.tracer.start_span(
             semconv.messaging_span_name("send", topic),
-            context=context,
+            context=flight.context,
             kind=SpanKind.PRODUCER,
             attributes={
                 semconv.MESSAGING_SYSTEM: semconv.MESSAGING_SYSTEM_KAFKA,
                 semconv.MESSAGING_DESTINATION_NAME: topic,
                 semconv.MESSAGING_OPERATION_TYPE: "send",
-                semconv.MESSAGING_KAFKA_MESSAGE_KEY: record.request_id,
-                semconv.REQUEST_ID: record.request_id,
+                semconv.MESSAGING_KAFKA_MESSAGE_KEY: flight.request_id,
+                semconv.REQUEST_ID: flight.request_id,
             },
         )
-        try:
-            await producer.send_and_wait(
-                topic,
-                encode(record),
-                key=key_of(record.request_id),
-                headers=inject(context=trace.set_span_in_context(span, context)),
-            )
-        except Exception as exc:
-            span.record_exception(exc)
-            span.set_status(Status(StatusCode.ERROR))
-            self._end(record.request_id, outcome="produce_failed", error=type(exc).__name__)
-            raise
-        finally:
-            span.end()
-        if flight is not None:
+        headers = inject(context=trace.set_span_in_context(span, flight.context))
+        return Sending(span, headers)
+
+    def sent(self, flight: InFlight, sending: Sending, error: BaseException | None) -> None:
+        """How the write of the request record went; a failure ends the trace."""
+        if error is not None:
+            sending.span.record_exception(error)
+            sending.span.set_status(Status(StatusCode.ERROR))
+        sending.span.end()
+        if error is not None:
+            self._end(flight, outcome="produce_failed", error=type(error).__name__)
+        else:
             self.metrics.requests.labels(flight.tier).inc()
 
     def fetched(self, consumer: Any, fetched: Mapping[Any, Sequence[Any]]) -> None:
-        """After a fetch of result records: lag, and the latest record of each request."""
-        for tp, records in fetched.items():
-            for record in records:
-                self.result_record(consumer, tp, record)
+        """After a fetch of result records: the lag of the shared results topic."""
+        ours = {tp: records for tp, records in fetched.items() if tp.topic == self.results_topic}
+        if ours:
+            self.metrics.lag.observe(consumer, ours)
 
-    def result_record(self, consumer: Any, tp: Any, record: Any) -> None:
-        """One result record read (before it is routed): lag, and when the worker wrote it."""
-        if record.topic == self.results_topic:
-            self.metrics.lag.observe_record(consumer, record, tp)
-        request_id = record.key.decode(errors="replace") if record.key else None
-        flight = self._flights.get(request_id) if request_id else None
-        if flight is not None:
-            written_at = sent_at(record.headers, fallback=record.timestamp / 1000)
-            flight.last_record = (written_at, extract(record.headers))
+    def result_record(self, flight: InFlight, record: Any) -> None:
+        """A result record of this request was read: when the worker wrote it, and its trace."""
+        written_at = sent_at(record.headers, fallback=record.timestamp / 1000)
+        flight.last_record = (written_at, extract(record.headers))
 
-    def end(self, request_id: str, *, outcome: str) -> None:
-        """The request ended before any result (no stream could be opened for it)."""
-        self._end(request_id, outcome=outcome, error=outcome)
+    def end(self, flight: InFlight, *, outcome: str) -> None:
+        """The request ended without a final frame written (not opened, or let go of)."""
+        self._end(flight, outcome=outcome, error=outcome)
 
-    def frame_written(self, frame: ServerFrame) -> None:
-        """A frame reached the socket: the first delta and the final frame are measured."""
-        request_id = getattr(frame, "request_id", None)
-        flight = self._flights.get(request_id) if request_id else None
-        if flight is None or request_id is None:
+    def frame_written(self, flight: InFlight, frame: ServerFrame) -> None:
+        """A frame reached the client: the first delta and the final frame are measured."""
+        if flight.ended:
             return
         now = self.clock()
         if isinstance(frame, DeltaFrame):
@@ -170,7 +164,10 @@ class EdgeTelemetry:
                 start=written_at,
                 end=now,
                 context=parent,
-                attributes={semconv.STAGE: semconv.STAGE_DELIVER, semconv.REQUEST_ID: request_id},
+                attributes={
+                    semconv.STAGE: semconv.STAGE_DELIVER,
+                    semconv.REQUEST_ID: flight.request_id,
+                },
                 tracer_=self.tracer,
             )
             self.metrics.delivery.labels(flight.tier).observe(max(0.0, now - written_at))
@@ -182,16 +179,16 @@ class EdgeTelemetry:
                     semconv.GEN_AI_USAGE_OUTPUT_TOKENS: frame.usage.completion_tokens,
                 }
             )
-            self._end(request_id, outcome=frame.finish_reason, now=now)
+            self._end(flight, outcome=frame.finish_reason, now=now)
         else:
-            self._end(request_id, outcome=frame.code.value, error=frame.code.value, now=now)
+            self._end(flight, outcome=frame.code.value, error=frame.code.value, now=now)
 
     def _end(
-        self, request_id: str, *, outcome: str, error: str | None = None, now: float | None = None
+        self, flight: InFlight, *, outcome: str, error: str | None = None, now: float | None = None
     ) -> None:
-        flight = self._flights.pop(request_id, None)
-        if flight is None:
+        if flight.ended:
             return
+        flight.ended = True
         now = self.clock() if now is None else now
         if error is not None:
             flight.root.set_attribute(semconv.ERROR_TYPE, error)
@@ -199,13 +196,5 @@ class EdgeTelemetry:
         flight.root.end(end_time=int(now * 1e9))
         self.metrics.in_flight.dec()
         self.metrics.responses.labels(flight.tier, outcome).inc()
-        if outcome != "abandoned":  # a socket that went away says nothing about latency
+        if outcome != "abandoned":  # a client that went away says nothing about latency
             self.metrics.duration.labels(flight.tier).observe(now - flight.started)
-
-    def _forget_stale(self, now: float) -> None:
-        stale = [rid for rid, f in self._flights.items() if now - f.started > STALE_AFTER_S]
-        for rid in stale:
-            self._end(rid, outcome="abandoned", error="abandoned", now=now)
-
-    def __len__(self) -> int:
-        return len(self._flights)

@@ -97,7 +97,7 @@ class Streams(Protocol):
         """The client went away: its stream waits out the disconnect grace, then is cancelled."""
         ...
 
-    async def cancel(self, request_id: str) -> None: ...
+    async def cancel(self, request_id: str, client: HttpClient) -> None: ...
 
     def written(self, frame: ServerFrame, stream: object) -> None:
         """A frame's content reached the client (telemetry)."""
@@ -199,7 +199,7 @@ class SseResponse(Response):
     async def _let_go(self) -> None:
         self._disconnect.stop()
         if self._sse.cancel:
-            await self._streams.cancel(self._sse.ident.request_id)
+            await self._streams.cancel(self._sse.ident.request_id, self._client)
         if not self._sse.ended:
             log.info("openai.client_left", request_id=self._sse.ident.request_id)
             self._streams.detach(self._client)  # cancelled after the grace unless resumed

@@ -1,0 +1,192 @@
+"""One WebSocket chat connection: reads client frames, writes server frames in order.
+
+A client of the gateway (`gateway.py`): it admits requests (`auth.py`) and hands them to
+`Gateway.open_stream`; every frame of its streams comes back through `send`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import structlog
+from starlette.types import Message
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from services.edge.auth import Close, SocketAuth, Upgrade
+from services.edge.gateway import Gateway
+from services.edge.metrics import EdgeMetrics
+from services.edge.protocol import (
+    AuthFrame,
+    ChatCancelFrame,
+    ChatRequestFrame,
+    ErrorFrame,
+    ProtocolError,
+    ServerFrame,
+    StreamResumeFrame,
+    parse_client_frame,
+)
+from services.edge.streams import ResultStream
+from shared.messages import ErrorCode
+
+log = structlog.get_logger()
+
+# WebSocket close code 1013 "try again later": the client read too slowly; it may resume.
+CLOSE_TRY_AGAIN_LATER = 1013
+CLOSE_TIMEOUT_S = 5.0
+
+
+class ChatSocket:
+    """One client connection: a reader of frames and a single writer of frames."""
+
+    def __init__(
+        self, gateway: Gateway, metrics: EdgeMetrics, ws: WebSocket, upgrade: Upgrade
+    ) -> None:
+        self.gateway = gateway
+        self.metrics = metrics
+        self.ws = ws
+        settings = gateway.settings
+        self.limits = gateway.limits
+        self.max_frame_bytes = settings.edge_max_frame_bytes
+        # Bounded: a client that stops reading must not grow the edge's memory.
+        self.outbox: asyncio.Queue[tuple[ServerFrame, ResultStream | None]] = asyncio.Queue(
+            settings.edge_outbox_frames
+        )
+        self._too_slow = asyncio.Event()
+        # Who the socket speaks for; nothing but `auth` is read before that is known.
+        self.auth = SocketAuth(gateway.guard, upgrade, time.monotonic())
+
+    @property
+    def tenant(self) -> str:
+        return self.auth.tenant
+
+    def send(self, frame: ServerFrame, stream: ResultStream | None = None) -> None:
+        """Queue a frame for the writer. Never waits: the edge's one result reader calls it."""
+        if self._too_slow.is_set():
+            return  # its streams are detached; the client resumes them
+        try:
+            self.outbox.put_nowait((frame, stream))
+        except asyncio.QueueFull:
+            self._fall_behind()
+
+    def _fall_behind(self) -> None:
+        """The client reads slower than its streams arrive: let go of it, keep its streams.
+
+        They wait out the disconnect grace for a resume, as after a dropped socket; the
+        socket is closed with 1013 (try again later).
+        """
+        self._too_slow.set()
+        self.gateway.detach(self)
+        self.metrics.slow_client_closes.inc()
+        log.warning("socket.too_slow", queued=self.outbox.qsize(), tenant=self.tenant)
+
+    async def serve(self) -> None:
+        try:
+            await self.ws.accept()  # in the `try`: the socket's places are given back
+            async with asyncio.TaskGroup() as tg:
+                writer = tg.create_task(self._write())
+                reader = tg.create_task(self._read(tg))
+                too_slow = tg.create_task(self._too_slow.wait())
+                await asyncio.wait({reader, too_slow}, return_when=asyncio.FIRST_COMPLETED)
+                for task in (writer, reader, too_slow):
+                    task.cancel()
+            if self._too_slow.is_set():
+                await self._close_too_slow()
+            elif (close := reader.result()) is not None:
+                await self.ws.close(close.code, close.reason)
+        except* (WebSocketDisconnect, ConnectionError):
+            pass
+        finally:
+            # Not a cancel: the client may resume, here or on another edge, within the grace.
+            self.gateway.detach(self)
+            self.auth.end()
+
+    async def _close_too_slow(self) -> None:
+        # The close frame queues behind what the client has not read: bounded, then given up
+        # (the server's close timeout drops the connection).
+        try:
+            await asyncio.wait_for(
+                self.ws.close(CLOSE_TRY_AGAIN_LATER, "reading too slowly; resume the streams"),
+                CLOSE_TIMEOUT_S,
+            )
+        except (TimeoutError, RuntimeError) as exc:
+            log.info("socket.close_unsent", error=repr(exc))
+
+    async def _write(self) -> None:
+        while True:
+            frame, stream = await self.outbox.get()
+            await self.ws.send_text(frame.model_dump_json())
+            self.gateway.written(frame, stream)
+
+    async def _read(self, tg: asyncio.TaskGroup) -> Close | None:
+        if refused := self.auth.start():
+            return refused
+        while True:
+            message = await self._receive()
+            if message is None:
+                return self.auth.timed_out()
+            if message["type"] == "websocket.disconnect":
+                return None
+            data = message.get("text")
+            if data is None:
+                data = message.get("bytes") or b""
+            if not self.auth.authenticated:
+                if refused := self._before_key(data):
+                    return refused
+                continue
+            try:
+                frame = parse_client_frame(data, self.limits, self.max_frame_bytes)
+            except ProtocolError as exc:
+                self.send(
+                    ErrorFrame(
+                        code=ErrorCode.invalid_request, message=exc.message, client_id=exc.client_id
+                    )
+                )
+                continue
+            if isinstance(frame, AuthFrame):
+                if refused_auth := self.auth.again(frame):
+                    self.send(refused_auth)
+            elif isinstance(frame, ChatRequestFrame):
+                tg.create_task(self._submit(frame))
+            elif isinstance(frame, ChatCancelFrame):
+                tg.create_task(self.gateway.cancel_stream(frame.request_id, self))
+            elif isinstance(frame, StreamResumeFrame):
+                tenant = self.auth.tenant_for_token(frame.resume_token)
+                tg.create_task(self.gateway.resume_stream(frame, tenant=tenant, client=self))
+
+    # -- auth hooks: the decisions are SocketAuth's (auth.py) -------------------------------
+
+    async def _receive(self) -> Message | None:
+        """The next message; None if the socket is still without a key at its deadline."""
+        if self.auth.authenticated:
+            return await self.ws.receive()
+        try:
+            async with asyncio.timeout_at(self.auth.deadline):
+                return await self.ws.receive()
+        except TimeoutError:
+            return None
+
+    def _before_key(self, data: str | bytes) -> Close | None:
+        try:
+            frame = parse_client_frame(data, self.limits, self.max_frame_bytes)
+        except ProtocolError as exc:
+            reply, close = self.auth.before_key(exc)
+        else:
+            reply, close = self.auth.before_key(frame)
+        if reply is not None:
+            self.send(reply)
+        return close
+
+    async def _submit(self, frame: ChatRequestFrame) -> None:
+        request_id = uuid.uuid4().hex
+        if refused := self.auth.admit(frame, request_id):
+            self.send(refused)  # before anything of it reaches Kafka
+            return
+        await self.gateway.open_stream(
+            frame,
+            request_id=request_id,
+            tenant=self.tenant,
+            client=self,
+            parent=self.ws.headers,  # a client's own `traceparent` on the upgrade request
+        )

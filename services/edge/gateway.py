@@ -1,0 +1,435 @@
+"""The edge's request path, for any client: open, cancel and resume streams, route results.
+
+The one seam between a client protocol (the WebSocket chat in `chat_socket.py`, an HTTP
+API) and Kafka. A client handler admits a request (keys, quotas: `auth.py`), then calls
+
+    await gateway.open_stream(request, request_id=..., tenant=..., client=me, parent=headers)
+
+and receives the stream's frames on `client.send(frame, stream)`: `chat.accepted` first
+(or one `ErrorFrame` if the request could not be queued), then deltas, resets, and one
+final `chat.done` / `chat.error`. It reports each frame it wrote with `written`, cancels
+with `cancel_stream`, resumes with `resume_stream`, and calls `detach` when it goes away
+(its streams then wait out the disconnect grace for a resume, and are cancelled after).
+
+Each request is one `ResultStream` in the router (`streams.py`): its framing, its client,
+the partition read for it alone, its trace, its stall and grace clocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Mapping, Sequence
+
+import structlog
+from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
+from aiokafka.errors import KafkaError
+from pydantic import TypeAdapter, ValidationError
+
+from services.edge.auth import Guard
+from services.edge.broker_health import BrokerUnavailable
+from services.edge.broker_link import BrokerLink
+from services.edge.metrics import EdgeMetrics
+from services.edge.protocol import AcceptedFrame, ErrorFrame, ServerFrame, StreamResumeFrame
+from services.edge.results import ResultReader
+from services.edge.resume import ResumeClaims, ResumeKeys, ResumeRefused, check_resume, sign
+from services.edge.settings import EdgeSettings
+from services.edge.stalls import StallGuard
+from services.edge.streams import Client, ResultStream, ResumePoint, StreamRouter
+from services.edge.telemetry import EdgeTelemetry, InFlight
+from services.edge.topology import ResultTopology, TopicTopology, TopologyError, reply_tp
+from shared.kafka import encode
+from shared.messages import (
+    ChatRequest,
+    ControlRecord,
+    ErrorCode,
+    ErrorResult,
+    ReplyTo,
+    RequestRecord,
+    ResultRecord,
+    StreamResumed,
+    Tier,
+)
+from shared.topics import Topics
+
+log = structlog.get_logger()
+
+_control: TypeAdapter[ControlRecord] = TypeAdapter(ControlRecord)
+
+RESUME_TIMEOUT_S = 10.0
+
+
+class Gateway:
+    """Every stream of this edge, and the request path that opens, routes and ends them.
+
+    Caller: client handlers (`open_stream`, `cancel_stream`, `resume_stream`, `detach`,
+    `written`); the result reader (`on_control`, `on_result`); the app (`housekeeping`).
+    Affects: the router's streams, what the reader follows, the topology's retention.
+    """
+
+    def __init__(
+        self,
+        settings: EdgeSettings,
+        topics: Topics,
+        edge_id: str,
+        *,
+        link: BrokerLink,
+        topology: ResultTopology,
+        reader: ResultReader,
+        guard: Guard,
+        telemetry: EdgeTelemetry,
+        metrics: EdgeMetrics,
+        resume_keys: ResumeKeys,
+    ) -> None:
+        self.settings = settings
+        self.topics = topics
+        self.edge_id = edge_id
+        self.link = link
+        self.topology = topology
+        self.reader = reader
+        self.router = StreamRouter(on_end=self.on_stream_ended)
+        self.guard = guard
+        self.telemetry = telemetry
+        self.metrics = metrics
+        self.resume_keys = resume_keys
+        self.limits = settings.limits()
+        self.stalls = StallGuard(settings.edge_stream_stall_s)
+        self.wake = asyncio.Event()  # housekeeping has an earlier deadline to look at
+        link.on_reachable.append(self.on_reachable)
+
+    # -- the client seam ------------------------------------------------------------------
+
+    async def open_stream(
+        self,
+        request: ChatRequest,
+        *,
+        request_id: str,
+        tenant: str,
+        client: Client,
+        parent: Mapping[str, str] | None = None,
+    ) -> ResultStream | None:
+        """Queue an admitted request and open its stream to `client`.
+
+        The client is sent `chat.accepted` and then the stream's frames, or one `overloaded`
+        ErrorFrame (None returned) if the request could not be queued. `parent`: headers
+        that may carry the caller's `traceparent`.
+        """
+        tier = request.priority or Tier.interactive
+        flight = self.telemetry.begin(
+            request_id, tier=tier.value, max_tokens=request.max_tokens, parent=parent
+        )
+        try:
+            reply_to, offset = await self._reply_to(request_id)
+        except (TopologyError, KafkaError, BrokerUnavailable) as exc:
+            self.telemetry.end(flight, outcome="reply_to_failed")
+            self.guard.release(request_id)
+            log.error("request.reply_to_failed", request_id=request_id, error=repr(exc))
+            client.send(
+                self.link.overloaded(
+                    "could not prepare the result stream, try again", client_id=request.client_id
+                )
+            )
+            return None
+        fields = request.model_dump(exclude={"type"})
+        fields.update(request_id=request_id, tenant=tenant, reply_to=reply_to.model_dump())
+        record = RequestRecord.model_validate(fields, context={"limits": self.limits})
+        followed = reply_tp(reply_to) if self.topology.followed(reply_to) else None
+        stream = self.router.open(request_id, client, followed=followed, flight=flight)
+        self.metrics.streams_open.set(len(self.router))
+        if not await self._produce(record, flight):
+            self.router.close(request_id)
+            self._let_go(stream, ended=True)
+            client.send(
+                self.link.overloaded(
+                    "could not queue the request, try again", client_id=request.client_id
+                )
+            )
+            # After the answer, as it may take a while: the write may still go out.
+            await self.link.withdraw(request_id)
+            return None
+        claims = ResumeClaims(
+            tenant=tenant,
+            request_id=request_id,
+            topic=reply_to.topic,
+            partition=reply_to.partition,
+            offset=offset,
+            expires_at=time.time() + self.settings.edge_resume_ttl_s,
+        )
+        accepted = AcceptedFrame(
+            request_id=request_id,
+            client_id=request.client_id,
+            resume_token=sign(claims, self.resume_keys),
+            tier=tier,
+        )
+        self.router.release(request_id, accepted)
+        return stream
+
+    async def cancel_stream(self, request_id: str, client: Client) -> None:
+        """The client cancels one of its streams; answered with an ErrorFrame if it cannot."""
+        stream = self.router.get(request_id)
+        if stream is None or stream.client is not client:
+            client.send(
+                ErrorFrame(
+                    code=ErrorCode.not_found,
+                    message="chat.cancel: no such request in flight on this socket",
+                    request_id=request_id,
+                )
+            )
+            return
+        try:
+            await self.link.bounded(self.link.send_cancel(request_id, "client"))
+        except (KafkaError, BrokerUnavailable) as exc:
+            # Buffered if the broker is away; the client is told, so it may cancel again.
+            log.error("cancel.produce_failed", request_id=request_id, error=repr(exc))
+            client.send(
+                self.link.overloaded("chat.cancel: not sent yet, try again", request_id=request_id)
+            )
+
+    async def resume_stream(self, frame: StreamResumeFrame, *, tenant: str, client: Client) -> None:
+        """Serve a resume: replay from the token's offset, then go on live; refusals are
+        answered with an ErrorFrame."""
+        request_id: str | None = None
+        try:
+            claims = check_resume(
+                frame.resume_token,
+                self.resume_keys,
+                tenant=tenant,
+                results_topic=self.topics.results,
+                now=time.time(),
+            )
+            request_id = claims.request_id
+            # A few Kafka round trips; none changes state before the last one.
+            await self.link.bounded(self._resume(claims, frame, client), RESUME_TIMEOUT_S)
+        except ResumeRefused as exc:
+            self.metrics.resumes.labels(exc.code.value).inc()
+            log.info("stream.resume_refused", request_id=request_id, code=exc.code.value)
+            client.send(ErrorFrame(code=exc.code, message=exc.message, request_id=request_id))
+        except (KafkaError, BrokerUnavailable) as exc:
+            log.error("stream.resume_failed", request_id=request_id, error=repr(exc))
+            client.send(
+                self.link.overloaded(
+                    "stream.resume: could not read the stream now, try again",
+                    request_id=request_id,
+                )
+            )
+
+    def detach(self, client: Client) -> None:
+        """A client went away: its streams wait out the grace period for a resume."""
+        until = time.monotonic() + self.settings.edge_disconnect_grace_s
+        for stream in self.router.detach(client):
+            stream.grace_until = until
+        self.wake.set()
+
+    def written(self, frame: ServerFrame, stream: ResultStream | None) -> None:
+        """A client wrote a frame of `stream` out (latency and traces are measured here)."""
+        if stream is not None and stream.flight is not None:
+            self.telemetry.frame_written(stream.flight, frame)
+
+    # -- requests -------------------------------------------------------------------------
+
+    async def _reply_to(self, request_id: str) -> tuple[ReplyTo, int]:
+        """Prepare a new request's result stream; BrokerUnavailable while Kafka is away.
+
+        Refused before anything is written while the broker is unreachable: a request
+        buffered in the producer would be sent later, for a client told it failed.
+        """
+        if not self.link.health.reachable:
+            raise BrokerUnavailable("the broker is unreachable")
+        return await self.link.bounded(self.topology.open(request_id))
+
+    async def _produce(self, record: RequestRecord, flight: InFlight) -> bool:
+        """Write the request record, with its trace context; False if it failed."""
+        sending = self.telemetry.sending(flight, self.topics.requests, record)
+        try:
+            await self.link.bounded(
+                self.link.send_request(record.request_id, encode(record), sending.headers)
+            )
+        except (KafkaError, BrokerUnavailable) as exc:
+            log.error("request.produce_failed", request_id=record.request_id, error=repr(exc))
+            self.telemetry.sent(flight, sending, exc)
+            return False
+        self.telemetry.sent(flight, sending, None)
+        return True
+
+    async def _resume(self, claims: ResumeClaims, frame: StreamResumeFrame, client: Client) -> None:
+        tp = TopicPartition(claims.topic, claims.partition or 0)
+        begin, end = await self._offsets(tp)
+        if claims.offset < begin:
+            raise ResumeRefused(
+                ErrorCode.not_found,
+                "stream.resume: the stream's first records were deleted; it cannot be recovered",
+            )
+        if claims.offset > end:
+            raise ResumeRefused(ErrorCode.not_found, "stream.resume: no such stream here")
+        rid = claims.request_id
+        # Tell the edge that had it (if alive) before reading, so it does not cancel it.
+        await self.link.send_control(
+            rid, encode(StreamResumed(request_id=rid, edge_id=self.edge_id))
+        )
+        previous = self.router.get(rid)
+        self.topology.resumed(claims.topic)
+        point = ResumePoint(frame.attempt, frame.after_seq)
+        # A stream resumed on the edge that had it keeps its trace.
+        flight = previous.flight if previous is not None else None
+        stream = self.router.resume(rid, client, point, followed=tp, flight=flight)
+        self.reader.follow(tp, claims.offset, end, lambda: self._caught_up(stream))
+        if previous is not None and previous.followed is not None:
+            self.reader.unfollow(previous.followed)
+        self.metrics.streams_open.set(len(self.router))
+
+    def _caught_up(self, stream: ResultStream) -> None:
+        if self.router.get(stream.request_id) is not stream:
+            return  # resumed again, or closed, meanwhile: that one decides
+        ok = self.router.caught_up(stream.request_id)
+        self.metrics.resumes.labels("resumed" if ok else "ahead_of_log").inc()
+        if not ok:
+            self._let_go(stream, ended=False)
+
+    async def _offsets(self, tp: TopicPartition) -> tuple[int, int]:
+        """First and end offset of `tp`; ResumeRefused(not_found) if it does not exist."""
+        count = await self.link.partition_count(tp.topic)
+        if count is None or tp.partition >= count:
+            raise ResumeRefused(
+                ErrorCode.not_found,
+                "stream.resume: the stream's records are gone (retention); it cannot be recovered",
+            )
+        return await self.reader.offsets(tp)
+
+    # -- what the reader hands over -------------------------------------------------------
+
+    def on_result(self, record: ConsumerRecord[bytes, bytes], result: ResultRecord) -> None:
+        """One result record: the stream's progress and trace, then its frame (if any)."""
+        stream = self.router.get(result.request_id)
+        if stream is not None:
+            self.stalls.seen(stream, time.monotonic())
+            if stream.flight is not None:
+                self.telemetry.result_record(stream.flight, record)
+        self.router.route(result)
+
+    def on_fetched(
+        self,
+        consumer: AIOKafkaConsumer,
+        fetched: Mapping[TopicPartition, Sequence[ConsumerRecord[bytes, bytes]]],
+    ) -> None:
+        self.telemetry.fetched(consumer, fetched)
+
+    def on_control(self, value: bytes) -> None:
+        try:
+            record = _control.validate_json(value)
+        except ValidationError:
+            return  # kinds this edge does not know are for someone else
+        if isinstance(record, StreamResumed) and record.edge_id != self.edge_id:
+            stream = self.router.get(record.request_id)
+            if stream is not None and stream.detached:
+                # Picked up on another edge: no cancel from here; that edge owns it now.
+                self.router.close(record.request_id)
+                self._let_go(stream, ended=False)
+
+    def on_stream_ended(self, stream: ResultStream) -> None:
+        """A stream's final record was shown (or swallowed while detached): let go of it."""
+        self._let_go(stream, ended=True)
+
+    def on_reachable(self) -> None:
+        """The broker answers again: silence during the outage is no stall."""
+        self.stalls.outage_over(self.router, time.monotonic())
+        self.wake.set()
+
+    def reads_topic(self, topic: str) -> bool:
+        """The sweeper's exclusion: topics this edge reads, or will delete itself."""
+        if isinstance(self.topology, TopicTopology) and topic in self.topology.deletions:
+            return True
+        return any(s.followed is not None and s.followed.topic == topic for s in self.router)
+
+    # -- housekeeping ---------------------------------------------------------------------
+
+    async def housekeeping(self) -> None:
+        """Cancels streams detached past their grace, ends stalled ones, deletes expired
+        result topics."""
+        while True:
+            now = time.monotonic()
+            for stream in [s for s in self.router if s.grace_until is not None]:
+                if stream.grace_until is not None and stream.grace_until <= now:
+                    await self._cancel_abandoned(stream)
+            if self.link.health.reachable:  # silence while Kafka is away is no stall
+                for stream in self.stalls.due(self.router, now):
+                    await self._end_stalled(stream)
+            try:
+                await self.topology.sweep(now)
+            except KafkaError as exc:
+                log.warning("result_topics.sweep_failed", error=repr(exc))
+            due = (self._next_grace(), self._next_sweep(), self.stalls.next_at(self.router))
+            deadlines = [d for d in due if d is not None]
+            timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+            self.wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.wake.wait(), timeout)
+
+    def _next_grace(self) -> float | None:
+        ends = [s.grace_until for s in self.router if s.grace_until is not None]
+        return min(ends) if ends else None
+
+    def _next_sweep(self) -> float | None:
+        if isinstance(self.topology, TopicTopology):
+            return self.topology.deletions.next_at()
+        return None
+
+    async def _end_stalled(self, stream: ResultStream) -> None:
+        """No record for this stream in `edge_stream_stall_s`: tell the client, free the slot."""
+        request_id = stream.request_id
+        if self.router.get(request_id) is not stream:
+            return
+        self.metrics.stalled_streams.inc()
+        log.warning("stream.stalled", request_id=request_id, stall_s=self.stalls.stall_s)
+        # As the stream's next record, so the framing rules (and the end) apply as usual.
+        self.router.route(
+            ErrorResult(
+                request_id=request_id,
+                attempt=stream.attempt,
+                seq=stream.next_seq,
+                code=ErrorCode.internal,
+                message=(
+                    f"stream: no result for {self.stalls.stall_s:.0f} s (lost in a Kafka"
+                    " outage?); send the request again"
+                ),
+            )
+        )
+        try:
+            await self.link.bounded(self.link.send_cancel(request_id, "client"))
+        except (BrokerUnavailable, KafkaError) as exc:
+            log.error("cancel.produce_failed", request_id=request_id, error=repr(exc))
+
+    async def _cancel_abandoned(self, stream: ResultStream) -> None:
+        request_id = stream.request_id
+        if self.router.get(request_id) is not stream or not stream.detached:
+            return  # ended or resumed meanwhile
+        stream.grace_until = None
+        try:
+            await self.link.bounded(self.link.send_cancel(request_id, "disconnect"))
+        except (BrokerUnavailable, KafkaError) as exc:
+            # Still in the producer's buffer if the broker is away: it goes when it is back.
+            # Else the request runs to its end: wasted work, not a wrong answer.
+            log.error("cancel.produce_failed", request_id=request_id, error=repr(exc))
+        self.metrics.disconnect_cancels.inc()
+        log.info("request.cancelled_after_disconnect", request_id=request_id)
+        if self.router.get(request_id) is stream:
+            self.router.close(request_id)
+            self._let_go(stream, ended=True)
+
+    def _let_go(self, stream: ResultStream, *, ended: bool) -> None:
+        """Release what this stream held: its quota, the partition read for it alone.
+
+        `ended`: the stream finished here, so a per-request topic starts its retention.
+        Otherwise another edge serves it now and decides.
+        """
+        self.guard.release(stream.request_id)
+        self.metrics.streams_open.set(len(self.router))
+        if stream.detached and stream.flight is not None:
+            self.telemetry.end(stream.flight, outcome="abandoned")  # no client to write to
+        tp = stream.followed
+        if tp is None:
+            return
+        self.reader.unfollow(tp)
+        if ended and self.topology.followed(ReplyTo(topic=tp.topic)):
+            self.topology.ended(tp.topic, time.monotonic())
+            self.wake.set()
