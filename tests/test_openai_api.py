@@ -12,6 +12,7 @@ import json
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -296,6 +297,27 @@ def sse_events(response: httpx.Response, count: int) -> list[tuple[str, dict[str
 def test_a_dropped_stream_resumes_after_last_event_id_without_a_gap(api: Stack) -> None:
     text = long_prompt()
     messages = [{"role": "user", "content": text}]
+    # The WebSocket's answer, meanwhile (each takes 10+ s at the stack's token rate).
+    with ThreadPoolExecutor(1) as pool:
+        expected = pool.submit(
+            asyncio.run, ws_answer(api, {"messages": messages, "max_tokens": 200})
+        )
+        before, after, ids, token = drop_and_resume(api, messages)
+        assert before + after == expected.result(timeout=120)["text"]
+    assert after
+    # Another tenant's key cannot resume it.
+    with pytest.raises(openai.AuthenticationError):
+        sdk(api, "slow").chat.completions.create(
+            model=MODEL,
+            messages=messages,  # type: ignore[arg-type]
+            stream=True,
+            extra_headers={"Last-Event-ID": ids[-1], "X-Tokenbus-Resume-Token": token},
+        )
+
+
+def drop_and_resume(api: Stack, messages: list[dict[str, str]]) -> tuple[str, str, list[str], str]:
+    """Read a stream's first events over raw SSE, drop it, resume with the SDK: the text
+    before, the text after, the ids seen, and the resume token."""
     body = {"model": MODEL, "messages": messages, "max_tokens": 200, "stream": True}
     headers = {"Authorization": f"Bearer {api.keys['default']}"}
     with httpx.stream(
@@ -317,17 +339,7 @@ def test_a_dropped_stream_resumes_after_last_event_id_without_a_gap(api: Stack) 
         extra_headers={"Last-Event-ID": ids[-1], "X-Tokenbus-Resume-Token": token},
     )
     after = "".join(c.choices[0].delta.content or "" for c in rest)
-    expected = asyncio.run(ws_answer(api, {"messages": messages, "max_tokens": 200}))
-    assert before + after == expected["text"]
-    assert after
-    # Another tenant's key cannot resume it.
-    with pytest.raises(openai.AuthenticationError):
-        sdk(api, "slow").chat.completions.create(
-            model=MODEL,
-            messages=messages,  # type: ignore[arg-type]
-            stream=True,
-            extra_headers={"Last-Event-ID": ids[-1], "X-Tokenbus-Resume-Token": token},
-        )
+    return before, after, ids, token
 
 
 def test_a_client_that_goes_away_is_cancelled_after_the_grace(api: Stack) -> None:

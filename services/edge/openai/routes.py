@@ -318,6 +318,9 @@ class OpenAIApi:
                 return SseResponse(self._streams, client, disconnect, sse, chunks, head)
 
     async def _body(self, request: Request, kind: Kind) -> OpenAIRequest | HttpError:
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self._max_body_bytes:
+            return invalid(f"body: {declared} bytes, above the limit of {self._max_body_bytes}")
         raw = await request.body()
         if len(raw) > self._max_body_bytes:
             return invalid(f"body: {len(raw)} bytes, above the limit of {self._max_body_bytes}")
