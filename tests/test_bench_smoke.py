@@ -338,3 +338,28 @@ def test_bench_run_drives_the_openai_api_beside_the_websocket(
         for name in ("ttft_ms", "e2e_ms", "tpot_ms"):
             assert everyone[name]["count"] == run["completed"], name
         assert everyone["output_tokens"] > 0
+
+
+def test_openai_load_sends_each_planned_request_as_its_openai_body() -> None:
+    from bench.openai_load import http_target, openai_request
+
+    assert http_target("ws://bench:KEY@127.0.0.1:8000/v1/chat") == ("http://127.0.0.1:8000", "KEY")
+    assert http_target("http://127.0.0.1:9/v1") == ("http://127.0.0.1:9", None)
+    chat = {
+        "type": "chat.request",
+        "client_id": "c",
+        "messages": [{"role": "user", "content": "a"}],
+        "max_tokens": 5,
+        "priority": "background",
+    }
+    path, body = openai_request(chat)
+    assert path == "/v1/chat/completions"
+    assert body == {
+        "messages": [{"role": "user", "content": "a"}],
+        "max_tokens": 5,
+        "priority": "background",
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    path, body = openai_request({"type": "chat.request", "prompt": "p", "max_tokens": 3})
+    assert (path, body["prompt"], body["max_tokens"]) == ("/v1/completions", "p", 3)
