@@ -13,8 +13,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from bench.findings import derive
-from bench.loadgen import LoadConfig, ProgressLine, run_load, warm_up
+from bench.loadgen import LoadConfig, LoadResult, ProgressLine, run_load, warm_up
 from bench.observe import DeploymentObserver, ObservedBatch
+from bench.openai_load import run_openai_load
 from bench.policies import (
     GPU_PROFILE,
     POLICIES,
@@ -32,6 +33,8 @@ from shared.settings import TokenbusSettings
 
 DEFAULT_RATES = (10.0, 20.0, 35.0, 50.0, 75.0, 100.0, 200.0)
 DEFAULT_POLICIES = ("batch1", "fixed", "adaptive", "direct")
+# Client paths a sweep can drive: the WebSocket protocol, and the OpenAI-compatible API (SSE).
+APIS = ("ws", "openai")
 IDLE_TIMEOUT_S = 20.0
 
 
@@ -45,6 +48,9 @@ class SweepOptions:
     seed: int = 7
     background_share: float | None = None
     mix_path: Path | None = None
+    # Each is swept in turn on the same deployment; a non-WebSocket one is reported beside
+    # it as `<policy>/<api>`.
+    apis: tuple[str, ...] = ("ws",)
 
     def describe(self) -> str:
         return f"{self.mix_path or 'bench/data/mix.json'}: {self.mix().describe()}"
@@ -79,6 +85,7 @@ async def sweep(
     take_batches: Callable[[], list[ObservedBatch]] | None = None,
     wait_idle: Callable[[float], Awaitable[bool]] | None = None,
     say: Say = print,
+    api: str = "ws",
 ) -> list[RunSummary]:
     """One open-loop run per rate, lowest first, each with its own (policy-independent) seed."""
     mix = options.mix()
@@ -96,7 +103,11 @@ async def sweep(
         )
         if take_batches is not None:
             take_batches()  # forget what earlier runs left
-        result = await run_load(config, planned, ProgressLine())
+        result: LoadResult
+        if api == "openai":
+            result = await run_openai_load(config, planned, ProgressLine())
+        else:
+            result = await run_load(config, planned, ProgressLine())
         batches = take_batches() if take_batches is not None else None
         context = RunContext(policy, rate, options.duration_s, seed, max_batch, no_batch_wait)
         run = summarise(context, config, result, batches)
@@ -136,18 +147,24 @@ async def against_running(
     """`tokenbus bench run`: sweep a deployment someone else started (batches seen if `kafka`)."""
     began = time.monotonic()
     machine = machine_now()
+    policies: list[PolicyReport] = []
     async with _observer(kafka) as observer:
-        runs = await sweep(
-            "target",
-            url,
-            options,
-            max_batch=max_batch,
-            take_batches=observer.take_batches if observer else None,
-            say=say,
-        )
-    policy = PolicyReport(
-        name="target", kind="external", available=True, runs=runs, max_batch_size=max_batch
-    )
+        for api in options.apis:
+            name = _named("target", api)
+            runs = await sweep(
+                name,
+                url,
+                options,
+                max_batch=max_batch,
+                take_batches=observer.take_batches if observer else None,
+                say=say,
+                api=api,
+            )
+            policies.append(
+                PolicyReport(
+                    name=name, kind="external", available=True, runs=runs, max_batch_size=max_batch
+                )
+            )
     return BenchReport(
         created_at=_now(),
         command=command,
@@ -155,7 +172,7 @@ async def against_running(
         sim_profile="unknown (a running deployment)",
         workload=options.describe(),
         machine=machine.model_copy(update={"load_after": list(os.getloadavg())}),
-        policies=[policy],
+        policies=policies,
         elapsed_s=round(time.monotonic() - began, 1),
     )
 
@@ -184,7 +201,7 @@ async def compare(options: CompareOptions, say: Say = print) -> BenchReport:
     reports: list[PolicyReport] = []
     async with _broker_if_needed(chosen, say) as bootstrap:
         for policy in chosen:
-            reports.append(await _run_policy(policy, profile, bootstrap, options, say))
+            reports.extend(await _run_policy(policy, profile, bootstrap, options, say))
     report = BenchReport(
         created_at=_now(),
         command=options.command,
@@ -199,9 +216,14 @@ async def compare(options: CompareOptions, say: Say = print) -> BenchReport:
     return report.model_copy(update={"findings": derive(report, options.slo_ms)})
 
 
+def _named(policy: str, api: str) -> str:
+    return policy if api == "ws" else f"{policy}/{api}"
+
+
 async def _run_policy(
     policy: Policy, profile: EngineProfile, bootstrap: str | None, options: CompareOptions, say: Say
-) -> PolicyReport:
+) -> list[PolicyReport]:
+    """One report per API swept (`SweepOptions.apis`), all on the same stack."""
     env = {**profile.env, **policy.env, **options.extra_env}
     reason = unavailable_reason(policy)
     base = PolicyReport(
@@ -213,7 +235,7 @@ async def _run_policy(
     )
     if reason is not None:
         say(f"{policy.name}: not run: {reason}")
-        return base
+        return [base]
     max_batch = max_batch_sizes(policy, env)
     stack: Stack
     if policy.kind == "pipeline":
@@ -230,28 +252,39 @@ async def _run_policy(
             # One broken stack must not cost the other policies their runs; the report
             # says what failed and the command exits non-zero.
             say(f"{policy.name}: failed to start: {exc}")
-            return base.model_copy(
-                update={
-                    "available": False,
-                    "failed": True,
-                    "note": f"failed to start: {str(exc)[:500]}",
-                }
-            )
+            return [
+                base.model_copy(
+                    update={
+                        "available": False,
+                        "failed": True,
+                        "note": f"failed to start: {str(exc)[:500]}",
+                    }
+                )
+            ]
         observer = stack.observer
-        runs = await sweep(
-            policy.name,
-            stack.ws_url,
-            options.sweep,
-            max_batch=max_batch,
-            no_batch_wait=policy.kind == "direct",
-            take_batches=observer.take_batches if observer else None,
-            wait_idle=stack.wait_idle,
-            say=say,
-        )
+        # The direct baseline has no edge: only its WebSocket path exists.
+        apis = ("ws",) if policy.kind == "direct" else options.sweep.apis
+        reports = []
+        for api in apis:
+            runs = await sweep(
+                _named(policy.name, api),
+                stack.ws_url,
+                options.sweep,
+                max_batch=max_batch,
+                no_batch_wait=policy.kind == "direct",
+                take_batches=observer.take_batches if observer else None,
+                wait_idle=stack.wait_idle,
+                say=say,
+                api=api,
+            )
+            name = _named(policy.name, api)
+            reports.append(
+                base.model_copy(update={"name": name, "runs": runs, "max_batch_size": max_batch})
+            )
         stack.check_alive()
     finally:
         await stack.stop()
-    return base.model_copy(update={"runs": runs, "max_batch_size": max_batch})
+    return reports
 
 
 @contextlib.asynccontextmanager

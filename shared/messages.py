@@ -82,6 +82,12 @@ class ChatRequest(Model):
     stop: list[Annotated[str, Field(min_length=1, max_length=64)]] = Field(
         default_factory=list, max_length=4
     )
+    seed: int | None = Field(
+        default=None,
+        ge=-(2**63),
+        le=2**63 - 1,
+        description="Sampling seed, for engines that take one (vllm, transformers).",
+    )
     priority: Tier | None = None
     # Bounded so every service can turn it into a float deadline (~24.8 days at most).
     deadline_ms: int | None = Field(

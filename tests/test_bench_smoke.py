@@ -307,3 +307,59 @@ def test_slo_rate_is_the_top_of_the_passing_prefix() -> None:
         name="p", kind="pipeline", available=True, runs=[_run(10, 100, completed=9)]
     )
     assert slo_result(unanswered, 500).highest_passing_rps is None
+
+
+@pytest.mark.kafka
+def test_bench_run_drives_the_openai_api_beside_the_websocket(
+    stack: Stack, bootstrap: str, tmp_path: Path
+) -> None:
+    out = tmp_path / "run.json"
+    _bench(
+        "run",
+        "--url",
+        stack.ws_url,
+        "--api",
+        "ws,openai",
+        "--rates",
+        "4",
+        "--duration",
+        "2",
+        "--json",
+        str(out),
+        bootstrap=bootstrap,
+    )
+    report = json.loads(out.read_text())
+    _check_report(report)
+    assert [p["name"] for p in report["policies"]] == ["target", "target/openai"]
+    for policy in report["policies"]:
+        (run,) = policy["runs"]
+        assert run["completed"] == run["sent"] > 0, run["errors"]
+        everyone = run["tiers"]["all"]
+        for name in ("ttft_ms", "e2e_ms", "tpot_ms"):
+            assert everyone[name]["count"] == run["completed"], name
+        assert everyone["output_tokens"] > 0
+
+
+def test_openai_load_sends_each_planned_request_as_its_openai_body() -> None:
+    from bench.openai_load import http_target, openai_request
+
+    assert http_target("ws://bench:KEY@127.0.0.1:8000/v1/chat") == ("http://127.0.0.1:8000", "KEY")
+    assert http_target("http://127.0.0.1:9/v1") == ("http://127.0.0.1:9", None)
+    chat = {
+        "type": "chat.request",
+        "client_id": "c",
+        "messages": [{"role": "user", "content": "a"}],
+        "max_tokens": 5,
+        "priority": "background",
+    }
+    path, body = openai_request(chat)
+    assert path == "/v1/chat/completions"
+    assert body == {
+        "messages": [{"role": "user", "content": "a"}],
+        "max_tokens": 5,
+        "priority": "background",
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    path, body = openai_request({"type": "chat.request", "prompt": "p", "max_tokens": 3})
+    assert (path, body["prompt"], body["max_tokens"]) == ("/v1/completions", "p", 3)

@@ -205,6 +205,7 @@ async def test_generate_forwards_sampling_priority_and_trace_headers() -> None:
         temperature=0.7,
         top_p=0.9,
         stop=("END",),
+        seed=42,
         priority=1,
         trace_headers={"traceparent": "00-abc-def-01"},
     )
@@ -220,7 +221,13 @@ async def test_generate_forwards_sampling_priority_and_trace_headers() -> None:
     assert call["priority"] == 1
     assert call["trace_headers"] == {"traceparent": "00-abc-def-01"}
     assert call["sampling_params"] == dict(
-        n=1, max_tokens=3, temperature=0.7, top_p=0.9, stop=["END"], output_kind=DELTA
+        n=1,
+        max_tokens=3,
+        temperature=0.7,
+        top_p=0.9,
+        stop=["END"],
+        seed=42,
+        output_kind=DELTA,
     )
     assert engine.capacity().free_slots == 4
     await engine.stop()

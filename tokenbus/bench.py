@@ -130,6 +130,12 @@ def _sweep_arguments(parser: argparse.ArgumentParser, rates: str, duration: floa
     )
     parser.add_argument("--mix", type=Path, default=None, help="workload mix JSON")
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument(
+        "--api",
+        default="ws",
+        help="client paths to sweep, comma-separated, each reported on its own: ws (the"
+        " WebSocket protocol), openai (/v1/chat/completions over SSE) (default ws)",
+    )
 
 
 class UsageError(Exception):
@@ -137,7 +143,7 @@ class UsageError(Exception):
 
 
 def _sweep_options(args: argparse.Namespace) -> SweepOptions:
-    from bench.suite import SweepOptions
+    from bench.suite import APIS, SweepOptions
 
     try:
         rates = tuple(float(r) for r in args.rates.split(",") if r.strip())
@@ -153,7 +159,11 @@ def _sweep_options(args: argparse.Namespace) -> SweepOptions:
         raise UsageError(f"--connections must be within [1, {MAX_CONNECTIONS}]")
     if not 1 <= args.max_in_flight <= MAX_IN_FLIGHT:
         raise UsageError(f"--max-in-flight must be within [1, {MAX_IN_FLIGHT}]")
+    apis = tuple(a.strip() for a in args.api.split(",") if a.strip())
+    if not apis or any(a not in APIS for a in apis):
+        raise UsageError(f"--api: expected a list from {', '.join(APIS)}: {args.api!r}")
     return SweepOptions(
+        apis=apis,
         rates=rates,
         duration_s=args.duration,
         connections=args.connections,

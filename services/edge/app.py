@@ -34,6 +34,9 @@ from services.edge.chat_socket import ChatSocket
 from services.edge.gateway import Gateway
 from services.edge.lease_keeper import LeaseKeeper, LeaseLost, TopicNotReady, ensure_lease_topic
 from services.edge.metrics import EdgeMetrics
+from services.edge.openai.edge_streams import EdgeStreams
+from services.edge.openai.models import ModelDirectory
+from services.edge.openai.routes import OpenAIApi
 from services.edge.results import ResultReader
 from services.edge.settings import EdgeSettings
 from services.edge.sweeper import TopicSweeper
@@ -72,6 +75,13 @@ class Edge:
         # Keys, origins, quotas (auth.py); tenant ids are keyed by the resume keys.
         self.guard = Guard(settings, self.resume_keys)
         self.gateway: Gateway | None = None  # None until the lifespan reached Kafka
+        # The OpenAI-compatible API (services/edge/openai/): the models workers advertise.
+        self.openai = EdgeStreams(
+            self.guard,
+            lambda: self.gateway,
+            settings.limits(),
+            ModelDirectory(settings.edge_models_stale_s),
+        )
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
@@ -94,7 +104,11 @@ class Edge:
                 metrics=self.metrics,
                 edge_id=self.edge_id,
             )
-            reader = ResultReader(consumer, TopicPartition(self.topics.control, 0))
+            reader = ResultReader(
+                consumer,
+                TopicPartition(self.topics.control, 0),
+                side={TopicPartition(self.topics.workers, 0): self.openai.heartbeat},
+            )
             topology: ResultTopology
             if s.edge_result_topology == "partition":
                 keeper = LeaseKeeper(
@@ -108,12 +122,12 @@ class Edge:
                 partition = await self._lease_partition(link, keeper)
                 reply_to = ReplyTo(topic=self.topics.results, partition=partition)
                 topology = PartitionTopology(reply_to, reader)
-                await reader.start(reply_tp(reply_to))
+                await reader.start(reply_tp(reply_to), self._models_since())
                 tasks.append(asyncio.create_task(self._keep_lease(keeper), name="edge-lease"))
             else:
                 retention_s = s.edge_result_topic_retention_s
                 topology = TopicTopology(self.topics, admin, reader, retention_s, self.metrics)
-                await reader.start(None)
+                await reader.start(None, self._models_since())
             gateway = Gateway(
                 s,
                 self.topics,
@@ -164,6 +178,10 @@ class Edge:
             await consumer.stop()
             await admin.close()
             await producer.stop()
+
+    def _models_since(self) -> float:
+        """Heartbeats are read from this long ago, so `/v1/models` knows live workers at once."""
+        return time.time() - self.settings.edge_models_stale_s
 
     async def _supervised(self, name: str, loop: Callable[[], Awaitable[None]]) -> None:
         """Run a background loop for the edge's life; restart it with backoff if it fails.
@@ -251,6 +269,7 @@ class Edge:
 
 def build_app(settings: EdgeSettings) -> Starlette:
     edge = Edge(settings)
+    openai = OpenAIApi(edge.openai, settings.edge_max_frame_bytes)
     return Starlette(
         routes=[
             Route("/", edge.index),
@@ -258,6 +277,9 @@ def build_app(settings: EdgeSettings) -> Starlette:
             Route("/healthz", edge.healthz),
             Route("/metrics", edge.metrics_page),
             WebSocketRoute("/v1/chat", edge.chat),
+            Route("/v1/chat/completions", openai.chat_completions, methods=["POST"]),
+            Route("/v1/completions", openai.completions, methods=["POST"]),
+            Route("/v1/models", openai.models),
         ],
         lifespan=edge.lifespan,
     )

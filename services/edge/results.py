@@ -76,21 +76,34 @@ class _Tail:
 class ResultReader:
     """Owns the consumer; hands result and control records to a sink (`run`)."""
 
-    def __init__(self, consumer: AIOKafkaConsumer, control: TopicPartition) -> None:
+    def __init__(
+        self,
+        consumer: AIOKafkaConsumer,
+        control: TopicPartition,
+        side: Mapping[TopicPartition, Callable[[bytes], None]] | None = None,
+    ) -> None:
         self._consumer = consumer
+        # Other partitions read for the edge's life, each handed to its own callback
+        # (the workers' heartbeats, for `/v1/models`), never parsed as results.
+        self._side = dict(side or {})
         self._control = control
         self._tails: dict[TopicPartition, _Tail] = {}
         self._assigned: frozenset[TopicPartition] = frozenset()
         self._ops: list[_Follow | _Unfollow] = []
         self._changed = asyncio.Event()
 
-    async def start(self, own: TopicPartition | None) -> None:
-        """Follow the control topic, and `own` (the edge's result partition), from their ends."""
-        permanent = [self._control] + ([own] if own is not None else [])
+    async def start(self, own: TopicPartition | None, side_since: float | None = None) -> None:
+        """Follow the control topic, and `own` (the edge's result partition), from their ends;
+        the side partitions from their first record at or after `side_since` (Unix seconds)."""
+        permanent = [self._control] + ([own] if own is not None else []) + list(self._side)
         self._consumer.assign(permanent)
         for tp in permanent:
             await self._consumer.seek_to_end(tp)
             position = await self._consumer.position(tp)
+            if tp in self._side and side_since is not None:
+                found = await self._consumer.offsets_for_times({tp: int(side_since * 1000)})
+                if found.get(tp) is not None:
+                    position = found[tp].offset
             self._tails[tp] = _Tail(position=position, permanent=True)
         self._assigned = frozenset(permanent)
 
@@ -204,6 +217,9 @@ class ResultReader:
         if tp == self._control:
             for record in records:
                 sink.on_control(record.value or b"")
+        elif (handler := self._side.get(tp)) is not None:
+            for record in records:
+                handler(record.value or b"")
         else:
             parsed: list[tuple[ConsumerRecord[bytes, bytes], ResultRecord]] = []
             for record in records:

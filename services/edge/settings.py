@@ -121,6 +121,14 @@ class EdgeSettings(KeysSettings):
     edge_resume_ttl_s: float = Field(
         default=600.0, gt=0, description="How long a resume token stays valid."
     )
+    edge_models_stale_s: float = Field(
+        default=10.0,
+        gt=0,
+        description=(
+            "`/v1/models` lists the model of each worker whose last heartbeat is younger than"
+            " this; a request naming another model gets 404."
+        ),
+    )
 
     @model_validator(mode="after")
     def _resume_keys_configured(self) -> EdgeSettings:

@@ -56,6 +56,7 @@ def engine_request(
         temperature=request.temperature,
         top_p=request.top_p,
         stop=tuple(request.stop),
+        seed=request.seed,
         priority=0 if request.tier is Tier.interactive else 1,
         messages=messages,
         trace_headers=dict(trace_headers or {}),

@@ -32,6 +32,7 @@ class EngineRequest:
     temperature: float = 1.0
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
+    seed: int | None = None  # None: the engine's own randomness
     priority: int = 0  # lower runs first, as in vLLM's priority scheduling
     messages: tuple[ChatTurn, ...] | None = None
     trace_headers: Mapping[str, str] = field(default_factory=dict)

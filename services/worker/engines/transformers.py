@@ -142,7 +142,8 @@ class TransformersEngine:
         check_prompt(len(seq.prompt_ids), self.context_length)
         if request.temperature > 0:
             seq.generator = torch.Generator(device=self.device)
-            seq.generator.manual_seed(hash(request.request_id) & 0x7FFFFFFF)
+            seed = request.seed if request.seed is not None else hash(request.request_id)
+            seq.generator.manual_seed(seed & 0x7FFFFFFFFFFFFFFF)
         heapq.heappush(self._waiting, (request.priority, next(self._arrivals), seq))
         self._wakeup.set()
         try:

@@ -124,6 +124,7 @@ def sampling_params(api: VllmApi, request: EngineRequest) -> Any:
         temperature=request.temperature,
         top_p=request.top_p,
         stop=list(request.stop) or None,
+        seed=request.seed,
         output_kind=api.delta_output_kind,
     )
 

@@ -1,0 +1,136 @@
+"""The edge's side of the OpenAI API (`routes.Streams`): keys, quotas, and the gateway."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+
+import structlog
+from starlette.datastructures import Headers
+
+from services.edge.auth import AmbiguousCredentials, Guard, key_from_headers
+from services.edge.gateway import Gateway
+from services.edge.keys import Principal
+from services.edge.openai.errors import HttpError, http_error
+from services.edge.openai.models import ModelDirectory
+from services.edge.openai.routes import HttpClient
+from services.edge.openai.sse import EventId
+from services.edge.protocol import ChatRequestFrame, ErrorFrame, ServerFrame, StreamResumeFrame
+from services.edge.resume import token_kid
+from services.edge.streams import ResultStream
+from shared.messages import ChatRequest, ErrorCode, Heartbeat, RequestLimits
+
+log = structlog.get_logger()
+
+
+def authenticate(guard: Guard, headers: Headers) -> Principal | HttpError:
+    """The principal of a request's `Authorization: Bearer <key>`, as a socket's upgrade.
+
+    With an `Origin` (a browser) only Bearer counts: cached Basic credentials are ambient.
+    """
+    try:
+        key = key_from_headers(headers.getlist("authorization"), browser="origin" in headers)
+    except AmbiguousCredentials as exc:
+        return http_error(ErrorCode.unauthorized, f"unusable credentials: {exc}")
+    if key is None:
+        return http_error(
+            ErrorCode.unauthorized, "no API key: send it as `Authorization: Bearer <key>`"
+        )
+    principal = guard.keys.lookup(key)
+    if principal is None:
+        log.info("auth.refused", reason="unknown_key", via="http")
+        return http_error(ErrorCode.unauthorized, "unknown or revoked API key")
+    return principal
+
+
+NOT_READY = ErrorFrame(
+    code=ErrorCode.overloaded, message="the edge is not ready", retry_after_ms=1000
+)
+
+
+class EdgeStreams:
+    """`routes.Streams` on one edge: admitted by its guard, carried by its gateway.
+
+    Caller: the OpenAI handlers; `heartbeat` the edge's result reader.
+    Affects: the model directory; the rest is the gateway's and the guard's.
+    """
+
+    def __init__(
+        self,
+        guard: Guard,
+        gateway: Callable[[], Gateway | None],
+        limits: RequestLimits,
+        models: ModelDirectory,
+    ) -> None:
+        self._guard = guard
+        self._gateway = gateway  # None until the edge reached Kafka, and while it stops
+        self._limits = limits
+        self._models = models
+
+    @property
+    def limits(self) -> RequestLimits:
+        return self._limits
+
+    def authenticate(self, headers: Headers) -> Principal | HttpError:
+        return authenticate(self._guard, headers)
+
+    def served_models(self) -> dict[str, int]:
+        return self._models.served(time.time())
+
+    def heartbeat(self, value: bytes) -> None:
+        """One record of the workers topic."""
+        try:
+            beat = Heartbeat.model_validate_json(value)
+        except ValueError as exc:
+            log.warning("heartbeat.invalid", error=str(exc)[:200])
+            return
+        self._models.observe(beat)
+
+    async def open(
+        self, principal: Principal, request: ChatRequest, client: HttpClient, headers: Headers
+    ) -> None:
+        gateway = self._gateway()
+        if gateway is None:
+            client.send(NOT_READY)
+            return
+        request_id = uuid.uuid4().hex
+        frame = ChatRequestFrame.model_validate(
+            {**request.model_dump(), "type": "chat.request"}, context={"limits": self._limits}
+        )
+        if refused := self._guard.admit(principal, frame, request_id):
+            client.send(refused)  # before anything of it reaches Kafka
+            return
+        await gateway.open_stream(
+            request,
+            request_id=request_id,
+            tenant=self._guard.tenant_id(principal),
+            client=client,
+            parent=headers,  # the client's own `traceparent`, if it sent one
+        )
+
+    async def resume(
+        self, principal: Principal, token: str, after: EventId, client: HttpClient
+    ) -> None:
+        gateway = self._gateway()
+        if gateway is None:
+            client.send(NOT_READY)
+            return
+        frame = StreamResumeFrame(
+            type="stream.resume", resume_token=token, after_seq=after.seq, attempt=after.attempt
+        )
+        tenant = self._guard.tenant_id(principal, token_kid(token))
+        await gateway.resume_stream(frame, tenant=tenant, client=client)
+
+    def detach(self, client: HttpClient) -> None:
+        if (gateway := self._gateway()) is not None:
+            gateway.detach(client)
+
+    async def cancel(self, request_id: str, client: HttpClient) -> None:
+        if (gateway := self._gateway()) is not None:
+            await gateway.cancel_stream(request_id, client)
+
+    def written(self, frame: ServerFrame, stream: object) -> None:
+        gateway = self._gateway()
+        if gateway is not None and (stream is None or isinstance(stream, ResultStream)):
+            gateway.written(frame, stream)

@@ -1,0 +1,74 @@
+"""Protocol error codes as OpenAI error responses: the HTTP status, the body, `Retry-After`."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from services.edge.openai.schema import ErrorBody, ErrorDetail
+from shared.messages import ErrorCode
+
+# code -> (HTTP status, OpenAI error `type`). The SDK picks its exception by status
+# (BadRequestError, AuthenticationError, NotFoundError, RateLimitError, ...).
+_STATUS: dict[ErrorCode, tuple[int, str]] = {
+    ErrorCode.invalid_request: (400, "invalid_request_error"),
+    ErrorCode.unauthorized: (401, "invalid_request_error"),
+    ErrorCode.not_found: (404, "invalid_request_error"),
+    ErrorCode.rate_limited: (429, "rate_limit_error"),
+    ErrorCode.overloaded: (503, "server_error"),
+    ErrorCode.deadline_exceeded: (504, "timeout_error"),
+    # nginx's "client closed request": only a request whose client is gone is cancelled.
+    ErrorCode.cancelled: (499, "cancelled"),
+    ErrorCode.internal: (500, "server_error"),
+}
+# OpenAI's own `code` strings where it has one; tokenbus's code otherwise.
+_OPENAI_CODE: dict[ErrorCode, str] = {
+    ErrorCode.unauthorized: "invalid_api_key",
+    ErrorCode.rate_limited: "rate_limit_exceeded",
+}
+
+
+@dataclass(frozen=True)
+class HttpError:
+    """One error answer: status, OpenAI-shaped body, extra headers."""
+
+    status: int
+    body: ErrorBody
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+def http_error(
+    code: ErrorCode,
+    message: str,
+    *,
+    retry_after_ms: int | None = None,
+    param: str | None = None,
+    openai_code: str | None = None,
+) -> HttpError:
+    status, kind = _STATUS[code]
+    detail = ErrorDetail(
+        message=message,
+        type=kind,
+        param=param,
+        code=openai_code or _OPENAI_CODE.get(code, code.value),
+    )
+    headers: dict[str, str] = {}
+    if retry_after_ms is not None:
+        # Retry-After counts whole seconds (RFC 9110); never 0, which reads as "now".
+        headers["Retry-After"] = str(max(1, math.ceil(retry_after_ms / 1000)))
+        headers["X-Tokenbus-Retry-After-Ms"] = str(retry_after_ms)
+    return HttpError(status, ErrorBody(error=detail), headers)
+
+
+def invalid(message: str, param: str | None = None) -> HttpError:
+    return http_error(ErrorCode.invalid_request, message, param=param)
+
+
+def unknown_model(model: str, served: list[str]) -> HttpError:
+    listed = ", ".join(served) if served else "none (no live worker advertises one)"
+    return http_error(
+        ErrorCode.not_found,
+        f"The model `{model}` does not exist. Models served now: {listed}.",
+        param="model",
+        openai_code="model_not_found",
+    )

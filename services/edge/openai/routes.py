@@ -1,0 +1,345 @@
+"""The OpenAI-compatible endpoints: `/v1/chat/completions`, `/v1/completions`, `/v1/models`.
+
+Each request rides the edge's own stream routing (`Streams`, the edge's side of it): the
+same bus, tiers, deadlines, quotas, cancels and traces as a WebSocket request. The HTTP
+client is the stream's owner; when it goes away, the stream is detached and cancelled
+after the WebSocket's disconnect grace unless it is resumed (`Last-Event-ID` and the
+`X-Tokenbus-Resume-Token` response header, on a repeat of the request).
+
+A streaming answer's status is decided by its first event: an error before any text is
+an HTTP error (429, 503, 504...), as for a non-streaming request; after text it is an
+error event in the stream, as vLLM sends it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable, Mapping
+from typing import Protocol
+
+import structlog
+from pydantic import ValidationError
+from starlette.datastructures import Headers
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.types import Receive, Scope, Send
+
+from services.edge.keys import Principal
+from services.edge.openai.errors import HttpError, invalid, unknown_model
+from services.edge.openai.schema import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+)
+from services.edge.openai.sse import KEEPALIVE, EventId, parse_event_id
+from services.edge.openai.translate import (
+    Answer,
+    Identity,
+    Kind,
+    OpenAIRequest,
+    SseStream,
+    frame_error,
+    to_chat_request,
+)
+from services.edge.protocol import AcceptedFrame, ErrorFrame, ServerFrame, StreamResumedFrame
+from shared.messages import ChatRequest, RequestLimits, error_message
+
+log = structlog.get_logger()
+
+RESUME_TOKEN_HEADER = "X-Tokenbus-Resume-Token"
+REQUEST_ID_HEADER = "X-Request-Id"
+# A comment line this often while a stream is quiet, so proxies keep it open.
+KEEPALIVE_S = 15.0
+
+
+class HttpClient:
+    """One HTTP request's end of its stream: the owner the router delivers frames to.
+
+    Unbounded: one request per connection, so what can queue is one answer at most.
+    """
+
+    def __init__(self) -> None:
+        # (frame, the stream it belongs to: reported back with `Streams.written`)
+        self.frames: asyncio.Queue[tuple[ServerFrame, object]] = asyncio.Queue()
+
+    def send(self, frame: ServerFrame, stream: object = None) -> None:
+        self.frames.put_nowait((frame, stream))
+
+
+class Streams(Protocol):
+    """What the handlers need of the edge. Errors reach the client as `error` frames."""
+
+    @property
+    def limits(self) -> RequestLimits: ...
+
+    def authenticate(self, headers: Headers) -> Principal | HttpError: ...
+
+    def served_models(self) -> dict[str, int]:
+        """Model name -> when first seen (Unix seconds), for the models live workers serve."""
+        ...
+
+    async def open(
+        self, principal: Principal, request: ChatRequest, client: HttpClient, headers: Headers
+    ) -> None:
+        """Submit `request`; `chat.accepted` (or an error) then its stream reach `client`."""
+        ...
+
+    async def resume(
+        self, principal: Principal, token: str, after: EventId, client: HttpClient
+    ) -> None:
+        """Resume a stream after `after`; `stream.resumed` (or an error) then the rest."""
+        ...
+
+    def detach(self, client: HttpClient) -> None:
+        """The client went away: its stream waits out the disconnect grace, then is cancelled."""
+        ...
+
+    async def cancel(self, request_id: str, client: HttpClient) -> None: ...
+
+    def written(self, frame: ServerFrame, stream: object) -> None:
+        """A frame's content reached the client (telemetry)."""
+        ...
+
+
+class Disconnect:
+    """Watches a request's `receive` (its body already read) for the client going away."""
+
+    def __init__(self, receive: Receive) -> None:
+        self.gone = asyncio.Event()
+        self._task = asyncio.create_task(self._watch(receive), name="openai-disconnect")
+
+    async def _watch(self, receive: Receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self.gone.set()
+
+    def stop(self) -> None:
+        self._task.cancel()
+
+
+async def next_frame(
+    client: HttpClient, disconnect: Disconnect, quiet_s: float
+) -> tuple[ServerFrame, object] | None:
+    """The client's next frame and its stream; None if the client left or nothing came
+    within `quiet_s`."""
+    get = asyncio.ensure_future(client.frames.get())
+    gone = asyncio.ensure_future(disconnect.gone.wait())
+    try:
+        await asyncio.wait({get, gone}, timeout=quiet_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not get.done():
+            get.cancel()
+    if get.done() and not get.cancelled():
+        return get.result()
+    return None
+
+
+def error_response(error: HttpError) -> Response:
+    return JSONResponse(error.body.model_dump(), status_code=error.status, headers=error.headers)
+
+
+class SseResponse(Response):
+    """An SSE answer: writes what `stream` makes of the client's frames until it ends.
+
+    Owns the stream from here: when the client goes away first, the stream is detached;
+    when the stream asks for it (a new attempt after text), the request is cancelled.
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(
+        self,
+        streams: Streams,
+        client: HttpClient,
+        disconnect: Disconnect,
+        sse: SseStream,
+        first: list[bytes],
+        headers: Mapping[str, str],
+    ) -> None:
+        # As StreamingResponse: no body, so no Content-Length; the events follow in `__call__`.
+        self.status_code = 200
+        self.background = None
+        self.init_headers({**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._streams = streams
+        self._client = client
+        self._disconnect = disconnect
+        self._sse = sse
+        self._first = first
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            await self._write(send, self._first)
+            while not self._sse.ended and not self._disconnect.gone.is_set():
+                got = await next_frame(self._client, self._disconnect, KEEPALIVE_S)
+                if got is None:
+                    if not self._disconnect.gone.is_set():
+                        await send(
+                            {"type": "http.response.body", "body": KEEPALIVE, "more_body": True}
+                        )
+                    continue
+                frame, stream = got
+                await self._write(send, self._sse.take(frame))
+                self._streams.written(frame, stream)
+            if self._sse.ended:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except OSError as exc:  # the client's connection broke mid-write
+            log.info("openai.client_gone", error=repr(exc), request_id=self._sse.ident.request_id)
+        finally:
+            await self._let_go()
+
+    async def _write(self, send: Send, chunks: list[bytes]) -> None:
+        if chunks:
+            await send({"type": "http.response.body", "body": b"".join(chunks), "more_body": True})
+
+    async def _let_go(self) -> None:
+        self._disconnect.stop()
+        if self._sse.cancel:
+            await self._streams.cancel(self._sse.ident.request_id, self._client)
+        if not self._sse.ended:
+            log.info("openai.client_left", request_id=self._sse.ident.request_id)
+            self._streams.detach(self._client)  # cancelled after the grace unless resumed
+
+
+class OpenAIApi:
+    """The handlers; `clock` stamps `created` (Unix seconds)."""
+
+    def __init__(
+        self, streams: Streams, max_body_bytes: int, clock: Callable[[], float] = time.time
+    ) -> None:
+        self._streams = streams
+        self._max_body_bytes = max_body_bytes
+        self._clock = clock
+
+    async def models(self, request: Request) -> Response:
+        principal = self._streams.authenticate(request.headers)
+        if isinstance(principal, HttpError):
+            return error_response(principal)
+        cards = [ModelCard(id=m, created=t) for m, t in self._streams.served_models().items()]
+        return JSONResponse(ModelList(data=cards).model_dump())
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._complete(request, "chat")
+
+    async def completions(self, request: Request) -> Response:
+        return await self._complete(request, "text")
+
+    async def _complete(self, request: Request, kind: Kind) -> Response:
+        # 1) Who asks, and what: nothing reaches Kafka before both are known good.
+        principal = self._streams.authenticate(request.headers)
+        if isinstance(principal, HttpError):
+            return error_response(principal)
+        body = await self._body(request, kind)
+        if isinstance(body, HttpError):
+            return error_response(body)
+        served = self._streams.served_models()
+        token = request.headers.get(RESUME_TOKEN_HEADER)
+        if body.model is not None and body.model not in served and token is None:
+            return error_response(unknown_model(body.model, list(served)))
+        model = body.model or next(iter(served), "tokenbus")
+        client = HttpClient()
+        # 2) Open (or resume) the stream; its first frame says whether it was accepted.
+        if token is not None:
+            after = self._after(request.headers)
+            if isinstance(after, HttpError):
+                return error_response(after)
+            if not body.stream:
+                return error_response(invalid("a resume needs `stream: true`", "stream"))
+            await self._streams.resume(principal, token, after or EventId(0, -1), client)
+        else:
+            chat = to_chat_request(body, self._streams.limits)
+            if isinstance(chat, HttpError):
+                return error_response(chat)
+            after = None
+            await self._streams.open(principal, chat, client, request.headers)
+        # 3) Answer: whole, or as events once the first one is known.
+        disconnect = Disconnect(request.receive)
+        try:
+            response = await self._answer(body, kind, model, client, disconnect, after, token)
+        except BaseException:
+            disconnect.stop()
+            self._streams.detach(client)
+            raise
+        if not isinstance(response, SseResponse):
+            disconnect.stop()
+        return response
+
+    async def _answer(
+        self,
+        body: OpenAIRequest,
+        kind: Kind,
+        model: str,
+        client: HttpClient,
+        disconnect: Disconnect,
+        after: EventId | None,
+        token: str | None,
+    ) -> Response:
+        head: dict[str, str] = {}
+        answer: Answer | None = None
+        sse: SseStream | None = None
+        while True:
+            got = await next_frame(client, disconnect, KEEPALIVE_S)
+            if got is None:
+                if disconnect.gone.is_set():
+                    self._streams.detach(client)  # cancelled after the grace
+                    return Response(status_code=499)
+                continue
+            frame, stream = got
+            if isinstance(frame, ErrorFrame) and (sse is None or not sse.started):
+                # Refused (quota, overload, a bad resume) or failed before any event: the
+                # answer's status says so, streaming or not.
+                self._streams.written(frame, stream)
+                return error_response(frame_error(frame))
+            if isinstance(frame, AcceptedFrame | StreamResumedFrame):
+                ident = Identity(kind, frame.request_id, model, int(self._clock()))
+                token = frame.resume_token if isinstance(frame, AcceptedFrame) else token
+                head = {REQUEST_ID_HEADER: frame.request_id, RESUME_TOKEN_HEADER: token or ""}
+                answer = Answer(ident)
+                options = body.stream_options
+                sse = SseStream(ident, options is not None and options.include_usage, after)
+                continue
+            if answer is None or sse is None:
+                continue  # nothing else comes before acceptance
+            if not body.stream:
+                answer.take(frame)
+                if answer.result is None:
+                    continue
+                self._streams.written(frame, stream)
+                if isinstance(answer.result, HttpError):
+                    return error_response(answer.result)
+                return JSONResponse(answer.result.model_dump(), headers=head)
+            chunks = sse.take(frame)
+            self._streams.written(frame, stream)
+            if chunks:
+                return SseResponse(self._streams, client, disconnect, sse, chunks, head)
+
+    async def _body(self, request: Request, kind: Kind) -> OpenAIRequest | HttpError:
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self._max_body_bytes:
+            return invalid(f"body: {declared} bytes, above the limit of {self._max_body_bytes}")
+        raw = await request.body()
+        if len(raw) > self._max_body_bytes:
+            return invalid(f"body: {len(raw)} bytes, above the limit of {self._max_body_bytes}")
+        try:
+            data = json.loads(raw)
+        except ValueError:
+            return invalid("body: not valid JSON")
+        model = ChatCompletionRequest if kind == "chat" else CompletionRequest
+        try:
+            return model.model_validate(data)
+        except ValidationError as exc:
+            return invalid(error_message(exc))
+
+    @staticmethod
+    def _after(headers: Headers) -> EventId | HttpError | None:
+        value = headers.get("last-event-id")
+        if value is None:
+            return None
+        after = parse_event_id(value)
+        if after is None:
+            return invalid("Last-Event-ID: expected `<attempt>:<seq>`, as the stream's ids")
+        return after

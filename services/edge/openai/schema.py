@@ -1,0 +1,186 @@
+"""OpenAI-compatible request and response bodies: what `/v1/*completions` reads and writes.
+
+Field names, defaults and extension fields follow vLLM's OpenAI server
+(`vllm/entrypoints/openai/protocol.py`), so its users' clients work unchanged. Unknown
+fields are accepted and ignored, as vLLM and OpenAI do; fields tokenbus cannot honour are
+refused in `translate.py`, never silently dropped.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from shared.messages import Tier
+
+
+class OpenAIModel(BaseModel):
+    """Requests: unknown fields are kept (and ignored), as OpenAI's own server does."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+
+class TextPart(OpenAIModel):
+    type: Literal["text"]
+    text: str
+
+
+class ContentPart(OpenAIModel):
+    """A content part of another kind (image, audio): tokenbus serves text only."""
+
+    type: str
+
+
+class Message(OpenAIModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart | ContentPart] | None = None
+    name: str | None = None
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: bool = False
+    # vLLM's extension: usage on every chunk, not only the last.
+    continuous_usage_stats: bool = False
+
+
+Stop = str | list[str] | None
+# vLLM's `priority` is an int (lower runs first); tokenbus's tiers are also accepted by name.
+Priority = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)] | Tier
+
+
+class SamplingFields(OpenAIModel):
+    """What both endpoints share: sampling, length, streaming, tokenbus's extensions."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: Stop = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logprobs: Any = None
+    logit_bias: dict[str, float] | None = None
+    # Extensions, as vLLM's `priority`: the tier, and a deadline from acceptance.
+    priority: Priority | None = None
+    deadline_ms: int | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+# -- responses ----------------------------------------------------------------------------------
+
+
+class Body(BaseModel):
+    """Responses: exactly these fields."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class Usage(Body):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class AssistantMessage(Body):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(Body):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: str
+
+
+class ChatCompletion(Body):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChunkDelta(Body):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(Body):
+    index: int = 0
+    delta: ChunkDelta
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(Body):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionChoice(Body):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class Completion(Body):
+    """A `text_completion`, whole or one streamed chunk of it (OpenAI uses one object)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(Body):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "tokenbus"
+
+
+class ModelList(Body):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(Body):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorBody(Body):
+    error: ErrorDetail

@@ -1,0 +1,311 @@
+"""OpenAI requests to tokenbus requests, and the edge's stream frames back to OpenAI bodies.
+
+Pure: no I/O and no clock (times are passed in), so each mapping rule is tested with
+plain values. The rules:
+- `max_completion_tokens` wins over `max_tokens` (as in vLLM); unset, the edge's default;
+- `priority`: a tier by name, or vLLM's integer (<= 0 interactive, > 0 background);
+- what tokenbus cannot honour (n > 1, logprobs, tools, penalties, images) is a 400 naming
+  the field, never silently dropped;
+- a new attempt (a worker died) is invisible if the client has seen no text of the old one;
+  after text it cannot be taken back over OpenAI's protocol, so the stream ends with an error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pydantic import ValidationError
+
+from services.edge.openai.errors import HttpError, http_error, invalid
+from services.edge.openai.schema import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChunkDelta,
+    Completion,
+    CompletionChoice,
+    CompletionRequest,
+    ContentPart,
+    Message,
+    TextPart,
+    Usage,
+)
+from services.edge.openai.sse import DONE, EventId, event
+from services.edge.protocol import (
+    AcceptedFrame,
+    DeltaFrame,
+    DoneFrame,
+    ErrorFrame,
+    ResetFrame,
+    ServerFrame,
+    StreamResumedFrame,
+)
+from shared.messages import ChatRequest, ErrorCode, RequestLimits, Tier, error_message
+
+Kind = Literal["chat", "text"]
+OpenAIRequest = ChatCompletionRequest | CompletionRequest
+
+
+def to_chat_request(body: OpenAIRequest, limits: RequestLimits) -> ChatRequest | HttpError:
+    """The tokenbus request an OpenAI body asks for, or the 400 that says why not."""
+    if refused := _unsupported(body):
+        return refused
+    fields: dict[str, object] = {
+        "max_tokens": _max_tokens(body),
+        "stop": body.stop if body.stop is not None else [],
+        "seed": body.seed,
+        "priority": _tier(body.priority),
+        "deadline_ms": body.deadline_ms,
+    }
+    if body.temperature is not None:
+        fields["temperature"] = body.temperature
+    if body.top_p is not None:
+        fields["top_p"] = body.top_p
+    if isinstance(body, ChatCompletionRequest):
+        messages = [_message(m) for m in body.messages]
+        if bad := next((m for m in messages if isinstance(m, HttpError)), None):
+            return bad
+        fields["messages"] = messages
+    else:
+        prompt = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
+        fields["prompt"] = prompt
+    try:
+        return ChatRequest.model_validate(fields, context={"limits": limits})
+    except ValidationError as exc:
+        return invalid(error_message(exc))
+
+
+def _max_tokens(body: OpenAIRequest) -> int | None:
+    if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
+        return body.max_completion_tokens
+    return body.max_tokens
+
+
+def _tier(priority: int | Tier | None) -> Tier | None:
+    if priority is None or isinstance(priority, Tier):
+        return priority
+    return Tier.interactive if priority <= 0 else Tier.background
+
+
+def _message(message: Message) -> dict[str, str] | HttpError:
+    role = "system" if message.role == "developer" else message.role
+    content = message.content
+    if content is None:
+        text = ""
+    elif isinstance(content, str):
+        text = content
+    else:
+        parts = [p for p in content if not isinstance(p, TextPart)]
+        if parts:
+            kind = parts[0].type if isinstance(parts[0], ContentPart) else "?"
+            return invalid(
+                f"messages: content parts of type `{kind}` are not supported (text only)",
+                "messages",
+            )
+        text = "".join(p.text for p in content if isinstance(p, TextPart))
+    return {"role": role, "content": text}
+
+
+def _unsupported(body: OpenAIRequest) -> HttpError | None:
+    """The first field whose value tokenbus cannot honour, as a 400."""
+    if body.n != 1:
+        return invalid(
+            f"n={body.n}: tokenbus generates one choice per request; only n=1 is supported"
+            " (send n requests instead)",
+            "n",
+        )
+    checks: list[tuple[bool, str, str]] = [
+        (bool(body.logprobs), "logprobs", "logprobs are not supported"),
+        (bool(body.presence_penalty), "presence_penalty", "only 0 is supported"),
+        (bool(body.frequency_penalty), "frequency_penalty", "only 0 is supported"),
+        (bool(body.logit_bias), "logit_bias", "not supported"),
+        (
+            body.stream_options is not None and body.stream_options.continuous_usage_stats,
+            "stream_options",
+            "continuous_usage_stats is not supported; include_usage is",
+        ),
+    ]
+    if isinstance(body, ChatCompletionRequest):
+        fmt = (body.response_format or {}).get("type", "text")
+        checks += [
+            (bool(body.top_logprobs), "top_logprobs", "logprobs are not supported"),
+            (bool(body.tools), "tools", "tool calls are not supported"),
+            (body.tool_choice not in (None, "none"), "tool_choice", "tool calls are not supported"),
+            (fmt != "text", "response_format", f"type `{fmt}` is not supported (text only)"),
+        ]
+    else:
+        prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+        token_ids = any(not isinstance(p, str) for p in prompts)
+        checks += [
+            (token_ids, "prompt", "token ids are not supported; send the prompt as text"),
+            (len(prompts) != 1, "prompt", "exactly one prompt per request is supported"),
+            (body.echo, "echo", "not supported"),
+            ((body.best_of or 1) > 1, "best_of", "only 1 is supported"),
+            (bool(body.suffix), "suffix", "not supported"),
+        ]
+    for failed, param, why in checks:
+        if failed:
+            return invalid(f"{param}: {why}", param)
+    return None
+
+
+def frame_error(frame: ErrorFrame) -> HttpError:
+    """An `error` frame as the HTTP answer it stands for."""
+    return http_error(frame.code, frame.message, retry_after_ms=frame.retry_after_ms)
+
+
+def usage_of(frame: DoneFrame) -> Usage:
+    u = frame.usage
+    return Usage(
+        prompt_tokens=u.prompt_tokens,
+        completion_tokens=u.completion_tokens,
+        total_tokens=u.prompt_tokens + u.completion_tokens,
+    )
+
+
+RESET_AFTER_TEXT = (
+    "the request was re-run after a worker failure, and the text already sent cannot be taken"
+    " back over this API; send the request again (the WebSocket API shows the new attempt)"
+)
+
+
+@dataclass(frozen=True)
+class Identity:
+    """What every body of one request's answer repeats."""
+
+    kind: Kind
+    request_id: str
+    model: str
+    created: int
+
+    @property
+    def id(self) -> str:
+        return f"{'chatcmpl' if self.kind == 'chat' else 'cmpl'}-{self.request_id}"
+
+
+@dataclass
+class Answer:
+    """A non-streaming answer, gathered from frames; `result` is set by the final one."""
+
+    ident: Identity
+    parts: list[str] = field(default_factory=list)
+    result: ChatCompletion | Completion | HttpError | None = None
+
+    def take(self, frame: ServerFrame) -> None:
+        if isinstance(frame, DeltaFrame):
+            self.parts.append(frame.text)
+        elif isinstance(frame, ResetFrame):
+            self.parts.clear()  # nothing was shown: the new attempt simply replaces it
+        elif isinstance(frame, DoneFrame):
+            self.result = self._body("".join(self.parts), frame.finish_reason, usage_of(frame))
+        elif isinstance(frame, ErrorFrame):
+            self.result = frame_error(frame)
+
+    def _body(self, text: str, finish: str, usage: Usage) -> ChatCompletion | Completion:
+        i = self.ident
+        if i.kind == "chat":
+            choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=finish)
+            return ChatCompletion(
+                id=i.id, created=i.created, model=i.model, choices=[choice], usage=usage
+            )
+        return Completion(
+            id=i.id,
+            created=i.created,
+            model=i.model,
+            choices=[CompletionChoice(text=text, finish_reason=finish)],
+            usage=usage,
+        )
+
+
+@dataclass
+class SseStream:
+    """A streaming answer: frames in, SSE bytes out; `ended` once the last event is made.
+
+    `after`: where a resumed client stands (its `Last-Event-ID`); None for a new request.
+    `cancel`: set when the request must be cancelled (a new attempt after text was sent).
+    """
+
+    ident: Identity
+    include_usage: bool
+    after: EventId | None = None
+    ended: bool = False
+    cancel: bool = False
+    _attempt: int = 0
+    _last_seq: int = -1
+    _texted: bool = False  # the client holds text of attempt `_attempt`
+    _opened: bool = False  # the role chunk is sent (or, resumed, was sent before)
+
+    def __post_init__(self) -> None:
+        if self.after is not None:
+            self._opened = True
+            self._attempt, self._last_seq = self.after.attempt, self.after.seq
+            self._texted = self.after.seq >= 0
+
+    started: bool = False  # an event was made: from now on an error is an event in the stream
+
+    def take(self, frame: ServerFrame) -> list[bytes]:
+        out = self._take(frame)
+        self.started = self.started or bool(out)
+        return out
+
+    def _take(self, frame: ServerFrame) -> list[bytes]:
+        if self.ended or isinstance(frame, AcceptedFrame | StreamResumedFrame):
+            return []
+        if isinstance(frame, ResetFrame):
+            if self._texted:
+                self.cancel = True
+                return self._error(http_error(ErrorCode.internal, RESET_AFTER_TEXT))
+            self._attempt, self._last_seq = frame.attempt, -1
+            return []
+        if isinstance(frame, ErrorFrame):
+            return self._error(frame_error(frame))
+        out = self._opening()
+        if isinstance(frame, DeltaFrame):
+            self._last_seq = frame.seq
+            self._texted = self._texted or bool(frame.text)
+            out.append(event(self._chunk(frame.text, None), self._id()))
+            return out
+        self.ended = True
+        out.append(event(self._chunk(None, frame.finish_reason), self._id()))
+        if self.include_usage:
+            out.append(event(self._usage_chunk(usage_of(frame)), self._id()))
+        out.append(DONE)
+        return out
+
+    def _id(self) -> EventId:
+        return EventId(self._attempt, self._last_seq)
+
+    def _opening(self) -> list[bytes]:
+        """A chat stream opens with the assistant's role, as OpenAI's and vLLM's do."""
+        if self.ident.kind != "chat" or self._opened:
+            return []
+        self._opened = True
+        return [event(self._chat_chunk(ChunkDelta(role="assistant", content=""), None), self._id())]
+
+    def _error(self, error: HttpError) -> list[bytes]:
+        self.ended = True
+        return [event(error.body, self._id()), DONE]
+
+    def _chunk(self, text: str | None, finish: str | None) -> ChatCompletionChunk | Completion:
+        if self.ident.kind == "chat":
+            return self._chat_chunk(ChunkDelta(content=text), finish)
+        i = self.ident
+        choice = CompletionChoice(text=text or "", finish_reason=finish)
+        return Completion(id=i.id, created=i.created, model=i.model, choices=[choice])
+
+    def _chat_chunk(self, delta: ChunkDelta, finish: str | None) -> ChatCompletionChunk:
+        i = self.ident
+        choice = ChatChunkChoice(delta=delta, finish_reason=finish)
+        return ChatCompletionChunk(id=i.id, created=i.created, model=i.model, choices=[choice])
+
+    def _usage_chunk(self, usage: Usage) -> ChatCompletionChunk | Completion:
+        i = self.ident
+        if i.kind == "chat":
+            return ChatCompletionChunk(
+                id=i.id, created=i.created, model=i.model, choices=[], usage=usage
+            )
+        return Completion(id=i.id, created=i.created, model=i.model, choices=[], usage=usage)

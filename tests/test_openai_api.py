@@ -1,0 +1,373 @@
+"""The OpenAI-compatible API on a real stack, driven by the official `openai` SDK.
+
+The answers equal the WebSocket's for the same prompt, usage is counted, each error status
+is produced by the condition it stands for, a dropped stream resumes with `Last-Event-ID`,
+and a client that goes away is cancelled after the disconnect grace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import websockets
+
+from services.worker.engines.sim_text import natural_tokens
+from shared.messages import CancelRecord
+from tests.chat_client import run_requests
+from tests.stack import UNLIMITED, Stack, free_port, new_prefix, wait_until
+
+GRACE_S = 3.0
+# Slow enough that a long answer (100+ tokens, `long_prompt`) runs past the grace.
+TOKEN_RATE = 10
+MODEL = "sim-8b"  # the worker's default `worker_model`
+TENANTS: dict[str, dict[str, object]] = {
+    # Two requests, then one per 100 s: the third is refused however slow the test.
+    "slow": {**UNLIMITED, "rps": 0.01, "burst": 2},
+}
+
+
+@pytest.fixture(scope="module")
+def api(bootstrap: str, log_dir: Path) -> Iterator[Stack]:
+    stack = Stack(
+        bootstrap=bootstrap,
+        prefix=new_prefix(),
+        log_dir=log_dir,
+        tenant_limits=TENANTS,
+        env_overrides={
+            "TOKENBUS_EDGE_DISCONNECT_GRACE_S": str(GRACE_S),
+            "TOKENBUS_WORKER_SIM_TOKEN_RATE": str(TOKEN_RATE),
+        },
+    )
+    try:
+        stack.start()
+        wait_until(lambda: MODEL in served(stack), 30, "the worker's model on /v1/models")
+        yield stack
+    finally:
+        stack.stop()
+
+
+def sdk(stack: Stack, tenant: str = "default", port: int | None = None) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url=f"http://127.0.0.1:{port or stack.edge_port}/v1",
+        api_key=stack.keys[tenant],
+        max_retries=0,
+        timeout=60,
+    )
+
+
+def async_sdk(stack: Stack) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(
+        base_url=f"{stack.http_url}/v1", api_key=stack.keys["default"], max_retries=0, timeout=60
+    )
+
+
+def served(stack: Stack) -> list[str]:
+    return [m.id for m in sdk(stack).models.list()]
+
+
+def prompt() -> str:
+    return f"tell me about the bus {uuid.uuid4().hex}"
+
+
+def long_prompt() -> str:
+    """A prompt whose `sim` answer is 100+ tokens: 10+ s at the stack's token rate."""
+    while True:
+        text = prompt()
+        if len(natural_tokens(f"user: {text}")) >= 100:
+            return text
+
+
+async def ws_answer(stack: Stack, request: dict[str, Any]) -> dict[str, Any]:
+    """The WebSocket's answer to `request`: its text and usage."""
+    async with websockets.connect(stack.ws_url) as ws:
+        (t,) = (await run_requests(ws, [{"client_id": "c", **request}])).values()
+    assert t.final is not None
+    assert t.final["type"] == "chat.done", t.final
+    return {"text": t.text, "usage": t.final["usage"], "finish": t.final["finish_reason"]}
+
+
+def check_usage(usage: Any, expected: dict[str, int]) -> None:
+    assert usage is not None
+    assert usage.prompt_tokens == expected["prompt_tokens"] > 0
+    assert usage.completion_tokens == expected["completion_tokens"] > 0
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+
+
+# -- answers ------------------------------------------------------------------------------------
+
+
+async def test_models_lists_what_live_workers_advertise(api: Stack) -> None:
+    assert served(api) == [MODEL]
+    async with async_sdk(api) as client:
+        listed = await client.models.list()
+    assert [(m.id, m.object, m.owned_by) for m in listed.data] == [(MODEL, "model", "tokenbus")]
+
+
+async def test_chat_sync_and_async_equal_the_websocket_answer(api: Stack) -> None:
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": prompt()},
+    ]
+    expected = await ws_answer(api, {"messages": messages, "max_tokens": 24})
+    whole = sdk(api).chat.completions.create(model=MODEL, messages=messages, max_tokens=24)  # type: ignore[arg-type]
+    assert whole.object == "chat.completion"
+    assert whole.model == MODEL
+    assert whole.choices[0].message.content == expected["text"]
+    assert whole.choices[0].finish_reason == expected["finish"]
+    check_usage(whole.usage, expected["usage"])
+
+    async with async_sdk(api) as client:
+        stream = await client.chat.completions.create(
+            model=MODEL,
+            messages=messages,  # type: ignore[arg-type]
+            max_completion_tokens=24,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = [c async for c in stream]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == expected["text"]
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == expected["finish"]
+    assert all(f is None for f in finishes[:-1])
+    *_, last = chunks
+    assert last.choices == []
+    check_usage(last.usage, expected["usage"])
+    assert len({c.id for c in chunks}) == 1
+    assert chunks[0].id.startswith("chatcmpl-")
+
+
+async def test_completions_sync_stream_and_async_equal_the_websocket_answer(api: Stack) -> None:
+    text = prompt()
+    expected = await ws_answer(
+        api, {"prompt": text, "max_tokens": 16, "temperature": 0.5, "stop": ["zzz"], "seed": 7}
+    )
+    params: dict[str, Any] = {
+        "model": MODEL,
+        "prompt": text,
+        "max_tokens": 16,
+        "temperature": 0.5,
+        "stop": "zzz",
+        "seed": 7,
+    }
+    async with async_sdk(api) as client:
+        whole = await client.completions.create(**params)
+    assert whole.object == "text_completion"
+    assert whole.choices[0].text == expected["text"]
+    check_usage(whole.usage, expected["usage"])
+    streamed = sdk(api).completions.create(**params, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == expected["text"]
+
+
+async def test_priority_and_deadline_extensions_are_carried_to_kafka(api: Stack) -> None:
+    text = prompt()
+    sdk(api).chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": text}],
+        max_tokens=4,
+        extra_body={"priority": 5, "deadline_ms": 60000},
+    )
+    records = [json.loads(v) for v in await api.read_async(api.topics.requests)]
+    (record,) = [r for r in records if r["messages"] and r["messages"][0]["content"] == text]
+    assert (record["priority"], record["deadline_ms"]) == ("background", 60000)
+    assert record["max_tokens"] == 4
+
+
+# -- errors -------------------------------------------------------------------------------------
+
+
+def check_error(exc: openai.APIStatusError, status: int, code: str) -> None:
+    assert exc.status_code == status
+    body = exc.body
+    assert isinstance(body, dict), body
+    assert body["code"] == code, body
+    assert body["message"]
+
+
+def test_400_for_n_above_one_and_bad_fields(api: Stack) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        sdk(api).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2
+        )
+    check_error(caught.value, 400, "invalid_request")
+    assert "only n=1" in caught.value.message
+    with pytest.raises(openai.BadRequestError) as caught:
+        sdk(api).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=10**6
+        )
+    assert "max_tokens" in caught.value.message
+
+
+def test_401_for_a_missing_or_unknown_key(api: Stack) -> None:
+    bad = openai.OpenAI(base_url=f"{api.http_url}/v1", api_key="sk-nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as caught:
+        bad.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+    check_error(caught.value, 401, "invalid_api_key")
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    assert httpx.get(f"{api.http_url}/v1/models").status_code == 401
+
+
+def test_404_for_a_model_no_worker_serves(api: Stack) -> None:
+    with pytest.raises(openai.NotFoundError) as caught:
+        sdk(api).chat.completions.create(
+            model="gpt-4o", messages=[{"role": "user", "content": "hi"}], stream=True
+        )
+    check_error(caught.value, 404, "model_not_found")
+    assert MODEL in caught.value.message
+
+
+def test_429_with_retry_after_past_the_tenant_quota(api: Stack) -> None:
+    client = sdk(api, "slow")
+    for _ in range(2):  # the burst
+        assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices
+    with pytest.raises(openai.RateLimitError) as caught:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+    check_error(caught.value, 429, "rate_limit_exceeded")
+    assert int(caught.value.response.headers["Retry-After"]) >= 1
+
+
+def test_504_when_the_deadline_passes_in_the_queue(api: Stack) -> None:
+    for stream in (False, True):
+        with pytest.raises(openai.APIStatusError) as caught:
+            sdk(api).chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": prompt()}],
+                stream=stream,
+                extra_body={"deadline_ms": 1},
+            )
+        check_error(caught.value, 504, "deadline_exceeded")
+
+
+def test_503_with_retry_after_when_kafka_does_not_take_the_request(api: Stack) -> None:
+    # An edge whose writes to Kafka time out at once: the overloaded path of an outage.
+    port = free_port()
+    api.start_service(
+        "edge",
+        key="edge-timeout",
+        TOKENBUS_EDGE_PORT=str(port),
+        TOKENBUS_EDGE_PRODUCE_TIMEOUT_S="0.000001",
+    )
+    try:
+        wait_until(lambda: api.edge_ready(port), 60, "the second edge's /healthz")
+        with pytest.raises(openai.APIStatusError) as caught:
+            sdk(api, port=port).chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2
+            )
+        check_error(caught.value, 503, "overloaded")
+        with pytest.raises(openai.APIStatusError) as caught:
+            sdk(api, port=port).completions.create(model=MODEL, prompt="hi", stream=True)
+        check_error(caught.value, 503, "overloaded")
+        assert int(caught.value.response.headers["Retry-After"]) >= 1
+    finally:
+        api.stop_service("edge-timeout")
+
+
+# -- streams: resume and disconnect -------------------------------------------------------------
+
+
+def sse_events(response: httpx.Response, count: int) -> list[tuple[str, dict[str, Any]]]:
+    """The first `count` events of a raw SSE response: (id, data)."""
+    out: list[tuple[str, dict[str, Any]]] = []
+    fields: dict[str, str] = {}
+    for line in response.iter_lines():
+        if line:
+            name, _, value = line.partition(": ")
+            fields[name] = value
+            continue
+        if "data" in fields:
+            out.append((fields.get("id", ""), json.loads(fields["data"])))
+            if len(out) == count:
+                return out
+        fields = {}
+    raise AssertionError(f"the stream ended after {len(out)} events")
+
+
+def test_a_dropped_stream_resumes_after_last_event_id_without_a_gap(api: Stack) -> None:
+    text = long_prompt()
+    messages = [{"role": "user", "content": text}]
+    # The WebSocket's answer, meanwhile (each takes 10+ s at the stack's token rate).
+    with ThreadPoolExecutor(1) as pool:
+        expected = pool.submit(
+            asyncio.run, ws_answer(api, {"messages": messages, "max_tokens": 200})
+        )
+        before, after, ids, token = drop_and_resume(api, messages)
+        assert before + after == expected.result(timeout=120)["text"]
+    assert after
+    # Another tenant's key cannot resume it.
+    with pytest.raises(openai.AuthenticationError):
+        sdk(api, "slow").chat.completions.create(
+            model=MODEL,
+            messages=messages,  # type: ignore[arg-type]
+            stream=True,
+            extra_headers={"Last-Event-ID": ids[-1], "X-Tokenbus-Resume-Token": token},
+        )
+
+
+def drop_and_resume(api: Stack, messages: list[dict[str, str]]) -> tuple[str, str, list[str], str]:
+    """Read a stream's first events over raw SSE, drop it, resume with the SDK: the text
+    before, the text after, the ids seen, and the resume token."""
+    body = {"model": MODEL, "messages": messages, "max_tokens": 200, "stream": True}
+    headers = {"Authorization": f"Bearer {api.keys['default']}"}
+    with httpx.stream(
+        "POST", f"{api.http_url}/v1/chat/completions", json=body, headers=headers, timeout=60
+    ) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        token = response.headers["X-Tokenbus-Resume-Token"]
+        events = sse_events(response, 4)  # the role chunk, then three deltas
+    ids = [i for i, _ in events]
+    assert ids == ["0:-1", "0:0", "0:1", "0:2"]
+    before = "".join(d["choices"][0]["delta"]["content"] for _, d in events)
+    # The client is gone; it comes back within the grace, with the SDK.
+    rest = sdk(api).chat.completions.create(
+        model=MODEL,
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=200,
+        stream=True,
+        extra_headers={"Last-Event-ID": ids[-1], "X-Tokenbus-Resume-Token": token},
+    )
+    after = "".join(c.choices[0].delta.content or "" for c in rest)
+    return before, after, ids, token
+
+
+def test_a_client_that_goes_away_is_cancelled_after_the_grace(api: Stack) -> None:
+    messages = [{"role": "user", "content": long_prompt()}]
+    with sdk(api).chat.completions.create(
+        model=MODEL,
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=200,
+        stream=True,
+    ) as stream:
+        request_id = stream.response.headers["X-Request-Id"]
+        next(iter(stream))
+    left_at = time.time()
+
+    def cancels() -> list[CancelRecord]:
+        values = api.read(api.topics.control)
+        records = [json.loads(v) for v in values]
+        return [
+            CancelRecord.model_validate(r)
+            for r in records
+            if r.get("kind") == "cancel" and r.get("request_id") == request_id
+        ]
+
+    wait_until(lambda: cancels(), 60, "the disconnect cancel", interval=0.5)
+    (cancel,) = cancels()
+    assert cancel.reason == "disconnect"
+    assert cancel.sent_at >= left_at + GRACE_S - 0.5  # not before the grace ran out
+    # The worker stopped: the stream ended as cancelled, not run to its end.
+    results = [json.loads(v) for v in api.read(api.topics.results)]
+    (final,) = [r for r in results if r["request_id"] == request_id and r["kind"] != "delta"]
+    assert final.get("finish_reason") == "cancelled" or final.get("code") == "cancelled", final

@@ -1,0 +1,384 @@
+"""The OpenAI API's pure parts: request mapping, SSE framing, errors, the model directory."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from services.edge.openai.errors import HttpError, http_error, unknown_model
+from services.edge.openai.models import ModelDirectory
+from services.edge.openai.schema import ChatCompletionRequest, CompletionRequest
+from services.edge.openai.sse import DONE, EventId, parse_event_id
+from services.edge.openai.translate import Answer, Identity, SseStream, to_chat_request
+from services.edge.protocol import (
+    AcceptedFrame,
+    DeltaFrame,
+    DoneFrame,
+    ErrorFrame,
+    ResetFrame,
+)
+from shared.messages import ChatRequest, ErrorCode, Heartbeat, RequestLimits, Tier, Timings, Usage
+
+LIMITS = RequestLimits(max_tokens_cap=100, default_max_tokens=16)
+CHAT = Identity("chat", "r1", "sim-8b", 1700000000)
+TEXT = Identity("text", "r1", "sim-8b", 1700000000)
+
+
+def chat(**fields: object) -> ChatRequest | HttpError:
+    body = {"model": "sim-8b", "messages": [{"role": "user", "content": "hi"}], **fields}
+    return to_chat_request(ChatCompletionRequest.model_validate(body), LIMITS)
+
+
+def completion(**fields: object) -> ChatRequest | HttpError:
+    body = {"model": "sim-8b", "prompt": "once upon", **fields}
+    return to_chat_request(CompletionRequest.model_validate(body), LIMITS)
+
+
+def ok(result: ChatRequest | HttpError) -> ChatRequest:
+    assert isinstance(result, ChatRequest), result
+    return result
+
+
+def refused(result: ChatRequest | HttpError, param: str | None = None) -> HttpError:
+    assert isinstance(result, HttpError), result
+    assert result.status == 400
+    assert result.body.error.type == "invalid_request_error"
+    if param is not None:
+        assert result.body.error.param == param
+    return result
+
+
+# -- requests -----------------------------------------------------------------------------------
+
+
+def test_chat_maps_sampling_fields_and_extensions() -> None:
+    req = ok(
+        chat(
+            max_tokens=7,
+            temperature=0.0,
+            top_p=0.5,
+            stop="END",
+            seed=42,
+            priority="background",
+            deadline_ms=5000,
+        )
+    )
+    assert req.messages is not None
+    assert [(m.role, m.content) for m in req.messages] == [("user", "hi")]
+    assert (req.max_tokens, req.temperature, req.top_p) == (7, 0.0, 0.5)
+    assert (req.stop, req.seed, req.priority, req.deadline_ms) == (
+        ["END"],
+        42,
+        Tier.background,
+        5000,
+    )
+
+
+def test_max_completion_tokens_wins_and_default_applies() -> None:
+    assert ok(chat(max_tokens=7, max_completion_tokens=9)).max_tokens == 9
+    assert ok(chat()).max_tokens == LIMITS.default_max_tokens
+    assert ok(completion(max_tokens=3)).max_tokens == 3
+
+
+@pytest.mark.parametrize(
+    ("priority", "tier"),
+    [(0, Tier.interactive), (-5, Tier.interactive), (1, Tier.background), (None, None)],
+)
+def test_vllm_integer_priority_maps_to_a_tier(priority: int | None, tier: Tier | None) -> None:
+    assert ok(chat(priority=priority)).priority == tier
+
+
+def test_content_parts_developer_role_and_null_content() -> None:
+    req = ok(
+        chat(
+            messages=[
+                {"role": "developer", "content": "be brief"},
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+                },
+                {"role": "assistant", "content": None},
+            ]
+        )
+    )
+    assert req.messages is not None
+    assert [(m.role, m.content) for m in req.messages] == [
+        ("system", "be brief"),
+        ("user", "ab"),
+        ("assistant", ""),
+    ]
+
+
+def test_n_above_one_is_a_clear_400() -> None:
+    error = refused(chat(n=2), "n")
+    assert "n=2" in error.body.error.message
+    assert "only n=1" in error.body.error.message
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"logprobs": True}, "logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tool_choice": "auto"}, "tool_choice"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"stream_options": {"continuous_usage_stats": True}}, "stream_options"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            "messages",
+        ),
+    ],
+)
+def test_what_tokenbus_cannot_honour_is_refused(fields: dict[str, object], param: str) -> None:
+    refused(chat(**fields), param)
+
+
+def test_zero_penalties_and_text_format_are_accepted() -> None:
+    ok(chat(presence_penalty=0, frequency_penalty=0.0, response_format={"type": "text"}))
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"prompt": [1, 2, 3]}, "prompt"),
+        ({"prompt": ["a", "b"]}, "prompt"),
+        ({"echo": True}, "echo"),
+        ({"best_of": 2}, "best_of"),
+    ],
+)
+def test_completion_refusals(fields: dict[str, object], param: str) -> None:
+    refused(completion(**fields), param)
+
+
+def test_limits_of_the_edge_apply() -> None:
+    error = refused(chat(max_tokens=101))
+    assert "max_tokens" in error.body.error.message
+    assert "at most 100" in error.body.error.message
+    refused(chat(temperature=3))
+    refused(chat(stop=["a", "b", "c", "d", "e"]))
+    assert ok(completion(prompt=["only one"])).prompt == "only one"
+
+
+# -- errors -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("code", "status"),
+    [
+        (ErrorCode.invalid_request, 400),
+        (ErrorCode.unauthorized, 401),
+        (ErrorCode.not_found, 404),
+        (ErrorCode.rate_limited, 429),
+        (ErrorCode.overloaded, 503),
+        (ErrorCode.deadline_exceeded, 504),
+        (ErrorCode.internal, 500),
+    ],
+)
+def test_error_codes_map_to_statuses(code: ErrorCode, status: int) -> None:
+    error = http_error(code, "why")
+    assert error.status == status
+    assert error.body.error.message == "why"
+
+
+def test_retry_after_rounds_up_to_whole_seconds() -> None:
+    assert http_error(ErrorCode.rate_limited, "x", retry_after_ms=1).headers["Retry-After"] == "1"
+    headers = http_error(ErrorCode.overloaded, "x", retry_after_ms=2500).headers
+    assert headers["Retry-After"] == "3"
+    assert http_error(ErrorCode.overloaded, "x").headers == {}
+
+
+def test_unknown_model_names_the_served_ones() -> None:
+    error = unknown_model("gpt-4", ["sim-8b"])
+    assert (error.status, error.body.error.code, error.body.error.param) == (
+        404,
+        "model_not_found",
+        "model",
+    )
+    assert "sim-8b" in error.body.error.message
+
+
+# -- SSE ----------------------------------------------------------------------------------------
+
+
+def done(reason: str = "stop") -> DoneFrame:
+    return DoneFrame(
+        request_id="r1",
+        finish_reason=reason,
+        usage=Usage(prompt_tokens=3, completion_tokens=2),
+        timings=Timings(queue_ms=1, batch_size=1, ttft_ms=2, total_ms=3),
+    )
+
+
+def delta(seq: int, text: str) -> DeltaFrame:
+    return DeltaFrame(request_id="r1", seq=seq, text=text)
+
+
+def events(chunks: list[bytes]) -> list[tuple[str | None, object]]:
+    """(id, data) of each event; data is parsed JSON, or the `[DONE]` marker as a string."""
+    out: list[tuple[str | None, object]] = []
+    for chunk in chunks:
+        fields = dict(line.split(": ", 1) for line in chunk.decode().strip().split("\n"))
+        data = fields["data"]
+        out.append((fields.get("id"), data if data == "[DONE]" else json.loads(data)))
+    return out
+
+
+def test_chat_stream_ids_role_chunk_usage_and_done() -> None:
+    stream = SseStream(CHAT, include_usage=True)
+    out = stream.take(AcceptedFrame(request_id="r1", resume_token="t", tier=Tier.interactive))
+    out += stream.take(delta(0, "Hel")) + stream.take(delta(1, "lo")) + stream.take(done())
+    seen = events(out)
+    assert [i for i, _ in seen] == ["0:-1", "0:0", "0:1", "0:1", "0:1", None]
+    role, first, second, finish, usage, end = (d for _, d in seen)
+    assert isinstance(role, dict)
+    assert role["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert role["id"] == "chatcmpl-r1"
+    assert role["object"] == "chat.completion.chunk"
+    assert isinstance(first, dict)
+    assert isinstance(second, dict)
+    assert (
+        first["choices"][0]["delta"]["content"] + second["choices"][0]["delta"]["content"]
+        == "Hello"
+    )
+    assert isinstance(finish, dict)
+    assert finish["choices"][0]["finish_reason"] == "stop"
+    assert isinstance(usage, dict)
+    assert usage["choices"] == []
+    assert usage["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert end == "[DONE]"
+    assert out[-1] == DONE
+    assert stream.ended
+    assert stream.take(delta(2, "late")) == []
+
+
+def test_text_stream_without_usage() -> None:
+    stream = SseStream(TEXT, include_usage=False)
+    seen = events(stream.take(delta(0, "a")) + stream.take(done("length")))
+    assert [i for i, _ in seen] == ["0:0", "0:0", None]
+    first, finish, _ = (d for _, d in seen)
+    assert isinstance(first, dict)
+    assert first["object"] == "text_completion"
+    assert first["choices"][0]["text"] == "a"
+    assert isinstance(finish, dict)
+    assert finish["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_new_attempt_before_any_text_is_invisible() -> None:
+    stream = SseStream(CHAT, include_usage=False)
+    assert stream.take(ResetFrame(request_id="r1", attempt=1)) == []
+    seen = events(stream.take(delta(0, "x")))
+    assert [i for i, _ in seen] == ["1:-1", "1:0"]
+    assert not stream.cancel
+
+
+def test_a_new_attempt_after_text_ends_the_stream_with_an_error() -> None:
+    stream = SseStream(CHAT, include_usage=False)
+    stream.take(delta(0, "x"))
+    seen = events(stream.take(ResetFrame(request_id="r1", attempt=1)))
+    (_, error), (_, end) = seen
+    assert isinstance(error, dict)
+    assert "re-run" in error["error"]["message"]
+    assert end == "[DONE]"
+    assert stream.cancel
+    assert stream.ended
+
+
+def test_resumed_stream_sends_no_role_chunk_and_continues_ids() -> None:
+    stream = SseStream(CHAT, include_usage=False, after=EventId(0, 4))
+    seen = events(stream.take(delta(5, "y")))
+    assert [i for i, _ in seen] == ["0:5"]
+    # A resumed client holds text: a new attempt cannot be shown to it either.
+    stream.take(ResetFrame(request_id="r1", attempt=1))
+    assert stream.cancel
+
+
+def test_error_frame_becomes_an_error_event() -> None:
+    stream = SseStream(CHAT, include_usage=False)
+    frame = ErrorFrame(code=ErrorCode.deadline_exceeded, message="late", request_id="r1")
+    (_, error), _ = events(stream.take(frame))
+    assert error == {
+        "error": {
+            "message": "late",
+            "type": "timeout_error",
+            "param": None,
+            "code": "deadline_exceeded",
+        }
+    }
+
+
+@pytest.mark.parametrize(
+    ("value", "parsed"),
+    [("0:5", EventId(0, 5)), (" 2:-1 ", EventId(2, -1)), ("x", None), ("1:-2", None), ("", None)],
+)
+def test_last_event_id(value: str, parsed: EventId | None) -> None:
+    assert parse_event_id(value) == parsed
+
+
+# -- non-streaming ------------------------------------------------------------------------------
+
+
+def test_answer_gathers_text_and_drops_a_superseded_attempt() -> None:
+    answer = Answer(CHAT)
+    for frame in (
+        delta(0, "old"),
+        ResetFrame(request_id="r1", attempt=1),
+        delta(0, "ne"),
+        delta(1, "w"),
+    ):
+        answer.take(frame)
+    assert answer.result is None
+    answer.take(done())
+    body = answer.result
+    assert body is not None
+    assert not isinstance(body, HttpError)
+    dumped = body.model_dump()
+    assert dumped["choices"][0]["message"] == {"role": "assistant", "content": "new"}
+    assert dumped["usage"]["total_tokens"] == 5
+
+
+def test_answer_error_keeps_retry_after() -> None:
+    answer = Answer(TEXT)
+    answer.take(
+        ErrorFrame(code=ErrorCode.overloaded, message="busy", request_id="r1", retry_after_ms=1500)
+    )
+    assert isinstance(answer.result, HttpError)
+    assert answer.result.status == 503
+    assert answer.result.headers["Retry-After"] == "2"
+
+
+# -- models -------------------------------------------------------------------------------------
+
+
+def beat(worker: str, model: str, at: float) -> Heartbeat:
+    return Heartbeat(
+        worker_id=worker,
+        model=model,
+        total_slots=1,
+        free_slots=1,
+        running=0,
+        queued_tokens=0,
+        utilisation=0.0,
+        sent_at=at,
+    )
+
+
+def test_model_directory_lists_live_workers_models() -> None:
+    models = ModelDirectory(stale_s=10)
+    models.observe(beat("w1", "a", 100))
+    models.observe(beat("w2", "b", 105))
+    models.observe(beat("w3", "a", 106))
+    assert models.served(now=108) == {"a": 100, "b": 105}
+    assert models.served(now=112) == {"a": 100, "b": 105}  # w1 stale, w3 still serves `a`
+    assert models.served(now=117) == {}
+    models.observe(beat("w1", "a", 120))
+    assert models.served(now=121) == {"a": 120}
+
+
+def test_model_directory_ignores_a_late_older_beat() -> None:
+    models = ModelDirectory(stale_s=10)
+    models.observe(beat("w1", "new", 200))
+    models.observe(beat("w1", "old", 150))
+    assert list(models.served(now=201)) == ["new"]
