@@ -45,8 +45,9 @@ def text(report: CapacityReport) -> str:
             f", {_num(p.tokens_per_s_at_ceiling)} output tokens/s there"
             + (f"; failed: {p.failed}" if p.failed else "")
         )
-        if p.cpu_at_ceiling is not None:
-            lines += ["  " + line for line in cpu_lines(p.cpu_at_ceiling)]
+        if p.cpu is not None:
+            lines.append(f"  CPU at {p.cpu_rps:g} req/s:")
+            lines += ["  " + line for line in cpu_lines(p.cpu)]
     for o in report.overhead:
         lines.append(
             f"overhead {o.policy} on {o.profile} at {o.offered_rps:g} req/s: p50 {_num(o.p50_ms)} "
@@ -102,35 +103,40 @@ def section(report: CapacityReport, image_dir: Path, doc: Path) -> str:
         "|---|---|---|---|---|",
     ]
     for p in report.policies:
-        services = service_cpu_ms(p.cpu_at_ceiling) if p.cpu_at_ceiling else None
+        services = service_cpu_ms(p.cpu) if p.cpu and p.ceiling_rps is not None else None
         out.append(
             f"| `{p.name}` | {_rate(p.ceiling_rps)} | {_rate(p.first_failing_rps)} | "
             f"{_num(p.tokens_per_s_at_ceiling)} | {_num(services)} |"
         )
     out += [
         "",
-        "### CPU per process at the ceiling (from `/proc`, over the same run)",
+        "### CPU per process at the ceiling (from `/proc`, over that same run)",
         "",
-        "ms of CPU per completed request and per 1,000 output tokens; `loadgen` is the bench's "
-        "own process (load generator and observer). Engine: "
+        "ms of CPU per completed request and per 1,000 output tokens, over the run at the "
+        "stack's ceiling (or at its lowest rate, where no rate passed); `loadgen` is the "
+        "bench's own process (load generator and observer). *Idle share*: the same process "
+        "with no load, just before the climb (polls, heartbeats, timers), which a low rate "
+        "divides among few requests. Engine: "
         + "; ".join(
-            f"`{p.name}`: {p.cpu_at_ceiling.engine_in_worker or 'in the one process'}"
+            f"`{p.name}`: {p.cpu.engine_in_worker or 'in the one process'}"
             for p in report.policies
-            if p.cpu_at_ceiling is not None
+            if p.cpu is not None
         )
         + ".",
         "",
-        "| stack | process | share of a core | ms/request | ms/1k tokens |",
-        "|---|---|---|---|---|",
+        "| stack | req/s | process | share of a core | ms/request | ms/1k tokens | idle share |",
+        "|---|---|---|---|---|---|---|",
     ]
     for p in report.policies:
-        if p.cpu_at_ceiling is None:
+        if p.cpu is None or p.cpu_rps is None:
             continue
-        for name in _order(list(p.cpu_at_ceiling.processes)):
-            c = p.cpu_at_ceiling.processes[name]
+        for name in _order(list(p.cpu.processes)):
+            c = p.cpu.processes[name]
+            idle = p.idle.processes.get(name) if p.idle else None
             out.append(
-                f"| `{p.name}` | {name} | {c.share_of_core:.1%} | {_num(c.ms_per_request)} | "
-                f"{_num(c.ms_per_1k_tokens)} |"
+                f"| `{p.name}` | {p.cpu_rps:g} | {name} | {c.share_of_core:.1%} | "
+                f"{_num(c.ms_per_request)} | {_num(c.ms_per_1k_tokens)} | "
+                f"{f'{idle.share_of_core:.1%}' if idle else '-'} |"
             )
     out += [
         "",
@@ -183,12 +189,14 @@ def plot(report: CapacityReport, image_dir: Path) -> Path:
     pipeline at every rate it ran."""
     image_dir.mkdir(parents=True, exist_ok=True)
     path = image_dir / PLOT
-    at_ceiling = [(p.name, p.cpu_at_ceiling) for p in report.policies if p.cpu_at_ceiling]
+    at_ceiling = [
+        (f"{p.name}\n{p.cpu_rps:g} req/s", p.cpu) for p in report.policies if p.cpu and p.cpu_rps
+    ]
     fixed: CapacityPolicy | None = next((p for p in report.policies if p.name == "fixed"), None)
     runs = sorted(fixed.runs, key=lambda r: r.run.offered_rps) if fixed else []
     by_rate = [(f"{r.run.offered_rps:g}", r.cpu) for r in runs]
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8), width_ratios=(1, 2))
-    _stacked(left, at_ceiling, "At each stack's ceiling")
+    _stacked(left, at_ceiling, "At each stack's ceiling (else its lowest rate)")
     _stacked(right, by_rate, "`fixed` at each offered rate (req/s)")
     left.set_ylabel("CPU ms per completed request")
     handles, labels = right.get_legend_handles_labels()

@@ -29,6 +29,7 @@ from shared.topics import Topics
 ROOT = Path(__file__).resolve().parent.parent
 SERVICES = ("ingest", "scheduler", "worker", "edge")
 READY_TIMEOUT_S = 60.0
+TOPICS_TIMEOUT_S = 120.0  # a broker shared with other work can take this long to list them
 STOP_TIMEOUT_S = 10.0
 BENCH_LIMITS: dict[str, object] = {
     "rps": 1e6,
@@ -262,10 +263,10 @@ async def _until_visible(settings: TokenbusSettings, topics: set[str]) -> None:
     admin = make_admin(settings)
     await admin.start()
     try:
-        deadline = time.monotonic() + READY_TIMEOUT_S
+        deadline = time.monotonic() + TOPICS_TIMEOUT_S
         while missing := topics - set(await admin.list_topics()):
             if time.monotonic() > deadline:
-                raise StackError(f"topics not visible after {READY_TIMEOUT_S:.0f} s: {missing}")
+                raise StackError(f"topics not visible after {TOPICS_TIMEOUT_S:.0f} s: {missing}")
             await asyncio.sleep(0.2)
     finally:
         await admin.close()

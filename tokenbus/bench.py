@@ -13,7 +13,7 @@ from urllib.parse import urlparse
 if TYPE_CHECKING:
     from bench.report import BenchReport
     from bench.suite import SweepOptions
-    from tokenbus.cli import Subcommands
+    from tokenbus.commands import Subcommands
 
 # Load only ever goes to this machine, and never without bounds.
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
