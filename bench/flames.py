@@ -68,9 +68,39 @@ def top_frames(svg: Path, n: int) -> tuple[int, list[FrameShare]]:
 
     Samples whose innermost frame is a wait (`WAITING`) are not counted at all.
     """
+    working, own = self_samples(svg)
+    return working, _shares(own, working, n)
+
+
+def by_package(svg: Path, n: int = 12) -> list[FrameShare]:
+    """Self samples summed by where the innermost frame's code lives: the top package of
+    its file (`aiokafka`, `pydantic`, `services`), or the stdlib module (`asyncio`)."""
+    working, own = self_samples(svg)
+    packages: Counter[str] = Counter()
+    for name, count in own.items():
+        packages[_package(name)] += count
+    return _shares(packages, working, n)
+
+
+def _package(frame: str) -> str:
+    where = frame.rsplit("(", 1)[-1].rstrip(")")
+    top = where.split("/", 1)[0]
+    return top.removesuffix(".py") if top else "?"
+
+
+def _shares(counts: Counter[str], working: int, n: int) -> list[FrameShare]:
+    total = max(1, working)
+    return [
+        FrameShare(frame=name, samples=count, share=round(count / total, 4))
+        for name, count in counts.most_common(n)
+    ]
+
+
+def self_samples(svg: Path) -> tuple[int, Counter[str]]:
+    """Working samples, and self samples per function (waiting frames taken out)."""
     frames = _frames(svg)
     if not frames:
-        return 0, []
+        return 0, Counter()
     total = max(f.w for f in frames)
     rows: dict[float, list[_Frame]] = defaultdict(list)
     for f in frames:
@@ -94,8 +124,4 @@ def top_frames(svg: Path, n: int) -> tuple[int, list[FrameShare]]:
         if f.name != "all":
             own[f.name] += f.w - covered
     waiting = sum(own.pop(name, 0) for name in WAITING)
-    working = max(1, total - waiting)
-    return total - waiting, [
-        FrameShare(frame=name, samples=count, share=round(count / working, 4))
-        for name, count in own.most_common(n)
-    ]
+    return total - waiting, own

@@ -31,7 +31,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict
 
 from bench.cpu import CpuSampler, CpuWindow, listening_pid, window
-from bench.flames import FrameShare, top_frames
+from bench.flames import FrameShare, by_package, top_frames
 from bench.loadgen import LoadConfig, ProgressLine, run_load, warm_up
 from bench.policies import POLICIES, fast_constant_profile
 from bench.stacks import ROOT, SERVICES, PipelineStack
@@ -51,6 +51,7 @@ class ServiceProfile(BaseModel):
     svg: str
     samples: int
     top_self: list[FrameShare]
+    by_package: list[FrameShare]
 
 
 class ProfileReport(BaseModel):
@@ -148,7 +149,9 @@ async def profile(args: argparse.Namespace) -> ProfileReport:
     profiles = {}
     for name, svg in svgs.items():
         samples, top = top_frames(svg, TOP_FRAMES)
-        profiles[name] = ServiceProfile(svg=svg.name, samples=samples, top_self=top)
+        profiles[name] = ServiceProfile(
+            svg=svg.name, samples=samples, top_self=top, by_package=by_package(svg)
+        )
     return ProfileReport(
         label=args.label,
         created_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -211,6 +214,8 @@ def summary(report: ProfileReport) -> str:
     for name, prof in report.profiles.items():
         lines.append(f"{name} ({prof.samples} samples), top self frames:")
         lines += [f"  {f.share:6.1%}  {f.frame}" for f in prof.top_self[:8]]
+        packages = ", ".join(f"{f.frame} {f.share:.0%}" for f in prof.by_package)
+        lines.append(f"  by package: {packages}")
     return "\n".join(lines)
 
 
