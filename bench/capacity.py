@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import subprocess
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -375,7 +376,7 @@ async def capacity(options: CapacityOptions, say: Say = print) -> CapacityReport
     report = CapacityReport(
         created_at=datetime.now(UTC).isoformat(timespec="seconds"),
         command=options.command,
-        commit_source=str(options.source),
+        commit_source=source_commit(options.source),
         machine=machine.model_copy(update={"load_after": [round(v, 2) for v in os.getloadavg()]}),
         broker=broker_note,
         slo_ms=options.slo_ms,
@@ -388,6 +389,21 @@ async def capacity(options: CapacityOptions, say: Say = print) -> CapacityReport
         elapsed_s=round(time.monotonic() - began, 1),
     )
     return report.model_copy(update={"targets": check_targets(report)})
+
+
+def source_commit(source: Path) -> str:
+    """Whose services ran: the checkout's commit, or the directory if it is not one."""
+    try:
+        found = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=source,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return f"{source} (not a git checkout)"
+    return found if source == ROOT else f"{found} ({source})"
 
 
 # --- the targets --------------------------------------------------------------------------

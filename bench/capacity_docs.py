@@ -78,7 +78,7 @@ def section(report: CapacityReport, image_dir: Path, doc: Path) -> str:
         "### Run",
         "",
         f"- When: {report.created_at}, {report.elapsed_s:.0f} s end to end",
-        f"- Command: `{report.command}`",
+        f"- Command: `{report.command}`; services of {report.commit_source}",
         f"- Machine: {m.cores} cores ({m.cpu}), {m.memory_gib} GiB, Python {m.python}; load "
         f"average {_load(m.load_before)} before, {_load(m.load_after)} after",
         f"- Broker: {report.broker}",

@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import os
 import shutil
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -30,6 +29,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
+from bench.capacity import source_commit
 from bench.cpu import CpuSampler, CpuWindow, listening_pid, window
 from bench.flames import FrameShare, by_package, top_frames
 from bench.loadgen import LoadConfig, ProgressLine, run_load, warm_up
@@ -155,7 +155,7 @@ async def profile(args: argparse.Namespace) -> ProfileReport:
     return ProfileReport(
         label=args.label,
         created_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        commit=_commit(stack.source),
+        commit=source_commit(stack.source),
         rate_rps=args.rate,
         achieved_rps=round(len(done) / elapsed, 2),
         output_tokens_per_s=round(tokens / elapsed, 1),
@@ -178,19 +178,6 @@ async def _quiet_enough(limit: float | None, say: Callable[[str], None]) -> None
     while (load := os.getloadavg()[0]) >= limit and time.monotonic() < deadline:
         say(f"load average {load:.1f} >= {limit:g}: waiting")
         await asyncio.sleep(15)
-
-
-def _commit(source: Path) -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-            cwd=source,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def summary(report: ProfileReport) -> str:

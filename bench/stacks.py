@@ -195,7 +195,7 @@ class PipelineStack(Stack):
         self.api_keys: dict[str, str] = {}
         for tenant in tenants:
             keys, self.api_keys[tenant], _ = keyfile.add_key(keys, tenant, BENCH_LIMITS, 0.0)
-        keys_file = log_dir / f"{name}-keys.json"
+        keys_file = (log_dir / f"{name}-keys.json").resolve()  # services may run elsewhere
         keyfile.save(keys_file, keys)
         self.env["TOKENBUS_EDGE_KEYS_FILE"] = str(keys_file)
 
