@@ -282,7 +282,7 @@ async def climb(
                     options.duration_s,
                     options,
                     max_batch,
-                    broker_pid if policy.kind == "pipeline" else None,
+                    broker_of_stack,
                     len(runs),
                 )
                 ok = passes_slo(run, options.slo_ms)

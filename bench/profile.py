@@ -73,6 +73,7 @@ class ProfileReport(BaseModel):
     load_average_after: list[float]
     cpu: CpuWindow
     profiles: dict[str, ServiceProfile]
+    note: str = ""  # how the run went, where a reader of the figures needs to know
 
 
 def py_spy() -> str:

@@ -28,7 +28,7 @@ from shared.topics import Topics
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVICES = ("ingest", "scheduler", "worker", "edge")
-READY_TIMEOUT_S = 60.0
+READY_TIMEOUT_S = 120.0  # a loaded 2-core machine can take this long to start a stack
 TOPICS_TIMEOUT_S = 120.0  # a broker shared with other work can take this long to list them
 STOP_TIMEOUT_S = 10.0
 BENCH_LIMITS: dict[str, object] = {
