@@ -199,6 +199,7 @@ async def measured_run(
     max_batch: dict[str, int],
     broker_pid: int | None,
     index: int,
+    say: Say,
 ) -> tuple[RunSummary, CpuWindow]:
     seed = options.seed * 1000 + index
     planned = plan(Mix.load(), rate, duration_s, seed)
@@ -220,6 +221,11 @@ async def measured_run(
     result = await run_load(config, planned, ProgressLine())
     after = sampler.read()
     batches = observer.take_batches() if observer is not None else None
+    # The worker publishes its engine counter with each heartbeat: read it once a heartbeat
+    # sent after the run has come (the engine is idle by then, so it adds nothing).
+    if not await stack.wait_idle(IDLE_TIMEOUT_S):
+        say(f"  warning: {policy.name} busy {IDLE_TIMEOUT_S:g} s after {rate:g}/s")
+    after = sampler.engine_caught_up(after)
     context = RunContext(policy.name, rate, duration_s, seed, max_batch, policy.kind == "direct")
     run = summarise(context, config, result, batches)
     sent = sum(1 for t in result.traces if t.sent_at is not None)
@@ -284,13 +290,12 @@ async def climb(
                     max_batch,
                     broker_of_stack,
                     len(runs),
+                    say,
                 )
                 ok = passes_slo(run, options.slo_ms)
                 passed[rate] = ok
                 runs.append(CapacityRun(run=run, cpu=cpu, passed=ok))
                 say(_one_line(run, cpu, ok))
-                if not await stack.wait_idle(IDLE_TIMEOUT_S):
-                    say(f"  warning: {policy.name} busy {IDLE_TIMEOUT_S:g} s after {rate:g}/s")
     except (StackError, TimeoutError, OSError, KafkaError) as exc:
         failed = str(exc)[:500]
         say(f"{policy.name}: failed: {failed}")
@@ -335,6 +340,7 @@ async def overhead_at(
                 max_batch_sizes(policy, env),
                 None,
                 100,
+                say,
             )
     except (StackError, TimeoutError, OSError, KafkaError) as exc:
         say(f"{policy.name} on {profile.name}: failed: {exc}")

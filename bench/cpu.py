@@ -8,6 +8,7 @@ port it listens on; the load generator is the bench's own process.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import re
 import time
@@ -118,6 +119,10 @@ class CpuSampler:
         cpu = {k: cpu_seconds(p) for k, p in self.pids.items()}
         cpu["loadgen"] = time.process_time()  # this process: the load generator
         return Reading(time.monotonic(), cpu, engine_cpu_seconds(self.worker_metrics_url))
+
+    def engine_caught_up(self, reading: Reading) -> Reading:
+        """`reading` with the engine counter read again now (it is published periodically)."""
+        return dataclasses.replace(reading, engine=engine_cpu_seconds(self.worker_metrics_url))
 
 
 def window(
