@@ -22,14 +22,13 @@ from pathlib import Path
 
 from bench.observe import DeploymentObserver
 from services.edge import keys as keyfile
-from shared.kafka import create_topics, delete_topics, make_admin, wait_for_broker
+from shared.kafka import create_topics, delete_topics, wait_for_broker
 from shared.settings import TokenbusSettings
 from shared.topics import Topics
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVICES = ("ingest", "scheduler", "worker", "edge")
 READY_TIMEOUT_S = 120.0  # a loaded 2-core machine can take this long to start a stack
-TOPICS_TIMEOUT_S = 120.0  # a broker shared with other work can take this long to list them
 STOP_TIMEOUT_S = 10.0
 BENCH_LIMITS: dict[str, object] = {
     "rps": 1e6,
@@ -209,9 +208,7 @@ class PipelineStack(Stack):
 
     async def start(self) -> None:
         await wait_for_broker(self.settings, timeout_s=30)
-        wanted = Topics(self.prefix).partitions()
-        await create_topics(self.settings, wanted)
-        await _until_visible(self.settings, set(wanted))
+        await create_topics(self.settings, Topics(self.prefix).partitions())
         for name in SERVICES:
             env = self.env
             if name == "worker":
@@ -255,21 +252,6 @@ class DirectStack(Stack):
                     return True
             await asyncio.sleep(0.1)
         return False
-
-
-async def _until_visible(settings: TokenbusSettings, topics: set[str]) -> None:
-    """Wait until the broker lists every topic just created: a loaded broker may lag, and
-    an edge that starts before it sees its results topic exits."""
-    admin = make_admin(settings)
-    await admin.start()
-    try:
-        deadline = time.monotonic() + TOPICS_TIMEOUT_S
-        while missing := topics - set(await admin.list_topics()):
-            if time.monotonic() > deadline:
-                raise StackError(f"topics not visible after {TOPICS_TIMEOUT_S:.0f} s: {missing}")
-            await asyncio.sleep(0.2)
-    finally:
-        await admin.close()
 
 
 def _get(url: str) -> bytes:
