@@ -38,6 +38,7 @@ from services.worker.engines.base import Engine, EngineFinish, EngineRequest
 from services.worker.engines.factory import build_engine
 from services.worker.settings import WorkerSettings
 from shared.messages import ErrorCode, Tier, Timings, Usage
+from shared.process import UVICORN_LOOP
 
 
 class DirectSettings(WorkerSettings):
@@ -219,6 +220,7 @@ def main() -> None:
         ws_max_size=settings.bench_direct_max_frame_bytes * 4,
         log_level="warning",
         lifespan="on",
+        loop=UVICORN_LOOP,
     )
 
 

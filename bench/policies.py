@@ -133,3 +133,19 @@ def max_batch_sizes(policy: Policy, env: dict[str, str]) -> dict[str, int]:
         "interactive": s.scheduler_interactive_max_batch_size,
         "background": s.scheduler_background_max_batch_size,
     }
+
+
+# The engine never limits: what is measured is the bus (issue 12's capacity benchmark).
+FAST_TOKEN_RATE = 1000.0
+FAST_MAX_NUM_SEQS = 512
+
+
+def fast_constant_profile() -> EngineProfile:
+    """The `constant` sim profile set fast enough that the engine is never the bottleneck."""
+    env = {
+        "TOKENBUS_WORKER_ENGINE": "sim",
+        "TOKENBUS_WORKER_SIM_PROFILE": FALLBACK_PROFILE,
+        "TOKENBUS_WORKER_SIM_TOKEN_RATE": f"{FAST_TOKEN_RATE:g}",
+        "TOKENBUS_WORKER_MAX_NUM_SEQS": str(FAST_MAX_NUM_SEQS),
+    }
+    return EngineProfile("constant-fast", env, "")

@@ -6,15 +6,18 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 import secrets
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
 import uuid
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 from bench.observe import DeploymentObserver
@@ -25,7 +28,7 @@ from shared.topics import Topics
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVICES = ("ingest", "scheduler", "worker", "edge")
-READY_TIMEOUT_S = 60.0
+READY_TIMEOUT_S = 120.0  # a loaded 2-core machine can take this long to start a stack
 STOP_TIMEOUT_S = 10.0
 BENCH_LIMITS: dict[str, object] = {
     "rps": 1e6,
@@ -40,6 +43,39 @@ class StackError(Exception):
     """A stack did not start or died; the message carries the end of its log."""
 
 
+@contextlib.asynccontextmanager
+async def private_broker(say: Callable[[str], None] = print) -> AsyncIterator[str]:
+    """A one-node broker of the bench's own, on free ports and a temporary state dir."""
+    from deploy.kafka import launcher
+
+    with tempfile.TemporaryDirectory(prefix="tokenbus-bench-kafka-") as state:
+        cluster = launcher.Cluster(port=free_port_pair(), state_dir=Path(state))
+        say(f"starting a private Kafka broker on port {cluster.port}")
+        await asyncio.to_thread(launcher.start, cluster)
+        try:
+            yield cluster.bootstrap_servers
+        finally:
+            await asyncio.to_thread(launcher.stop, cluster)
+
+
+def free_port_pair() -> int:
+    """A port P with P+1 free too (broker and controller), below the ephemeral range."""
+    for _ in range(500):
+        port = random.randrange(10000, 30000)
+        if _bindable(port) and _bindable(port + 1):
+            return port
+    raise StackError("no two adjacent free ports found in 10000-30000")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -50,13 +86,16 @@ def free_port() -> int:
 class Stack:
     """Processes started for one policy; `ws_url` is where clients connect."""
 
-    def __init__(self, name: str, env: dict[str, str], log_dir: Path) -> None:
+    def __init__(self, name: str, env: dict[str, str], log_dir: Path, source: Path = ROOT) -> None:
         self.name = name
         self.port = free_port()
         self.log_dir = log_dir
+        # Whose services run: this checkout, or another one (an older commit, to compare).
+        self.source = source
+        path = os.pathsep.join(filter(None, [str(source), os.environ.get("PYTHONPATH")]))
         self.env = {
             **os.environ,
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+            "PYTHONPATH": path,
             "TOKENBUS_LOG_LEVEL": "WARNING",  # per-request INFO lines would cost CPU in the run
             "TOKENBUS_RESUME_SECRET": secrets.token_hex(16),
             **env,
@@ -67,6 +106,16 @@ class Stack:
     @property
     def ws_url(self) -> str:
         return f"ws://127.0.0.1:{self.port}/v1/chat"
+
+    @property
+    def pids(self) -> dict[str, int]:
+        """Process id of each service this stack started, by name."""
+        return {key: proc.pid for key, proc in self.processes.items()}
+
+    @property
+    def worker_metrics_url(self) -> str | None:
+        """The worker's Prometheus `/metrics` (engine CPU is read there), if it has one."""
+        return None
 
     async def start(self) -> None:
         raise NotImplementedError
@@ -80,7 +129,7 @@ class Stack:
             # Own process group, so stopping it also ends whatever it spawned.
             self.processes[key] = subprocess.Popen(
                 [sys.executable, "-m", module],
-                cwd=ROOT,
+                cwd=self.source,
                 env=env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -125,9 +174,11 @@ class PipelineStack(Stack):
         log_dir: Path,
         bootstrap: str,
         tenants: tuple[str, ...] = (),
+        source: Path = ROOT,
     ) -> None:
         self.prefix = f"bench{name}{uuid.uuid4().hex[:8]}"
-        super().__init__(name, env, log_dir)
+        super().__init__(name, env, log_dir, source)
+        self.worker_metrics_port = free_port()
         self.env.update(
             KAFKA_BOOTSTRAP_SERVERS=bootstrap,
             TOKENBUS_TOPIC_PREFIX=self.prefix,
@@ -143,7 +194,7 @@ class PipelineStack(Stack):
         self.api_keys: dict[str, str] = {}
         for tenant in tenants:
             keys, self.api_keys[tenant], _ = keyfile.add_key(keys, tenant, BENCH_LIMITS, 0.0)
-        keys_file = log_dir / f"{name}-keys.json"
+        keys_file = (log_dir / f"{name}-keys.json").resolve()  # services may run elsewhere
         keyfile.save(keys_file, keys)
         self.env["TOKENBUS_EDGE_KEYS_FILE"] = str(keys_file)
 
@@ -159,10 +210,17 @@ class PipelineStack(Stack):
         await wait_for_broker(self.settings, timeout_s=30)
         await create_topics(self.settings, Topics(self.prefix).partitions())
         for name in SERVICES:
-            self._spawn(name, f"services.{name}", self.env)
+            env = self.env
+            if name == "worker":
+                env = {**env, "TOKENBUS_METRICS_PORT": str(self.worker_metrics_port)}
+            self._spawn(name, f"services.{name}", env)
         await self._until_healthy()
         self.observer = DeploymentObserver(self.settings)
         await self.observer.start()
+
+    @property
+    def worker_metrics_url(self) -> str | None:
+        return f"http://127.0.0.1:{self.worker_metrics_port}/metrics"
 
     async def wait_idle(self, timeout_s: float) -> bool:
         assert self.observer is not None

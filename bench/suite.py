@@ -26,7 +26,7 @@ from bench.policies import (
     unavailable_reason,
 )
 from bench.report import BenchReport, Machine, PolicyReport, RunSummary
-from bench.stacks import DirectStack, PipelineStack, Stack, StackError
+from bench.stacks import DirectStack, PipelineStack, Stack, StackError, private_broker
 from bench.stats import RunContext, summarise
 from bench.workload import Mix, plan
 from shared.settings import TokenbusSettings
@@ -199,7 +199,7 @@ async def compare(options: CompareOptions, say: Say = print) -> BenchReport:
         say(f"note: {profile.note}")
     chosen = [POLICIES[name] for name in options.policies]
     reports: list[PolicyReport] = []
-    async with _broker_if_needed(chosen, say) as bootstrap:
+    async with broker_if_needed(chosen, say) as bootstrap:
         for policy in chosen:
             reports.extend(await _run_policy(policy, profile, bootstrap, options, say))
     report = BenchReport(
@@ -288,10 +288,20 @@ async def _run_policy(
 
 
 @contextlib.asynccontextmanager
-async def _broker_if_needed(policies: list[Policy], say: Say) -> AsyncIterator[str | None]:
-    """KAFKA_BOOTSTRAP_SERVERS if set; else a local broker from the launcher, stopped after."""
+async def broker_if_needed(
+    policies: list[Policy], say: Say, *, own: bool = False
+) -> AsyncIterator[str | None]:
+    """A broker for the pipeline stacks among `policies`, or None if there are none.
+
+    `own`: a private one-node broker on free ports, so its CPU is the bench's alone; else
+    KAFKA_BOOTSTRAP_SERVERS if set, else a local broker from the launcher, stopped after.
+    """
     if not any(p.kind == "pipeline" and unavailable_reason(p) is None for p in policies):
         yield None
+        return
+    if own:
+        async with private_broker(say) as bootstrap:
+            yield bootstrap
         return
     given = TokenbusSettings().bootstrap_servers
     if "KAFKA_BOOTSTRAP_SERVERS" in os.environ or "TOKENBUS_BOOTSTRAP_SERVERS" in os.environ:

@@ -299,7 +299,9 @@ async def create_topics(
     """Create the topics that do not exist yet; return the names created.
 
     `replication` defaults to the cluster's rule (`cluster_replication`); `configs` holds
-    topic configs by name (compaction, retention) for the topics that need any.
+    topic configs by name (compaction, retention) for the topics that need any. Returns
+    once the broker describes every topic created: a busy broker answers the create before
+    its metadata shows them, and a service started then finds its topic missing.
     """
     admin = make_admin(settings)
     await admin.start()
@@ -317,9 +319,27 @@ async def create_topics(
             except TopicAlreadyExistsError:
                 return []  # Another process created them between list and create.
             _raise_topic_errors(response.topic_errors)
+            await _until_described(admin, [t.name for t in new])
         return [t.name for t in new]
     finally:
         await admin.close()
+
+
+TOPICS_VISIBLE_TIMEOUT_S = 60.0
+
+
+async def _until_described(admin: AIOKafkaAdminClient, names: list[str]) -> None:
+    deadline = time.monotonic() + TOPICS_VISIBLE_TIMEOUT_S
+    while True:
+        described = await admin.describe_topics(names)
+        missing = [d["topic"] for d in described if d["error_code"] != 0 or not d["partitions"]]
+        if not missing:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"created, but not described after {TOPICS_VISIBLE_TIMEOUT_S:g} s: {missing}"
+            )
+        await asyncio.sleep(0.2)
 
 
 def _raise_topic_errors(topic_errors: Iterable[tuple[object, ...]]) -> None:

@@ -6,6 +6,11 @@ Where spans go, decided once per process by `setup_tracing`:
   `tokenbus trace` reads (`tokenbus up` sets it to `.tokenbus/traces`);
 - else nowhere: no SDK is installed, spans are no-ops, but a trace context that arrives in
   a record's headers is still passed on, so an external producer's trace is never cut.
+
+Which traces are kept, where spans go somewhere: `TOKENBUS_TRACE_SAMPLE_RATIO` of the traces
+that start in tokenbus (head sampling on the trace id), and every span of a trace whose
+parent was kept (parent-based), so a kept trace is whole across services and one dropped at
+the edge is dropped everywhere. A dropped span is a non-recording one: nothing is exported.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from opentelemetry.sdk.trace.export import (
     SpanExporter,
     SpanExportResult,
 )
+from opentelemetry.sdk.trace.sampling import ParentBased, Sampler, TraceIdRatioBased
 from opentelemetry.trace import Link, SpanContext, SpanKind, Tracer
 from opentelemetry.util.types import Attributes
 from pydantic import AliasChoices, BaseModel, Field
@@ -59,6 +65,13 @@ class TelemetrySettings(BaseSettings):
         default=500,
         ge=1,
         description="Longest a finished span waits before it is written or exported.",
+    )
+    trace_sample_ratio: float = Field(
+        default=1.0,
+        ge=0.0,
+        le=1.0,
+        description="Share of new traces kept (head sampling by trace id); a trace's later "
+        "spans follow its first, so a kept trace is whole. 1 = all, 0 = none.",
     )
     metrics_port: int = Field(
         default=0,
@@ -237,13 +250,25 @@ def setup_tracing(
     exporter = exporter or make_exporter(service, settings)
     if exporter is None:
         return None
-    provider = TracerProvider(resource=service_resource(service))
+    provider = TracerProvider(
+        resource=service_resource(service), sampler=head_sampler(settings.trace_sample_ratio)
+    )
     provider.add_span_processor(
         BatchSpanProcessor(exporter, schedule_delay_millis=settings.trace_flush_ms)
     )
     trace.set_tracer_provider(provider)
-    log.info("telemetry.tracing", service=service, exporter=type(exporter).__name__)
+    log.info(
+        "telemetry.tracing",
+        service=service,
+        exporter=type(exporter).__name__,
+        sample_ratio=settings.trace_sample_ratio,
+    )
     return provider
+
+
+def head_sampler(ratio: float) -> Sampler:
+    """Keep `ratio` of new traces by trace id; a span with a parent follows the parent."""
+    return ParentBased(root=TraceIdRatioBased(ratio))
 
 
 def tracer() -> Tracer:
@@ -309,6 +334,13 @@ def span_context_of(context: Context) -> SpanContext:
     return trace.get_current_span(context).get_span_context()
 
 
+def dropped(context: Context) -> bool:
+    """Whether `context` holds a trace that head sampling dropped (a valid parent whose
+    sampled flag is off): parent-based sampling records nothing under it."""
+    parent = trace.get_current_span(context).get_span_context()
+    return parent.is_valid and not parent.trace_flags.sampled
+
+
 def ns(seconds: float) -> int:
     """Unix seconds (time.time()) to the nanoseconds OTel wants."""
     return int(seconds * 1e9)
@@ -328,8 +360,12 @@ def record_span(
     """Record a span whose times are already known; return a context with it as parent.
 
     Stage spans are recorded after the fact from timestamps carried in the records, so that
-    consecutive stages share their boundary instant exactly.
+    consecutive stages share their boundary instant exactly. Under a parent that head
+    sampling dropped nothing is recorded, so no span is made at all: the parent's context
+    (and with it the decision) passes on unchanged, at the cost of one lookup.
     """
+    if context is not None and dropped(context):
+        return context
     span = (tracer_ or tracer()).start_span(
         name, context=context, kind=kind, attributes=attributes, links=links, start_time=ns(start)
     )

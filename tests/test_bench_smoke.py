@@ -9,6 +9,7 @@ import itertools
 import json
 import os
 import random
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,10 @@ from typing import Any
 
 import pytest
 
+from bench.capacity import CapacityRun, _by, ceiling, next_rate
+from bench.cpu import CpuWindow, Reading, cpu_seconds, listening_pid, window
 from bench.findings import slo_result
+from bench.flames import top_frames
 from bench.report import Distribution, PolicyReport, RunSummary
 from bench.stats import HOPS, percentile
 from bench.workload import Mix, plan, poisson_arrivals
@@ -363,3 +367,153 @@ def test_openai_load_sends_each_planned_request_as_its_openai_body() -> None:
     }
     path, body = openai_request({"type": "chat.request", "prompt": "p", "max_tokens": 3})
     assert (path, body["prompt"], body["max_tokens"]) == ("/v1/completions", "p", 3)
+
+
+# The capacity benchmark (`make bench`, issue 12): `--quick` end to end, and its pure parts.
+
+CAPACITY_KEYS = {
+    "created_at",
+    "command",
+    "commit_source",
+    "machine",
+    "broker",
+    "slo_ms",
+    "fast_profile",
+    "workload",
+    "duration_s",
+    "policies",
+    "overhead",
+    "targets",
+    "elapsed_s",
+}
+PIPELINE_PROCESSES = {"edge", "ingest", "scheduler", "worker", "broker", "loadgen"}
+
+
+@pytest.mark.kafka
+def test_bench_capacity_quick_measures_cpu_per_process(bootstrap: str, tmp_path: Path) -> None:
+    out, doc = tmp_path / "capacity.json", tmp_path / "benchmarks.md"
+    doc.write_text("# Benchmarks\n\nA section someone else wrote.\n")
+    _bench(
+        "capacity",
+        "--quick",
+        "--shared-broker",
+        "--json",
+        str(out),
+        "--plots",
+        str(tmp_path / "img"),
+        "--docs",
+        str(doc),
+        "--log-dir",
+        str(tmp_path / "logs"),
+        bootstrap=bootstrap,
+        timeout=240,
+    )
+    report = json.loads(out.read_text())
+    assert set(report) == CAPACITY_KEYS
+    fixed, direct = report["policies"]
+    assert (fixed["name"], direct["name"]) == ("fixed", "direct")
+    for policy in (fixed, direct):
+        assert not policy["failed"], policy["failed"]
+        assert policy["runs"], policy["name"]
+        for run in policy["runs"]:
+            assert run["run"]["completed"] > 0, "no request completed: the run measured nothing"
+            cpu = run["cpu"]
+            assert cpu["requests"] == run["run"]["completed"]
+            assert all(p["cpu_s"] >= 0 for p in cpu["processes"].values())
+    # Every process of the pipeline is measured, the engine either apart or said to be in.
+    assert set(fixed["cpu"]["processes"]) >= PIPELINE_PROCESSES
+    assert "worker" in fixed["cpu"]["engine_in_worker"]
+    assert set(direct["cpu"]["processes"]) >= {"direct", "loadgen"}
+    assert fixed["idle"]["requests"] == 0
+    assert set(fixed["idle"]["processes"]) >= PIPELINE_PROCESSES
+    assert [o["policy"] for o in report["overhead"]] == ["fixed", "direct"]
+    assert all(o["completed"] > 0 for o in report["overhead"])
+    # The four targets of the issue are each judged (met or not), none left unmeasured.
+    assert len(report["targets"]) == 4
+    assert all(t["met"] is not None for t in report["targets"]), report["targets"]
+    assert (tmp_path / "img" / "capacity_cpu.png").stat().st_size > 0
+    text = doc.read_text()
+    assert "A section someone else wrote." in text
+    assert "tokenbus-capacity:begin" in text
+    assert "img/capacity_cpu.png" in text
+
+
+def test_rate_climb_goes_up_the_ladder_then_bisects() -> None:
+    ladder = (25.0, 50.0, 100.0, 200.0)
+    assert next_rate({}, ladder, 2) == 25.0
+    assert next_rate({25.0: True, 50.0: True}, ladder, 2) == 100.0
+    assert next_rate({25.0: True, 50.0: True, 100.0: False}, ladder, 2) == 75.0
+    assert next_rate({25.0: True, 50.0: True, 100.0: False, 75.0: True}, ladder, 2) == 87.5
+    done = {25.0: True, 50.0: True, 100.0: False, 75.0: True, 87.5: False}
+    assert next_rate(done, ladder, 2) is None
+    assert next_rate({25.0: False}, ladder, 1) == 12.5  # bisects down from the lowest rate
+    assert next_rate(dict.fromkeys(ladder, True), ladder, 2) is None  # the ladder's top passed
+
+
+def _capacity_run(rate: float, passed: bool) -> CapacityRun:
+    summary = RunSummary.model_construct(offered_rps=rate, output_tokens_per_s=rate * 60)
+    cpu = CpuWindow(window_s=1, requests=1, output_tokens=60, processes={}, load_average=[0.0])
+    return CapacityRun.model_construct(run=summary, cpu=cpu, passed=passed)
+
+
+def test_ceiling_is_the_top_of_the_passing_prefix() -> None:
+    runs = [_capacity_run(r, ok) for r, ok in ((25, True), (50, True), (100, False), (75, True))]
+    best, failing = ceiling(runs)
+    assert best is not None
+    assert (best.run.offered_rps, failing) == (75, 100)
+    # A lucky pass above a failure does not count.
+    best, failing = ceiling([_capacity_run(25, False), _capacity_run(50, True)])
+    assert (best, failing) == (None, 25)
+
+
+def test_cpu_window_divides_by_requests_and_tokens() -> None:
+    start = Reading(at=10.0, cpu={"edge": 1.0, "worker": 2.0, "gone": 1.0}, engine=5.0)
+    end = Reading(at=12.0, cpu={"edge": 1.5, "worker": 3.0, "gone": None}, engine=5.25)
+    cpu = window(start, end, requests=100, output_tokens=5000)
+    assert set(cpu.processes) == {"edge", "worker", "engine"}  # a process gone is left out
+    assert cpu.processes["edge"].ms_per_request == 5.0
+    assert cpu.processes["edge"].ms_per_1k_tokens == 100.0
+    assert cpu.processes["edge"].share_of_core == 0.25
+    # The engine's own counter is taken out of the worker and shown apart.
+    assert cpu.processes["worker"].cpu_s == 0.75
+    assert cpu.processes["engine"].cpu_s == 0.25
+    assert "apart" in cpu.engine_in_worker
+
+
+def test_proc_readings_of_real_processes() -> None:
+    assert (cpu_seconds(os.getpid()) or 0) > 0
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        assert listening_pid(server.getsockname()[1]) == os.getpid()
+
+
+def test_targets_say_by_how_much() -> None:
+    assert _by(12.0, 5.0) == "missed by 2.4x (+7.00)"
+    assert _by(4.0, 5.0) == "met, 20% under"
+    assert _by(None, 5.0) == "-"
+
+
+def test_top_frames_of_a_flame_graph(tmp_path: Path) -> None:
+    """Self samples: a frame's own width less its children's; waits are left out."""
+
+    def frame(name: str, x: int, w: int, y: int) -> str:
+        return (
+            f'<g><title>{name} ({w} samples, 1%)</title><rect x="0" y="{y}" width="1%" '
+            f'height="15" fg:x="{x}" fg:w="{w}"/></g>'
+        )
+
+    svg = tmp_path / "f.svg"
+    svg.write_text(
+        '<svg xmlns="http://www.w3.org/2000/svg" xmlns:fg="http://github.com/jonhoo/inferno">'
+        + frame("all", 0, 100, 20)
+        + frame("run (a.py:1)", 0, 100, 36)
+        + frame("parse (b.py:10)", 0, 30, 52)
+        + frame("parse (b.py:12)", 30, 10, 52)
+        + frame("EpollSelector.select (selectors.py:468)", 40, 50, 52)
+        + "</svg>"
+    )
+    samples, top = top_frames(svg, 5)
+    assert samples == 50  # 100 less the 50 waiting in select
+    assert [(f.frame, f.samples) for f in top] == [("parse (b.py)", 40), ("run (a.py)", 10)]
+    assert top[0].share == 0.8

@@ -29,6 +29,7 @@ from shared.telemetry import (
     context_from,
     extract,
     has_trace,
+    head_sampler,
     inject,
     make_exporter,
     read_span_file,
@@ -100,6 +101,51 @@ def test_record_span_uses_the_given_times_and_parent() -> None:
     assert span_context_of(child).span_id == span.context.span_id
 
 
+def sampled_tracer(exporter: InMemorySpanExporter, ratio: float) -> trace.Tracer:
+    provider = TracerProvider(resource=service_resource("test"), sampler=head_sampler(ratio))
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return provider.get_tracer("test")
+
+
+def test_head_sampling_keeps_the_ratio_of_new_traces() -> None:
+    kept, dropped = InMemorySpanExporter(), InMemorySpanExporter()
+    for _ in range(50):
+        record_span("a", start=1.0, end=2.0, context=None, tracer_=sampled_tracer(kept, 1.0))
+        record_span("a", start=1.0, end=2.0, context=None, tracer_=sampled_tracer(dropped, 0.0))
+    assert len(kept.get_finished_spans()) == 50
+    assert dropped.get_finished_spans() == ()
+    some = InMemorySpanExporter()
+    tracer = sampled_tracer(some, 0.25)
+    for _ in range(2000):
+        record_span("a", start=1.0, end=2.0, context=None, tracer_=tracer)
+    assert 300 < len(some.get_finished_spans()) < 700  # 500 expected; binomial sd ~19
+
+
+def test_a_later_span_follows_its_traces_first_so_a_trace_is_whole() -> None:
+    """A service downstream keeps what the edge kept and drops what it dropped, whatever
+    its own ratio: the decision travels in the traceparent's sampled flag."""
+    exporter = InMemorySpanExporter()
+    kept_parent = context_from({"traceparent": TRACEPARENT})  # flags 01: sampled
+    dropped_parent = context_from({"traceparent": TRACEPARENT[:-2] + "00"})
+    first = record_span(
+        "ingest", start=1.0, end=2.0, context=kept_parent, tracer_=sampled_tracer(exporter, 0.0)
+    )
+    record_span("worker", start=2.0, end=3.0, context=first, tracer_=sampled_tracer(exporter, 0.0))
+    record_span(
+        "ingest", start=1.0, end=2.0, context=dropped_parent, tracer_=sampled_tracer(exporter, 1.0)
+    )
+    spans = exporter.get_finished_spans()
+    assert [s.name for s in spans] == ["ingest", "worker"]
+    assert {format(s.context.trace_id, "032x") for s in spans} == {
+        "4bf92f3577b34da6a3ce929d0e0e4736"
+    }
+    # The dropped trace still passes its context on, flag and all, so it stays dropped.
+    dropped_child = record_span(
+        "x", start=1.0, end=2.0, context=dropped_parent, tracer_=sampled_tracer(exporter, 1.0)
+    )
+    assert carrier(dropped_child)["traceparent"].endswith("-00")
+
+
 def test_record_span_never_ends_before_it_starts() -> None:
     exporter = InMemorySpanExporter()
     record_span("x", start=5.0, end=4.0, context=None, tracer_=local_tracer(exporter))
@@ -149,12 +195,14 @@ def test_exporter_choice(tmp_path: Path) -> None:
 def test_settings_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TOKENBUS_TRACE_DIR", "/tmp/x")
     monkeypatch.setenv("TOKENBUS_METRICS_PORT", "9464")
+    monkeypatch.setenv("TOKENBUS_TRACE_SAMPLE_RATIO", "0.05")
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://jaeger:4318")
     s = TelemetrySettings()
-    assert (str(s.trace_dir), s.metrics_port, s.otlp_endpoint) == (
+    assert (str(s.trace_dir), s.metrics_port, s.otlp_endpoint, s.trace_sample_ratio) == (
         "/tmp/x",
         9464,
         "http://jaeger:4318",
+        0.05,
     )
 
 

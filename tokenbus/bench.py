@@ -7,13 +7,13 @@ import asyncio
 import shlex
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 if TYPE_CHECKING:
     from bench.report import BenchReport
     from bench.suite import SweepOptions
-    from tokenbus.cli import Subcommands
+    from tokenbus.commands import Subcommands
 
 # Load only ever goes to this machine, and never without bounds.
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -95,6 +95,47 @@ def register(commands: Subcommands) -> None:
     )
     compare.add_argument("--log-dir", type=Path, default=Path("bench/out/logs"))
     compare.set_defaults(handler=_compare)
+
+    capacity = actions.add_parser(
+        "capacity",
+        help="the capacity benchmark: fixed and direct on the fast constant profile, a rate "
+        "climb, CPU per request per process from /proc, overhead at 50 req/s (make bench)",
+        description="Each stack climbs a rate ladder until interactive p99 TTFT reaches the "
+        "SLO, then bisects; each run samples every process's CPU over itself. Then both run "
+        "at one rate on the llama3-8b-h100 profile for the pipeline overhead.",
+    )
+    capacity.add_argument(
+        "--quick", action="store_true", help="a smoke test: two low rates, 3 s each (~1 min)"
+    )
+    capacity.add_argument("--policies", default="fixed,direct", help="from: fixed, direct, ...")
+    capacity.add_argument(
+        "--ladder", default=None, help="rates to climb, comma-separated (default 25..800)"
+    )
+    capacity.add_argument("--duration", type=float, default=None, help="seconds per rate (6)")
+    capacity.add_argument("--slo-ms", type=float, default=500.0, help="interactive p99 TTFT SLO")
+    capacity.add_argument(
+        "--shared-broker",
+        action="store_true",
+        help="use KAFKA_BOOTSTRAP_SERVERS rather than a private broker (its CPU is then shared)",
+    )
+    capacity.add_argument(
+        "--source",
+        type=Path,
+        default=None,
+        help="run the services of this checkout (e.g. a worktree of an older commit)",
+    )
+    capacity.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="TOKENBUS_NAME=VALUE",
+        help="a setting for every stack started (repeatable)",
+    )
+    capacity.add_argument("--json", type=Path, default=Path("bench/out/capacity.json"))
+    capacity.add_argument("--plots", type=Path, default=Path("bench/out"))
+    capacity.add_argument("--docs", type=Path, default=None, help="Markdown file to update")
+    capacity.add_argument("--log-dir", type=Path, default=Path("bench/out/logs"))
+    capacity.set_defaults(handler=_capacity)
 
 
 def _sweep_arguments(parser: argparse.ArgumentParser, rates: str, duration: float) -> None:
@@ -225,6 +266,59 @@ def _compare(args: argparse.Namespace) -> int:
         print(
             f"tokenbus bench: error: stacks failed to start: {', '.join(failed)}", file=sys.stderr
         )
+        return 1
+    return 0
+
+
+def _capacity(args: argparse.Namespace) -> int:
+    from bench import capacity_docs
+    from bench.capacity import QUICK, CapacityOptions, capacity
+    from bench.policies import POLICIES
+
+    try:
+        policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
+        unknown = [p for p in policies if p not in POLICIES]
+        if unknown or not policies:
+            raise UsageError(f"--policies: unknown {unknown}; known: {', '.join(POLICIES)}")
+        given: dict[str, Any] = dict(QUICK) if args.quick else {}
+        if args.ladder:
+            ladder = tuple(float(r) for r in args.ladder.split(",") if r.strip())
+            if not ladder or any(not 0 < r <= MAX_RATE for r in ladder):
+                raise UsageError(f"--ladder: each rate must be within (0, {MAX_RATE:g}]")
+            given["ladder"] = ladder
+        if args.duration is not None:
+            if not 0 < args.duration <= MAX_DURATION_S:
+                raise UsageError(f"--duration must be within (0, {MAX_DURATION_S:g}] seconds")
+            given["duration_s"] = args.duration
+        if args.shared_broker:
+            given["own_broker"] = False
+        if args.source is not None:
+            given["source"] = args.source.resolve()
+        options = CapacityOptions(
+            policies=policies,
+            slo_ms=args.slo_ms,
+            log_dir=args.log_dir,
+            command=_command(),
+            extra_env=dict(_setting(item) for item in args.set),
+            **given,
+        )
+    except (UsageError, ValueError) as exc:
+        print(f"tokenbus bench: error: {exc}", file=sys.stderr)
+        return 2
+    report = asyncio.run(capacity(options))
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(report.model_dump_json(indent=1))
+    print(capacity_docs.text(report))
+    print(f"wrote {args.json}")
+    print(f"wrote {capacity_docs.plot(report, args.plots)}")
+    if args.docs is not None:
+        capacity_docs.write(report, args.docs, args.plots)
+        print(f"wrote {args.docs}")
+    failed = [p.name for p in report.policies if p.failed] + [
+        o.policy for o in report.overhead if o.failed
+    ]
+    if failed:
+        print(f"tokenbus bench: error: stacks failed: {', '.join(failed)}", file=sys.stderr)
         return 1
     return 0
 

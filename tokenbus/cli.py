@@ -3,18 +3,13 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Sequence
-from typing import TypeAlias
+from collections.abc import Sequence
 
-Subcommands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
-# A subcommand's parser stores one of these as `handler`; its return is the exit code.
-Handler = Callable[[argparse.Namespace], int]
+from tokenbus import bench, config, kafka, keys, topics, trace, up
+from tokenbus.commands import Handler
 
 
 def build_parser() -> argparse.ArgumentParser:
-    # Imported here so a command module may import `Subcommands` from this one.
-    from tokenbus import bench, config, kafka, keys, topics, trace, up
-
     parser = argparse.ArgumentParser(
         prog="tokenbus", description="LLM serving decoupled by Apache Kafka."
     )

@@ -11,7 +11,7 @@ from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings
 
 if TYPE_CHECKING:
-    from tokenbus.cli import Subcommands
+    from tokenbus.commands import Subcommands
 
 
 def _groups() -> list[tuple[str, type[BaseSettings], type[BaseSettings] | None]]:

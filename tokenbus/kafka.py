@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from deploy.kafka import launcher
 
 if TYPE_CHECKING:
-    from tokenbus.cli import Subcommands
+    from tokenbus.commands import Subcommands
 
 
 def register(commands: Subcommands) -> None:

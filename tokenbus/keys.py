@@ -14,7 +14,7 @@ from services.edge import keys as keyfile
 from services.edge.settings import KeysSettings
 
 if TYPE_CHECKING:
-    from tokenbus.cli import Subcommands
+    from tokenbus.commands import Subcommands
 
 STATE_DIR = Path(".tokenbus")  # local state of `tokenbus up`, beside its traces
 DEV_TENANT = "dev"

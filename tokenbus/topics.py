@@ -24,7 +24,7 @@ from shared.topics import Topics
 from tokenbus.acls import ROLES, AclError, create_acls, parse_principals, service_acls
 
 if TYPE_CHECKING:
-    from tokenbus.cli import Subcommands
+    from tokenbus.commands import Subcommands
 
 BROKER_TIMEOUT_S = 15.0
 

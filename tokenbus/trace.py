@@ -20,7 +20,7 @@ from tokenbus import waterfall
 from tokenbus.trace_sources import JaegerSource, JsonLinesSource, SpanSource
 
 if TYPE_CHECKING:
-    from tokenbus.cli import Subcommands
+    from tokenbus.commands import Subcommands
 
 
 def register(commands: Subcommands) -> None:

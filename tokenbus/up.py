@@ -28,7 +28,7 @@ from tokenbus.keys import local_keys
 from tokenbus.topics import ensure_topics
 
 if TYPE_CHECKING:
-    from tokenbus.cli import Subcommands
+    from tokenbus.commands import Subcommands
 
 # Started in this order; stopped all at once.
 SERVICES = ("ingest", "scheduler", "worker", "edge")

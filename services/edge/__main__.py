@@ -6,6 +6,7 @@ from pydantic import ValidationError
 from services.edge.app import build_app
 from services.edge.settings import EdgeSettings
 from shared.logs import configure_logging
+from shared.process import UVICORN_LOOP
 from shared.telemetry import start_telemetry
 
 
@@ -25,6 +26,7 @@ def main() -> None:
         ws_max_size=settings.edge_max_frame_bytes * 4,
         log_level="warning",
         lifespan="on",
+        loop=UVICORN_LOOP,
     )
 
 
