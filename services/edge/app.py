@@ -22,7 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import TypeAdapter, ValidationError
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, Response
+from starlette.responses import FileResponse, PlainTextResponse, Response
 from starlette.routing import Route, WebSocketRoute
 from starlette.types import Message
 from starlette.websockets import WebSocket, WebSocketDisconnect
@@ -59,6 +59,7 @@ from services.edge.topology import (
     TopologyError,
     reply_tp,
 )
+from shared.health import Readiness, health_routes
 from shared.kafka import encode, key_of, make_admin, make_consumer, make_producer
 from shared.messages import (
     CancelRecord,
@@ -576,9 +577,10 @@ class Edge:
 
     # -- HTTP -------------------------------------------------------------------------------
 
-    async def healthz(self, request: Request) -> Response:
-        status = 200 if self.ready else 503
-        return JSONResponse({"status": "ok" if self.ready else "starting"}, status_code=status)
+    async def readiness(self) -> Readiness:
+        """`/readyz` (shared/health.py): result partition leased and read, broker reachable."""
+        reason = "ok" if self.ready and self.health.reachable else "kafka unreachable"
+        return Readiness(ready=reason == "ok", reason=reason if self.ready else "starting")
 
     async def metrics_page(self, request: Request) -> Response:
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
@@ -855,7 +857,7 @@ def build_app(settings: EdgeSettings) -> Starlette:
     return Starlette(
         routes=[
             Route("/", edge.index),
-            Route("/healthz", edge.healthz),
+            *health_routes(edge.readiness),
             Route("/metrics", edge.metrics_page),
             WebSocketRoute("/v1/chat", edge.chat),
         ],

@@ -94,8 +94,11 @@ class Backoff:
         return min(self.max_s, max(self.first_s, delay_s * 2))
 
 
-async def serve(settings: IngestSettings) -> None:
-    """Wait for the broker, build the clients, run until SIGTERM/SIGINT."""
+async def serve(
+    settings: IngestSettings, built: Callable[[FastStream], None] = lambda app: None
+) -> None:
+    """Wait for the broker, build the clients, run until SIGTERM/SIGINT; `built` is shown
+    the app before it runs (its consumers are what `/readyz` looks at)."""
     while True:
         try:
             await wait_for_broker(settings, timeout_s=60)
@@ -105,7 +108,9 @@ async def serve(settings: IngestSettings) -> None:
     admin = make_admin(settings, client_id="ingest-admin")
     await admin.start()
     try:
-        await build_app(settings, admin).run()
+        app = build_app(settings, admin)
+        built(app)
+        await app.run()
     finally:
         await admin.close()
 

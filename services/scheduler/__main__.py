@@ -2,6 +2,7 @@
 
 from services.scheduler.app import Scheduler
 from services.scheduler.settings import SchedulerSettings
+from shared.health import health_port, with_health
 from shared.logs import configure_logging
 from shared.process import run_service
 from shared.telemetry import start_telemetry
@@ -9,9 +10,18 @@ from shared.telemetry import start_telemetry
 
 def main() -> None:
     settings = SchedulerSettings()
-    configure_logging("scheduler", settings.log_level)
-    start_telemetry("scheduler")
-    run_service(Scheduler(settings).run())
+    configure_logging("scheduler", settings.log_level, settings.log_format)
+    telemetry = start_telemetry("scheduler")
+    scheduler = Scheduler(settings)
+    run_service(
+        with_health(
+            scheduler.run(),
+            service="scheduler",
+            port=health_port("scheduler", telemetry.metrics_port),
+            host=telemetry.metrics_host,
+            check=scheduler.readiness,
+        )
+    )
 
 
 if __name__ == "__main__":

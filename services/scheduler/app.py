@@ -38,6 +38,7 @@ from services.scheduler.settings import SchedulerSettings
 from services.scheduler.telemetry import SchedulerTelemetry
 from services.scheduler.workers import WorkerRegistry
 from shared.dead_letters import Addressed, Source, dead_letter, dead_letter_value, read_address
+from shared.health import Readiness, consumer_readiness
 from shared.kafka import encode, key_of, make_admin, make_consumer, make_producer
 from shared.messages import (
     Batch,
@@ -195,6 +196,10 @@ class Scheduler:
         finally:
             for stop in reversed(stops):
                 await stop()
+
+    async def readiness(self) -> Readiness:
+        """`/readyz` (shared/health.py): tier partitions assigned, broker answering."""
+        return await consumer_readiness([getattr(self, "_tiers", None)])
 
     async def _partitions(self, topic: str) -> list[TopicPartition]:
         """The topic's partitions as the cluster has them (the project's count if unknown)."""

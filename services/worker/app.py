@@ -30,6 +30,7 @@ from services.worker.runner import RequestRunner, RunOutcome
 from services.worker.settings import WorkerSettings
 from services.worker.telemetry import batch_received, observe_capacity, run_traced
 from shared.dead_letters import Source, dead_letter, dead_letter_value
+from shared.health import Readiness, consumer_readiness
 from shared.kafka import encode, make_consumer, make_producer
 from shared.messages import (
     Batch,
@@ -144,6 +145,12 @@ class Worker:
             await batches.stop()
             await control.stop()
             await producer.stop()
+
+    async def readiness(self) -> Readiness:
+        """`/readyz` (shared/health.py): batch partition assigned, broker answering."""
+        if self.drain.requested.is_set():
+            return Readiness.not_ready("draining")
+        return await consumer_readiness([self.intake.reading])
 
     # -- fencing -----------------------------------------------------------------------------
 

@@ -116,6 +116,7 @@ class BatchIntake:
         self._offsets = OffsetTracker()
         self._commit_lock = asyncio.Lock()
         self._replay_below = 0  # batches below were taken by a previous process of this id
+        self.reading: AIOKafkaConsumer | None = None  # the consumer `start` was given
 
     def consumer(self) -> AIOKafkaConsumer:
         # A new worker id starts at the live end: nothing was addressed to it before its
@@ -130,6 +131,7 @@ class BatchIntake:
     async def start(self, consumer: AIOKafkaConsumer) -> None:
         """Assign our partition; commit where we start so a recovery has a lower bound."""
         consumer.assign([self.tp])
+        self.reading = consumer
         position = await consumer.position(self.tp)
         end = (await consumer.end_offsets([self.tp]))[self.tp]
         # Batches between our committed offset and today's end were addressed to a former
