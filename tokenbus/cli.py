@@ -47,7 +47,7 @@ class Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     # Imported here so a command module may import `Subcommands` from this one.
-    from tokenbus import bench, config, kafka, keys, topics, trace, up
+    from tokenbus import bench, config, kafka, keys, schema, topics, trace, up
 
     parser: argparse.ArgumentParser = Parser(
         prog="tokenbus", description="LLM serving decoupled by Apache Kafka."
@@ -63,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
         trace.register,
         config.register,
         keys.register,
+        schema.register,
     ):
         register(commands)
     return parser
