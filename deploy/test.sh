@@ -34,7 +34,7 @@ fi
 jaeger_build=""
 if [ ! -x "${TOKENBUS_CACHE:-$HOME/.cache/tokenbus}/jaeger/v1.76.0/jaeger" ]; then
   mkdir -p .tokenbus
-  setsid deploy/jaeger/build.sh >.tokenbus/jaeger-build.out 2>&1 &
+  setsid nice -n 10 deploy/jaeger/build.sh >.tokenbus/jaeger-build.out 2>&1 &
   jaeger_build=$!
 fi
 stop_jaeger_build() { [ -z "$jaeger_build" ] || kill -- "-$jaeger_build" 2>/dev/null || true; }

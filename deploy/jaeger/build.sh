@@ -22,7 +22,7 @@ echo "jaeger build: $VERSION from the Go module proxy (minutes, once; log: $CACH
   cd "$work"
   go mod init tokenbus.local/jaeger-build
   go get -tool "github.com/jaegertracing/jaeger/cmd/jaeger@$VERSION"
-  nice -n 10 go build -trimpath -o "$work/jaeger" github.com/jaegertracing/jaeger/cmd/jaeger
+  go build -trimpath -o "$work/jaeger" github.com/jaegertracing/jaeger/cmd/jaeger
 ) >"$CACHE/build.log" 2>&1 || { tail -20 "$CACHE/build.log" >&2; exit 1; }
 mv "$work/jaeger" "$BIN.tmp" && mv "$BIN.tmp" "$BIN"
 echo "jaeger build: done in $(( $(date +%s) - started )) s" >&2
