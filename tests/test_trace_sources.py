@@ -212,3 +212,39 @@ def test_cli_reads_from_jaeger(fake_jaeger: str, capsys: pytest.CaptureFixture[s
     out = capsys.readouterr().out
     assert "stage decode" in out
     assert "worker" in out
+
+
+def test_jaegers_own_v3_answer_shape_is_read() -> None:
+    """The shape of Jaeger v1.76's FindTraces snapshot (cmd/query/app/apiv3/snapshots):
+    kind and status as numbers, zero fields left out."""
+    body = {
+        "result": {
+            "resourceSpans": [
+                {
+                    "resource": {},
+                    "scopeSpans": [
+                        {
+                            "scope": {},
+                            "spans": [
+                                {
+                                    "kind": 2,
+                                    "name": "foobar",
+                                    "spanId": "0000000000000002",
+                                    "status": {"code": 2},
+                                    "traceId": "00000000000000000000000000000001",
+                                }
+                            ],
+                        }
+                    ],
+                }
+            ]
+        }
+    }
+    [span] = otlp_spans(body)
+    assert (span.kind, span.status, span.service, span.start_ns) == (
+        "SERVER",
+        "ERROR",
+        "unknown",
+        0,
+    )
+    assert span.trace_id == "00000000000000000000000000000001"

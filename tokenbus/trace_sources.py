@@ -160,8 +160,8 @@ def otlp_spans(body: dict[str, Any]) -> list[SpanRecord]:
                         name=span["name"],
                         kind=_otlp_kind(span.get("kind")),
                         service=service,
-                        start_ns=int(span["startTimeUnixNano"]),
-                        end_ns=int(span["endTimeUnixNano"]),
+                        start_ns=int(span.get("startTimeUnixNano", 0)),
+                        end_ns=int(span.get("endTimeUnixNano", 0)),
                         attributes=_otlp_attributes(span.get("attributes")),
                         links=[
                             LinkRecord(
