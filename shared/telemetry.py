@@ -73,13 +73,19 @@ class TelemetrySettings(BaseSettings):
         description="Share of new traces kept (head sampling by trace id); a trace's later "
         "spans follow its first, so a kept trace is whole. 1 = all, 0 = none.",
     )
-    metrics_port: int = Field(
-        default=0,
+    metrics_port: int | None = Field(
+        default=None,
         ge=0,
         le=65535,
-        description="Serve Prometheus /metrics on this port (non-HTTP services); 0 = off.",
+        description=(
+            "Port of /metrics, /healthz and /readyz of ingest, scheduler and worker (the edge"
+            " serves them on its HTTP port). Unset: 9101 ingest, 9102 scheduler, 9103 worker;"
+            " 0 = off."
+        ),
     )
-    metrics_host: str = Field(default="127.0.0.1", description="Bind address of /metrics.")
+    metrics_host: str = Field(
+        default="127.0.0.1", description="Bind address of /metrics, /healthz and /readyz."
+    )
     otlp_endpoint: str | None = Field(
         default=None,
         validation_alias=AliasChoices("OTEL_EXPORTER_OTLP_ENDPOINT"),
@@ -384,13 +390,9 @@ def add_trace_ids(
     return event_dict
 
 
-def start_telemetry(service: str, *, http_metrics: bool = True) -> TelemetrySettings:
-    """A service's telemetry at start-up: its tracer provider, and `/metrics` on
-    `TOKENBUS_METRICS_PORT` unless the service serves `/metrics` on its own HTTP app."""
-    from shared.metrics import serve_metrics
-
+def start_telemetry(service: str) -> TelemetrySettings:
+    """A service's tracer provider at start-up; the settings also say where `/metrics` goes
+    (`shared.health.with_health`)."""
     settings = TelemetrySettings()
     setup_tracing(service, settings)
-    if http_metrics and serve_metrics(settings.metrics_port, settings.metrics_host):
-        log.info("telemetry.metrics", port=settings.metrics_port)
     return settings

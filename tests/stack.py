@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import secrets
 import signal
@@ -10,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Mapping
@@ -76,6 +78,8 @@ class Stack:
     # Tenants beyond TENANTS, or other limits for them: name -> TenantLimits fields.
     tenant_limits: dict[str, dict[str, object]] = field(default_factory=dict)
     keys: dict[str, str] = field(default_factory=dict)  # tenant -> its API key
+    # Service key -> its /metrics, /healthz, /readyz port (the edge's is its HTTP port).
+    health_ports: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         keys = keyfile.KeysFile()
@@ -137,6 +141,10 @@ class Stack:
         full = self.env()
         full.update(self.service_env.get(name, {}))
         full.update(env)
+        if name != "edge":
+            # Its own port, not the service's default: stacks run side by side.
+            full.setdefault("TOKENBUS_METRICS_PORT", str(free_port()))
+            self.health_ports[key] = int(full["TOKENBUS_METRICS_PORT"])
         with open(self.log_dir / f"{self.prefix}-{key}.log", "ab") as log:
             self.processes[key] = subprocess.Popen(
                 [sys.executable, "-m", f"services.{name}"],
@@ -153,17 +161,30 @@ class Stack:
         self.edge_port = free_port()
         for name in SERVICES:
             self.start_service(name)
-        wait_until(self.edge_ready, self.ready_timeout_s, "the edge's /healthz")
+        wait_until(self.edge_ready, self.ready_timeout_s, "the edge's /readyz")
         return self
 
     def edge_ready(self, port: int | None = None) -> bool:
         self.check_alive()
         try:
-            url = f"http://127.0.0.1:{port or self.edge_port}/healthz"
+            url = f"http://127.0.0.1:{port or self.edge_port}/readyz"
             with urllib.request.urlopen(url, timeout=1) as r:
                 return bool(r.status == 200)
         except OSError:
             return False
+
+    def health(self, key: str, path: str) -> tuple[int, dict[str, Any]]:
+        """GET `path` (/healthz, /readyz, …) of the service started under `key`: the status
+        and the JSON body; (0, {}) if nothing answers."""
+        port = self.edge_port if key == "edge" else self.health_ports[key]
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        try:
+            with opener.open(f"http://127.0.0.1:{port}{path}", timeout=10) as r:
+                return int(r.status), json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return int(e.code), json.loads(e.read())
+        except OSError:
+            return 0, {}
 
     def check_alive(self) -> None:
         for key, proc in self.processes.items():

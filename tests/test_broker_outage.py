@@ -219,6 +219,21 @@ async def scenario(stack: Stack, outage: Outage) -> None:
             assert frame["code"] == "overloaded", frame
             assert isinstance(frame.get("retry_after_ms"), int), frame
             assert took < REFUSED_WITHIN_S, f"answered after {took:.1f} s"
+        # What an orchestrator's probes see: alive all along, not ready while it is away
+        # (polled: one probe on a loaded machine may take longer than its timeout).
+        for key in SERVICES:
+            probes: dict[str, tuple[int, dict[str, object]]] = {}
+
+            def seen(
+                k: str = key, probes: dict[str, tuple[int, dict[str, object]]] = probes
+            ) -> bool:
+                probes["live"] = stack.health(k, "/healthz")
+                probes["ready"] = stack.health(k, "/readyz")
+                return probes["live"][0] == 200 and probes["ready"][0] == 503
+
+            await asyncio.to_thread(wait_until, seen, 30, f"{key} alive, not ready", 1.0)
+            assert probes["live"][1] == {"status": "alive"}, (key, probes)
+            assert probes["ready"][1]["reason"] != "ok", (key, probes)
         while time.monotonic() - gone_at < OUTAGE_S:
             assert not alive(stack), f"exited during the outage: {alive(stack)}"
             assert all(s.closed is None for s in streams), [s.closed for s in streams]
@@ -227,6 +242,9 @@ async def scenario(stack: Stack, outage: Outage) -> None:
         await asyncio.to_thread(outage.back)
         took = await first_success(stack.ws_url, RECOVERED_WITHIN_S)
         assert took < RECOVERED_WITHIN_S
+        for key in SERVICES:
+            ready = lambda k=key: stack.health(k, "/readyz")[0] == 200  # noqa: E731
+            await asyncio.to_thread(wait_until, ready, RECOVERED_WITHIN_S, f"{key} ready again")
 
         # Streams in flight end by a final frame (done after the broker came back, or error).
         await asyncio.wait_for(asyncio.gather(*pumps), 90)

@@ -102,9 +102,12 @@ async def test_chat_page_and_health_are_served(stack: Stack) -> None:
 
     async with httpx.AsyncClient(base_url=stack.http_url) as client:
         health = await client.get("/healthz")
+        ready = await client.get("/readyz")
         page = await client.get("/")
     assert health.status_code == 200
-    assert health.json() == {"status": "ok"}
+    assert health.json() == {"status": "alive"}
+    assert ready.status_code == 200
+    assert ready.json()["status"] == "ready"
     assert page.status_code == 200
     assert "/v1/chat" in page.text
 

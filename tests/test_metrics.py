@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import urllib.request
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
 
 from shared.messages import Timings
-from shared.metrics import ConsumerLag, SchedulerMetrics, WorkerMetrics, serve_metrics
-from tests.stack import free_port
+from shared.metrics import ConsumerLag, WorkerMetrics
 
 
 @dataclass(frozen=True)
@@ -103,15 +101,3 @@ def test_tokens_per_second_between_heartbeats() -> None:
     assert value(registry, "tokenbus_worker_output_tokens_per_second") == 150.0
     assert value(registry, "tokenbus_worker_slots_in_use") == 5
     assert value(registry, "tokenbus_worker_slots_total") == 64
-
-
-def test_serve_metrics_is_off_at_port_zero_and_scrapable_otherwise() -> None:
-    registry = CollectorRegistry()
-    SchedulerMetrics.build(registry).batches.labels("interactive", "full").inc(3)
-    assert serve_metrics(0, registry=registry) is False
-    port = free_port()
-    assert serve_metrics(port, registry=registry) is True
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    with opener.open(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-        body = r.read().decode()
-    assert 'tokenbus_batches_total{reason="full",tier="interactive"} 3.0' in body

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import threading
+import urllib.parse
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
@@ -14,7 +16,7 @@ import pytest
 from shared import semconv
 from tests.test_waterfall import BATCH_T, T, request_spans
 from tokenbus.cli import main
-from tokenbus.trace_sources import JaegerSource, JsonLinesSource, jaeger_spans
+from tokenbus.trace_sources import JaegerSource, JsonLinesSource, otlp_spans
 
 
 def write_spans(directory: Path) -> None:
@@ -61,71 +63,121 @@ def test_cli_says_plainly_when_nothing_is_found(
     assert main(["trace", "--dir", str(tmp_path)]) == 2
 
 
-def jaeger_answer() -> dict[str, Any]:
-    """What Jaeger's /api/traces returns for the request trace (ids without leading zeros)."""
+def otlp_answer() -> dict[str, Any]:
+    """What Jaeger's API v3 returns for the request trace: OTLP JSON under `result`."""
+
+    def attr(key: str, value: str) -> dict[str, Any]:
+        return {"key": key, "value": {"stringValue": value}}
+
+    def resource(service: str, spans: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "resource": {"attributes": [attr("service.name", service)]},
+            "scopeSpans": [{"scope": {"name": "tokenbus"}, "spans": spans}],
+        }
+
     return {
-        "data": [
-            {
-                "traceID": T,
-                "spans": [
-                    {
-                        "traceID": T,
-                        "spanID": "1",
-                        "operationName": "chat",
-                        "references": [],
-                        "startTime": 1_000_000,
-                        "duration": 50_000,
-                        "tags": [
-                            {"key": "span.kind", "type": "string", "value": "server"},
-                            {"key": semconv.REQUEST_ID, "type": "string", "value": "r1"},
-                        ],
-                        "processID": "p1",
-                    },
-                    {
-                        "traceID": T,
-                        "spanID": "2",
-                        "operationName": "stage decode",
-                        "references": [{"refType": "CHILD_OF", "traceID": T, "spanID": "1"}],
-                        "startTime": 1_010_000,
-                        "duration": 40_000,
-                        "tags": [
-                            {"key": semconv.STAGE, "type": "string", "value": "decode"},
-                            {"key": semconv.REQUEST_ID, "type": "string", "value": "r1"},
-                        ],
-                        "processID": "p2",
-                    },
-                ],
-                "processes": {
-                    "p1": {"serviceName": "tokenbus-edge"},
-                    "p2": {"serviceName": "tokenbus-worker"},
-                },
-            }
-        ]
+        "result": {
+            "resourceSpans": [
+                resource(
+                    "tokenbus-edge",
+                    [
+                        {
+                            "traceId": T,
+                            "spanId": "0000000000000001",
+                            "name": "chat",
+                            "kind": "SPAN_KIND_SERVER",
+                            "startTimeUnixNano": "1000000000",
+                            "endTimeUnixNano": "1050000000",
+                            "attributes": [attr(semconv.REQUEST_ID, "r1")],
+                            "status": {},
+                        }
+                    ],
+                ),
+                resource(
+                    "tokenbus-worker",
+                    [
+                        {
+                            "traceId": T,
+                            "spanId": "0000000000000002",
+                            "parentSpanId": "0000000000000001",
+                            "name": "stage decode",
+                            "kind": 1,
+                            "startTimeUnixNano": "1010000000",
+                            "endTimeUnixNano": "1050000000",
+                            "attributes": [
+                                attr(semconv.STAGE, "decode"),
+                                attr(semconv.REQUEST_ID, "r1"),
+                                {"key": "tokens", "value": {"intValue": "7"}},
+                            ],
+                            "links": [{"traceId": BATCH_T, "spanId": "00000000000000aa"}],
+                            "status": {"code": "STATUS_CODE_ERROR"},
+                        }
+                    ],
+                ),
+            ]
+        }
     }
 
 
-def test_jaeger_answer_becomes_span_records() -> None:
-    root, decode = jaeger_spans(jaeger_answer())
+def batch_answer() -> dict[str, Any]:
+    span = {
+        "traceId": base64.b64encode(bytes.fromhex(BATCH_T)).decode(),
+        "spanId": base64.b64encode(bytes.fromhex("00000000000000aa")).decode(),
+        "name": "send tokenbus.batches",
+        "kind": "SPAN_KIND_PRODUCER",
+        "startTimeUnixNano": "1005000000",
+        "endTimeUnixNano": "1006000000",
+    }
+    return {
+        "result": {
+            "resourceSpans": [
+                {
+                    "resource": {
+                        "attributes": [
+                            {"key": "service.name", "value": {"stringValue": "tokenbus-scheduler"}}
+                        ]
+                    },
+                    "scopeSpans": [{"spans": [span]}],
+                }
+            ]
+        }
+    }
+
+
+def test_otlp_answer_becomes_span_records() -> None:
+    root, decode = otlp_spans(otlp_answer())
     assert root.span_id == "0000000000000001"
-    assert root.kind == "SERVER"
-    assert root.service == "tokenbus-edge"
-    assert root.duration_ms == 50.0
+    assert (root.kind, root.service, root.duration_ms) == ("SERVER", "tokenbus-edge", 50.0)
     assert decode.parent_span_id == root.span_id
-    assert decode.stage == "decode"
+    assert (decode.kind, decode.stage, decode.status) == ("INTERNAL", "decode", "ERROR")
+    assert decode.attributes["tokens"] == 7
+    assert [(link.trace_id, link.span_id) for link in decode.links] == [
+        (BATCH_T, "00000000000000aa")
+    ]
+    [batch] = otlp_spans(batch_answer())  # ids as base64 (protobuf JSON of bytes)
+    assert (batch.trace_id, batch.span_id, batch.kind) == (BATCH_T, "00000000000000aa", "PRODUCER")
 
 
 class FakeJaeger(BaseHTTPRequestHandler):
-    """A fake Jaeger query API: answers the request search, records what was asked."""
+    """A fake Jaeger query API v3: the edge's search and one trace by id; records what was
+    asked. Anything else is v3's 404 for "no traces"."""
 
     asked: list[str] = []  # noqa: RUF012
 
     def do_GET(self) -> None:
         FakeJaeger.asked.append(self.path)
-        body = json.dumps(jaeger_answer() if "tokenbus-edge" in self.path else {"data": []})
-        self.send_response(200)
+        url = urllib.parse.urlsplit(self.path)
+        query = urllib.parse.parse_qs(url.query)
+        if url.path == "/api/v3/traces" and query["query.service_name"] == ["tokenbus-edge"]:
+            answer: dict[str, Any] | None = otlp_answer()
+        elif url.path == f"/api/v3/traces/{BATCH_T}":
+            answer = batch_answer()
+        else:
+            answer = None
+        self.send_response(200 if answer else 404)
         self.send_header("Content-Type", "application/json")
         self.end_headers()
-        self.wfile.write(body.encode())
+        self.wfile.write(json.dumps(answer or {"error": {"httpCode": 404}}).encode())
 
     def log_message(self, format: str, *args: object) -> None:
         pass
@@ -144,12 +196,15 @@ def fake_jaeger() -> Iterator[str]:
         thread.join()
 
 
-def test_jaeger_source_searches_by_request_id(fake_jaeger: str) -> None:
+def test_jaeger_source_finds_the_request_and_its_batch_with_api_v3(fake_jaeger: str) -> None:
     FakeJaeger.asked.clear()
     spans = JaegerSource(fake_jaeger).request_spans("r1")
-    assert len(spans) == 2
-    assert "service=tokenbus-edge" in FakeJaeger.asked[0]
-    assert "tokenbus.request.id" in FakeJaeger.asked[0].replace("%22", "").replace("%2E", ".")
+    assert [s.name for s in spans] == ["chat", "stage decode", "send tokenbus.batches"]
+    search = urllib.parse.parse_qs(urllib.parse.urlsplit(FakeJaeger.asked[0]).query)
+    assert search["query.service_name"] == ["tokenbus-edge"]
+    assert {"query.start_time_min", "query.start_time_max"} <= set(search)
+    assert FakeJaeger.asked[1] == f"/api/v3/traces/{BATCH_T}"
+    assert JaegerSource(fake_jaeger).request_spans("r2") == []
 
 
 def test_cli_reads_from_jaeger(fake_jaeger: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -157,3 +212,39 @@ def test_cli_reads_from_jaeger(fake_jaeger: str, capsys: pytest.CaptureFixture[s
     out = capsys.readouterr().out
     assert "stage decode" in out
     assert "worker" in out
+
+
+def test_jaegers_own_v3_answer_shape_is_read() -> None:
+    """The shape of Jaeger v1.76's FindTraces snapshot (cmd/query/app/apiv3/snapshots):
+    kind and status as numbers, zero fields left out."""
+    body = {
+        "result": {
+            "resourceSpans": [
+                {
+                    "resource": {},
+                    "scopeSpans": [
+                        {
+                            "scope": {},
+                            "spans": [
+                                {
+                                    "kind": 2,
+                                    "name": "foobar",
+                                    "spanId": "0000000000000002",
+                                    "status": {"code": 2},
+                                    "traceId": "00000000000000000000000000000001",
+                                }
+                            ],
+                        }
+                    ],
+                }
+            ]
+        }
+    }
+    [span] = otlp_spans(body)
+    assert (span.kind, span.status, span.service, span.start_ns) == (
+        "SERVER",
+        "ERROR",
+        "unknown",
+        0,
+    )
+    assert span.trace_id == "00000000000000000000000000000001"

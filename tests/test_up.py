@@ -32,7 +32,7 @@ SERVICES = {"ingest", "scheduler", "worker", "edge"}
 
 def healthy(port: int) -> bool:
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1) as reply:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=1) as reply:
             return bool(reply.status == 200)
     except OSError:
         return False
@@ -59,7 +59,7 @@ def tokenbus_up(log: Path, env: dict[str, str], *args: str) -> Iterator[subproce
 
 
 def wait_ready(up: subprocess.Popen[bytes], port: int, log: Path) -> str:
-    """Wait for `up` to announce its URLs, which it does once /healthz answers 200; return
+    """Wait for `up` to announce its URLs, which it does once /readyz answers 200; return
     the development API key its banner prints."""
     announced = f"ws://127.0.0.1:{port}/v1/chat"
     wait_until(

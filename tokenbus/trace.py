@@ -39,7 +39,9 @@ def register(commands: Subcommands) -> None:
         help=f"span files directory (default: $TOKENBUS_TRACE_DIR or {DEFAULT_TRACE_DIR})",
     )
     parser.add_argument(
-        "--jaeger", metavar="URL", help="read from Jaeger, e.g. http://localhost:16686"
+        "--jaeger",
+        metavar="URL",
+        help="read from Jaeger's query API v3, e.g. http://localhost:16686",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
     parser.set_defaults(handler=_trace)

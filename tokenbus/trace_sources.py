@@ -1,11 +1,14 @@
-"""Where `tokenbus trace` finds spans: the JSON-lines files of a run, or a Jaeger query API."""
+"""Where `tokenbus trace` finds spans: the JSON-lines files of a run, or Jaeger's query API v3."""
 
 from __future__ import annotations
 
+import base64
 import json
+import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -81,93 +84,131 @@ def _links_to(span: SpanRecord, traces: set[str]) -> bool:
 
 
 class JaegerSource:
-    """Jaeger's HTTP query API (`/api/traces`, served by Jaeger v2 on the UI port 16686)."""
+    """Jaeger's query API v3 (`/api/v3/traces`, OTLP JSON; Jaeger v2 serves it on the UI
+    port, 16686 by default).
 
-    def __init__(self, url: str, lookback: str = "2h", timeout_s: float = 10.0) -> None:
+    The v3 HTTP search takes no attribute filter, so a request is found among the edge's
+    traces of the last `lookback`, newest `search_depth` of them; its trace comes whole,
+    and the traces it links to (the batch it rode) are fetched by id.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        lookback: timedelta = timedelta(hours=2),
+        timeout_s: float = 10.0,
+        search_depth: int = 1000,
+    ) -> None:
         self.url = url.rstrip("/")
         self.lookback = lookback
         self.timeout_s = timeout_s
+        self.search_depth = search_depth
 
     def _get(self, path: str, **params: str) -> dict[str, Any]:
         query = urllib.parse.urlencode(params)
         url = f"{self.url}{path}" + (f"?{query}" if query else "")
         # No proxy: Jaeger is the operator's own, usually on localhost.
         opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-        with opener.open(url, timeout=self.timeout_s) as response:
-            body: dict[str, Any] = json.load(response)
+        try:
+            with opener.open(url, timeout=self.timeout_s) as response:
+                body: dict[str, Any] = json.load(response)
+        except urllib.error.HTTPError as exc:
+            if exc.code == 404:  # v3's answer to a search or trace id with nothing in it
+                return {}
+            raise
         return body
 
+    def _find(self, limit: int, operation: str | None = None) -> list[SpanRecord]:
+        now = datetime.now(UTC)
+        params = {
+            "query.service_name": "tokenbus-edge",
+            "query.start_time_min": (now - self.lookback).isoformat(),
+            "query.start_time_max": (now + timedelta(minutes=1)).isoformat(),
+            "query.num_traces": str(limit),
+        }
+        if operation is not None:
+            params["query.operation_name"] = operation
+        return otlp_spans(self._get("/api/v3/traces", **params))
+
     def request_spans(self, request_id: str) -> list[SpanRecord]:
-        tags = json.dumps({semconv.REQUEST_ID: request_id})
-        for service in SERVICES:
-            found = self._get(
-                "/api/traces",
-                service=f"tokenbus-{service}",
-                tags=tags,
-                lookback=self.lookback,
-                limit="20",
-            )
-            spans = jaeger_spans(found)
-            if spans:
-                break
-        else:
-            return []
-        have = {s.trace_id for s in spans}
-        for trace_id in sorted({link.trace_id for s in spans for link in s.links} - have):
-            spans += jaeger_spans(self._get(f"/api/traces/{trace_id}"))
+        found = self._find(self.search_depth)
+        traces = {s.trace_id for s in found if s.attributes.get(semconv.REQUEST_ID) == request_id}
+        spans = [s for s in found if s.trace_id in traces]
+        for trace_id in sorted({link.trace_id for s in spans for link in s.links} - traces):
+            spans += otlp_spans(self._get(f"/api/v3/traces/{trace_id}"))
         return spans
 
     def recent_spans(self, limit: int) -> list[SpanRecord]:
-        found = self._get(
-            "/api/traces",
-            service="tokenbus-edge",
-            operation=semconv.SPAN_CHAT,
-            lookback=self.lookback,
-            limit=str(limit),
-        )
-        return jaeger_spans(found)
+        return self._find(limit, operation=semconv.SPAN_CHAT)
 
 
-def jaeger_spans(body: dict[str, Any]) -> list[SpanRecord]:
-    """Span records from a Jaeger query API answer (`{"data": [trace, ...]}`)."""
+def otlp_spans(body: dict[str, Any]) -> list[SpanRecord]:
+    """Span records from a Jaeger API v3 answer: `{"result": TracesData}` in OTLP JSON."""
     out: list[SpanRecord] = []
-    for trace in body.get("data") or []:
-        processes = trace.get("processes", {})
-        for span in trace.get("spans", []):
-            tags = {t["key"]: t.get("value") for t in span.get("tags", [])}
-            parent = None
-            links: list[LinkRecord] = []
-            for ref in span.get("references", []):
-                if ref.get("refType") == "CHILD_OF" and ref.get("traceID") == span["traceID"]:
-                    parent = _pad(ref["spanID"], 16)
-                else:
-                    links.append(
-                        LinkRecord(
-                            trace_id=_pad(ref["traceID"], 32), span_id=_pad(ref["spanID"], 16)
-                        )
+    for resource_spans in (body.get("result") or {}).get("resourceSpans") or []:
+        resource = _otlp_attributes((resource_spans.get("resource") or {}).get("attributes"))
+        service = str(resource.get(semconv.SERVICE_NAME, "unknown"))
+        for scope_spans in resource_spans.get("scopeSpans") or []:
+            for span in scope_spans.get("spans") or []:
+                parent = span.get("parentSpanId")
+                status = str((span.get("status") or {}).get("code", ""))
+                out.append(
+                    SpanRecord(
+                        trace_id=_otlp_id(span["traceId"], 32),
+                        span_id=_otlp_id(span["spanId"], 16),
+                        parent_span_id=_otlp_id(parent, 16) if parent else None,
+                        name=span["name"],
+                        kind=_otlp_kind(span.get("kind")),
+                        service=service,
+                        start_ns=int(span.get("startTimeUnixNano", 0)),
+                        end_ns=int(span.get("endTimeUnixNano", 0)),
+                        attributes=_otlp_attributes(span.get("attributes")),
+                        links=[
+                            LinkRecord(
+                                trace_id=_otlp_id(link["traceId"], 32),
+                                span_id=_otlp_id(link["spanId"], 16),
+                                attributes=_otlp_attributes(link.get("attributes")),
+                            )
+                            for link in span.get("links") or []
+                        ],
+                        status="ERROR" if status in ("STATUS_CODE_ERROR", "2") else "UNSET",
                     )
-            start_ns = int(span["startTime"]) * 1000
-            status = (
-                "ERROR" if tags.get("otel.status_code") == "ERROR" or tags.get("error") else "UNSET"
-            )
-            out.append(
-                SpanRecord(
-                    trace_id=_pad(span["traceID"], 32),
-                    span_id=_pad(span["spanID"], 16),
-                    parent_span_id=parent,
-                    name=span["operationName"],
-                    kind=str(tags.pop("span.kind", "internal")).upper(),
-                    service=processes.get(span.get("processID"), {}).get("serviceName", "unknown"),
-                    start_ns=start_ns,
-                    end_ns=start_ns + int(span.get("duration", 0)) * 1000,
-                    attributes=tags,
-                    links=links,
-                    status=status,
                 )
-            )
     return out
 
 
-def _pad(hex_id: str, width: int) -> str:
-    # Jaeger drops leading zeros of ids.
-    return hex_id.lower().rjust(width, "0")
+_KINDS = ("UNSPECIFIED", "INTERNAL", "SERVER", "CLIENT", "PRODUCER", "CONSUMER")
+
+
+def _otlp_kind(kind: object) -> str:
+    """`SPAN_KIND_SERVER` (protobuf JSON) or 2 (its number) -> `SERVER`."""
+    if isinstance(kind, int) and 0 <= kind < len(_KINDS):
+        name = _KINDS[kind]
+    else:
+        name = str(kind or "INTERNAL").removeprefix("SPAN_KIND_")
+    return "INTERNAL" if name == "UNSPECIFIED" else name
+
+
+def _otlp_id(value: str, width: int) -> str:
+    """Ids in hex (OTLP JSON) or base64 (protobuf JSON of bytes), as lowercase hex."""
+    if len(value) == width and all(c in "0123456789abcdefABCDEF" for c in value):
+        return value.lower()
+    return base64.b64decode(value).hex().rjust(width, "0")
+
+
+def _otlp_attributes(attributes: list[dict[str, Any]] | None) -> dict[str, Any]:
+    return {a["key"]: _otlp_value(a.get("value") or {}) for a in attributes or []}
+
+
+def _otlp_value(value: dict[str, Any]) -> Any:
+    if "stringValue" in value:
+        return value["stringValue"]
+    if "intValue" in value:
+        return int(value["intValue"])  # a string in protobuf JSON
+    if "doubleValue" in value:
+        return float(value["doubleValue"])
+    if "boolValue" in value:
+        return bool(value["boolValue"])
+    if "arrayValue" in value:
+        return [_otlp_value(v) for v in value["arrayValue"].get("values") or []]
+    return None

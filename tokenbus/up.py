@@ -187,7 +187,7 @@ class Deployment:
         print(f"tokenbus up: started {service.name} (pid {service.process.pid})", flush=True)
 
     async def _until_healthy(self, deadline: float) -> None:
-        url = f"http://{self.settings.edge_host}:{self.settings.edge_port}/healthz"
+        url = f"http://{self.settings.edge_host}:{self.settings.edge_port}/readyz"
         while True:
             self._supervise(time.monotonic())
             if await asyncio.to_thread(_answers_200, url):

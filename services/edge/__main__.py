@@ -15,8 +15,8 @@ def main() -> None:
         settings = EdgeSettings()
     except ValidationError as exc:  # e.g. no resume secret: say so, without a traceback
         raise SystemExit(f"edge: refusing to start: {exc}") from None
-    configure_logging("edge", settings.log_level)
-    start_telemetry("edge", http_metrics=False)
+    configure_logging("edge", settings.log_level, settings.log_format)
+    start_telemetry("edge")
     uvicorn.run(
         build_app(settings),
         host=settings.edge_host,

@@ -23,7 +23,7 @@ from aiokafka.errors import KafkaError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, Response
+from starlette.responses import FileResponse, PlainTextResponse, Response
 from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket
@@ -42,6 +42,7 @@ from services.edge.settings import EdgeSettings
 from services.edge.sweeper import TopicSweeper
 from services.edge.telemetry import EdgeTelemetry
 from services.edge.topology import PartitionTopology, ResultTopology, TopicTopology, reply_tp
+from shared.health import Readiness, health_routes
 from shared.kafka import make_admin, make_consumer, make_producer
 from shared.messages import ReplyTo
 from shared.metrics import EdgeRequestMetrics
@@ -242,10 +243,14 @@ class Edge:
 
     # -- HTTP -------------------------------------------------------------------------------
 
-    async def healthz(self, request: Request) -> Response:
-        ready = self.gateway is not None
-        status = 200 if ready else 503
-        return JSONResponse({"status": "ok" if ready else "starting"}, status_code=status)
+    async def readiness(self) -> Readiness:
+        """`/readyz` (shared/health.py): result partition leased and read, broker reachable."""
+        gateway = self.gateway
+        if gateway is None:
+            return Readiness.not_ready("starting")
+        if not gateway.link.health.reachable:
+            return Readiness.not_ready("kafka unreachable")
+        return Readiness(ready=True, reason="ok")
 
     async def metrics_page(self, request: Request) -> Response:
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
@@ -274,7 +279,7 @@ def build_app(settings: EdgeSettings) -> Starlette:
         routes=[
             Route("/", edge.index),
             Mount("/static", StaticFiles(directory=STATIC), name="static"),  # the page's files
-            Route("/healthz", edge.healthz),
+            *health_routes(edge.readiness),
             Route("/metrics", edge.metrics_page),
             WebSocketRoute("/v1/chat", edge.chat),
             Route("/v1/chat/completions", openai.chat_completions, methods=["POST"]),

@@ -6,8 +6,10 @@ Wiring only: the clients, the handling (handling.py) and the read loop (reader.p
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import structlog
+from aiokafka import AIOKafkaConsumer
 
 from services.ingest.handling import Ingest
 from services.ingest.reader import RequestReader
@@ -20,8 +22,11 @@ from shared.topics import Topics
 log = structlog.get_logger()
 
 
-async def serve(settings: IngestSettings) -> None:
-    """Wait for the broker, build the clients, run until cancelled (SIGTERM/SIGINT)."""
+async def serve(
+    settings: IngestSettings, built: Callable[[AIOKafkaConsumer], None] = lambda consumer: None
+) -> None:
+    """Wait for the broker, build the clients, run until cancelled (SIGTERM/SIGINT); `built`
+    is shown the request consumer before it runs (what `/readyz` looks at)."""
     while True:
         try:
             await wait_for_broker(settings, timeout_s=60)
@@ -42,6 +47,7 @@ async def serve(settings: IngestSettings) -> None:
         client_id="ingest",
         fetch_max_wait_ms=LONG_POLL_MS,
     )
+    built(consumer)
     async with contextlib.AsyncExitStack() as stack:
         await admin.start()
         stack.push_async_callback(admin.close)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import structlog
@@ -48,6 +48,7 @@ from services.scheduler.recovery import Recovery
 from services.scheduler.settings import SchedulerSettings
 from services.scheduler.telemetry import SchedulerTelemetry
 from services.scheduler.workers import WorkerRegistry
+from shared.health import Readiness, consumer_readiness
 from shared.kafka import LONG_POLL_MS, make_admin, make_consumer, make_producer
 from shared.messages import Tier
 from shared.producers import RenewingProducer
@@ -116,10 +117,15 @@ class Clients:
             yield self
 
 
-async def serve(settings: SchedulerSettings) -> None:
-    """Build the clients, run the scheduler until cancelled (SIGTERM/SIGINT)."""
+async def serve(
+    settings: SchedulerSettings, built: Callable[[Scheduler], None] = lambda scheduler: None
+) -> None:
+    """Build the clients, run the scheduler until cancelled (SIGTERM/SIGINT); `built` is
+    shown the scheduler before it runs (its readiness is what `/readyz` answers)."""
     async with Clients.make(settings).started() as clients:
-        await Scheduler(settings, clients).run()
+        scheduler = Scheduler(settings, clients)
+        built(scheduler)
+        await scheduler.run()
 
 
 class Scheduler:
@@ -210,6 +216,10 @@ class Scheduler:
 
     async def _seek_recent_heartbeats(self) -> None:
         await self.heartbeats.seek_recent(await self._partitions(self.topics.workers))
+
+    async def readiness(self) -> Readiness:
+        """`/readyz` (shared/health.py): tier partitions assigned, broker answering."""
+        return await consumer_readiness([self.clients.tiers])
 
     async def _partitions(self, topic: str) -> list[TopicPartition]:
         """The topic's partitions as the cluster has them (the project's count if unknown)."""

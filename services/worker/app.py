@@ -29,6 +29,7 @@ from services.worker.request_state import RunningRequests
 from services.worker.runner import RequestRunner
 from services.worker.settings import WorkerSettings
 from services.worker.telemetry import WorkerTelemetry
+from shared.health import Readiness, consumer_readiness
 from shared.kafka import make_consumer, make_producer
 from shared.producers import RenewingProducer
 from shared.topics import Topics
@@ -43,6 +44,9 @@ class Worker:
         self.settings = settings
         self.engine = engine
         self._drain_on_sigterm = drain_on_sigterm
+        # What `/readyz` looks at, once `run` has built them.
+        self._reading: AIOKafkaConsumer | None = None
+        self._drain: Drain | None = None
 
     async def run(self) -> None:
         s = self.settings
@@ -64,6 +68,7 @@ class Worker:
             await control.start()
             await batches.start()
             await intake.start(batches, producer)
+            self._reading = batches
             await self.engine.start()
             await self._serve(producer, intake, batches, control, topics)
         finally:
@@ -71,6 +76,12 @@ class Worker:
             await batches.stop()
             await control.stop()
             await producer.stop()
+
+    async def readiness(self) -> Readiness:
+        """`/readyz` (shared/health.py): batch partition assigned, broker answering."""
+        if self._drain is not None and self._drain.requested.is_set():
+            return Readiness.not_ready("draining")
+        return await consumer_readiness([self._reading])
 
     async def _serve(
         self,
@@ -83,7 +94,7 @@ class Worker:
         s, engine = self.settings, self.engine
         interval = s.worker_heartbeat_ms / 1000.0
         telemetry = WorkerTelemetry()
-        drain = Drain(s.worker_drain_timeout_s)
+        drain = self._drain = Drain(s.worker_drain_timeout_s)
         runs = RunningRequests(engine)
         liveness = Liveness(
             Fence(s.fence_after_beats * interval, time.monotonic()), intake, runs, s.worker_id

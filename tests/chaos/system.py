@@ -50,7 +50,7 @@ class Brokers(Protocol):
 
 def _healthy(port: int) -> bool:
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1) as r:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=1) as r:
             return bool(r.status == 200)
     except OSError:
         return False
