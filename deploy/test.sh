@@ -27,6 +27,10 @@ if [ ${#missing[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
+# The manifest and monitoring checks run real tools (kustomize, kube-apiserver, etcd,
+# promtool, KEDA's CRDs): built from the Go module proxy once, then cached by version.
+deploy/tools/build.sh >/dev/null
+
 if [ -z "${KAFKA_BOOTSTRAP_SERVERS:-}" ]; then
   # Its own port and state dir: a `make run` broker on 9092 is neither used nor stopped.
   trap '"$PY" -m deploy.kafka.launcher stop --state-dir "$TEST_STATE"' EXIT
