@@ -80,9 +80,7 @@ GPUS = (1, 8, 64)
 def gpu_requests_per_second(cost: CostModel, w: Workload) -> float:
     """One GPU at full batch: prefill of the prompt (compute-bound) plus the output tokens'
     share of decode steps of `max_num_seqs` sequences (memory-bound)."""
-    prefill_s = w.prompt_tokens * cost.flops_per_token / (
-        cost.peak_flops * cost.compute_efficiency
-    )
+    prefill_s = w.prompt_tokens * cost.flops_per_token / (cost.peak_flops * cost.compute_efficiency)
     kv = w.max_num_seqs * (w.prompt_tokens + w.output_tokens // 2)
     decode_s = cost.step_seconds(w.max_num_seqs, kv, 0) / w.max_num_seqs
     return 1.0 / (prefill_s + w.output_tokens * decode_s)
@@ -126,9 +124,7 @@ def plan(gpus: int, cpu: CpuFigures, w: Workload = WORKLOAD) -> Plan:
     }
     request_bytes = w.prompt_tokens * w.bytes_per_token + w.record_overhead_bytes
     result_records = math.ceil(w.output_tokens / w.flush_tokens) + 1  # deltas + done
-    result_bytes = (
-        w.output_tokens * w.bytes_per_token + result_records * w.record_overhead_bytes
-    )
+    result_bytes = w.output_tokens * w.bytes_per_token + result_records * w.record_overhead_bytes
     # requests, tier topic, batches (each request once), results.
     produce = rps * (3 * request_bytes + result_bytes) / 1e6
     # Every worker reads the whole batches partition it shares (TOKENBUS_WORKER_BATCH_PARTITION
@@ -163,8 +159,8 @@ def markdown(w: Workload = WORKLOAD) -> str:
             f"Source: {cpu.source}",
             "",
             "| GPUs | requests/s | output tokens/s | edges | ingest | schedulers | "
-            "worker cores per GPU | partitions: requests / tier / batches / results | brokers | Kafka produce MB/s "
-            "| Kafka consume MB/s |",
+            "worker cores per GPU | partitions: requests / tier / batches / results | "
+            "brokers | Kafka produce MB/s | Kafka consume MB/s |",
             "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for gpus in GPUS:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 from deploy.capacity import FIGURES, GPUS, WORKLOAD, plan, with_tables
 from tests.stack import ROOT
 
@@ -16,7 +18,7 @@ def test_the_capacity_tables_are_current() -> None:
 def test_more_gpus_never_need_less() -> None:
     for cpu in FIGURES:
         plans = [plan(g, cpu) for g in GPUS]
-        for small, big in zip(plans, plans[1:], strict=False):
+        for small, big in itertools.pairwise(plans):
             assert big.requests_s > small.requests_s
             for field in ("edges", "ingest", "schedulers", "brokers"):
                 assert getattr(big, field) >= getattr(small, field), (cpu.label, field)

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import copy
 import os
+import ssl
 import subprocess
 import urllib.request
-import ssl
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,11 +86,25 @@ def apiserver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApiServer]:
     etcd_log = home / "etcd.log"
     etcd = _start(
         [
-            str(etcd_bin), "--name", "test", "--data-dir", str(home / "etcd"),
-            "--listen-client-urls", etcd_url, "--advertise-client-urls", etcd_url,
-            "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
-            "--initial-cluster", f"test={peer_url}", "--unsafe-no-fsync", "--log-level", "warn",
-        ],  # fmt: skip
+            str(etcd_bin),
+            "--name",
+            "test",
+            "--data-dir",
+            str(home / "etcd"),
+            "--listen-client-urls",
+            etcd_url,
+            "--advertise-client-urls",
+            etcd_url,
+            "--listen-peer-urls",
+            peer_url,
+            "--initial-advertise-peer-urls",
+            peer_url,
+            "--initial-cluster",
+            f"test={peer_url}",
+            "--unsafe-no-fsync",
+            "--log-level",
+            "warn",
+        ],
         etcd_log,
     )
     procs = [etcd]
@@ -106,8 +120,10 @@ def apiserver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApiServer]:
             [
                 str(apiserver_bin),
                 f"--etcd-servers={etcd_url}",
-                "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1",
-                f"--secure-port={secure_port}", f"--cert-dir={home / 'certs'}",
+                "--bind-address=127.0.0.1",
+                "--advertise-address=127.0.0.1",
+                f"--secure-port={secure_port}",
+                f"--cert-dir={home / 'certs'}",
                 f"--token-auth-file={home / 'tokens.csv'}",
                 "--authorization-mode=RBAC",
                 "--service-account-issuer=https://kubernetes.default.svc",
@@ -117,7 +133,7 @@ def apiserver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApiServer]:
                 # No controllers run here: nothing would keep the endpoints of
                 # `kubernetes` current, so nothing should try.
                 "--endpoint-reconciler-type=none",
-            ],  # fmt: skip
+            ],
             api_log,
         )
         procs.append(api)
@@ -214,4 +230,3 @@ def _require(go_mod: Path, module: str) -> str:
         if parts[:1] == [module]:
             return parts[1]
     raise AssertionError(f"{module} not required in {go_mod}")
-

@@ -49,9 +49,9 @@ def test_the_alerts_cover_slo_burn_dead_letters_dead_workers_and_lag() -> None:
         if case["exp_alerts"]
     }
     assert set(alerts) == fired, "every alert has a unit test in which it fires"
-    assert "tier:tokenbus_ttft_slo_errors:ratio_rate1h" in alerts["TokenbusTTFTBudgetBurnFast"][
-        "expr"
-    ]
+    assert (
+        "tier:tokenbus_ttft_slo_errors:ratio_rate1h" in alerts["TokenbusTTFTBudgetBurnFast"]["expr"]
+    )
     assert "tokenbus_dead_letters_total" in alerts["TokenbusDeadLettersGrowing"]["expr"]
     assert 'component="worker"' in alerts["TokenbusWorkerDown"]["expr"]
     assert "consumer_lag" in alerts["TokenbusConsumerLagHigh"]["expr"]

@@ -44,7 +44,8 @@ def scraped(bootstrap: str, log_dir: Path) -> Iterator[dict[str, str]]:
         async def one_request() -> None:
             async with websockets.connect(stack.ws_url) as ws:
                 got = await run_requests(ws, [{"client_id": "c", "prompt": "hi", "max_tokens": 4}])
-            assert got["c"].final is not None and got["c"].final["type"] == "chat.done"
+            assert got["c"].final is not None
+            assert got["c"].final["type"] == "chat.done"
 
         asyncio.run(one_request())
         urls = {name: f"http://127.0.0.1:{port}/metrics" for name, port in ports.items()}

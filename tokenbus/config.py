@@ -107,7 +107,7 @@ def env_file() -> str:
     """`VAR=default` for every service setting with a default (not `tokenbus up`'s own)."""
     lines = [ENV_HEADER]
     seen: set[str] = set()
-    for group, cls, base in _groups():
+    for _group, cls, base in _groups():
         if cls.__name__ == "UpSettings":
             continue
         inherited = set(base.model_fields) if base else set()

@@ -25,7 +25,9 @@ mode=build
 [ "${1:-}" = "--check" ] && mode=check
 
 # <dir> <module>: the version of <module> that <dir>/go.mod requires.
-pinned() { awk -v m="$2" '$1 == m || ($1 == "require" && $2 == m) { print $NF; exit }' "$1/go.mod"; }
+pinned() {
+  awk -v m="$2" '$1 == m { print $2; exit } $1 == "require" && $2 == m { print $3; exit }' "$1/go.mod"
+}
 key() { echo "$(pinned "$1" "$2")-$(cat "$1/go.mod" "$1/go.sum" | sha256sum | cut -c1-12)"; }
 
 missing=()
@@ -48,8 +50,8 @@ tool() {
 k8s=$(pinned kube-apiserver k8s.io/kubernetes)
 minor=${k8s#v1.}
 minor=${minor%%.*}
-tool promtool github.com/prometheus/prometheus github.com/prometheus/prometheus/cmd/promtool
 tool kustomize sigs.k8s.io/kustomize/kustomize/v5 sigs.k8s.io/kustomize/kustomize/v5
+tool promtool github.com/prometheus/prometheus github.com/prometheus/prometheus/cmd/promtool
 tool etcd go.etcd.io/etcd/server/v3 .
 tool kube-apiserver k8s.io/kubernetes k8s.io/kubernetes/cmd/kube-apiserver \
   "-X k8s.io/component-base/version.gitVersion=$k8s -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=$minor"
