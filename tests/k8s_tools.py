@@ -4,6 +4,7 @@ it (`make test` runs that command first, so only a bare `pytest` can meet this).
 
 from __future__ import annotations
 
+import copy
 import functools
 import subprocess
 from pathlib import Path
@@ -70,9 +71,15 @@ def named(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
     return found
 
 
-def keda_crds() -> list[dict[str, Any]]:
-    """KEDA's CRDs as its release ships them (github.com/kedacore/keda/v2 config/crd/bases)."""
+@functools.cache
+def _keda_crds() -> tuple[dict[str, Any], ...]:
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
     crds = []
     for path in sorted(tool("keda-crds").glob("*.yaml")):
-        crds.extend(d for d in yaml.safe_load_all(path.read_text()) if d)
-    return crds
+        crds.extend(d for d in yaml.load_all(path.read_text(), Loader=loader) if d)
+    return tuple(crds)
+
+
+def keda_crds() -> list[dict[str, Any]]:
+    """KEDA's CRDs as its release ships them (github.com/kedacore/keda/v2 config/crd/bases)."""
+    return copy.deepcopy(list(_keda_crds()))

@@ -5,6 +5,7 @@ expects of each object. The server-side dry run is tests/test_k8s_apiserver.py."
 from __future__ import annotations
 
 import copy
+import functools
 import re
 from typing import Any
 
@@ -63,6 +64,7 @@ def strict(schema: dict[str, Any]) -> dict[str, Any]:
     return schema
 
 
+@functools.cache
 def keda_schemas() -> dict[tuple[str, str], dict[str, Any]]:
     out = {}
     for crd in keda_crds():

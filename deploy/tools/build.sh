@@ -49,17 +49,6 @@ tool() {
   if [ -x "$out" ]; then echo "$name $out"; else missing+=("$name"); fi
 }
 
-k8s=$(pinned kube-apiserver k8s.io/kubernetes)
-minor=${k8s#v1.}
-minor=${minor%%.*}
-tool kustomize sigs.k8s.io/kustomize/kustomize/v5 sigs.k8s.io/kustomize/kustomize/v5
-# Only the service discovery the configs here use (the cloud SDKs would triple the build).
-tool promtool github.com/prometheus/prometheus github.com/prometheus/prometheus/cmd/promtool \
-  "" remove_all_sd,enable_kubernetes_sd,enable_dns_sd
-tool etcd go.etcd.io/etcd/server/v3 .
-tool kube-apiserver k8s.io/kubernetes k8s.io/kubernetes/cmd/kube-apiserver \
-  "-X k8s.io/component-base/version.gitVersion=$k8s -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=$minor"
-
 # KEDA's CRDs as its release tags them: only the YAML is needed, from the module's source.
 crds="$CACHE/keda-crds/$KEDA_VERSION"
 if [ ! -f "$crds/keda.sh_scaledobjects.yaml" ] && [ "$mode" = build ]; then
@@ -71,6 +60,17 @@ if [ ! -f "$crds/keda.sh_scaledobjects.yaml" ] && [ "$mode" = build ]; then
   chmod u+w "$crds"/*.yaml
 fi
 if [ -f "$crds/keda.sh_scaledobjects.yaml" ]; then echo "keda-crds $crds"; else missing+=(keda-crds); fi
+
+k8s=$(pinned kube-apiserver k8s.io/kubernetes)
+minor=${k8s#v1.}
+minor=${minor%%.*}
+tool kustomize sigs.k8s.io/kustomize/kustomize/v5 sigs.k8s.io/kustomize/kustomize/v5
+# Only the service discovery the configs here use (the cloud SDKs would triple the build).
+tool promtool github.com/prometheus/prometheus github.com/prometheus/prometheus/cmd/promtool \
+  "" remove_all_sd,enable_kubernetes_sd,enable_dns_sd
+tool etcd go.etcd.io/etcd/server/v3 .
+tool kube-apiserver k8s.io/kubernetes k8s.io/kubernetes/cmd/kube-apiserver \
+  "-X k8s.io/component-base/version.gitVersion=$k8s -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=$minor"
 
 if [ ${#missing[@]} -gt 0 ]; then
   echo "build.sh: not built yet: ${missing[*]} (run deploy/tools/build.sh; ~15-30 min cold on 2 cores)" >&2
