@@ -27,6 +27,10 @@ if [ ${#missing[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
+# The manifest and monitoring checks run real tools (kustomize, kube-apiserver, etcd,
+# promtool, KEDA's CRDs): built from the Go module proxy once, then cached by version.
+deploy/tools/build.sh >/dev/null
+
 # Jaeger for tests/test_jaeger.py: built from the Go module proxy the first time (minutes,
 # cached under ~/.cache/tokenbus), in the background while the other tests run; the test
 # waits for the same build (deploy/jaeger/build.sh holds a lock). Stopped at exit if still

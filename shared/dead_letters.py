@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import structlog
 from aiokafka import AIOKafkaProducer
 from aiokafka.structs import ConsumerRecord
+from prometheus_client import Counter
 from pydantic import ConfigDict, Field, ValidationError
 
 from shared.kafka import Headers
@@ -50,6 +51,20 @@ class Source:
 
     def __str__(self) -> str:
         return f"{self.topic}/{self.partition}/{self.offset}"
+
+
+# On the process's default registry, so every service's /metrics shows its dead letters
+# (alert `TokenbusDeadLettersGrowing`, deploy/monitoring/rules/tokenbus.rules.yml).
+DEAD_LETTERS = Counter(
+    "tokenbus_dead_letters",
+    "Records copied to the dead-letter topic, by reason code and the topic they came from.",
+    ["code", "source_topic"],
+)
+DEAD_LETTER_FAILURES = Counter(
+    "tokenbus_dead_letter_failures",
+    "Records that could not be stored on the dead-letter topic (skipped all the same).",
+    ["source_topic"],
+)
 
 
 def dead_letter_headers(source: Source, code: str, reason: str, reader: str) -> Headers:
@@ -117,7 +132,9 @@ async def dead_letter_value(
         )
     except WRITE_ERRORS as exc:
         log.error("record.dead_letter_failed", source=str(source), code=code, error=repr(exc))
+        DEAD_LETTER_FAILURES.labels(source.topic).inc()
         return False
+    DEAD_LETTERS.labels(code, source.topic).inc()
     log.warning("record.dead_lettered", source=str(source), code=code, reason=reason[:300])
     return True
 

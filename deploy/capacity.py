@@ -1,0 +1,201 @@
+"""The capacity model of docs/capacity.md: replicas, partitions, brokers and Kafka traffic
+for a number of GPUs, from measured figures that are easy to replace.
+
+Every input is in `FIGURES` (CPU per request per service, with where it was measured) or
+`WORKLOAD` (the request shape and record sizes); the GPU side comes from the sim engine's
+cost model (`services/worker/engines/sim_profiles.py`). `python -m deploy.capacity
+--update docs/capacity.md` rewrites the generated tables; tests/test_capacity.py fails
+when they are stale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.worker.engines.sim_profiles import PROFILES, CostModel
+from shared.topics import Topics
+
+
+@dataclass(frozen=True)
+class CpuFigures:
+    """CPU per request of each service (ms), and where the numbers come from."""
+
+    label: str
+    source: str
+    edge_ms: float
+    ingest_ms: float
+    scheduler_ms: float
+    worker_ms: float  # the worker's own CPU, not the engine's (the GPU's host thread)
+
+
+FIGURES = (
+    CpuFigures(
+        label="measured 2026-11-30",
+        source=(
+            "wp/perf-bench `docs/perf/cpu-before.json` (bench/profile.py, commit 37178b5,"
+            " 2026-11-30 11:42 UTC): /proc CPU of each process over 120 s / 29 requests at"
+            " 0.24 req/s, 65 output tokens per request, load average 43 on 2 shared cores."
+            " At that rate the idle share (polls, heartbeats) dominates: an upper bound."
+        ),
+        edge_ms=129.7,
+        ingest_ms=62.8,
+        scheduler_ms=97.2,
+        worker_ms=86.2,
+    ),
+    CpuFigures(
+        label="issue 12 target",
+        source=(
+            "issue 12's target for the four services together: 0.5 ms + 20 us per output"
+            " token per request (3.06 ms at 128 tokens), split here like the measured row."
+        ),
+        edge_ms=3.06 * 129.7 / 375.9,
+        ingest_ms=3.06 * 62.8 / 375.9,
+        scheduler_ms=3.06 * 97.2 / 375.9,
+        worker_ms=3.06 * 86.2 / 375.9,
+    ),
+)
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompt_tokens: int = 512
+    output_tokens: int = 128
+    bytes_per_token: float = 4.0  # UTF-8 English text, about four characters per token
+    record_overhead_bytes: int = 400  # JSON envelope, headers (trace context), batch framing
+    flush_tokens: int = 16  # TOKENBUS_WORKER_FLUSH_TOKENS: tokens per result record
+    max_num_seqs: int = 64  # TOKENBUS_WORKER_MAX_NUM_SEQS, the sim profiles' batch
+    cpu_target: float = 0.7  # a replica is sized to run at 70 % of its one core (asyncio)
+    replication: int = 3  # copies of each topic (min.insync.replicas 2)
+    broker_write_mb_s: float = 50.0  # replicated writes one broker takes with headroom
+    profile: str = "llama3-8b-h100"
+
+
+WORKLOAD = Workload()
+GPUS = (1, 8, 64)
+
+
+def gpu_requests_per_second(cost: CostModel, w: Workload) -> float:
+    """One GPU at full batch: prefill of the prompt (compute-bound) plus the output tokens'
+    share of decode steps of `max_num_seqs` sequences (memory-bound)."""
+    prefill_s = w.prompt_tokens * cost.flops_per_token / (cost.peak_flops * cost.compute_efficiency)
+    kv = w.max_num_seqs * (w.prompt_tokens + w.output_tokens // 2)
+    decode_s = cost.step_seconds(w.max_num_seqs, kv, 0) / w.max_num_seqs
+    return 1.0 / (prefill_s + w.output_tokens * decode_s)
+
+
+@dataclass(frozen=True)
+class Plan:
+    gpus: int
+    requests_s: float
+    output_tokens_s: float
+    edges: int
+    ingest: int
+    schedulers: int
+    worker_cores: float  # CPU one worker process needs to keep its GPU busy
+    partitions: dict[str, int]
+    brokers: int
+    produce_mb_s: float
+    consume_mb_s: float
+
+
+def replicas(requests_s: float, cpu_ms: float, w: Workload) -> int:
+    return max(1, math.ceil(requests_s * cpu_ms / 1000 / w.cpu_target))
+
+
+def plan(gpus: int, cpu: CpuFigures, w: Workload = WORKLOAD) -> Plan:
+    cost = PROFILES[w.profile].cost
+    assert cost is not None
+    rps = gpus * gpu_requests_per_second(cost, w)
+    edges = max(2, replicas(rps, cpu.edge_ms, w))
+    ingest = replicas(rps, cpu.ingest_ms, w)
+    schedulers = replicas(rps, cpu.scheduler_ms, w)
+    topics = Topics("tokenbus")
+    fixed = topics.partitions()
+    # A consumer group uses at most one consumer per partition: each topic needs at least
+    # as many partitions as its consumers, and never fewer than today's defaults.
+    partitions = {
+        "requests": max(fixed[topics.requests], ingest),
+        "requests.<tier>": max(fixed[topics.tiers[0]], schedulers),
+        "batches": fixed[topics.batches],
+        "results": max(fixed[topics.results], edges),
+    }
+    request_bytes = w.prompt_tokens * w.bytes_per_token + w.record_overhead_bytes
+    result_records = math.ceil(w.output_tokens / w.flush_tokens) + 1  # deltas + done
+    result_bytes = w.output_tokens * w.bytes_per_token + result_records * w.record_overhead_bytes
+    # requests, tier topic, batches (each request once), results.
+    produce = rps * (3 * request_bytes + result_bytes) / 1e6
+    # Every worker reads the whole batches partition it shares (TOKENBUS_WORKER_BATCH_PARTITION
+    # is one value for the Deployment) and keeps the batches addressed to it.
+    consume = rps * (2 * request_bytes + gpus * request_bytes + result_bytes) / 1e6
+    brokers = max(3, math.ceil(produce * w.replication / w.broker_write_mb_s))
+    return Plan(
+        gpus, rps, rps * w.output_tokens, edges, ingest, schedulers,
+        rps / gpus * cpu.worker_ms / 1000, partitions, brokers,
+        produce, consume,
+    )  # fmt: skip
+
+
+def markdown(w: Workload = WORKLOAD) -> str:
+    cost = PROFILES[w.profile].cost
+    assert cost is not None
+    per_gpu = gpu_requests_per_second(cost, w)
+    out = [
+        f"Workload: {w.prompt_tokens}-token prompts, {w.output_tokens} output tokens, "
+        f"`{w.profile}` at {w.max_num_seqs} sequences: **{per_gpu:.1f} requests/s "
+        f"({per_gpu * w.output_tokens:,.0f} output tokens/s) per GPU**. Replicas at "
+        f"{w.cpu_target:.0%} of one core each; replication factor {w.replication}; "
+        f"{w.broker_write_mb_s:.0f} MB/s of replicated writes per broker.",
+        "",
+    ]
+    for cpu in FIGURES:
+        out += [
+            f"#### CPU figures: {cpu.label}",
+            "",
+            f"edge {cpu.edge_ms:.2f} ms, ingest {cpu.ingest_ms:.2f} ms, scheduler "
+            f"{cpu.scheduler_ms:.2f} ms, worker {cpu.worker_ms:.2f} ms of CPU per request. "
+            f"Source: {cpu.source}",
+            "",
+            "| GPUs | requests/s | output tokens/s | edges | ingest | schedulers | "
+            "worker cores per GPU | partitions: requests / tier / batches / results | "
+            "brokers | Kafka produce MB/s | Kafka consume MB/s |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for gpus in GPUS:
+            p = plan(gpus, cpu, w)
+            parts = " / ".join(str(p.partitions[k]) for k in p.partitions)
+            out.append(
+                f"| {gpus} | {p.requests_s:,.0f} | {p.output_tokens_s:,.0f} | {p.edges} | "
+                f"{p.ingest} | {p.schedulers} | {p.worker_cores:.2f} | {parts} | {p.brokers} | "
+                f"{p.produce_mb_s:.1f} | {p.consume_mb_s:.1f} |"
+            )
+        out.append("")
+    return "\n".join(out).rstrip() + "\n"
+
+
+START = "<!-- capacity-model:start (python -m deploy.capacity --update docs/capacity.md) -->"
+END = "<!-- capacity-model:end -->"
+
+
+def with_tables(doc: str) -> str:
+    head, rest = doc.split(START, 1)
+    _, tail = rest.split(END, 1)
+    return f"{head}{START}\n{markdown()}{END}{tail}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else "")
+    parser.add_argument("--update", type=Path, metavar="DOC", help="rewrite its tables")
+    args = parser.parse_args()
+    if args.update is None:
+        print(markdown())
+        return
+    path: Path = args.update
+    path.write_text(with_tables(path.read_text()))
+    print(f"updated the capacity tables in {path}")
+
+
+if __name__ == "__main__":
+    main()
