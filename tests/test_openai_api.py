@@ -20,8 +20,10 @@ import httpx
 import openai
 import pytest
 import websockets
+from aiokafka import TopicPartition
 
 from services.worker.engines.sim_text import natural_tokens
+from shared.kafka import make_consumer
 from shared.messages import CancelRecord
 from tests.chat_client import run_requests
 from tests.stack import UNLIMITED, Stack, free_port, new_prefix, wait_until
@@ -182,6 +184,41 @@ async def test_priority_and_deadline_extensions_are_carried_to_kafka(api: Stack)
     (record,) = [r for r in records if r["messages"] and r["messages"][0]["content"] == text]
     assert (record["priority"], record["deadline_ms"]) == ("background", 60000)
     assert record["max_tokens"] == 4
+
+
+async def test_a_callers_traceparent_is_continued_on_kafka(api: Stack) -> None:
+    trace_id, parent_id = uuid.uuid4().hex, uuid.uuid4().hex[:16]
+    text = prompt()
+    async with async_sdk(api) as client:
+        await client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": text}],
+            max_tokens=2,
+            extra_headers={"traceparent": f"00-{trace_id}-{parent_id}-01"},
+        )
+    records = await read_with_headers(api, api.topics.requests)
+    (headers,) = [h for value, h in records if text.encode() in value]
+    assert headers["traceparent"].split("-")[1] == trace_id
+
+
+async def read_with_headers(stack: Stack, topic: str) -> list[tuple[bytes, dict[str, str]]]:
+    """Every record of one of the stack's topics now: its value and headers."""
+    consumer = make_consumer(stack.settings, group_id=None, client_id="openai-test")
+    await consumer.start()
+    try:
+        parts = [TopicPartition(topic, p) for p in range(stack.topics.partitions()[topic])]
+        consumer.assign(parts)
+        await consumer.seek_to_beginning(*parts)
+        ends = await consumer.end_offsets(parts)
+        out: list[tuple[bytes, dict[str, str]]] = []
+        todo = {tp for tp in parts if ends[tp] > 0}
+        while todo:
+            for batch in (await consumer.getmany(timeout_ms=500)).values():
+                out += [(r.value or b"", {k: v.decode() for k, v in r.headers}) for r in batch]
+            todo = {tp for tp in todo if await consumer.position(tp) < ends[tp]}
+        return out
+    finally:
+        await consumer.stop()
 
 
 # -- errors -------------------------------------------------------------------------------------
