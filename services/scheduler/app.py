@@ -179,11 +179,10 @@ class Scheduler:
 
     async def run(self) -> None:
         s, tiers = self.settings, self.clients.tiers
-        parts = await self._partitions(self.topics.batches)
-        ends = await self.batch_log.end_offsets(parts)
-        # Whatever we produce will land at or after today's end of each batches partition.
-        self._start_ends = {tp.partition: end for tp, end in ends.items()}
-        await self.heartbeats.seek_recent(await self._partitions(self.topics.workers))
+        # Retried until the broker answers (one just started may be slow to).
+        await retrying(
+            self._start, within_s=None, what="start", retry_on=(KafkaError, TimeoutError)
+        )
         tiers.subscribe(list(self.topics.tiers), listener=_Rebalance(self))
         await tiers.start()
         log.info("scheduler.started", scheduler_id=s.scheduler_id, policy=s.scheduler_policy)
@@ -192,6 +191,13 @@ class Scheduler:
             tg.create_task(self.heartbeats.run())
             tg.create_task(self._steps())
             tg.create_task(self.liveness.run())
+
+    async def _start(self) -> None:
+        parts = await self._partitions(self.topics.batches)
+        ends = await self.batch_log.end_offsets(parts)
+        # Whatever we produce will land at or after today's end of each batches partition.
+        self._start_ends = {tp.partition: end for tp, end in ends.items()}
+        await self.heartbeats.seek_recent(await self._partitions(self.topics.workers))
 
     async def _partitions(self, topic: str) -> list[TopicPartition]:
         """The topic's partitions as the cluster has them (the project's count if unknown)."""
