@@ -186,18 +186,9 @@ class Scheduler:
 
     async def run(self) -> None:
         s, tiers = self.settings, self.clients.tiers
-        # A broker node away at start is waited out, not a crash loop (finding 4).
+        # Retried until the broker answers (one just started may be slow to).
         await retrying(
-            self._start_floors,
-            within_s=None,
-            what="start_floors",
-            retry_on=(KafkaError, TimeoutError),
-        )
-        await retrying(
-            self._seek_recent_heartbeats,
-            within_s=None,
-            what="seek_heartbeats",
-            retry_on=(KafkaError, TimeoutError),
+            self._start, within_s=None, what="start", retry_on=(KafkaError, TimeoutError)
         )
         tiers.subscribe(list(self.topics.tiers), listener=_Rebalance(self))
         await tiers.start()
@@ -208,13 +199,11 @@ class Scheduler:
             tg.create_task(self._steps())
             tg.create_task(self.liveness.run())
 
-    async def _start_floors(self) -> None:
+    async def _start(self) -> None:
         parts = await self._partitions(self.topics.batches)
         ends = await self.batch_log.end_offsets(parts)
         # Whatever we produce will land at or after today's end of each batches partition.
         self._start_ends = {tp.partition: end for tp, end in ends.items()}
-
-    async def _seek_recent_heartbeats(self) -> None:
         await self.heartbeats.seek_recent(await self._partitions(self.topics.workers))
 
     async def readiness(self) -> Readiness:
