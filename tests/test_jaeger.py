@@ -48,6 +48,7 @@ extensions:
     use_v2: true
     http:
       endpoint: 127.0.0.1:{health}
+    grpc:
   jaeger_query:
     storage:
       traces: memstore
