@@ -21,6 +21,7 @@ from shared.retry import backoffs
 log = structlog.get_logger()
 
 _control_records: TypeAdapter[ControlRecord] = TypeAdapter(ControlRecord)
+FETCH_MS = 1000  # longest one read of the control topic waits (getmany's default is none)
 
 
 @dataclass(frozen=True)
@@ -98,7 +99,7 @@ class CancelListener:
         next_wait = backoffs()
         while True:
             try:
-                fetched = await consumer.getmany()
+                fetched = await consumer.getmany(timeout_ms=FETCH_MS)
             except KafkaError as exc:
                 wait = next_wait()
                 log.warning("control.fetch_failed", error=repr(exc), retry_in_s=wait)
