@@ -75,8 +75,7 @@ class BrokerLink:
         """
         timeout = self.produce_timeout_s if timeout_s is None else timeout_s
         try:
-            async with asyncio.timeout(timeout):  # no task per call, unlike wait_for
-                result = await call
+            result = await asyncio.wait_for(call, timeout)
         except TimeoutError as exc:
             self.sent(exc)
             raise BrokerUnavailable(f"no answer from Kafka in {timeout:.1f} s") from exc

@@ -43,10 +43,8 @@ class ResultSink(Protocol):
     def on_control(self, value: bytes) -> None:
         """One record of the control topic."""
 
-    def on_results(
-        self, results: Sequence[tuple[ConsumerRecord[bytes, bytes], ResultRecord]]
-    ) -> None:
-        """The valid result records of one partition from one fetch, parsed, in order."""
+    def on_result(self, record: ConsumerRecord[bytes, bytes], result: ResultRecord) -> None:
+        """One valid result record, parsed."""
 
 
 @dataclass(frozen=True)
@@ -147,36 +145,30 @@ class ResultReader:
         """Read until cancelled. Safe to call again after a failure: positions are kept here,
         and the first step assigns and seeks every followed partition afresh."""
         self._assigned = frozenset()
-        # One waiter for changes, kept across fetches: most fetches end with records.
-        wake: asyncio.Task[bool] | None = None
-        try:
-            while True:
-                self._apply_changes()
-                self._fire_waiters()
-                fetch = asyncio.ensure_future(
-                    self._consumer.getmany(timeout_ms=1000, max_records=FETCH_MAX_RECORDS)
-                )
-                if wake is None or wake.done():
-                    wake = asyncio.ensure_future(self._changed.wait())
-                try:
-                    await asyncio.wait({fetch, wake}, return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    if not fetch.done():
-                        fetch.cancel()
-                try:
-                    fetched = await fetch
-                except asyncio.CancelledError:
-                    # Interrupted for a change of what to follow; nothing was taken from the
-                    # consumer's buffer, and positions are ours, so nothing is lost.
-                    if not self._changed.is_set():
-                        raise
-                    continue
-                sink.on_fetched(self._consumer, fetched)
-                for tp, records in fetched.items():
-                    self._handle(tp, records, sink)
-        finally:
-            if wake is not None:
+        while True:
+            self._apply_changes()
+            self._fire_waiters()
+            fetch = asyncio.ensure_future(
+                self._consumer.getmany(timeout_ms=1000, max_records=FETCH_MAX_RECORDS)
+            )
+            wake = asyncio.ensure_future(self._changed.wait())
+            try:
+                await asyncio.wait({fetch, wake}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
                 wake.cancel()
+                if not fetch.done():
+                    fetch.cancel()
+            try:
+                fetched = await fetch
+            except asyncio.CancelledError:
+                # Interrupted for a change of what to follow; nothing was taken from the
+                # consumer's buffer, and positions are ours, so nothing is lost.
+                if not self._changed.is_set():
+                    raise
+                continue
+            sink.on_fetched(self._consumer, fetched)
+            for tp, records in fetched.items():
+                self._handle(tp, records, sink)
 
     def _apply_changes(self) -> None:
         self._changed.clear()
@@ -211,26 +203,22 @@ class ResultReader:
         self, tp: TopicPartition, records: list[ConsumerRecord[bytes, bytes]], sink: ResultSink
     ) -> None:
         tail = self._tails.get(tp)
-        if tail is None or not records:
+        if tail is None:
             return  # unfollowed while these were in flight
-        tail.position = records[-1].offset + 1
-        if tp == self._control:
-            for record in records:
+        for record in records:
+            tail.position = record.offset + 1
+            if tp == self._control:
                 sink.on_control(record.value or b"")
-        elif (handler := self._side.get(tp)) is not None:
-            for record in records:
+                continue
+            if (handler := self._side.get(tp)) is not None:
                 handler(record.value or b"")
-        else:
-            parsed: list[tuple[ConsumerRecord[bytes, bytes], ResultRecord]] = []
-            for record in records:
-                try:
-                    parsed.append((record, _results.validate_json(record.value or b"")))
-                except ValidationError as exc:
-                    log.error(
-                        "result.invalid", topic=tp.topic, offset=record.offset, error=str(exc)
-                    )
-            if parsed:
-                sink.on_results(parsed)
+                continue
+            try:
+                result = _results.validate_json(record.value or b"")
+            except ValidationError as exc:
+                log.error("result.invalid", topic=tp.topic, offset=record.offset, error=str(exc))
+                continue
+            sink.on_result(record, result)
         self._fire_waiters()
 
     def _fire_waiters(self) -> None:
