@@ -318,7 +318,7 @@ class WorkerMetrics:
             Counter("tokenbus_worker_batches", "Batches taken.", ["tier"], registry=registry),
             Gauge("tokenbus_worker_slots_in_use", "Sequences running now.", registry=registry),
             Gauge(
-                "tokenbus_worker_slots_total",
+                "tokenbus_worker_slots_capacity",
                 "Sequences the engine runs at once.",
                 registry=registry,
             ),

@@ -100,4 +100,4 @@ def test_tokens_per_second_between_heartbeats() -> None:
     m.observe_capacity(running=5, total=64, now=12.0)
     assert value(registry, "tokenbus_worker_output_tokens_per_second") == 150.0
     assert value(registry, "tokenbus_worker_slots_in_use") == 5
-    assert value(registry, "tokenbus_worker_slots_total") == 64
+    assert value(registry, "tokenbus_worker_slots_capacity") == 64

@@ -364,7 +364,7 @@ async def test_metrics_count_fifty_requests(traced: TracedStack) -> None:
     assert delta("worker", "tokenbus_worker_tokens_total", type="input", **i) == prompt
     assert delta("worker", "tokenbus_worker_batches_total", **i) == batches
     assert (
-        "tokenbus_worker_slots_total",
+        "tokenbus_worker_slots_capacity",
         (),
     ) in after["worker"]
     # The latencies are the very numbers chat.done reported to the clients.
