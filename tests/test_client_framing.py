@@ -205,6 +205,16 @@ def result_logs(draw: st.DrawFn) -> Log:
     return Log(records, texts[-1])
 
 
+class _Socket:
+    """One connection's frames as the edge's router sends them (a stand-in client)."""
+
+    def __init__(self) -> None:
+        self.frames: list[ServerFrame] = []
+
+    def send(self, frame: ServerFrame, stream: object | None = None) -> None:
+        self.frames.append(frame)
+
+
 @given(log=result_logs(), data=st.data())
 @settings(max_examples=300, deadline=None)
 def test_through_any_drops_and_resumes_the_final_text_is_shown_once(
@@ -217,10 +227,10 @@ def test_through_any_drops_and_resumes_the_final_text_is_shown_once(
     drops = data.draw(st.integers(0, 4), label="drops")
     for connection in range(drops + 1):
         last = connection == drops
-        frames: list[ServerFrame] = []
-        owner = object()
+        owner = _Socket()
+        frames = owner.frames
         if connection == 0:
-            router.open(RID, frames.append, owner)
+            router.open(RID, owner)
             accepted = AcceptedFrame(
                 request_id=RID, client_id="c1", resume_token="tok", tier=Tier.interactive
             )
@@ -229,7 +239,7 @@ def test_through_any_drops_and_resumes_the_final_text_is_shown_once(
         else:
             resume = state.resume_frame()
             point = ResumePoint(resume["attempt"], resume["after_seq"])
-            router.resume(RID, frames.append, owner, point)
+            router.resume(RID, owner, point)
             # The edge replays from the stream's first record to the log end of the moment
             # of the resume (at least as far as the client can have seen), then goes live.
             log_end = data.draw(st.integers(seen_upto, len(log.records)), label="log end")
@@ -255,7 +265,7 @@ def test_through_any_drops_and_resumes_the_final_text_is_shown_once(
                 if d is not None:
                     shown.append(d)
         if not last:
-            router.detach_owner(owner)
+            router.detach(owner)
     assert isinstance(state.end, DoneFrame), state.end
     # What the caller saw, with resets applied, is the final attempt's text, once.
     text = ""

@@ -54,7 +54,7 @@ def gpu() -> dict[str, Any]:
 
 
 def test_profiles_pick_one_worker(default: dict[str, Any], gpu: dict[str, Any]) -> None:
-    common = {"kafka", "jaeger", "topics", "edge", "ingest", "scheduler"}
+    common = {"kafka", "jaeger", "topics", "edge", "ingest", "scheduler", "prometheus", "grafana"}
     assert set(default["services"]) == common | {"worker"}
     assert set(gpu["services"]) == common | {"worker-vllm"}
 
