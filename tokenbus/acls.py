@@ -130,6 +130,8 @@ def grants(topics: Topics) -> dict[str, list[Grant]]:
             _topic(topics.requests, write),
             _topic(topics.control, read, write),  # cancels out; resume hand-overs in and out
             _topic(topics.results, read),
+            # Workers' heartbeats: the models `/v1/models` lists (the OpenAI API).
+            _topic(topics.workers, read),
             # The lease log: created, configured (compaction) and read and written here.
             _topic(
                 topics.result_leases,
