@@ -12,6 +12,7 @@ import json
 from typing import Any
 
 from opentelemetry.context import Context
+from prometheus_client import CollectorRegistry
 from pydantic import TypeAdapter
 
 from services.worker.engines.sim import SimEngine
@@ -30,10 +31,16 @@ from shared.messages import (
     ResultRecord,
     Tier,
 )
+from shared.metrics import WorkerMetrics
 
 MARKER = "FAULT-HERE"
 UNTRACED = RunTrace(Context(), None)
 _records: TypeAdapter[ResultRecord] = TypeAdapter(ResultRecord)
+
+
+def _telemetry() -> WorkerTelemetry:
+    """Untraced, with its own registry: the process may hold another service's metrics."""
+    return WorkerTelemetry(WorkerMetrics.build(CollectorRegistry()), recording=False)
 
 
 class FakeBatch:
@@ -111,7 +118,7 @@ async def run(
                 RunningRequests(engine),
                 flush_ms=1.0,
                 flush_tokens=1,
-                telemetry=WorkerTelemetry(recording=False),
+                telemetry=_telemetry(),
                 epoch_now=(lambda: next(clock, 1)) if clock is not None else (lambda: 0),
                 write_timeout_s=0.5,
             )
@@ -184,7 +191,7 @@ async def test_a_later_attempt_of_a_request_running_here_supersedes_it_silently(
     again = first.next_attempt()
     try:
         async with ResultOutbox(producer, within_s=0.5) as outbox:
-            telemetry = WorkerTelemetry(recording=False)
+            telemetry = _telemetry()
             runner = RequestRunner(
                 engine, outbox, RunningRequests(engine), 1.0, 1, telemetry=telemetry
             )
