@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import structlog
@@ -88,19 +88,10 @@ class RenewingProducer:
         headers: Headers | None = None,
     ) -> asyncio.Future[RecordMetadata]:
         producer = self._inner
-        try:
-            future: asyncio.Future[RecordMetadata] = await producer.send(
-                topic, value, key=key, partition=partition, headers=headers
-            )
-        except (*BROKEN, ProducerClosed) as exc:
-            self._broken(producer, exc)
-            raise
-        except KafkaError as exc:
-            if self._sender_dead(producer):
-                self._broken(producer, exc)
-            raise
-        future.add_done_callback(functools.partial(self._stored, producer))
-        return future
+        return await self._queued(
+            producer,
+            producer.send(topic, value, key=key, partition=partition, headers=headers),
+        )
 
     def create_batch(self) -> Any:
         """An empty record batch to fill and hand to `send_batch` (aiokafka's `BatchBuilder`)."""
@@ -111,10 +102,16 @@ class RenewingProducer:
     ) -> asyncio.Future[RecordMetadata]:
         """Queue a filled batch for one partition; the future says whether it was stored."""
         producer = self._inner
+        return await self._queued(producer, producer.send_batch(batch, topic, partition=partition))
+
+    async def _queued(
+        self,
+        producer: AIOKafkaProducer,
+        send: Awaitable[asyncio.Future[RecordMetadata]],
+    ) -> asyncio.Future[RecordMetadata]:
+        """Await one of `producer`'s sends: a broken producer is renewed, a stored record seen."""
         try:
-            future: asyncio.Future[RecordMetadata] = await producer.send_batch(
-                batch, topic, partition=partition
-            )
+            future = await send
         except (*BROKEN, ProducerClosed) as exc:
             self._broken(producer, exc)
             raise
