@@ -21,40 +21,63 @@ from shared.topics import Topics
 
 @dataclass(frozen=True)
 class CpuFigures:
-    """CPU per request of each service (ms), and where the numbers come from."""
+    """CPU per request of each service (ms) at `tokens_per_request` output tokens, and where
+    the numbers come from.
+
+    Edge and worker handle every result record, so their cost grows with the output: for
+    another request shape it is scaled by output tokens (the fixed part scaled with it, so
+    for longer outputs an over- rather than an under-estimate). Ingest and the scheduler see
+    each request once, whatever its length.
+    """
 
     label: str
     source: str
+    tokens_per_request: float
     edge_ms: float
     ingest_ms: float
     scheduler_ms: float
     worker_ms: float  # the worker's own CPU, not the engine's (the GPU's host thread)
 
+    def at(self, output_tokens: int) -> CpuFigures:
+        """The same figures for requests of `output_tokens` output tokens."""
+        scale = output_tokens / self.tokens_per_request
+        return CpuFigures(
+            self.label,
+            self.source,
+            output_tokens,
+            self.edge_ms * scale,
+            self.ingest_ms,
+            self.scheduler_ms,
+            self.worker_ms * scale,
+        )
+
 
 FIGURES = (
     CpuFigures(
-        label="measured 2026-11-30",
+        label="measured 2026-11-30 (make bench)",
         source=(
-            "wp/perf-bench `docs/perf/cpu-before.json` (bench/profile.py, commit 37178b5,"
-            " 2026-11-30 11:42 UTC): /proc CPU of each process over 120 s / 29 requests at"
-            " 0.24 req/s, 65 output tokens per request, load average 43 on 2 shared cores."
-            " At that rate the idle share (polls, heartbeats) dominates: an upper bound."
+            "`make bench` (bench/capacity.py), docs/benchmarks.md's capacity run of"
+            " 2026-11-30 14:39 UTC, services of 955ab48: /proc CPU of each process at the"
+            " pipeline's ceiling, 400 req/s on 2 cores (load average 3), 64 output tokens"
+            " per request, engine time apart"
         ),
-        edge_ms=129.7,
-        ingest_ms=62.8,
-        scheduler_ms=97.2,
-        worker_ms=86.2,
+        tokens_per_request=64,
+        edge_ms=1.06,
+        ingest_ms=0.54,
+        scheduler_ms=0.47,
+        worker_ms=1.11,
     ),
     CpuFigures(
         label="issue 12 target",
         source=(
             "issue 12's target for the four services together: 0.5 ms + 20 us per output"
-            " token per request (3.06 ms at 128 tokens), split here like the measured row."
+            " token per request (1.78 ms at 64 tokens), split here like the measured row."
         ),
-        edge_ms=3.06 * 129.7 / 375.9,
-        ingest_ms=3.06 * 62.8 / 375.9,
-        scheduler_ms=3.06 * 97.2 / 375.9,
-        worker_ms=3.06 * 86.2 / 375.9,
+        tokens_per_request=64,
+        edge_ms=1.78 * 1.06 / 3.18,
+        ingest_ms=1.78 * 0.54 / 3.18,
+        scheduler_ms=1.78 * 0.47 / 3.18,
+        worker_ms=1.78 * 1.11 / 3.18,
     ),
 )
 
@@ -105,9 +128,10 @@ def replicas(requests_s: float, cpu_ms: float, w: Workload) -> int:
     return max(1, math.ceil(requests_s * cpu_ms / 1000 / w.cpu_target))
 
 
-def plan(gpus: int, cpu: CpuFigures, w: Workload = WORKLOAD) -> Plan:
+def plan(gpus: int, measured: CpuFigures, w: Workload = WORKLOAD) -> Plan:
     cost = PROFILES[w.profile].cost
     assert cost is not None
+    cpu = measured.at(w.output_tokens)
     rps = gpus * gpu_requests_per_second(cost, w)
     edges = max(2, replicas(rps, cpu.edge_ms, w))
     ingest = replicas(rps, cpu.ingest_ms, w)
@@ -150,13 +174,15 @@ def markdown(w: Workload = WORKLOAD) -> str:
         f"{w.broker_write_mb_s:.0f} MB/s of replicated writes per broker.",
         "",
     ]
-    for cpu in FIGURES:
+    for measured in FIGURES:
+        cpu = measured.at(w.output_tokens)
         out += [
             f"#### CPU figures: {cpu.label}",
             "",
             f"edge {cpu.edge_ms:.2f} ms, ingest {cpu.ingest_ms:.2f} ms, scheduler "
-            f"{cpu.scheduler_ms:.2f} ms, worker {cpu.worker_ms:.2f} ms of CPU per request. "
-            f"Source: {cpu.source}",
+            f"{cpu.scheduler_ms:.2f} ms, worker {cpu.worker_ms:.2f} ms of CPU per request "
+            f"of {w.output_tokens} output tokens (measured at {measured.tokens_per_request:.0f};"
+            f" edge and worker scaled by output tokens). Source: {cpu.source}",
             "",
             "| GPUs | requests/s | output tokens/s | edges | ingest | schedulers | "
             "worker cores per GPU | partitions: requests / tier / batches / results | "
@@ -164,7 +190,7 @@ def markdown(w: Workload = WORKLOAD) -> str:
             "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for gpus in GPUS:
-            p = plan(gpus, cpu, w)
+            p = plan(gpus, measured, w)
             parts = " / ".join(str(p.partitions[k]) for k in p.partitions)
             out.append(
                 f"| {gpus} | {p.requests_s:,.0f} | {p.output_tokens_s:,.0f} | {p.edges} | "
