@@ -9,6 +9,7 @@ it reads and `plan(now, workers)` whenever something changed or `Plan.wake_at` c
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ from typing import Generic, TypeVar
 from services.scheduler.backlog import DEFAULT_TENANT, Backlog, Lane, LaneKey, Passenger
 from services.scheduler.departure import DepartureRule, DispatchReason, FixedRule
 from services.scheduler.limits import PolicyConfig
+from services.scheduler.models import ModelLoad, estimated_finish, falls_back, serves
 from shared.messages import Tier
 
 T = TypeVar("T")
@@ -37,6 +39,8 @@ class WorkerSlots:
     free: int
     total: int
     queued_tokens: int = 0
+    model: str | None = None  # the model it serves
+    service_s: float | None = None  # how long a request holds one of its slots, measured
 
 
 @dataclass
@@ -71,6 +75,7 @@ class Policy(Generic[T]):
         self.rule: DepartureRule = rule or FixedRule()
         self.backlog: Backlog[T] = Backlog(config)
         self.background_share = 0.0  # of recently dispatched requests
+        self.fell_back = 0  # requests moved to their fallback model, ever
 
     def add(
         self,
@@ -82,6 +87,8 @@ class Policy(Generic[T]):
         now: float,
         deadline_at: float | None = None,
         tenant: str = DEFAULT_TENANT,
+        model: str | None = None,
+        fallback: str | None = None,
     ) -> Passenger[T] | None:
         """Queue a request; None if it can never ride (larger than its tier's token budget)."""
         if cost > self.config.tiers[tier].max_batch_tokens:
@@ -94,10 +101,13 @@ class Policy(Generic[T]):
             now=now,
             deadline_at=deadline_at,
             tenant=tenant,
+            model=model,
+            fallback=fallback if fallback != model else None,
         )
 
     def plan(self, now: float, workers: Sequence[WorkerSlots]) -> Plan[T]:
         plan: Plan[T] = Plan(expired=self.backlog.expire(now))
+        self._fall_back(now, workers)
         free = {w.worker_id: w.free for w in workers if w.free > 0}
         queued = {w.worker_id: w.queued_tokens for w in workers}
         total = sum(w.total for w in workers)
@@ -105,7 +115,8 @@ class Policy(Generic[T]):
         # Aging is decided once per plan, from the share before it.
         aging = self.background_share < self.config.background_min_share
         aged_before = now - self.config.background_aging_ms / 1000.0 if aging else -math.inf
-        self._place(plan, now, free, queued, load, aged_before)
+        models = {w.worker_id: w.model for w in workers}
+        self._place(plan, now, free, queued, load, aged_before, models)
         self._fill(plan, free, aged_before)
         plan.wake_at = self._wake_at(now, load, bool(free))
         for d in plan.dispatches:
@@ -122,11 +133,15 @@ class Policy(Generic[T]):
         queued: dict[str, int],
         load: float,
         aged_before: float,
+        models: dict[str, str | None],
     ) -> None:
-        """Due lanes, best rank first, each as batches on the workers with most room."""
+        """Due lanes, best rank first, each as batches on the workers (of its model) with
+        most room."""
         while free:
             best: tuple[tuple[int, float, int], Lane[T], DispatchReason] | None = None
             for lane in self.backlog.busy_lanes():
+                if not any(serves(models.get(w), lane.key.model) for w in free):
+                    continue
                 reason = self.rule.reason(lane, now, load)
                 if reason is None:
                     continue
@@ -143,8 +158,8 @@ class Policy(Generic[T]):
             )
             # The batch goes to the worker with most room; if it has too little, the rest
             # of this same batch goes to the next one (each part is within every limit).
-            while chosen and free:
-                worker = max(free, key=lambda w: (free[w], -queued.get(w, 0), w))
+            while chosen and (room := [w for w in free if serves(models.get(w), lane.key.model)]):
+                worker = max(room, key=lambda w: (free[w], -queued.get(w, 0), w))
                 part, chosen = chosen[: free[worker]], chosen[free[worker] :]
                 self.backlog.discard(lane.key, part)
                 plan.dispatches.append(Dispatch(worker, lane.key.tier, reason, part))
@@ -159,11 +174,12 @@ class Policy(Generic[T]):
         """
         for d in plan.dispatches:
             limits = self.config.tiers[d.tier]
-            own = self.backlog.lane_of(d.tier, d.passengers[0].prompt_tokens)
+            first = d.passengers[0]
+            own = self.backlog.lane_of(d.tier, first.prompt_tokens, first.model)
             keys = [own]
             if self.config.fill_from_other_tier:
                 other = Tier.background if d.tier is Tier.interactive else Tier.interactive
-                keys.append(LaneKey(other, own.bucket))
+                keys.append(LaneKey(other, own.bucket, own.model))
             lanes = [lane for k in keys if (lane := self.backlog.lanes.get(k)) and len(lane)]
             lanes.sort(key=lambda ln: self._order(ln, aged_before))
             for lane in lanes:
@@ -176,6 +192,43 @@ class Policy(Generic[T]):
                     d.filled += len(taken)
                 d.passengers.extend(taken)
                 self._use(free, d.worker_id, len(taken))
+
+    def _fall_back(self, now: float, workers: Sequence[WorkerSlots]) -> None:
+        """Move each waiting request whose deadline its model's backlog would miss, and
+        that may fall back, to its fallback model (models.py decides; once per request).
+
+        Who is ahead of a request on its model: the model's waiting requests of a better
+        tier, then those of its tier that arrived before it.
+        """
+        movable = [p for p in self.backlog.movable() if p.deadline_at is not None]
+        if not movable:
+            return
+        queues: dict[str | None, list[tuple[int, int]]] = {}
+        for lane in self.backlog.busy_lanes():
+            rank = 0 if lane.key.tier is Tier.interactive else 1
+            queues.setdefault(lane.key.model, []).extend((rank, p.number) for p in lane)
+        for queue in queues.values():
+            queue.sort()
+        loads: dict[str | None, ModelLoad] = {}
+
+        def load_of(model: str | None) -> ModelLoad:
+            if model not in loads:
+                loads[model] = ModelLoad.of(workers, model)
+            return loads[model]
+
+        moved: dict[str, int] = {}  # requests moved to a model in this plan
+        for p in sorted(movable, key=lambda p: p.number):
+            assert p.fallback is not None
+            rank = 0 if p.tier is Tier.interactive else 1
+            ahead = bisect.bisect_left(queues.get(p.model, []), (rank, p.number))
+            primary = estimated_finish(now, ahead, load_of(p.model))
+            waiting_there = len(queues.get(p.fallback, [])) + moved.get(p.fallback, 0)
+            fallback = estimated_finish(now, waiting_there, load_of(p.fallback))
+            if falls_back(p.deadline_at, primary, fallback):
+                target = p.fallback
+                self.backlog.move(p, target)
+                moved[target] = moved.get(target, 0) + 1
+                self.fell_back += 1
 
     def _wake_at(self, now: float, load: float, capacity_left: bool) -> float | None:
         """The next time a plan could differ without any new arrival or capacity."""

@@ -69,6 +69,10 @@ class SchedulerTelemetry:
         self._leave(request.request_id)
         self.metrics.expired.labels(request.tier.value).inc()
 
+    def refused(self, request: QueuedRequest) -> None:
+        """A waiting request answered with an error (its model is unknown)."""
+        self._leave(request.request_id)
+
     def released(self, request: QueuedRequest) -> None:
         """A waiting request this process gives up (its partition moved to another scheduler)."""
         self._leave(request.request_id)
