@@ -101,7 +101,9 @@ loads = st.builds(
 
 
 @given(load=loads, ahead=st.integers(0, 10_000), more=st.integers(0, 1000))
-def test_the_estimate_never_improves_with_more_ahead(load: ModelLoad, ahead: int, more: int) -> None:
+def test_the_estimate_never_improves_with_more_ahead(
+    load: ModelLoad, ahead: int, more: int
+) -> None:
     first, later = estimated_finish(NOW, ahead, load), estimated_finish(NOW, ahead + more, load)
     assert first is not None
     assert later is not None
