@@ -58,10 +58,11 @@ def add(
     assert added is not None
 
 
-def placed(policy: Policy[str], workers: list[WorkerSlots]) -> dict[str, str]:
-    """request -> the worker its batch went to."""
+def placed(policy: Policy[str], workers: list[WorkerSlots]) -> tuple[dict[str, str], list[str]]:
+    """request -> the worker its batch went to; and the requests that fell back."""
     plan = policy.plan(NOW, workers)
-    return {p.item: d.worker_id for d in plan.dispatches for p in d.passengers}
+    where = {p.item: d.worker_id for d in plan.dispatches for p in d.passengers}
+    return where, [p.item for p in plan.fell_back]
 
 
 # -- the pure estimate and decision -------------------------------------------------------------
@@ -136,7 +137,7 @@ def test_a_lane_goes_only_to_workers_of_its_model() -> None:
     add(policy, "to-big", "big")
     add(policy, "to-small", "small")
     add(policy, "anywhere", None)
-    got = placed(policy, [worker("b", "big", 4), worker("s", "small", 4)])
+    got, _ = placed(policy, [worker("b", "big", 4), worker("s", "small", 4)])
     assert got["to-big"] == "b"
     assert got["to-small"] == "s"
     assert got["anywhere"] in {"b", "s"}
@@ -145,9 +146,19 @@ def test_a_lane_goes_only_to_workers_of_its_model() -> None:
 def test_a_model_without_free_slots_waits_even_if_others_are_idle() -> None:
     policy: Policy[str] = Policy(config())
     add(policy, "r", "big")
-    assert placed(policy, [worker("b", "big", 0), worker("s", "small", 4)]) == {}
+    assert placed(policy, [worker("b", "big", 0), worker("s", "small", 4)]) == ({}, [])
     assert policy.waiting() == 1
-    assert placed(policy, [worker("b", "big", 1), worker("s", "small", 4)]) == {"r": "b"}
+    assert placed(policy, [worker("b", "big", 1), worker("s", "small", 4)]) == ({"r": "b"}, [])
+
+
+def test_a_due_lane_without_room_on_its_model_waits_for_a_heartbeat_not_the_clock() -> None:
+    policy: Policy[str] = Policy(config())
+    add(policy, "r", "big")
+    plan = policy.plan(NOW, [worker("b", "big", 0), worker("s", "small", 4)])
+    assert plan.wake_at is None  # not `now`: the stepper would spin
+    add(policy, "also", "small")
+    plan = policy.plan(NOW, [worker("b", "big", 0), worker("s", "small", 4)])
+    assert [p.item for d in plan.dispatches for p in d.passengers] == ["also"]
 
 
 def test_a_request_that_would_miss_its_deadline_runs_on_its_fallback() -> None:
@@ -158,9 +169,7 @@ def test_a_request_that_would_miss_its_deadline_runs_on_its_fallback() -> None:
     add(policy, "must-wait", "big", deadline_in_s=3.0)
     add(policy, "has-time", "big", fallback="small", deadline_in_s=60.0)
     workers = [worker("b", "big", 0, service_s=2.0), worker("s", "small", 4, service_s=0.5)]
-    got = placed(policy, workers)
-    assert got == {"may-fall-back": "s"}
-    assert policy.fell_back == 1
+    assert placed(policy, workers) == ({"may-fall-back": "s"}, ["may-fall-back"])
     assert policy.waiting() == 10  # the rest wait on `big`
 
 
@@ -168,32 +177,29 @@ def test_with_room_on_the_primary_only_a_too_slow_model_sends_it_elsewhere() -> 
     policy: Policy[str] = Policy(config())
     add(policy, "room", "big", fallback="small", deadline_in_s=3.0)
     got = placed(policy, [worker("b", "big", 4, service_s=2.0), worker("s", "small", 4)])
-    assert got == {"room": "b"}
+    assert got == ({"room": "b"}, [])
     add(policy, "too-slow-there", "big", fallback="small", deadline_in_s=1.0)
     got = placed(policy, [worker("b", "big", 4, service_s=2.0), worker("s", "small", 4)])
-    assert got == {"too-slow-there": "s"}
+    assert got == ({"too-slow-there": "s"}, ["too-slow-there"])
 
 
 def test_nothing_falls_back_without_a_measurement_of_the_primary() -> None:
     policy: Policy[str] = Policy(config())
     add(policy, "unmeasured", "big", fallback="small", deadline_in_s=0.5)
-    assert placed(policy, [worker("b", "big", 0), worker("s", "small", 4)]) == {}
-    assert policy.fell_back == 0
+    assert placed(policy, [worker("b", "big", 0), worker("s", "small", 4)]) == ({}, [])
 
 
 def test_a_request_falls_back_to_a_model_nobody_serves_never() -> None:
     policy: Policy[str] = Policy(config())
     add(policy, "r", "big", fallback="gone", deadline_in_s=1.0)
-    assert placed(policy, [worker("b", "big", 0, service_s=5.0)]) == {}
-    assert policy.fell_back == 0
+    assert placed(policy, [worker("b", "big", 0, service_s=5.0)]) == ({}, [])
 
 
 def test_a_fallen_back_request_keeps_its_deadline() -> None:
     policy: Policy[str] = Policy(config())
     add(policy, "r", "big", fallback="small", deadline_in_s=1.0)
     workers = [worker("b", "big", 0, service_s=5.0), worker("s", "small", 0, service_s=0.1)]
-    assert placed(policy, workers) == {}
-    assert policy.fell_back == 1  # moved, but `small` is full too
+    assert placed(policy, workers) == ({}, ["r"])  # moved, but `small` is full too
     plan = policy.plan(NOW + 1.0, workers)
     assert [p.item for p in plan.expired] == ["r"]
     assert policy.waiting() == 0

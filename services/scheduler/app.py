@@ -347,11 +347,8 @@ class Scheduler:
                 now = time.time()
                 # 1) Plan (after refusing what waits for a model nobody serves).
                 refused = self._unknown_models(now)
-                fell_back = self.policy.fell_back
                 plan = self.policy.plan(now, self.workers.slots(now))
                 self._wake_at = plan.wake_at
-                if self.policy.fell_back > fell_back:
-                    log.info("requests.fell_back", count=self.policy.fell_back - fell_back)
                 # 2) Carry it out; 3) commit what it handed on.
                 await self._carry_out(plan, now)
                 for w, error in refused:
@@ -378,6 +375,12 @@ class Scheduler:
         return out
 
     async def _carry_out(self, plan: Plan[Waiting], now: float) -> None:
+        for p in plan.fell_back:
+            request = p.item.request
+            self.telemetry.fell_back(request, p.model or "")
+            log.info(
+                "request.fell_back", request_id=request.request_id, model=request.model, to=p.model
+            )
         for out in await self.dispatcher.dispatch(plan.dispatches, now):
             for p in out.dispatch.passengers:
                 self._hand_on(p.item.tp, p.item.offset)

@@ -169,7 +169,16 @@ class Backlog(Generic[T]):
         key = self.lane_of(tier, prompt_tokens, model)
         number = next(self._numbers)
         p = Passenger(
-            item, tier, cost, prompt_tokens, now, deadline_at, number, tenant, model, fallback
+            item,
+            tier,
+            cost,
+            prompt_tokens,
+            now,
+            deadline_at,
+            number,
+            tenant,
+            model=model,
+            fallback=fallback,
         )
         self._enter(key, p)
         return p

@@ -64,6 +64,7 @@ class Plan(Generic[T]):
 
     dispatches: list[Dispatch[T]] = field(default_factory=list)
     expired: list[Passenger[T]] = field(default_factory=list)
+    fell_back: list[Passenger[T]] = field(default_factory=list)  # moved to their fallback model
     wake_at: float | None = None  # call `plan` again by then, even if nothing happens
 
 
@@ -75,7 +76,6 @@ class Policy(Generic[T]):
         self.rule: DepartureRule = rule or FixedRule()
         self.backlog: Backlog[T] = Backlog(config)
         self.background_share = 0.0  # of recently dispatched requests
-        self.fell_back = 0  # requests moved to their fallback model, ever
 
     def add(
         self,
@@ -107,7 +107,7 @@ class Policy(Generic[T]):
 
     def plan(self, now: float, workers: Sequence[WorkerSlots]) -> Plan[T]:
         plan: Plan[T] = Plan(expired=self.backlog.expire(now))
-        self._fall_back(now, workers)
+        plan.fell_back = self._fall_back(now, workers)
         free = {w.worker_id: w.free for w in workers if w.free > 0}
         queued = {w.worker_id: w.queued_tokens for w in workers}
         total = sum(w.total for w in workers)
@@ -118,7 +118,7 @@ class Policy(Generic[T]):
         models = {w.worker_id: w.model for w in workers}
         self._place(plan, now, free, queued, load, aged_before, models)
         self._fill(plan, free, aged_before)
-        plan.wake_at = self._wake_at(now, load, bool(free))
+        plan.wake_at = self._wake_at(now, load, free, models)
         for d in plan.dispatches:
             for p in d.passengers:
                 background = 1.0 if p.tier is Tier.background else 0.0
@@ -158,12 +158,15 @@ class Policy(Generic[T]):
             )
             # The batch goes to the worker with most room; if it has too little, the rest
             # of this same batch goes to the next one (each part is within every limit).
-            while chosen and (room := [w for w in free if serves(models.get(w), lane.key.model)]):
-                worker = max(room, key=lambda w: (free[w], -queued.get(w, 0), w))
-                part, chosen = chosen[: free[worker]], chosen[free[worker] :]
+            # Only the workers serving the lane's model take it (models.py).
+            room = {w: n for w, n in free.items() if serves(models.get(w), lane.key.model)}
+            while chosen and room:
+                worker = max(room, key=lambda w: (room[w], -queued.get(w, 0), w))
+                part, chosen = chosen[: room[worker]], chosen[room[worker] :]
                 self.backlog.discard(lane.key, part)
                 plan.dispatches.append(Dispatch(worker, lane.key.tier, reason, part))
                 self._use(free, worker, len(part))
+                self._use(room, worker, len(part))
 
     def _fill(self, plan: Plan[T], free: dict[str, int], aged_before: float) -> None:
         """Spare room in leaving batches (and on their workers), best rank first.
@@ -193,7 +196,7 @@ class Policy(Generic[T]):
                 d.passengers.extend(taken)
                 self._use(free, d.worker_id, len(taken))
 
-    def _fall_back(self, now: float, workers: Sequence[WorkerSlots]) -> None:
+    def _fall_back(self, now: float, workers: Sequence[WorkerSlots]) -> list[Passenger[T]]:
         """Move each waiting request whose deadline its model's backlog would miss, and
         that may fall back, to its fallback model (models.py decides; once per request).
 
@@ -202,7 +205,7 @@ class Policy(Generic[T]):
         """
         movable = [p for p in self.backlog.movable() if p.deadline_at is not None]
         if not movable:
-            return
+            return []
         queues: dict[str | None, list[tuple[int, int]]] = {}
         for lane in self.backlog.busy_lanes():
             rank = 0 if lane.key.tier is Tier.interactive else 1
@@ -217,6 +220,7 @@ class Policy(Generic[T]):
             return loads[model]
 
         moved: dict[str, int] = {}  # requests moved to a model in this plan
+        out: list[Passenger[T]] = []
         for p in sorted(movable, key=lambda p: p.number):
             assert p.fallback is not None
             rank = 0 if p.tier is Tier.interactive else 1
@@ -228,16 +232,27 @@ class Policy(Generic[T]):
                 target = p.fallback
                 self.backlog.move(p, target)
                 moved[target] = moved.get(target, 0) + 1
-                self.fell_back += 1
+                out.append(p)
+        return out
 
-    def _wake_at(self, now: float, load: float, capacity_left: bool) -> float | None:
-        """The next time a plan could differ without any new arrival or capacity."""
+    def _wake_at(
+        self, now: float, load: float, free: dict[str, int], models: dict[str, str | None]
+    ) -> float | None:
+        """The next time a plan could differ without any new arrival or capacity.
+
+        Only lanes with room left on their model's workers count: a lane due but without
+        room waits for a heartbeat (which wakes the scheduler), not for the clock.
+        """
         times: list[float] = []
         deadline = self.backlog.next_deadline()
         if deadline is not None:
             times.append(deadline)
-        if capacity_left:
-            times.extend(self.rule.due_at(lane, now, load) for lane in self.backlog.busy_lanes())
+        if free:
+            times.extend(
+                self.rule.due_at(lane, now, load)
+                for lane in self.backlog.busy_lanes()
+                if any(serves(models.get(w), lane.key.model) for w in free)
+            )
         return max(now, min(times)) if times else None
 
     def _order(self, lane: Lane[T], aged_before: float) -> tuple[int, float, int]:
