@@ -173,6 +173,17 @@ def test_a_request_that_would_miss_its_deadline_runs_on_its_fallback() -> None:
     assert policy.waiting() == 10  # the rest wait on `big`
 
 
+def test_only_requests_of_a_better_or_the_same_tier_that_came_first_count_as_ahead() -> None:
+    policy: Policy[str] = Policy(config())
+    for i in range(8):
+        add(policy, f"bg{i}", "big", tier=BG)
+    add(policy, "bg-late", "big", fallback="small", deadline_in_s=4.5, tier=BG)
+    add(policy, "int-late", "big", fallback="small", deadline_in_s=4.5)
+    workers = [worker("b", "big", 0, service_s=2.0), worker("s", "small", 0, service_s=0.5)]
+    # Interactive rides before all background: one wave (4 s) and it is done in time.
+    assert placed(policy, workers) == ({}, ["bg-late"])
+
+
 def test_with_room_on_the_primary_only_a_too_slow_model_sends_it_elsewhere() -> None:
     policy: Policy[str] = Policy(config())
     add(policy, "room", "big", fallback="small", deadline_in_s=3.0)

@@ -1,17 +1,23 @@
 """Models and fallback: which workers serve a lane, which models are unknown, when to fall back.
 
 Pure: worker slots and the clock in, decisions out. The policy asks `serves` for a lane's
-candidate workers and `falls_back` (with `estimated_finish`) whether a waiting request
-moves to its fallback model; the scheduler shell asks `ModelCheck.unknown` before it
-refuses a lane's requests with `invalid_request`.
+candidate workers and `fall_back` which waiting requests move to their fallback model
+(each decided by `estimated_finish` and `falls_back`); the scheduler shell asks
+`ModelCheck.unknown` before it refuses a lane's requests with `invalid_request`.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
-from collections.abc import Iterable, Set
+from collections.abc import Iterable, Sequence, Set
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
+
+from services.scheduler.backlog import Backlog, Passenger
+from shared.messages import Tier
+
+T = TypeVar("T")
 
 
 class ServingWorker(Protocol):
@@ -82,6 +88,61 @@ def falls_back(deadline_at: float | None, primary: float | None, fallback: float
     if deadline_at is None or primary is None or primary <= deadline_at:
         return False
     return fallback is None or fallback < primary
+
+
+def fall_back(
+    backlog: Backlog[T], now: float, workers: Sequence[ServingWorker]
+) -> list[Passenger[T]]:
+    """Move each waiting request that may fall back, and whose deadline its model's backlog
+    would miss, to its fallback model's lane; return those moved (once per request).
+
+    Who is ahead of a request on its model: the model's waiting requests of a better tier,
+    then those of its own tier that arrived before it. Requests that would meet their
+    deadline even behind everything waiting on their model are passed over cheaply; only
+    for the rest is the model's queue ordered.
+    """
+    movable = [p for p in backlog.movable() if p.deadline_at is not None]
+    if not movable:
+        return []
+    lanes: dict[str | None, list[Passenger[T]]] = {}
+    for lane in backlog.busy_lanes():
+        lanes.setdefault(lane.key.model, []).extend(lane)
+    loads: dict[str | None, ModelLoad] = {}
+
+    def load_of(model: str | None) -> ModelLoad:
+        if model not in loads:
+            loads[model] = ModelLoad.of(workers, model)
+        return loads[model]
+
+    queues: dict[str | None, list[tuple[int, int]]] = {}  # model -> (rank, number), sorted
+
+    def queue_of(model: str | None) -> list[tuple[int, int]]:
+        if model not in queues:
+            queues[model] = sorted((_rank(p.tier), p.number) for p in lanes.get(model, []))
+        return queues[model]
+
+    moved: dict[str, int] = {}  # requests moved to a model in this plan
+    out: list[Passenger[T]] = []
+    for p in sorted(movable, key=lambda p: p.number):
+        target = p.fallback
+        assert target is not None, "only requests with a fallback are movable"
+        load = load_of(p.model)
+        worst = estimated_finish(now, len(lanes.get(p.model, [])), load)
+        if worst is None or (p.deadline_at is not None and worst <= p.deadline_at):
+            continue  # unknown, or met even behind everyone: no need to count
+        ahead = bisect.bisect_left(queue_of(p.model), (_rank(p.tier), p.number))
+        primary = estimated_finish(now, ahead, load)
+        waiting_there = len(lanes.get(target, [])) + moved.get(target, 0)
+        fallback = estimated_finish(now, waiting_there, load_of(target))
+        if falls_back(p.deadline_at, primary, fallback):
+            backlog.move(p, target)
+            moved[target] = moved.get(target, 0) + 1
+            out.append(p)
+    return out
+
+
+def _rank(tier: Tier) -> int:
+    return 0 if tier is Tier.interactive else 1
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,6 @@ it reads and `plan(now, workers)` whenever something changed or `Plan.wake_at` c
 
 from __future__ import annotations
 
-import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -18,7 +17,7 @@ from typing import Generic, TypeVar
 from services.scheduler.backlog import DEFAULT_TENANT, Backlog, Lane, LaneKey, Passenger
 from services.scheduler.departure import DepartureRule, DispatchReason, FixedRule
 from services.scheduler.limits import PolicyConfig
-from services.scheduler.models import ModelLoad, estimated_finish, falls_back, serves
+from services.scheduler.models import fall_back, serves
 from shared.messages import Tier
 
 T = TypeVar("T")
@@ -107,7 +106,7 @@ class Policy(Generic[T]):
 
     def plan(self, now: float, workers: Sequence[WorkerSlots]) -> Plan[T]:
         plan: Plan[T] = Plan(expired=self.backlog.expire(now))
-        plan.fell_back = self._fall_back(now, workers)
+        plan.fell_back = fall_back(self.backlog, now, workers)
         free = {w.worker_id: w.free for w in workers if w.free > 0}
         queued = {w.worker_id: w.queued_tokens for w in workers}
         total = sum(w.total for w in workers)
@@ -195,45 +194,6 @@ class Policy(Generic[T]):
                     d.filled += len(taken)
                 d.passengers.extend(taken)
                 self._use(free, d.worker_id, len(taken))
-
-    def _fall_back(self, now: float, workers: Sequence[WorkerSlots]) -> list[Passenger[T]]:
-        """Move each waiting request whose deadline its model's backlog would miss, and
-        that may fall back, to its fallback model (models.py decides; once per request).
-
-        Who is ahead of a request on its model: the model's waiting requests of a better
-        tier, then those of its tier that arrived before it.
-        """
-        movable = [p for p in self.backlog.movable() if p.deadline_at is not None]
-        if not movable:
-            return []
-        queues: dict[str | None, list[tuple[int, int]]] = {}
-        for lane in self.backlog.busy_lanes():
-            rank = 0 if lane.key.tier is Tier.interactive else 1
-            queues.setdefault(lane.key.model, []).extend((rank, p.number) for p in lane)
-        for queue in queues.values():
-            queue.sort()
-        loads: dict[str | None, ModelLoad] = {}
-
-        def load_of(model: str | None) -> ModelLoad:
-            if model not in loads:
-                loads[model] = ModelLoad.of(workers, model)
-            return loads[model]
-
-        moved: dict[str, int] = {}  # requests moved to a model in this plan
-        out: list[Passenger[T]] = []
-        for p in sorted(movable, key=lambda p: p.number):
-            assert p.fallback is not None
-            rank = 0 if p.tier is Tier.interactive else 1
-            ahead = bisect.bisect_left(queues.get(p.model, []), (rank, p.number))
-            primary = estimated_finish(now, ahead, load_of(p.model))
-            waiting_there = len(queues.get(p.fallback, [])) + moved.get(p.fallback, 0)
-            fallback = estimated_finish(now, waiting_there, load_of(p.fallback))
-            if falls_back(p.deadline_at, primary, fallback):
-                target = p.fallback
-                self.backlog.move(p, target)
-                moved[target] = moved.get(target, 0) + 1
-                out.append(p)
-        return out
 
     def _wake_at(
         self, now: float, load: float, free: dict[str, int], models: dict[str, str | None]
