@@ -95,7 +95,7 @@ class ChatRequest(Model):
         min_length=1,
         max_length=200,
         description="The model to run on; unset: the deployment's default model"
-        " (TOKENBUS_DEFAULT_MODEL), or any worker when that is unset too.",
+        " (TOKENBUS_SCHEDULER_DEFAULT_MODEL), or any worker when that is unset.",
     )
     fallback_model: str | None = Field(
         default=None,

@@ -55,6 +55,8 @@ def two_models(bootstrap: str, log_dir: Path) -> Iterator[Stack]:
             TOKENBUS_WORKER_SIM_TOKEN_RATE="400",
         )
         wait_until(lambda: set(served(stack)) == {BIG, SMALL}, 60, "both models on /v1/models")
+        # A new edge refuses no model for its first seconds (it may not have heard them all).
+        wait_until(lambda: refuses_unknown(stack), 30, "the edge refusing unknown models")
         yield stack
     finally:
         stack.stop()
@@ -68,6 +70,16 @@ def sdk(stack: Stack) -> openai.OpenAI:
 
 def served(stack: Stack) -> list[str]:
     return [m.id for m in sdk(stack).models.list()]
+
+
+def refuses_unknown(stack: Stack) -> bool:
+    try:
+        sdk(stack).completions.create(model="gpt-9", prompt="hi", max_tokens=1)
+    except openai.NotFoundError:
+        return True
+    except openai.BadRequestError:
+        return False  # let through by the edge, refused by the scheduler
+    return False
 
 
 def ask(client_id: str, model: str, **fields: Any) -> dict[str, Any]:
