@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from enum import StrEnum
 from typing import Annotated, Any, Literal, Protocol
 
@@ -89,6 +90,20 @@ class ChatRequest(Model):
         description="Sampling seed, for engines that take one (vllm, transformers).",
     )
     priority: Tier | None = None
+    model: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=200,
+        description="The model to run on; unset: the deployment's default model"
+        " (TOKENBUS_SCHEDULER_DEFAULT_MODEL), or any worker when that is unset.",
+    )
+    fallback_model: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=200,
+        description="A model this request may run on instead when its deadline cannot be met"
+        " on `model`'s backlog; unset: the tier's configured fallback, if any.",
+    )
     # Bounded so every service can turn it into a float deadline (~24.8 days at most).
     deadline_ms: int | None = Field(
         default=None, ge=1, le=2**31 - 1, description="Budget from acceptance."
@@ -230,6 +245,7 @@ class DoneResult(ResultBase):
     finish_reason: Literal["stop", "length", "cancelled"]
     usage: Usage
     timings: Timings
+    model: str | None = Field(default=None, description="The model that answered.")
 
 
 class RequestAttempt(Protocol):
@@ -289,6 +305,12 @@ class ResetResult(ResultBase):
 ResultRecord = Annotated[
     DeltaResult | DoneResult | ErrorResult | ResetResult, Field(discriminator="kind")
 ]
+
+
+def unknown_model_message(model: str, known: Iterable[str]) -> str:
+    """Why a named model is refused: the one wording at the edge and in the scheduler."""
+    available = ", ".join(sorted(set(known))) or "none"
+    return f"model {model!r} is not served here; available models: {available}"
 
 
 def error_message(exc: Exception, skip_loc: int = 0) -> str:

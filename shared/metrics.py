@@ -203,6 +203,7 @@ class SchedulerMetrics:
     batches: Counter
     expired: Counter
     lag: ConsumerLag
+    fallbacks: Counter
 
     @classmethod
     def build(cls, registry: CollectorRegistry = REGISTRY) -> SchedulerMetrics:
@@ -247,6 +248,13 @@ class SchedulerMetrics:
                 registry=registry,
             ),
             ConsumerLag.build(registry),
+            Counter(
+                "tokenbus_scheduler_fallbacks",
+                "Requests moved to their fallback model (their own model's backlog would"
+                " have missed their deadline), by the model they moved to.",
+                ["tier", "model"],
+                registry=registry,
+            ),
         )
 
 

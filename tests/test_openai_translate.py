@@ -18,7 +18,16 @@ from services.edge.protocol import (
     ErrorFrame,
     ResetFrame,
 )
-from shared.messages import ChatRequest, ErrorCode, Heartbeat, RequestLimits, Tier, Timings, Usage
+from shared.messages import (
+    ChatRequest,
+    ErrorCode,
+    Heartbeat,
+    RequestLimits,
+    Tier,
+    Timings,
+    Usage,
+    unknown_model_message,
+)
 
 LIMITS = RequestLimits(max_tokens_cap=100, default_max_tokens=16)
 CHAT = Identity("chat", "r1", "sim-8b", 1700000000)
@@ -191,7 +200,7 @@ def test_retry_after_rounds_up_to_whole_seconds() -> None:
 
 
 def test_unknown_model_names_the_served_ones() -> None:
-    error = unknown_model("gpt-4", ["sim-8b"])
+    error = unknown_model(unknown_model_message("gpt-4", ["sim-8b"]))
     assert (error.status, error.body.error.code, error.body.error.param) == (
         404,
         "model_not_found",
@@ -203,10 +212,11 @@ def test_unknown_model_names_the_served_ones() -> None:
 # -- SSE ----------------------------------------------------------------------------------------
 
 
-def done(reason: str = "stop") -> DoneFrame:
+def done(reason: str = "stop", model: str | None = None) -> DoneFrame:
     return DoneFrame(
         request_id="r1",
         finish_reason=reason,
+        model=model,
         usage=Usage(prompt_tokens=3, completion_tokens=2),
         timings=Timings(queue_ms=1, batch_size=1, ttft_ms=2, total_ms=3),
     )
@@ -252,6 +262,41 @@ def test_chat_stream_ids_role_chunk_usage_and_done() -> None:
     assert out[-1] == DONE
     assert stream.ended
     assert stream.take(delta(2, "late")) == []
+
+
+def test_the_model_and_fallback_map_and_the_answer_names_who_answered() -> None:
+    request = chat(model="big", fallback_model="small")
+    assert isinstance(request, ChatRequest)
+    assert (request.model, request.fallback_model) == ("big", "small")
+    ident = Identity("chat", "r1", "big", 1)
+    whole = Answer(ident)
+    whole.take(done(model="small"))
+    assert whole.result is not None
+    assert not isinstance(whole.result, HttpError)
+    assert whole.result.model == "small"
+    stream = SseStream(ident, include_usage=False)
+    first = events(stream.take(delta(0, "a")))
+    finish = events(stream.take(done(model="small")))
+    assert [d["model"] for _, d in first if isinstance(d, dict)] == ["big", "big"]
+    assert [d["model"] for _, d in finish if isinstance(d, dict)] == ["small"]
+
+
+def test_unknown_models_are_refused_only_after_the_directory_listened_a_while() -> None:
+    models = ModelDirectory(stale_s=10, listening_since=100.0, grace_s=3.0)
+    models.observe(beat("w1", "a", 100))
+    named = ChatRequest(prompt="hi", model="b")
+    assert models.unknown(named, now=102.0) is None  # too new to say
+    assert models.unknown(named, now=104.0) == (
+        "model",
+        "model 'b' is not served here; available models: a",
+    )
+    assert models.unknown(ChatRequest(prompt="hi", model="a"), now=104.0) is None
+    assert models.unknown(ChatRequest(prompt="hi"), now=104.0) is None
+    fallback = ChatRequest(prompt="hi", model="a", fallback_model="c")
+    assert models.unknown(fallback, now=104.0) == (
+        "fallback_model",
+        "model 'c' is not served here; available models: a",
+    )
 
 
 def test_text_stream_without_usage() -> None:

@@ -140,6 +140,7 @@ class Edge:
                 telemetry=self.telemetry,
                 metrics=self.metrics,
                 resume_keys=self.resume_keys,
+                models=self.openai.models,
             )
             sweeper = TopicSweeper(
                 admin,

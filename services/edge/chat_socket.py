@@ -179,6 +179,14 @@ class ChatSocket:
         return close
 
     async def _submit(self, frame: ChatRequestFrame) -> None:
+        if unknown := self.gateway.models.unknown(frame, time.time()):
+            _, message = unknown
+            self.send(
+                ErrorFrame(
+                    code=ErrorCode.invalid_request, message=message, client_id=frame.client_id
+                )
+            )
+            return
         request_id = uuid.uuid4().hex
         if refused := self.auth.admit(frame, request_id):
             self.send(refused)  # before anything of it reaches Kafka

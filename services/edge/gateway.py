@@ -31,6 +31,7 @@ from services.edge.auth import Guard
 from services.edge.broker_health import BrokerUnavailable
 from services.edge.broker_link import BrokerLink
 from services.edge.metrics import EdgeMetrics
+from services.edge.openai.models import ModelDirectory
 from services.edge.protocol import AcceptedFrame, ErrorFrame, ServerFrame, StreamResumeFrame
 from services.edge.results import ResultReader
 from services.edge.resume import ResumeClaims, ResumeKeys, ResumeRefused, check_resume, sign
@@ -81,8 +82,10 @@ class Gateway:
         telemetry: EdgeTelemetry,
         metrics: EdgeMetrics,
         resume_keys: ResumeKeys,
+        models: ModelDirectory,
     ) -> None:
         self.settings = settings
+        self.models = models  # the models live workers serve: a request naming another is refused
         self.topics = topics
         self.edge_id = edge_id
         self.link = link

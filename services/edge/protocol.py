@@ -123,6 +123,7 @@ class DoneFrame(Model):
     finish_reason: str
     usage: Usage
     timings: Timings
+    model: str | None = None  # the model that answered (its fallback, if it ran there)
 
 
 class ErrorFrame(Model):

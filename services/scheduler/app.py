@@ -43,6 +43,7 @@ from services.scheduler.dispatch import Dispatcher
 from services.scheduler.heartbeats import HeartbeatReader
 from services.scheduler.ledger import Ledger
 from services.scheduler.liveness import Liveness
+from services.scheduler.models import ModelCheck
 from services.scheduler.policy import Plan, Policy
 from services.scheduler.recovery import Recovery
 from services.scheduler.settings import SchedulerSettings
@@ -50,7 +51,7 @@ from services.scheduler.telemetry import SchedulerTelemetry
 from services.scheduler.workers import WorkerRegistry
 from shared.health import Readiness, consumer_readiness
 from shared.kafka import LONG_POLL_MS, make_admin, make_consumer, make_producer
-from shared.messages import Tier
+from shared.messages import ErrorCode, ErrorResult, Tier, unknown_model_message
 from shared.producers import RenewingProducer
 from shared.retry import backoffs, retrying
 from shared.topics import Topics
@@ -141,6 +142,8 @@ class Scheduler:
         self.admission = Admission(self.policy.config)
         self.ledger = Ledger()
         self.workers = WorkerRegistry(s.scheduler_worker_missed_beats)
+        # Refuses nothing as unknown until heartbeats have been read a while (set at start).
+        self.model_check = ModelCheck(time.time(), s.scheduler_unknown_model_after_ms / 1000.0)
         self.telemetry = SchedulerTelemetry(
             self.topics.batches,
             {
@@ -205,6 +208,7 @@ class Scheduler:
         # Whatever we produce will land at or after today's end of each batches partition.
         self._start_ends = {tp.partition: end for tp, end in ends.items()}
         await self.heartbeats.seek_recent(await self._partitions(self.topics.workers))
+        self.model_check = ModelCheck(time.time(), self.model_check.grace_s)
 
     async def readiness(self) -> Readiness:
         """`/readyz` (shared/health.py): tier partitions assigned, broker answering."""
@@ -277,6 +281,7 @@ class Scheduler:
     def _queue(self, w: Waiting, now: float) -> None:
         request = w.request
         self.telemetry.arrived(request)
+        s = self.settings
         self.policy.add(
             w,
             tier=request.tier,
@@ -285,6 +290,8 @@ class Scheduler:
             now=now,
             deadline_at=request.deadline_at,
             tenant=request.tenant,
+            model=request.model or s.scheduler_default_model,
+            fallback=request.fallback_model or s.fallback_model(request.tier),
         )
 
     def _owned(self, consumer: AIOKafkaConsumer, fetched: Fetched) -> Fetched:
@@ -338,14 +345,42 @@ class Scheduler:
             self._wake.clear()
             async with self._step_lock:
                 now = time.time()
-                # 1) Plan.
+                # 1) Plan (after refusing what waits for a model nobody serves).
+                refused = self._unknown_models(now)
                 plan = self.policy.plan(now, self.workers.slots(now))
                 self._wake_at = plan.wake_at
                 # 2) Carry it out; 3) commit what it handed on.
                 await self._carry_out(plan, now)
+                for w, error in refused:
+                    await self.answerer.answer(w, error)
+                    self._hand_on(w.tp, w.offset)
                 await self._commit()
 
+    def _unknown_models(self, now: float) -> list[tuple[Waiting, ErrorResult]]:
+        """Take out every waiting request whose model no known worker serves, with its error."""
+        known = self.workers.models()
+        backlog = self.policy.backlog
+        out: list[tuple[Waiting, ErrorResult]] = []
+        for key, lane in list(backlog.lanes.items()):
+            model = key.model
+            if model is None or not len(lane) or not self.model_check.unknown(model, known, now):
+                continue
+            message = unknown_model_message(model, known)
+            for p in list(lane):
+                backlog.remove(p)
+                self.telemetry.refused(p.item.request)
+                log.info("request.unknown_model", request_id=p.item.request.request_id, model=model)
+                error = ErrorResult.for_request(p.item.request, ErrorCode.invalid_request, message)
+                out.append((p.item, error))
+        return out
+
     async def _carry_out(self, plan: Plan[Waiting], now: float) -> None:
+        for p in plan.fell_back:
+            request = p.item.request
+            self.telemetry.fell_back(request, p.model or "")
+            log.info(
+                "request.fell_back", request_id=request.request_id, model=request.model, to=p.model
+            )
         for out in await self.dispatcher.dispatch(plan.dispatches, now):
             for p in out.dispatch.passengers:
                 self._hand_on(p.item.tp, p.item.offset)

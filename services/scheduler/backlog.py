@@ -1,4 +1,4 @@
-"""The scheduler's backlog: waiting requests in lanes (tier x length bucket), shared fairly.
+"""The scheduler's backlog: waiting requests in lanes (tier, length bucket, model), shared fairly.
 
 A lane's bus leaves by its oldest request (arrival order); who rides it is decided by fair
 share between the lane's tenants (`fairness.FairQueue`), oldest first within a tenant.
@@ -32,6 +32,7 @@ RATE_SMOOTHING = 0.2
 class LaneKey(NamedTuple):
     tier: Tier
     bucket: int
+    model: str | None = None  # the model its requests run on; None: any worker
 
 
 @dataclass(slots=True, eq=False)
@@ -46,6 +47,8 @@ class Passenger(Generic[T]):
     deadline_at: float | None
     number: int  # arrival order, unique per backlog
     tenant: str = DEFAULT_TENANT  # whose fair share it rides on
+    model: str | None = None  # the model it runs on (its lane's); None: any
+    fallback: str | None = None  # the model it may run on instead (models.py)
 
 
 class Lane(Generic[T]):
@@ -140,14 +143,15 @@ class Backlog(Generic[T]):
         self._numbers = itertools.count()
         self._deadlines: list[tuple[float, int, LaneKey]] = []  # lazy min-heap
         self._where: dict[int, Passenger[T]] = {}
+        self._movable: dict[int, Passenger[T]] = {}  # those that may fall back
 
     def __len__(self) -> int:
         return len(self._where)
 
-    def lane_of(self, tier: Tier, prompt_tokens: int) -> LaneKey:
+    def lane_of(self, tier: Tier, prompt_tokens: int, model: str | None = None) -> LaneKey:
         if self.config.batching == "pack":
-            return LaneKey(tier, 0)
-        return LaneKey(tier, bisect_left(self.config.bucket_edges, prompt_tokens))
+            return LaneKey(tier, 0, model)
+        return LaneKey(tier, bisect_left(self.config.bucket_edges, prompt_tokens), model)
 
     def add(
         self,
@@ -159,21 +163,48 @@ class Backlog(Generic[T]):
         now: float,
         deadline_at: float | None = None,
         tenant: str = DEFAULT_TENANT,
+        model: str | None = None,
+        fallback: str | None = None,
     ) -> Passenger[T]:
-        key = self.lane_of(tier, prompt_tokens)
+        key = self.lane_of(tier, prompt_tokens, model)
+        number = next(self._numbers)
+        p = Passenger(
+            item,
+            tier,
+            cost,
+            prompt_tokens,
+            now,
+            deadline_at,
+            number,
+            tenant,
+            model=model,
+            fallback=fallback,
+        )
+        self._enter(key, p)
+        return p
+
+    def _enter(self, key: LaneKey, p: Passenger[T]) -> None:
         lane = self.lanes.get(key)
         if lane is None:
             fair: FairQueue[Passenger[T]] = FairQueue(
                 self.config.tenant_weights, FIRST_FIT_SCAN, fair=self.config.fair_share
             )
-            lane = self.lanes[key] = Lane(key, self.config.tiers[tier], fair)
-        number = next(self._numbers)
-        p = Passenger(item, tier, cost, prompt_tokens, now, deadline_at, number, tenant)
+            lane = self.lanes[key] = Lane(key, self.config.tiers[p.tier], fair)
         lane.add(p)
         self._where[p.number] = p
-        if deadline_at is not None:
-            heapq.heappush(self._deadlines, (deadline_at, p.number, key))
-        return p
+        if p.fallback is not None:
+            self._movable[p.number] = p
+        if p.deadline_at is not None:
+            heapq.heappush(self._deadlines, (p.deadline_at, p.number, key))
+
+    def move(self, p: Passenger[T], model: str) -> None:
+        """Move a waiting request to its lane on another model (its fallback), once.
+
+        It keeps its arrival time and number, so it waits no longer there than it had here.
+        """
+        self.remove(p)
+        p.model, p.fallback = model, None
+        self._enter(self.lane_of(p.tier, p.prompt_tokens, model), p)
 
     def select(
         self,
@@ -189,6 +220,11 @@ class Backlog(Generic[T]):
         self.lanes[key].discard(passengers)
         for p in passengers:
             del self._where[p.number]
+            self._movable.pop(p.number, None)
+
+    def movable(self) -> list[Passenger[T]]:
+        """Waiting requests that may still move to a fallback model."""
+        return list(self._movable.values())
 
     def take(self, key: LaneKey, limit: int, token_budget: int) -> list[Passenger[T]]:
         taken = self.select(key, limit, token_budget)
@@ -196,8 +232,9 @@ class Backlog(Generic[T]):
         return taken
 
     def remove(self, p: Passenger[T]) -> None:
+        self._movable.pop(p.number, None)
         if self._where.pop(p.number, None) is not None:
-            self.lanes[self.lane_of(p.tier, p.prompt_tokens)].remove(p)
+            self.lanes[self.lane_of(p.tier, p.prompt_tokens, p.model)].remove(p)
 
     def remove_where(self, predicate: Callable[[T], bool]) -> list[Passenger[T]]:
         """Drop every waiting request whose payload matches (e.g. a revoked partition's)."""

@@ -17,6 +17,7 @@ from typing import Generic, TypeVar
 from services.scheduler.backlog import DEFAULT_TENANT, Backlog, Lane, LaneKey, Passenger
 from services.scheduler.departure import DepartureRule, DispatchReason, FixedRule
 from services.scheduler.limits import PolicyConfig
+from services.scheduler.models import fall_back, serves
 from shared.messages import Tier
 
 T = TypeVar("T")
@@ -37,6 +38,8 @@ class WorkerSlots:
     free: int
     total: int
     queued_tokens: int = 0
+    model: str | None = None  # the model it serves
+    service_s: float | None = None  # how long a request holds one of its slots, measured
 
 
 @dataclass
@@ -60,6 +63,7 @@ class Plan(Generic[T]):
 
     dispatches: list[Dispatch[T]] = field(default_factory=list)
     expired: list[Passenger[T]] = field(default_factory=list)
+    fell_back: list[Passenger[T]] = field(default_factory=list)  # moved to their fallback model
     wake_at: float | None = None  # call `plan` again by then, even if nothing happens
 
 
@@ -82,6 +86,8 @@ class Policy(Generic[T]):
         now: float,
         deadline_at: float | None = None,
         tenant: str = DEFAULT_TENANT,
+        model: str | None = None,
+        fallback: str | None = None,
     ) -> Passenger[T] | None:
         """Queue a request; None if it can never ride (larger than its tier's token budget)."""
         if cost > self.config.tiers[tier].max_batch_tokens:
@@ -94,10 +100,13 @@ class Policy(Generic[T]):
             now=now,
             deadline_at=deadline_at,
             tenant=tenant,
+            model=model,
+            fallback=fallback if fallback != model else None,
         )
 
     def plan(self, now: float, workers: Sequence[WorkerSlots]) -> Plan[T]:
         plan: Plan[T] = Plan(expired=self.backlog.expire(now))
+        plan.fell_back = fall_back(self.backlog, now, workers)
         free = {w.worker_id: w.free for w in workers if w.free > 0}
         queued = {w.worker_id: w.queued_tokens for w in workers}
         total = sum(w.total for w in workers)
@@ -105,9 +114,10 @@ class Policy(Generic[T]):
         # Aging is decided once per plan, from the share before it.
         aging = self.background_share < self.config.background_min_share
         aged_before = now - self.config.background_aging_ms / 1000.0 if aging else -math.inf
-        self._place(plan, now, free, queued, load, aged_before)
+        models = {w.worker_id: w.model for w in workers}
+        self._place(plan, now, free, queued, load, aged_before, models)
         self._fill(plan, free, aged_before)
-        plan.wake_at = self._wake_at(now, load, bool(free))
+        plan.wake_at = self._wake_at(now, load, free, models)
         for d in plan.dispatches:
             for p in d.passengers:
                 background = 1.0 if p.tier is Tier.background else 0.0
@@ -122,11 +132,15 @@ class Policy(Generic[T]):
         queued: dict[str, int],
         load: float,
         aged_before: float,
+        models: dict[str, str | None],
     ) -> None:
-        """Due lanes, best rank first, each as batches on the workers with most room."""
+        """Due lanes, best rank first, each as batches on the workers (of its model) with
+        most room."""
         while free:
             best: tuple[tuple[int, float, int], Lane[T], DispatchReason] | None = None
             for lane in self.backlog.busy_lanes():
+                if not any(serves(models.get(w), lane.key.model) for w in free):
+                    continue
                 reason = self.rule.reason(lane, now, load)
                 if reason is None:
                     continue
@@ -143,12 +157,15 @@ class Policy(Generic[T]):
             )
             # The batch goes to the worker with most room; if it has too little, the rest
             # of this same batch goes to the next one (each part is within every limit).
-            while chosen and free:
-                worker = max(free, key=lambda w: (free[w], -queued.get(w, 0), w))
-                part, chosen = chosen[: free[worker]], chosen[free[worker] :]
+            # Only the workers serving the lane's model take it (models.py).
+            room = {w: n for w, n in free.items() if serves(models.get(w), lane.key.model)}
+            while chosen and room:
+                worker = max(room, key=lambda w: (room[w], -queued.get(w, 0), w))
+                part, chosen = chosen[: room[worker]], chosen[room[worker] :]
                 self.backlog.discard(lane.key, part)
                 plan.dispatches.append(Dispatch(worker, lane.key.tier, reason, part))
                 self._use(free, worker, len(part))
+                self._use(room, worker, len(part))
 
     def _fill(self, plan: Plan[T], free: dict[str, int], aged_before: float) -> None:
         """Spare room in leaving batches (and on their workers), best rank first.
@@ -159,11 +176,12 @@ class Policy(Generic[T]):
         """
         for d in plan.dispatches:
             limits = self.config.tiers[d.tier]
-            own = self.backlog.lane_of(d.tier, d.passengers[0].prompt_tokens)
+            first = d.passengers[0]
+            own = self.backlog.lane_of(d.tier, first.prompt_tokens, first.model)
             keys = [own]
             if self.config.fill_from_other_tier:
                 other = Tier.background if d.tier is Tier.interactive else Tier.interactive
-                keys.append(LaneKey(other, own.bucket))
+                keys.append(LaneKey(other, own.bucket, own.model))
             lanes = [lane for k in keys if (lane := self.backlog.lanes.get(k)) and len(lane)]
             lanes.sort(key=lambda ln: self._order(ln, aged_before))
             for lane in lanes:
@@ -177,14 +195,24 @@ class Policy(Generic[T]):
                 d.passengers.extend(taken)
                 self._use(free, d.worker_id, len(taken))
 
-    def _wake_at(self, now: float, load: float, capacity_left: bool) -> float | None:
-        """The next time a plan could differ without any new arrival or capacity."""
+    def _wake_at(
+        self, now: float, load: float, free: dict[str, int], models: dict[str, str | None]
+    ) -> float | None:
+        """The next time a plan could differ without any new arrival or capacity.
+
+        Only lanes with room left on their model's workers count: a lane due but without
+        room waits for a heartbeat (which wakes the scheduler), not for the clock.
+        """
         times: list[float] = []
         deadline = self.backlog.next_deadline()
         if deadline is not None:
             times.append(deadline)
-        if capacity_left:
-            times.extend(self.rule.due_at(lane, now, load) for lane in self.backlog.busy_lanes())
+        if free:
+            times.extend(
+                self.rule.due_at(lane, now, load)
+                for lane in self.backlog.busy_lanes()
+                if any(serves(models.get(w), lane.key.model) for w in free)
+            )
         return max(now, min(times)) if times else None
 
     def _order(self, lane: Lane[T], aged_before: float) -> tuple[int, float, int]:

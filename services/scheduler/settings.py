@@ -114,6 +114,29 @@ class SchedulerSettings(TokenbusSettings):
         " dispatched since the last commit, so nothing is dispatched twice either way.",
     )
 
+    scheduler_default_model: str | None = Field(
+        default=None,
+        min_length=1,
+        description="The model a request that names none runs on; unset: any worker takes it.",
+    )
+    scheduler_interactive_fallback_model: str | None = Field(
+        default=None,
+        min_length=1,
+        description="The model an interactive request that names no `fallback_model` may run"
+        " on when its deadline cannot be met on its own model's backlog; unset: none.",
+    )
+    scheduler_background_fallback_model: str | None = Field(
+        default=None,
+        min_length=1,
+        description="The same for background requests; unset: none.",
+    )
+    scheduler_unknown_model_after_ms: float = Field(
+        default=3000.0,
+        ge=0,
+        description="A request naming a model no known worker serves is refused"
+        " (`invalid_request`) only once the scheduler has read heartbeats this long.",
+    )
+
     @model_validator(mode="after")
     def _valid_policy(self) -> SchedulerSettings:
         self.policy_config()  # raises ValueError on inconsistent limits
@@ -141,6 +164,12 @@ class SchedulerSettings(TokenbusSettings):
             fair_share=self.scheduler_fair_share,
             tenant_weights=dict(self.scheduler_tenant_weights),
         )
+
+    def fallback_model(self, tier: Tier) -> str | None:
+        """The tier's configured fallback model, for requests that name none."""
+        if tier is Tier.interactive:
+            return self.scheduler_interactive_fallback_model
+        return self.scheduler_background_fallback_model
 
     def departure_rule(self) -> DepartureRule:
         if self.scheduler_policy == "adaptive":

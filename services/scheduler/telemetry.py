@@ -69,6 +69,14 @@ class SchedulerTelemetry:
         self._leave(request.request_id)
         self.metrics.expired.labels(request.tier.value).inc()
 
+    def fell_back(self, request: QueuedRequest, model: str) -> None:
+        """A waiting request moved to its fallback model."""
+        self.metrics.fallbacks.labels(request.tier.value, model).inc()
+
+    def refused(self, request: QueuedRequest) -> None:
+        """A waiting request answered with an error (its model is unknown)."""
+        self._leave(request.request_id)
+
     def released(self, request: QueuedRequest) -> None:
         """A waiting request this process gives up (its partition moved to another scheduler)."""
         self._leave(request.request_id)

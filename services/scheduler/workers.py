@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 from services.scheduler.policy import WorkerSlots
 from shared.messages import Heartbeat
 
+# Weight of the newest finished request in a worker's service time (moving average).
+SERVICE_SMOOTHING = 0.2
+
 
 @dataclass
 class WorkerState:
@@ -27,6 +30,23 @@ class WorkerState:
     # (request_id, attempt) already handed back for this worker: never twice, even if a
     # worker wrongly declared dead comes back and later dies for real.
     handed_back: set[tuple[str, int]] = field(default_factory=set)
+    # When each request it holds was first seen held, and how long one holds a slot
+    # (smoothed over the requests seen to finish): the fallback estimate's service time.
+    held_since: dict[tuple[str, int], float] = field(default_factory=dict)
+    service_s: float | None = None
+
+    def observe_held(self, held: list[tuple[str, int]], now: float) -> None:
+        """Requests that left `held` since the last heartbeat finished (or were handed back)."""
+        current = set(held)
+        for key in [k for k in self.held_since if k not in current]:
+            took = now - self.held_since.pop(key)
+            self.service_s = (
+                took
+                if self.service_s is None
+                else (1 - SERVICE_SMOOTHING) * self.service_s + SERVICE_SMOOTHING * took
+            )
+        for key in current:
+            self.held_since.setdefault(key, now)
 
     @property
     def partition(self) -> int | None:
@@ -51,7 +71,9 @@ class WorkerRegistry:
         state = self._workers.get(beat.worker_id)
         if state is None or state.beat.started_at != beat.started_at:
             # New, or a new incarnation of the id.
-            self._workers[beat.worker_id] = WorkerState(beat, now, heard_live=not replayed)
+            state = self._workers[beat.worker_id] = WorkerState(beat, now, heard_live=not replayed)
+            if not replayed:
+                state.observe_held(beat.held, now)
             return True
         # A worker declared dead that beats again was only slow: it is alive again (what it
         # held has been handed back; `handed_back` keeps that from happening twice).
@@ -61,6 +83,8 @@ class WorkerRegistry:
         state.beat = beat
         state.seen_at = now
         state.heard_live = state.heard_live or not replayed
+        if not replayed:
+            state.observe_held(beat.held, now)
         for offset in [o for o in state.unacked if o < beat.batches_consumed]:
             del state.unacked[offset]
         return False
@@ -73,13 +97,24 @@ class WorkerRegistry:
     def slots(self, now: float) -> list[WorkerSlots]:
         """Every live worker with a batch partition, and what it can take now."""
         return [
-            WorkerSlots(worker_id, s.free(), s.beat.total_slots, s.beat.queued_tokens)
+            WorkerSlots(
+                worker_id,
+                s.free(),
+                s.beat.total_slots,
+                s.beat.queued_tokens,
+                model=s.beat.model,
+                service_s=s.service_s,
+            )
             for worker_id, s in sorted(self._workers.items())
             if s.heard_live
             and s.dead_at is None
             and s.partition is not None
             and not self._silent(s, now)
         ]
+
+    def models(self) -> set[str]:
+        """Every model a known worker serves (live or not yet forgotten): not unknown."""
+        return {s.beat.model for s in self._workers.values()}
 
     def partition_of(self, worker_id: str) -> int:
         partition = self._workers[worker_id].partition

@@ -124,6 +124,7 @@ class Worker:
                 telemetry=telemetry,
                 epoch_now=liveness.epoch_now,
                 write_timeout_s=s.worker_result_write_timeout_s,
+                model=s.worker_model,
             )
             loop = BatchLoop(
                 intake, runner, liveness, answers, early_cancels, producer, topics, telemetry

@@ -79,6 +79,7 @@ class RequestState:
     formed_at: float  # when its batch was formed (the `batch_transit` stage starts there)
     writer: ReplyWriter
     coalescer: Coalescer
+    model: str | None = None  # the model that answers (the worker's), in `DoneResult`
     started: float = field(default_factory=time.time)
     seq: int = 0
     first_token_at: float | None = None
@@ -130,6 +131,7 @@ class RequestState:
             attempt=request.attempt,
             seq=self.seq,
             finish_reason=finish.finish_reason,
+            model=self.model,
             usage=Usage(
                 prompt_tokens=finish.prompt_tokens, completion_tokens=finish.completion_tokens
             ),

@@ -82,8 +82,10 @@ class RequestRunner:
         telemetry: WorkerTelemetry,
         epoch_now: Callable[[], int] = lambda: 0,
         write_timeout_s: float = 10.0,
+        model: str | None = None,
     ) -> None:
         self._engine = engine
+        self._model = model  # the model this worker serves: named in every answer
         self._outbox = outbox
         self._telemetry = telemetry
         self._epoch_now = epoch_now
@@ -130,6 +132,7 @@ class RequestRunner:
             time.time() if formed_at is None else formed_at,
             writer,
             coalescer,
+            model=self._model,
         )
         self.runs.start(state)
         try:

@@ -63,6 +63,7 @@ class EdgeStreams:
         limits: RequestLimits,
         models: ModelDirectory,
     ) -> None:
+        self.models = models  # the gateway's too: the WebSocket refuses unknown models by it
         self._guard = guard
         self._gateway = gateway  # None until the edge reached Kafka, and while it stops
         self._limits = limits
@@ -77,6 +78,9 @@ class EdgeStreams:
 
     def served_models(self) -> dict[str, int]:
         return self._models.served(time.time())
+
+    def unknown_model(self, request: ChatRequest) -> tuple[str, str] | None:
+        return self._models.unknown(request, time.time())
 
     def heartbeat(self, value: bytes) -> None:
         """One record of the workers topic."""

@@ -64,11 +64,6 @@ def invalid(message: str, param: str | None = None) -> HttpError:
     return http_error(ErrorCode.invalid_request, message, param=param)
 
 
-def unknown_model(model: str, served: list[str]) -> HttpError:
-    listed = ", ".join(served) if served else "none (no live worker advertises one)"
-    return http_error(
-        ErrorCode.not_found,
-        f"The model `{model}` does not exist. Models served now: {listed}.",
-        param="model",
-        openai_code="model_not_found",
-    )
+def unknown_model(message: str, param: str = "model") -> HttpError:
+    """OpenAI's answer to a model it does not serve: 404, `invalid_request_error`."""
+    return http_error(ErrorCode.not_found, message, param=param, openai_code="model_not_found")

@@ -7,9 +7,14 @@ with its one consumer (`ResultReader`'s side partitions).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
-from shared.messages import Heartbeat
+from shared.messages import ChatRequest, Heartbeat, unknown_model_message
+
+# A new edge refuses no model as unknown before it has listened this long: it reads the
+# heartbeats of the last `stale_s` back on start, and a worker beats every second or so.
+UNKNOWN_AFTER_S = 3.0
 
 
 @dataclass
@@ -26,8 +31,12 @@ class ModelDirectory:
     Affects: only itself.
     """
 
-    def __init__(self, stale_s: float) -> None:
+    def __init__(
+        self, stale_s: float, listening_since: float | None = None, grace_s: float = UNKNOWN_AFTER_S
+    ) -> None:
         self.stale_s = stale_s
+        self.listening_since = time.time() if listening_since is None else listening_since
+        self.grace_s = grace_s
         self._workers: dict[str, _Seen] = {}
         self._first_seen: dict[str, float] = {}  # model -> when it was first advertised
 
@@ -46,3 +55,14 @@ class ModelDirectory:
         for model in [m for m in self._first_seen if m not in live]:
             del self._first_seen[model]
         return {m: int(self._first_seen[m]) for m in sorted(live)}
+
+    def unknown(self, request: ChatRequest, now: float) -> tuple[str, str] | None:
+        """(field, message) if the request names a model (or fallback) no live worker
+        serves; None while this directory is too new to say."""
+        if now < self.listening_since + self.grace_s:
+            return None
+        served = self.served(now)
+        for field, model in (("model", request.model), ("fallback_model", request.fallback_model)):
+            if model is not None and model not in served:
+                return field, unknown_model_message(model, served)
+        return None

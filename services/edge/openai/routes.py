@@ -81,6 +81,10 @@ class Streams(Protocol):
         """Model name -> when first seen (Unix seconds), for the models live workers serve."""
         ...
 
+    def unknown_model(self, request: ChatRequest) -> tuple[str, str] | None:
+        """(field, message) if the request names a model no live worker serves."""
+        ...
+
     async def open(
         self, principal: Principal, request: ChatRequest, client: HttpClient, headers: Headers
     ) -> None:
@@ -238,8 +242,6 @@ class OpenAIApi:
             return error_response(body)
         served = self._streams.served_models()
         token = request.headers.get(RESUME_TOKEN_HEADER)
-        if body.model is not None and body.model not in served and token is None:
-            return error_response(unknown_model(body.model, list(served)))
         model = body.model or next(iter(served), "tokenbus")
         client = HttpClient()
         # 2) Open (or resume) the stream; its first frame says whether it was accepted.
@@ -254,6 +256,9 @@ class OpenAIApi:
             chat = to_chat_request(body, self._streams.limits)
             if isinstance(chat, HttpError):
                 return error_response(chat)
+            if unknown := self._streams.unknown_model(chat):
+                field, message = unknown
+                return error_response(unknown_model(message, field))
             after = None
             await self._streams.open(principal, chat, client, request.headers)
         # 3) Answer: whole, or as events once the first one is known.

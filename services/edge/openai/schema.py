@@ -67,9 +67,11 @@ class SamplingFields(OpenAIModel):
     frequency_penalty: float | None = None
     logprobs: Any = None
     logit_bias: dict[str, float] | None = None
-    # Extensions, as vLLM's `priority`: the tier, and a deadline from acceptance.
+    # Extensions, as vLLM's `priority`: the tier, a deadline from acceptance, and the model
+    # the request may run on instead when its deadline cannot be met on `model`.
     priority: Priority | None = None
     deadline_ms: int | None = None
+    fallback_model: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields):

@@ -4,6 +4,8 @@ Pure: no I/O and no clock (times are passed in), so each mapping rule is tested 
 plain values. The rules:
 - `max_completion_tokens` wins over `max_tokens` (as in vLLM); unset, the edge's default;
 - `priority`: a tier by name, or vLLM's integer (<= 0 interactive, > 0 background);
+- `model` names the model the request runs on (unset: the deployment's default), and the
+  answer names the model that answered (`fallback_model`, an extension, if it ran there);
 - what tokenbus cannot honour (n > 1, logprobs, tools, penalties, images) is a 400 naming
   the field, never silently dropped;
 - a new attempt (a worker died) is invisible if the client has seen no text of the old one;
@@ -12,7 +14,7 @@ plain values. The rules:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from pydantic import ValidationError
@@ -60,6 +62,8 @@ def to_chat_request(body: OpenAIRequest, limits: RequestLimits) -> ChatRequest |
         "seed": body.seed,
         "priority": _tier(body.priority),
         "deadline_ms": body.deadline_ms,
+        "model": body.model,
+        "fallback_model": body.fallback_model,
     }
     if body.temperature is not None:
         fields["temperature"] = body.temperature
@@ -187,6 +191,14 @@ class Identity:
         return f"{'chatcmpl' if self.kind == 'chat' else 'cmpl'}-{self.request_id}"
 
 
+def answered_by(ident: Identity, done: DoneFrame) -> Identity:
+    """The identity the last bodies carry: the model that answered, if it was another
+    (the request ran on its fallback model)."""
+    if done.model is None or done.model == ident.model:
+        return ident
+    return replace(ident, model=done.model)
+
+
 @dataclass
 class Answer:
     """A non-streaming answer, gathered from frames; `result` is set by the final one."""
@@ -201,6 +213,7 @@ class Answer:
         elif isinstance(frame, ResetFrame):
             self.parts.clear()  # nothing was shown: the new attempt simply replaces it
         elif isinstance(frame, DoneFrame):
+            self.ident = answered_by(self.ident, frame)
             self.result = self._body("".join(self.parts), frame.finish_reason, usage_of(frame))
         elif isinstance(frame, ErrorFrame):
             self.result = frame_error(frame)
@@ -270,6 +283,7 @@ class SseStream:
             out.append(event(self._chunk(frame.text, None), self._id()))
             return out
         self.ended = True
+        self.ident = answered_by(self.ident, frame)
         out.append(event(self._chunk(None, frame.finish_reason), self._id()))
         if self.include_usage:
             out.append(event(self._usage_chunk(usage_of(frame)), self._id()))
