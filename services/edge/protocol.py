@@ -123,6 +123,7 @@ class DoneFrame(Model):
     finish_reason: str
     usage: Usage
     timings: Timings
+    cached: bool = False  # answered from the response cache, not by a worker
 
 
 class ErrorFrame(Model):

@@ -263,6 +263,7 @@ class StreamRouter:
                     finish_reason=record.finish_reason,
                     usage=record.usage,
                     timings=record.timings,
+                    cached=record.cached,
                 )
             )
         else:
