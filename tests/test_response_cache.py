@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import json
+import time
 from typing import Any
 
+import pytest
+from aiokafka.errors import KafkaConnectionError
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.ingest.admission import Admitted, admit
+import services.ingest.handling as handling_module
+from services.ingest.admission import Admitted, Duplicate, admit
+from services.ingest.handling import Ingest
 from services.ingest.response_cache import (
     ResponseCache,
     cache_key,
@@ -15,6 +21,8 @@ from services.ingest.response_cache import (
     entry_size,
     replay,
 )
+from services.ingest.settings import IngestSettings
+from services.ingest.telemetry import IngestTelemetry
 from shared.kafka import encode
 from shared.messages import (
     CacheEntry,
@@ -28,6 +36,8 @@ from shared.messages import (
     Usage,
 )
 from shared.topics import Topics
+from tests.test_ingest_handling import PREFIX, FakeAdmin, FakeProducer
+from tests.test_ingest_handling import record as raw_record
 
 BASE: dict[str, Any] = {
     "request_id": "r-1",
@@ -233,3 +243,57 @@ def test_a_replay_is_a_normal_stream_marked_cached() -> None:
     assert done.attempt == request.attempt
     assert done.usage.completion_tokens == 2
     assert done.timings.total_ms == 10_000.0
+
+
+# -- ingest's handling of a hit (fakes for Kafka, as in test_ingest_handling.py) -------------
+
+
+def hit_ingest(broker: FakeProducer, cache: ResponseCache) -> Ingest:
+    settings = IngestSettings(
+        topic_prefix=PREFIX, ingest_retry_backoff_ms=1, ingest_retry_backoff_max_ms=5
+    )
+    admin = FakeAdmin({f"{PREFIX}.results": 4})
+    telemetry = IngestTelemetry(f"{PREFIX}.requests")
+    return Ingest(settings, broker, admin, telemetry, cache)  # type: ignore[arg-type]
+
+
+async def test_a_hit_is_written_to_reply_to_whole_and_never_to_its_tier(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+
+    from tests.test_ingest_handling import FakeProducer
+
+    async def no_recall(*args: object) -> int:
+        return 0
+
+    monkeypatch.setattr(handling_module, "recall", no_recall)
+    body = {"request_id": "r2", "prompt": "hi", "temperature": 0, "max_tokens": 8}
+    stored = cache_key(RequestRecord.model_validate(body))
+    cache = ResponseCache(10, 10_000, max_age_s=3600)
+    cache.put(entry(stored, "hello", stored_at=time.time()))
+    # The first write to the results topic fails after it was queued: all is written again.
+    broker = FakeProducer(late={"tb.results": [KafkaConnectionError()]})
+    ingest = hit_ingest(broker, cache)
+    await ingest.recall()
+    [decision] = await ingest.handle_batch([raw_record(body)])
+    assert isinstance(decision, Admitted)
+    assert decision.answer is not None
+    assert broker.on("tb.requests.interactive") == []
+    written = [json.loads(p["value"]) for p in broker.on("tb.results")]
+    assert [(r["kind"], r["seq"]) for r in written[-3:]] == [
+        ("delta", 0),
+        ("delta", 1),
+        ("done", 2),
+    ]
+    assert written[-1]["cached"] is True
+    assert all(p["key"] == b"r2" for p in broker.on("tb.results"))
+    # Remembered once stored: the same record again is a duplicate, written nowhere.
+    again = await ingest.handle(raw_record(body, offset=1))
+    assert isinstance(again, Duplicate)
+    # A miss of the same cache (another prompt) goes to its tier, keyed to be stored.
+    [miss] = await ingest.handle_batch([raw_record({**body, "request_id": "r3", "prompt": "ho"})])
+    assert isinstance(miss, Admitted)
+    assert miss.answer is None
+    [tier] = broker.on("tb.requests.interactive")
+    assert miss.request.cache_key is not None
+    assert json.loads(tier["value"])["cache_key"] == miss.request.cache_key
