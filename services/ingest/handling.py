@@ -1,12 +1,13 @@
 """Ingest's handling of fetched request records: decide each, hand all on, remember them.
 
-Each record ends in exactly one outcome: forwarded to its tier once, or dead-lettered once
-with an error to its `reply_to` when that can be delivered. A batch's tier records are sent
-together and awaited together (one produce request, not one per record); a transient Kafka
-failure is retried in place with backoff (nothing is skipped), anything else about a record
-is a rejection (so nothing is retried forever). Only once every record of a batch has its
-outcome does the caller commit the batch's offsets; a crash before that re-reads them, and
-the durable memory (memory.py) drops what was already handed on.
+Each record ends in exactly one outcome: forwarded to its tier once, answered from the
+response cache once (its cached stream written to its `reply_to`, response_cache.py), or
+dead-lettered once with an error to its `reply_to` when that can be delivered. A batch's
+writes are sent together and awaited together (one produce request, not one per record);
+a transient Kafka failure is retried in place with backoff (nothing is skipped), anything
+else about a record is a rejection (so nothing is retried forever). Only once every record
+of a batch has its outcome does the caller commit the batch's offsets; a crash before that
+re-reads them, and the durable memory (memory.py) drops what was already handed on.
 """
 
 from __future__ import annotations
@@ -85,6 +86,8 @@ class _Sending:
     headers: Headers
     future: Awaitable[object] | None  # None: the send failed at once, with:
     failure: BaseException | None
+    # A cache hit's records (value, headers), encoded once: a retry writes the same bytes.
+    replies: list[tuple[bytes, Headers]] | None = None
 
 
 class Ingest:
@@ -247,15 +250,16 @@ class Ingest:
 
     async def _send_answer(self, record: Record, decision: Admitted, headers: Headers) -> _Sending:
         """Queue a cache hit's result stream to its `reply_to`: one future for all of it."""
+        replies = self._answer_records(decision, headers)
         futures: list[asyncio.Future[RecordMetadata]] = []
         try:
-            for value, extra in self._answer_records(decision, headers):
+            for value, extra in replies:
                 futures.append(await self._send_reply(decision, value, extra))
         except (*TRANSIENT, *PERMANENT) as exc:
             for future in futures:
                 future.add_done_callback(_observed)
-            return _Sending(record, decision, headers, None, exc)
-        return _Sending(record, decision, headers, asyncio.gather(*futures), None)
+            return _Sending(record, decision, headers, None, exc, replies)
+        return _Sending(record, decision, headers, asyncio.gather(*futures), None, replies)
 
     def _answer_records(self, decision: Admitted, headers: Headers) -> list[tuple[bytes, Headers]]:
         """A hit's records, encoded; `done` carries the trace context on, as a worker's does."""
@@ -320,7 +324,7 @@ class Ingest:
         """Write an admitted record whose batched write failed, retrying until stored."""
         decision = sending.decision
         request = decision.request
-        if decision.answer is not None:
+        if sending.replies is not None:
             return await self._forward_answer(sending)
         try:
             await self._retrying(
@@ -344,7 +348,7 @@ class Ingest:
         """
         decision = sending.decision
         try:
-            for value, headers in self._answer_records(decision, sending.headers):
+            for value, headers in sending.replies or []:
                 await self._retrying(
                     f"publish to {decision.request.reply_to.topic}",
                     lambda: self._write_reply(decision, value, headers),  # noqa: B023
