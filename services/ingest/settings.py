@@ -64,9 +64,9 @@ class IngestSettings(TokenbusSettings):
         default=100_000, ge=1, description="Response cache: most answers one ingest holds."
     )
     ingest_cache_max_bytes: int = Field(
-        default=268_435_456,
+        default=134_217_728,
         ge=1_048_576,
-        description="Response cache: most answer text one ingest holds in memory (bytes).",
+        description="Response cache: most memory one ingest's answers take (bytes, estimated).",
     )
 
     @property
