@@ -8,7 +8,7 @@ PYTHON ?= $(shell for p in python3.13 python3.12 python3.11 python3; do \
 	$$p -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null && { echo $$p; break; }; \
 	done)
 
-.PHONY: venv run test chaos lint bench bench-policies profile
+.PHONY: venv run test chaos lint bench bench-policies bench-cache profile
 
 venv: $(VENV)/.installed
 
@@ -55,6 +55,12 @@ bench: venv
 bench-policies: venv
 	$(VENV)/bin/tokenbus bench compare --json bench/out/compare.json \
 		--plots docs/img --docs docs/benchmarks.md $(BENCH_ARGS)
+
+# The response cache (issue 14 point 4) in docs/benchmarks.md: TTFT and total of a cached
+# answer vs the same request uncached, one sim stack on llama3-8b-h100. ~1 min.
+bench-cache: venv
+	$(VENV)/bin/tokenbus bench cache --json bench/out/cache.json \
+		--plot docs/img/cache.png --docs docs/benchmarks.md $(BENCH_ARGS)
 
 # Flame graphs (py-spy) of every service and CPU per process at 60 req/s, on the fast
 # constant profile: docs/perf/<service>-$(LABEL).svg and docs/perf/cpu-$(LABEL).json.

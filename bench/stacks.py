@@ -208,7 +208,9 @@ class PipelineStack(Stack):
 
     async def start(self) -> None:
         await wait_for_broker(self.settings, timeout_s=30)
-        await create_topics(self.settings, Topics(self.prefix).partitions())
+        await create_topics(
+            self.settings, Topics(self.prefix).partitions(), configs=self.settings.topic_configs()
+        )
         for name in SERVICES:
             env = self.env
             if name == "worker":

@@ -104,6 +104,11 @@ class ChatRequest(Model):
         description="A model this request may run on instead when its deadline cannot be met"
         " on `model`'s backlog; unset: the tier's configured fallback, if any.",
     )
+    cache: bool = Field(
+        default=True,
+        description="false: never answer this request from the response cache, nor store its"
+        " answer there (only deterministic requests are cached: temperature 0 or a seed).",
+    )
     # Bounded so every service can turn it into a float deadline (~24.8 days at most).
     deadline_ms: int | None = Field(
         default=None, ge=1, le=2**31 - 1, description="Budget from acceptance."
@@ -172,6 +177,12 @@ class QueuedRequest(RequestRecord):
         default_factory=dict,
         description="W3C trace context (traceparent, tracestate) of the request's latest span;"
         " set by the scheduler in a batch, so a worker continues each request's own trace.",
+    )
+    cache_key: str | None = Field(
+        default=None,
+        pattern=r"^[0-9a-f]{64}$",
+        description="Set by ingest on a cacheable request that missed the response cache: the"
+        " worker stores a complete answer under this key on the cache topic.",
     )
 
     @property
@@ -246,6 +257,25 @@ class DoneResult(ResultBase):
     usage: Usage
     timings: Timings
     model: str | None = Field(default=None, description="The model that answered.")
+    cached: bool = Field(
+        default=False, description="Answered from the response cache, not by a worker."
+    )
+
+
+class CacheEntry(Model):
+    """On `tokenbus.cache` (compacted, keyed by `key`): a complete deterministic answer.
+
+    Written by the worker that answered it; read by every ingest replica, which replays it
+    as the result stream of a later request with the same key.
+    """
+
+    key: str = Field(pattern=r"^[0-9a-f]{64}$")
+    chunks: list[str] = Field(description="The answer's deltas, as the worker sent them.")
+    finish_reason: Literal["stop", "length"]
+    usage: Usage
+    model: str = Field(description="The model that answered.")
+    request_id: str = Field(pattern=REQUEST_ID, description="The request it answered first.")
+    stored_at: float = Field(default_factory=time.time, description="Unix time, seconds.")
 
 
 class RequestAttempt(Protocol):

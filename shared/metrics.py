@@ -179,7 +179,8 @@ class IngestMetrics:
         return cls(
             Counter(
                 "tokenbus_ingest_records",
-                "Request records handled, by outcome (admitted|rejected|duplicate) and tier.",
+                "Request records handled, by outcome (admitted|cached|rejected|duplicate)"
+                " and tier.",
                 ["outcome", "tier"],
                 registry=registry,
             ),

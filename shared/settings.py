@@ -8,6 +8,7 @@ from pydantic import AliasChoices, Field, FilePath, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.messages import RequestLimits
+from shared.topics import Topics
 
 LogFormat = Literal["json", "console"]
 
@@ -85,6 +86,19 @@ class TokenbusSettings(BaseSettings):
         description="Token budget of a background batch (prompt + max_tokens).",
     )
 
+    # The response cache's topic (ADR 0036): `tokenbus topics create` makes it with these
+    # bounds, and ingest serves no entry older than the age bound.
+    cache_retention_ms: int = Field(
+        default=86_400_000,
+        ge=60_000,
+        description="Response cache: oldest answer served, and the cache topic's retention.ms.",
+    )
+    cache_retention_bytes: int = Field(
+        default=268_435_456,
+        ge=1_048_576,
+        description="Response cache: retention.bytes of each cache topic partition (4 of them).",
+    )
+
     @model_validator(mode="after")
     def _kafka_security_is_whole(self) -> Self:
         """A half-configured security setting fails at start, not at the first connect."""
@@ -110,6 +124,12 @@ class TokenbusSettings(BaseSettings):
         """The most tokens one request may ask for: the largest tier token budget."""
         return max(
             self.scheduler_interactive_max_batch_tokens, self.scheduler_background_max_batch_tokens
+        )
+
+    def topic_configs(self) -> dict[str, dict[str, str]]:
+        """Configs of the topics that need any (the cache topic's bounds), by name."""
+        return Topics(self.topic_prefix).configs(
+            self.cache_retention_ms, self.cache_retention_bytes
         )
 
     def limits(self) -> RequestLimits:

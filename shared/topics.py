@@ -53,6 +53,11 @@ class Topics:
     def control(self) -> str:
         return f"{self.prefix}.control"
 
+    @property
+    def cache(self) -> str:
+        """Compacted log of complete deterministic answers, keyed by cache key (ADR 0036)."""
+        return f"{self.prefix}.cache"
+
     def worker_group(self, worker_id: str) -> str:
         """The consumer group under which one worker commits its batch partition progress."""
         return f"{self.prefix}.worker.{worker_id}"
@@ -70,4 +75,20 @@ class Topics:
             self.result_leases: 1,
             self.workers: 1,
             self.control: 1,
+            self.cache: 4,
+        }
+
+    def configs(
+        self, cache_retention_ms: int, cache_retention_bytes: int
+    ) -> dict[str, dict[str, str]]:
+        """Topic configs the project creates topics with, by name (those that need any)."""
+        return {
+            self.cache: {
+                # Compaction keeps one answer per key; deletion bounds age and size.
+                "cleanup.policy": "compact,delete",
+                "retention.ms": str(cache_retention_ms),
+                "retention.bytes": str(cache_retention_bytes),
+                # Only closed segments are deleted or compacted: roll them well within the age.
+                "segment.ms": str(max(60_000, cache_retention_ms // 4)),
+            }
         }

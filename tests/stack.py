@@ -222,7 +222,7 @@ class Stack:
 
 async def _create(settings: TokenbusSettings, topics: Topics) -> None:
     await wait_for_broker(settings, timeout_s=60)
-    await create_topics(settings, topics.partitions())
+    await create_topics(settings, topics.partitions(), configs=settings.topic_configs())
 
 
 async def _delete_all(settings: TokenbusSettings, topics: Topics) -> None:

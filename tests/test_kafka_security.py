@@ -244,6 +244,12 @@ def test_each_service_gets_only_what_it_uses() -> None:
         assert may(role, read, topics.results)
         assert may(role, read, f"{reply_prefix(topics)}a")
         assert not may(role, read, topics.result_leases)
+    # The response cache: workers store answers, every ingest reads them, nobody else.
+    assert may("worker", write, topics.cache)
+    assert may("ingest", read, topics.cache)
+    assert not may("ingest", write, topics.cache)
+    assert not any(may(r, read, topics.cache) for r in ("edge", "scheduler", "worker", "app"))
+    assert not any(may(r, write, topics.cache) for r in ("edge", "scheduler", "app"))
     # Only the edge makes and removes topics; every other topic change is the admin's.
     makers = {a.principal for a in acls if a.operation in (Operation.CREATE, Operation.DELETE)}
     assert makers == {"User:edge"}

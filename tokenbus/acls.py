@@ -148,7 +148,8 @@ def grants(topics: Topics) -> dict[str, list[Grant]]:
             # read: what was handed on is remembered by reading the tails back (dedupe).
             *(_topic(t, read, write) for t in tiers),
             _topic(topics.dlq, read, write),
-            *results_out,  # error results of refused requests
+            *results_out,  # error results of refused requests; cached answers
+            _topic(topics.cache, read),  # the response cache, read whole by every replica
         ],
         "scheduler": [
             *(_topic(t, read, write) for t in tiers),  # write: a dead worker's hand-backs
@@ -174,6 +175,7 @@ def grants(topics: Topics) -> dict[str, list[Grant]]:
             *(_topic(t, write) for t in tiers),  # a draining worker hands requests back
             *results_out,
             *results_in,  # a take-over of a former process's batches skips what it answered
+            _topic(topics.cache, write),  # complete deterministic answers (response cache)
         ],
         "app": [
             _topic(topics.requests, write),

@@ -137,6 +137,23 @@ def register(commands: Subcommands) -> None:
     capacity.add_argument("--log-dir", type=Path, default=Path("bench/out/logs"))
     capacity.set_defaults(handler=_capacity)
 
+    cached = actions.add_parser(
+        "cache",
+        help="the response cache: TTFT and total of a cached answer vs the same request "
+        "uncached, on one sim stack (make bench-cache, ~1 min)",
+        description="Distinct deterministic requests, each asked once (the worker runs it and"
+        " stores the answer) and once more (ingest replays it from the cache topic), one at"
+        " a time; client-measured TTFT and total. Broker: KAFKA_BOOTSTRAP_SERVERS.",
+    )
+    cached.add_argument("--prompts", type=int, default=20, help="distinct requests (20)")
+    cached.add_argument("--max-tokens", type=int, default=64, help="max_tokens of each (64)")
+    cached.add_argument("--profile", default="llama3-8b-h100", help="sim engine profile")
+    cached.add_argument("--json", type=Path, default=Path("bench/out/cache.json"))
+    cached.add_argument("--plot", type=Path, default=None, help="PNG of the CDFs")
+    cached.add_argument("--docs", type=Path, default=None, help="Markdown file to update")
+    cached.add_argument("--log-dir", type=Path, default=Path("bench/out/logs"))
+    cached.set_defaults(handler=_cache)
+
 
 def _sweep_arguments(parser: argparse.ArgumentParser, rates: str, duration: float) -> None:
     parser.add_argument(
@@ -321,6 +338,12 @@ def _capacity(args: argparse.Namespace) -> int:
         print(f"tokenbus bench: error: stacks failed: {', '.join(failed)}", file=sys.stderr)
         return 1
     return 0
+
+
+def _cache(args: argparse.Namespace) -> int:
+    from bench import cache
+
+    return cache.run(args, _command())
 
 
 def _emit(

@@ -32,6 +32,7 @@ from shared.dead_letters import (
 )
 from shared.messages import (
     Batch,
+    CacheEntry,
     ControlRecord,
     Heartbeat,
     QueuedRequest,
@@ -111,6 +112,7 @@ SCHEMAS: dict[str, tuple[Any, JsonSchemaMode]] = {
     "ControlRecord": (ControlRecord, "serialization"),
     "Heartbeat": (Heartbeat, "serialization"),
     "LeaseRecord": (LeaseRecord, "serialization"),
+    "CacheEntry": (CacheEntry, "serialization"),
 }
 
 REQUEST = Message(
@@ -190,6 +192,15 @@ LEASE = Message(
     "An edge claims, renews or releases a partition of the shared results topic.",
     "LeaseRecord",
     "The leased partition number, as text.",
+    headers={},
+)
+CACHE_ENTRY = Message(
+    "cacheEntry",
+    "Cached answer",
+    "A complete deterministic answer (temperature 0 or a seed), stored by the worker that"
+    " answered it; ingest replays it to a later request with the same key, marked `cached`.",
+    "CacheEntry",
+    "The cache key: SHA-256 (hex) of the fields that decide the answer.",
     headers={},
 )
 RESULT_SENDERS: tuple[Service, ...] = ("worker", "scheduler", "ingest")
@@ -282,6 +293,16 @@ def channels(topics: Topics) -> tuple[Channel, ...]:
             ("edge",),
             ("edge",),
             parts[topics.result_leases],
+        ),
+        Channel(
+            "responseCache",
+            topics.cache,
+            "Compacted, and bounded in age and size, log of complete deterministic answers:"
+            " every ingest replica reads all of it (docs/decisions/0036-response-cache.md).",
+            (CACHE_ENTRY,),
+            ("worker",),
+            ("ingest",),
+            parts[topics.cache],
         ),
         Channel(
             "workers",

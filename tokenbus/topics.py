@@ -37,7 +37,9 @@ async def ensure_topics(settings: TokenbusSettings, replication: int | None = No
     wanted = Topics(settings.topic_prefix).partitions()
     if replication is None:
         replication = await _cluster_replication(settings)
-    created = set(await create_topics(settings, wanted, replication))
+    created = set(
+        await create_topics(settings, wanted, replication, configs=settings.topic_configs())
+    )
     copies = f"replication {replication}, min.insync.replicas {min_insync_replicas(replication)}"
     for name, partitions in wanted.items():
         # Partition counts and replication of existing topics are left alone: shrinking is

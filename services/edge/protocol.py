@@ -124,6 +124,7 @@ class DoneFrame(Model):
     usage: Usage
     timings: Timings
     model: str | None = None  # the model that answered (its fallback, if it ran there)
+    cached: bool = False  # answered from the response cache, not by a worker
 
 
 class ErrorFrame(Model):

@@ -264,6 +264,7 @@ class StreamRouter:
                     usage=record.usage,
                     timings=record.timings,
                     model=record.model,
+                    cached=record.cached,
                 )
             )
         else:

@@ -12,9 +12,11 @@ from typing import Generic, TypeVar
 from pydantic import ValidationError
 from pydantic_core import from_json
 
+from services.ingest.response_cache import cache_key, cacheable
 from shared.kafka import encode
 from shared.messages import (
     REQUEST_ID,
+    CacheEntry,
     ErrorCode,
     ErrorResult,
     QueuedRequest,
@@ -54,6 +56,8 @@ class Admitted:
     request: QueuedRequest
     topic: str
     value: bytes  # the tier record, encoded once here: what the shell publishes
+    # Set by the shell on a response-cache hit: the answer goes to `reply_to`, not the tier.
+    answer: CacheEntry | None = None
 
 
 @dataclass(frozen=True)
@@ -117,11 +121,13 @@ def admit(
     limits: RequestLimits,
     recent: Container[str],
     max_record_bytes: int = 1_000_000,
+    cache: bool = False,
 ) -> Decision:
     """Parse and validate one `tokenbus.requests` record; never raises, whatever `raw` holds.
 
     `recent` holds the ids already handed on (a request seen again is a `Duplicate`);
     `max_record_bytes` bounds the tier record it would forward (the broker refuses larger).
+    `cache`: the response cache is on; a cacheable request gets its `cache_key`.
     Whether `reply_to` exists is the shell's question (it needs the broker's metadata).
     """
     key_id = _request_id(key)
@@ -159,6 +165,8 @@ def admit(
         return _rejected(Reason.over_budget, message, record.request_id, reply_to)
     if queued.request_id in recent:
         return Duplicate(queued.request_id)
+    if cache and cacheable(queued):
+        queued = queued.model_copy(update={"cache_key": cache_key(queued)})
     value = encode(queued)
     if len(value) > max_record_bytes:
         message = f"request is {len(value)} bytes on its tier topic, above {max_record_bytes}"
@@ -203,6 +211,7 @@ def reserved_topics(topics: Topics) -> frozenset[str]:
             topics.result_leases,
             topics.workers,
             topics.control,
+            topics.cache,  # a result written there would be served as another's answer
         }
     )
 

@@ -5,14 +5,17 @@ Wiring only: the clients, the handling (handling.py) and the read loop (reader.p
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import Callable
 
 import structlog
 from aiokafka import AIOKafkaConsumer
+from aiokafka.admin import AIOKafkaAdminClient
 
 from services.ingest.handling import Ingest
 from services.ingest.reader import RequestReader
+from services.ingest.response_cache import CacheFollower, ResponseCache
 from services.ingest.settings import IngestSettings
 from services.ingest.telemetry import IngestTelemetry
 from shared.kafka import LONG_POLL_MS, make_admin, make_consumer, make_producer, wait_for_broker
@@ -53,10 +56,33 @@ async def serve(
         stack.push_async_callback(admin.close)
         await producer.start()
         stack.push_async_callback(producer.stop)
-        ingest = Ingest(settings, producer, admin, IngestTelemetry(topics.requests))
+        follower = _cache_follower(settings, admin, topics)
+        if follower is not None:
+            # Loaded before the first request is read: a restarted ingest hits at once.
+            await follower.load()
+        cache = follower.cache if follower is not None else None
+        ingest = Ingest(settings, producer, admin, IngestTelemetry(topics.requests), cache)
         reader = RequestReader(consumer, ingest, settings.ingest_commit_interval_ms / 1000)
         consumer.subscribe([topics.requests], listener=reader.listener())
         await consumer.start()
         stack.push_async_callback(consumer.stop)
-        log.info("ingest.started")
-        await reader.run()
+        log.info("ingest.started", cache=cache is not None)
+        async with asyncio.TaskGroup() as tasks:
+            if follower is not None:
+                tasks.create_task(follower.follow())
+            tasks.create_task(reader.run())
+
+
+def _cache_follower(
+    settings: IngestSettings, admin: AIOKafkaAdminClient, topics: Topics
+) -> CacheFollower | None:
+    """The response cache and its reader of the cache topic; None when the cache is off."""
+    if not settings.ingest_cache:
+        return None
+    cache = ResponseCache(
+        settings.ingest_cache_max_entries,
+        settings.ingest_cache_max_bytes,
+        max_age_s=settings.cache_retention_ms / 1000,
+    )
+    consumer = make_consumer(settings, group_id=None, client_id="ingest-cache")
+    return CacheFollower(cache, consumer, admin, topics.cache)

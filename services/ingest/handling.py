@@ -1,19 +1,21 @@
 """Ingest's handling of fetched request records: decide each, hand all on, remember them.
 
-Each record ends in exactly one outcome: forwarded to its tier once, or dead-lettered once
-with an error to its `reply_to` when that can be delivered. A batch's tier records are sent
-together and awaited together (one produce request, not one per record); a transient Kafka
-failure is retried in place with backoff (nothing is skipped), anything else about a record
-is a rejection (so nothing is retried forever). Only once every record of a batch has its
-outcome does the caller commit the batch's offsets; a crash before that re-reads them, and
-the durable memory (memory.py) drops what was already handed on.
+Each record ends in exactly one outcome: forwarded to its tier once, answered from the
+response cache once (its cached stream written to its `reply_to`, response_cache.py), or
+dead-lettered once with an error to its `reply_to` when that can be delivered. A batch's
+writes are sent together and awaited together (one produce request, not one per record);
+a transient Kafka failure is retried in place with backoff (nothing is skipped), anything
+else about a record is a rejection (so nothing is retried forever). Only once every record
+of a batch has its outcome does the caller commit the batch's offsets; a crash before that
+re-reads them, and the durable memory (memory.py) drops what was already handed on.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TypeAlias, TypeVar
 
 import structlog
@@ -42,6 +44,7 @@ from services.ingest.admission import (
 from services.ingest.dead_letter import ReplyStatus, Source, dead_letter
 from services.ingest.destinations import MetadataUnavailable, ReplyDestinations
 from services.ingest.memory import Memory, recall
+from services.ingest.response_cache import ResponseCache, replay
 from services.ingest.settings import IngestSettings
 from services.ingest.telemetry import IngestTelemetry
 from shared.kafka import Headers, encode, key_of
@@ -81,8 +84,10 @@ class _Sending:
     record: Record
     decision: Admitted
     headers: Headers
-    future: asyncio.Future[RecordMetadata] | None  # None: the send failed at once, with:
+    future: Awaitable[object] | None  # None: the send failed at once, with:
     failure: BaseException | None
+    # A cache hit's records (value, headers), encoded once: a retry writes the same bytes.
+    replies: list[tuple[bytes, Headers]] | None = None
 
 
 class Ingest:
@@ -98,8 +103,10 @@ class Ingest:
         producer: RenewingProducer,
         admin: AIOKafkaAdminClient,
         telemetry: IngestTelemetry,
+        cache: ResponseCache | None = None,
     ) -> None:
         self.settings = settings
+        self.cache = cache  # None: the response cache is off
         self.topics = Topics(settings.topic_prefix)
         self.limits = settings.limits()
         self.memory = Memory.of_size(settings.ingest_dedupe_window)
@@ -188,6 +195,7 @@ class Ingest:
             self.limits,
             _Seen(self.memory, in_batch),
             max_record_bytes=self.settings.ingest_max_record_bytes,
+            cache=self.cache is not None,
         )
         if isinstance(decision, Duplicate):
             log.info("request.duplicate", request_id=decision.request_id, source=str(source))
@@ -207,13 +215,28 @@ class Ingest:
                     else without_reply(decision)
                 )
         if isinstance(decision, Admitted):
-            return decision
+            return self._answered_from_cache(decision)
         # 3) Tell the requester, then dead-letter the record (last: it marks the end).
         await self._reject(decision, record, source, reply_problem)
         return decision
 
+    def _answered_from_cache(self, decision: Admitted) -> Admitted:
+        """The decision with its cached answer, on a hit (it then never reaches a tier)."""
+        answer = self.cache.get(decision.request) if self.cache is not None else None
+        if answer is None:
+            return decision
+        log.info(
+            "request.cache_hit",
+            request_id=decision.request.request_id,
+            answered_first=answer.request_id,
+            chunks=len(answer.chunks),
+        )
+        return replace(decision, answer=answer)
+
     async def _send(self, record: Record, decision: Admitted) -> _Sending:
         headers = self.telemetry.tier_headers(record, decision)
+        if decision.answer is not None:
+            return await self._send_answer(record, decision, headers)
         try:
             future = await self.producer.send(
                 decision.topic,
@@ -224,6 +247,42 @@ class Ingest:
         except (*TRANSIENT, *PERMANENT) as exc:
             return _Sending(record, decision, headers, None, exc)
         return _Sending(record, decision, headers, future, None)
+
+    async def _send_answer(self, record: Record, decision: Admitted, headers: Headers) -> _Sending:
+        """Queue a cache hit's result stream to its `reply_to`: one future for all of it."""
+        replies = self._answer_records(decision, headers)
+        futures: list[asyncio.Future[RecordMetadata]] = []
+        try:
+            for value, extra in replies:
+                futures.append(await self._send_reply(decision, value, extra))
+        except (*TRANSIENT, *PERMANENT) as exc:
+            for future in futures:
+                future.add_done_callback(_observed)
+            return _Sending(record, decision, headers, None, exc, replies)
+        return _Sending(record, decision, headers, asyncio.gather(*futures), None, replies)
+
+    def _answer_records(self, decision: Admitted, headers: Headers) -> list[tuple[bytes, Headers]]:
+        """A hit's records, encoded; `done` carries the trace context on, as a worker's does."""
+        if decision.answer is None:
+            raise AssertionError("not a cache hit")
+        records = replay(decision.request, decision.answer, time.time())
+        last = len(records) - 1
+        return [(encode(r), headers if i == last else []) for i, r in enumerate(records)]
+
+    async def _send_reply(
+        self, decision: Admitted, value: bytes, headers: Headers
+    ) -> asyncio.Future[RecordMetadata]:
+        reply_to = decision.request.reply_to
+        return await self.producer.send(
+            reply_to.topic,
+            value,
+            key=key_of(decision.request.request_id),
+            partition=reply_to.partition,
+            headers=headers,
+        )
+
+    async def _write_reply(self, decision: Admitted, value: bytes, headers: Headers) -> None:
+        await (await self._send_reply(decision, value, headers))
 
     async def _stored(self, sending: _Sending) -> Decision:
         """The outcome of an admitted record once its tier write is stored (or refused)."""
@@ -265,6 +324,8 @@ class Ingest:
         """Write an admitted record whose batched write failed, retrying until stored."""
         decision = sending.decision
         request = decision.request
+        if sending.replies is not None:
+            return await self._forward_answer(sending)
         try:
             await self._retrying(
                 f"publish to {decision.topic}",
@@ -275,6 +336,23 @@ class Ingest:
                     headers=sending.headers,
                 ),
             )
+        except PERMANENT as exc:
+            return self._not_forwarded(decision, exc)
+        return None
+
+    async def _forward_answer(self, sending: _Sending) -> Rejected | None:
+        """Write a cache hit's whole stream again, in order, each record until stored.
+
+        Records written before the failure are written again identically (same attempt
+        and `seq`): readers drop them as duplicates, as they do a worker's retried writes.
+        """
+        decision = sending.decision
+        try:
+            for value, headers in sending.replies or []:
+                await self._retrying(
+                    f"publish to {decision.request.reply_to.topic}",
+                    lambda: self._write_reply(decision, value, headers),  # noqa: B023
+                )
         except PERMANENT as exc:
             return self._not_forwarded(decision, exc)
         return None
@@ -397,6 +475,12 @@ class _Seen:
 
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._in_batch or request_id in self._memory.forwarded
+
+
+def _observed(future: asyncio.Future[RecordMetadata]) -> None:
+    """Retrieve a dropped future's outcome: its stream is written again whole."""
+    if not future.cancelled():
+        future.exception()
 
 
 def _reply_to(decision: Admitted | Rejected) -> ReplyTo | None:

@@ -55,6 +55,20 @@ class IngestSettings(TokenbusSettings):
         " a larger request is refused, a larger DLQ copy is truncated.",
     )
 
+    ingest_cache: bool = Field(
+        default=True,
+        description="Response cache: answer deterministic requests (temperature 0 or a seed)"
+        " from complete answers stored on the cache topic; false: every request runs.",
+    )
+    ingest_cache_max_entries: int = Field(
+        default=100_000, ge=1, description="Response cache: most answers one ingest holds."
+    )
+    ingest_cache_max_bytes: int = Field(
+        default=134_217_728,
+        ge=1_048_576,
+        description="Response cache: most memory one ingest's answers take (bytes, estimated).",
+    )
+
     @property
     def reply_timeout_s(self) -> float:
         return self.ingest_reply_timeout_ms / 1000

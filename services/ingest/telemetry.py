@@ -82,7 +82,9 @@ class IngestTelemetry:
         if isinstance(decision, Admitted):
             request = decision.request
             tier = request.tier.value
-            metrics.records.labels("admitted", tier).inc()
+            # A response-cache hit is answered here and never reaches its tier.
+            outcome = "cached" if decision.answer is not None else "admitted"
+            metrics.records.labels(outcome, tier).inc()
             metrics.admit.labels(tier).observe(max(0.0, request.accepted_at - request.created_at))
         elif isinstance(decision, Duplicate):
             metrics.records.labels("duplicate", "none").inc()

@@ -17,6 +17,7 @@ from aiokafka import AIOKafkaConsumer
 
 from services.worker.answers import Answers
 from services.worker.batches import BatchLoop
+from services.worker.cache_writes import CacheWriter
 from services.worker.cancel import CancelBook, CancelListener
 from services.worker.drain import Drain
 from services.worker.engines.base import Engine
@@ -125,6 +126,7 @@ class Worker:
                 epoch_now=liveness.epoch_now,
                 write_timeout_s=s.worker_result_write_timeout_s,
                 model=s.worker_model,
+                cache=CacheWriter(outbox, topics.cache, s.worker_model),
             )
             loop = BatchLoop(
                 intake, runner, liveness, answers, early_cancels, producer, topics, telemetry

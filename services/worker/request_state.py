@@ -87,6 +87,7 @@ class RequestState:
     final_sent_at: float | None = None
     stopping: Stopping | None = None
     gaps: ChunkGaps = field(default_factory=ChunkGaps)
+    chunks: list[str] = field(default_factory=list)  # kept only for the response cache
     exited: asyncio.Event = field(default_factory=asyncio.Event)
     _timer: asyncio.TimerHandle | None = None
 
@@ -176,6 +177,8 @@ class RequestState:
                 request_id=request.request_id, attempt=request.attempt, seq=self.seq, text=text
             )
         )
+        if request.cache_key is not None:
+            self.chunks.append(text)
         self.seq += 1
 
     def _arm(self) -> None:

@@ -15,6 +15,7 @@ from typing import Literal, cast
 
 import structlog
 
+from services.worker.cache_writes import CacheWriter
 from services.worker.coalesce import Coalescer
 from services.worker.engines.base import (
     ChatTurn,
@@ -28,7 +29,7 @@ from services.worker.outbox import ResultOutbox
 from services.worker.replies import Fenced, ReplyFailed, ReplyWriter
 from services.worker.request_state import RequestState, RunningRequests
 from services.worker.telemetry import RunTrace, WorkerTelemetry
-from shared.messages import ErrorCode, ErrorResult, QueuedRequest, Tier
+from shared.messages import DoneResult, ErrorCode, ErrorResult, QueuedRequest, Tier
 from shared.telemetry import carrier
 
 log = structlog.get_logger()
@@ -83,9 +84,11 @@ class RequestRunner:
         epoch_now: Callable[[], int] = lambda: 0,
         write_timeout_s: float = 10.0,
         model: str | None = None,
+        cache: CacheWriter | None = None,
     ) -> None:
         self._engine = engine
         self._model = model  # the model this worker serves: named in every answer
+        self._cache = cache
         self._outbox = outbox
         self._telemetry = telemetry
         self._epoch_now = epoch_now
@@ -178,6 +181,9 @@ class RequestRunner:
         # The final record carries the request's trace context on to the edge.
         state.writer.send(final, headers=self._telemetry.final_headers(trace, state.final_sent_at))
         await state.writer.flush()
+        if self._cache is not None and isinstance(final, DoneResult):
+            # Only now: a complete answer whose every record is stored.
+            self._cache.store(request, state.chunks, final)
         self._telemetry.answered(trace, state, final)
         state.log_finished(final, finish)
         return "answered"
