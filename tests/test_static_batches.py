@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from services.scheduler.workers import WorkerRegistry
 from services.worker.engines.base import (
     Capacity,
     EngineDelta,
@@ -23,6 +24,7 @@ from services.worker.engines.sim import SimEngine
 from services.worker.engines.sim_profiles import PROFILES, SimProfile
 from services.worker.heartbeat import free_slots
 from services.worker.settings import WorkerSettings
+from tests.test_scheduler_workers import beat
 
 H100 = PROFILES["llama3-8b-h100"]
 
@@ -195,3 +197,18 @@ def test_the_batch_mode_is_chosen_in_one_place() -> None:
     assert static_engine(sim, _settings("static")) is sim
     with pytest.raises(ValueError, match="cannot run a batch"):
         static_engine(FakeContinuousEngine(), _settings("static"))
+
+
+def test_a_batch_sent_to_a_static_worker_takes_all_its_slots_until_it_beats_again() -> None:
+    registry = WorkerRegistry()
+    registry.beat(beat(free=4, consumed=10, batch_mode="static"), now=0.0)
+    registry.dispatched("w1", offset=10, requests=1)
+    assert [s.free for s in registry.slots(0.0)] == [0]
+    registry.beat(beat(free=0, consumed=11, batch_mode="static"), now=0.1)  # running it
+    assert [s.free for s in registry.slots(0.1)] == [0]
+    registry.beat(beat(free=4, consumed=11, batch_mode="static"), now=0.2)  # done
+    assert [s.free for s in registry.slots(0.2)] == [4]
+    # A continuous worker's free slots only lose what was sent.
+    registry.beat(beat(worker="w2", free=4, consumed=10), now=0.2)
+    registry.dispatched("w2", offset=10, requests=1)
+    assert [s.free for s in registry.slots(0.2)] == [4, 3]

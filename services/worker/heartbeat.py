@@ -112,4 +112,5 @@ class Heartbeats:
             held=intake.held(),
             interval_ms=s.worker_heartbeat_ms,
             started_at=intake.started_at,
+            batch_mode=s.worker_batch_mode,
         )

@@ -23,7 +23,7 @@ import heapq
 import itertools
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -193,7 +193,7 @@ class SimEngine:
         seq.fails = self.fail_marker is not None and self.fail_marker in request.prompt
         return seq
 
-    async def _follow(self, seq: _Sequence) -> AsyncIterator[EngineOutput]:
+    async def _follow(self, seq: _Sequence) -> AsyncGenerator[EngineOutput]:
         try:
             while True:
                 out = await seq.take()

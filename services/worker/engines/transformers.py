@@ -23,7 +23,7 @@ import heapq
 import inspect
 import itertools
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -193,7 +193,7 @@ class TransformersEngine:
             seq.generator.manual_seed(seed & 0x7FFFFFFFFFFFFFFF)
         return seq
 
-    async def _follow(self, seq: _Sequence) -> AsyncIterator[EngineOutput]:
+    async def _follow(self, seq: _Sequence) -> AsyncGenerator[EngineOutput]:
         request = seq.request
         try:
             while True:
