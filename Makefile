@@ -8,7 +8,7 @@ PYTHON ?= $(shell for p in python3.13 python3.12 python3.11 python3; do \
 	$$p -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null && { echo $$p; break; }; \
 	done)
 
-.PHONY: venv run test chaos lint bench bench-policies profile
+.PHONY: venv run test chaos lint bench bench-policies bench-static profile
 
 venv: $(VENV)/.installed
 
@@ -55,6 +55,13 @@ bench: venv
 bench-policies: venv
 	$(VENV)/bin/tokenbus bench compare --json bench/out/compare.json \
 		--plots docs/img --docs docs/benchmarks.md $(BENCH_ARGS)
+
+# The static-batch benchmark (issue 14) in docs/benchmarks.md: batch1, fixed, buckets and
+# adaptive on static sim workers (llama3-8b-h100), simulated in simulated time with the real
+# scheduler policy; the targets met or missed. ~10 s.
+bench-static: venv
+	$(VENV)/bin/tokenbus bench static --json bench/out/static.json \
+		--plot docs/img/static_bus_rule.png --docs docs/benchmarks.md
 
 # Flame graphs (py-spy) of every service and CPU per process at 60 req/s, on the fast
 # constant profile: docs/perf/<service>-$(LABEL).svg and docs/perf/cpu-$(LABEL).json.
