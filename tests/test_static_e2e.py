@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,10 +14,10 @@ from tests.stack import Stack, new_prefix
 from tests.test_chat_e2e import expected
 
 ROWS = 5
-LONG_TOKENS = 120  # at 200 tokens/s: ~0.6 s, while the short rows end after a few steps
+LONG_TOKENS = 120  # the sim's answer is shorter: ~60 tokens, ~2.4 s at 25 tokens/s
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def static_stack(bootstrap: str, log_dir: Path) -> Iterator[Stack]:
     s = Stack(
         bootstrap=bootstrap,
@@ -24,6 +25,8 @@ def static_stack(bootstrap: str, log_dir: Path) -> Iterator[Stack]:
         log_dir=log_dir,
         env_overrides={
             "TOKENBUS_WORKER_BATCH_MODE": "static",
+            # Slow enough that a batch is still running while the tests act on it.
+            "TOKENBUS_WORKER_SIM_TOKEN_RATE": "25",
             "TOKENBUS_WORKER_MAX_NUM_SEQS": "8",
             "TOKENBUS_SCHEDULER_INTERACTIVE_MAX_BATCH_SIZE": "8",
             # Long enough for the first wave to leave as one bus on a loaded machine.
@@ -79,3 +82,31 @@ async def test_a_batch_runs_as_one_call_and_the_next_waits_for_its_longest_row(
         # One batch: each short row was answered when its own row ended, before the long.
         assert session.ended.index("a0") == ROWS - 1, session.ended
     assert "batch.one_call" in static_stack.log("worker").read_text()
+
+
+async def test_a_cancel_ends_its_row_and_a_deadline_expires_while_the_worker_is_busy(
+    static_stack: Stack,
+) -> None:
+    async with websockets.connect(static_stack.ws_url) as ws:
+        session = ChatSession(ws)
+        s = session.by_client
+        # 117 tokens (the sim's answer to this prompt): ~4.7 s at 25 tokens/s.
+        await session.send({"client_id": "long", "prompt": "a long one 2", "max_tokens": 2000})
+        await session.until(lambda: _streams(s["long"]), 60)
+        # The static worker runs its batch and advertises no slot: a request whose deadline
+        # passes meanwhile is answered by the scheduler, never run.
+        await session.send(
+            {"client_id": "late", "prompt": "in a hurry", "max_tokens": 3, "deadline_ms": 300}
+        )
+        await session.until(lambda: "late" in session.ended, 60)
+        assert s["late"].frames[-1]["type"] == "error"
+        assert s["late"].frames[-1]["code"] == "deadline_exceeded"
+        assert not _streams(s["late"])
+        request_id = s["long"].request_id
+        await ws.send(json.dumps({"type": "chat.cancel", "request_id": request_id}))
+        await session.until(lambda: "long" in session.ended, 60)
+        assert s["long"].frames[-1]["code"] == "cancelled"
+        # Its batch ended with its only row: the worker takes the next one.
+        await session.send({"client_id": "next", "prompt": "next one", "max_tokens": 3})
+        await session.until(lambda: "next" in session.ended, 60)
+        assert s["next"].frames[-1]["type"] == "chat.done"

@@ -195,8 +195,10 @@ class BatchLoop:
     ) -> RunOutcome:
         """Run the request; it stays held until answered (or, if handed back, until stored).
 
-        `stream`: its row of a batch run as one call (static mode); a run that does not
-        read it (an early cancel, a dead reply topic) closes it, which frees the row.
+        `stream`: its row of a batch run as one call (static mode), closed when the run
+        ends; a run that never reads it (an early cancel, a dead reply topic) also aborts
+        the row (`_drop_row`). No trace context reaches the engine for such rows: the
+        batch is submitted before any of its runs has a span.
         """
         try:
             async with contextlib.AsyncExitStack() as closing:
