@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from services.scheduler.departure import CostModel, fit_cost_model
+from services.scheduler.departure import AdaptiveRule, CostModel, fit_cost_model
 from services.scheduler.policy import Dispatch, Policy, WorkerSlots
 from services.scheduler.settings import SchedulerSettings
 from services.worker.engines.sim_profiles import SimProfile, sim_profile
@@ -156,8 +156,7 @@ def make_policy(spec: PolicySpec, profile: SimProfile) -> Policy[Request]:
     s = SchedulerSettings(scheduler_id="bench-static", **spec.settings)
     rule = s.departure_rule()
     if spec.settings.get("scheduler_policy") == "adaptive":
-        from services.scheduler.departure import AdaptiveRule
-
+        # The settings' default line is fitted to a continuous engine; refit to static batches.
         rule = AdaptiveRule(static_cost_line(profile))
     return Policy(s.policy_config(), rule)
 
@@ -193,7 +192,8 @@ def simulate(
     pending.reverse()
     sizes: list[int] = []
     padded = real = 0
-    now, wake = 0.0, None
+    now = 0.0
+    wake: float | None = None
 
     def start(worker: Worker, batch: list[Request], at: float) -> None:
         nonlocal padded, real
@@ -208,7 +208,7 @@ def simulate(
         real += sum(r.prompt for r in batch)
 
     while pending or policy.waiting() or any(w.busy_until or w.queue for w in workers):
-        times = [t for t in (wake,) if t is not None]
+        times: list[float] = [] if wake is None else [wake]
         if pending:
             times.append(pending[-1].arrived)
         for w in workers:
