@@ -58,9 +58,10 @@ bench-policies: venv
 
 # The static-batch benchmark (issue 14) in docs/benchmarks.md: batch1, fixed, buckets and
 # adaptive on static sim workers (llama3-8b-h100), simulated in simulated time with the real
-# scheduler policy; the targets met or missed. ~10 s.
+# scheduler policy, then batch1 and fixed live on real stacks at one rate; the targets met or
+# missed. Broker: KAFKA_BOOTSTRAP_SERVERS, else a private one. ~1.5-2 min.
 bench-static: venv
-	$(VENV)/bin/tokenbus bench static --json bench/out/static.json \
+	$(VENV)/bin/tokenbus bench static --live --json bench/out/static.json \
 		--plot docs/img/static_bus_rule.png --docs docs/benchmarks.md
 
 # Flame graphs (py-spy) of every service and CPU per process at 60 req/s, on the fast

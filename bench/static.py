@@ -323,6 +323,7 @@ class StaticReport:
     low_load: list[RunStats]
     runs: list[RunStats]
     targets: list[Target]
+    live: list[dict[str, Any]] = field(default_factory=list)  # bench/static_live.py, --live
 
 
 def run_all(seconds: float, slo_ms: float, command: str) -> StaticReport:
@@ -412,6 +413,12 @@ def print_report(report: StaticReport, say: Any = print) -> None:
     say("| policy | highest rate at SLO req/s | saturation req/s |")
     for name, rate in report.highest_rate.items():
         say(f"| {name} | {rate:g} | {report.saturation_rps.get(name, math.nan):g} |")
+    for live in report.live:
+        say(
+            f"live {live['policy']} at {live['rate']:g} req/s, one worker: TTFT p99 "
+            f"{live['ttft_ms_p99']:g} ms (simulated {live['predicted_ttft_ms_p99']:g} ms), "
+            f"{live['answered']}/{live['sent']} answered"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -421,11 +428,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--plot", type=Path)
     parser.add_argument("--docs", type=Path, help="rewrite its block in this Markdown file")
+    parser.add_argument(
+        "--live",
+        action="store_true",
+        help="also run batch1 and fixed on real stacks, one static worker each (~1-2 min; "
+        "KAFKA_BOOTSTRAP_SERVERS, else a private broker)",
+    )
     args = parser.parse_args(argv)
     command = "tokenbus bench static" + "".join(
-        f" --{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None
+        f" --{k.replace('_', '-')}" + ("" if v is True else f" {v}")
+        for k, v in vars(args).items()
+        if v is not None and v is not False
     )
     report = run_all(args.seconds, args.slo_ms, command)
+    if args.live:
+        import asyncio
+        import os
+
+        from bench.static_live import run_live
+
+        log_dir = Path("bench/out/logs")
+        log_dir.mkdir(parents=True, exist_ok=True)
+        bootstrap = os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
+        started = time.monotonic()
+        report.live = [asdict(r) for r in asyncio.run(run_live(bootstrap, log_dir))]
+        report.elapsed_s = round(report.elapsed_s + time.monotonic() - started, 1)
     print_report(report)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

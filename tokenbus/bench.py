@@ -108,6 +108,11 @@ def register(commands: Subcommands) -> None:
     static.add_argument("--json", type=Path, default=Path("bench/out/static.json"))
     static.add_argument("--plot", type=Path, default=None, help="PNG of TTFT p99 against load")
     static.add_argument("--docs", type=Path, default=None, help="rewrite its block in this file")
+    static.add_argument(
+        "--live",
+        action="store_true",
+        help="also batch1 and fixed on real stacks, one static worker each (~1-2 min)",
+    )
     static.set_defaults(handler=_static)
 
     capacity = actions.add_parser(
@@ -292,6 +297,8 @@ def _static(args: argparse.Namespace) -> int:
         argv += ["--plot", str(args.plot)]
     if args.docs is not None:
         argv += ["--docs", str(args.docs)]
+    if args.live:
+        argv.append("--live")
     return main(argv)
 
 
