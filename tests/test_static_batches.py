@@ -23,8 +23,13 @@ from services.worker.engines.factory import static_engine
 from services.worker.engines.sim import SimEngine
 from services.worker.engines.sim_profiles import PROFILES, SimProfile
 from services.worker.heartbeat import free_slots
+from services.worker.outbox import ResultOutbox
+from services.worker.request_state import RunningRequests
+from services.worker.runner import RequestRunner, engine_request
 from services.worker.settings import WorkerSettings
+from shared.messages import DoneResult
 from tests.test_scheduler_workers import beat
+from tests.test_worker_runner import UNTRACED, FakeProducer, _telemetry, request
 
 H100 = PROFILES["llama3-8b-h100"]
 
@@ -212,3 +217,43 @@ def test_a_batch_sent_to_a_static_worker_takes_all_its_slots_until_it_beats_agai
     registry.beat(beat(worker="w2", free=4, consumed=10), now=0.2)
     registry.dispatched("w2", offset=10, requests=1)
     assert [s.free for s in registry.slots(0.2)] == [4, 3]
+
+
+async def test_the_runner_streams_each_row_of_one_call_and_answers_it_when_its_row_ends() -> None:
+    """Worker logic, Kafka faked: rows of one engine call run through the usual runner."""
+    engine = SimEngine(SimProfile(token_rate=200.0, max_num_seqs=4), "static")
+    producer = FakeProducer()
+    queued = [
+        request("a short answer", max_tokens=2).model_copy(update={"request_id": "short"}),
+        request("a longer answer", max_tokens=20).model_copy(update={"request_id": "long"}),
+    ]
+    await engine.start()
+    try:
+        async with ResultOutbox(producer, within_s=1.0) as outbox:
+            runner = RequestRunner(
+                engine,
+                outbox,
+                RunningRequests(engine),
+                flush_ms=1.0,
+                flush_tokens=1,
+                telemetry=_telemetry(),
+            )
+            streams = engine.generate_batch([engine_request(q) for q in queued])
+            steps_at_start = engine.steps
+            outcomes = await asyncio.gather(
+                *(
+                    runner.run(q, 2, UNTRACED, stream=s)
+                    for q, s in zip(queued, streams, strict=True)
+                )
+            )
+    finally:
+        await engine.stop()
+    assert outcomes == ["answered", "answered"]
+    finals = [r for r in producer.records() if isinstance(r, DoneResult)]
+    # The short row is answered first, with its own tokens; both ran in the one batch.
+    assert [f.request_id for f in finals] == ["short", "long"]
+    assert finals[0].usage.completion_tokens == 2
+    assert finals[1].usage.completion_tokens == 20
+    assert all(f.timings.batch_size == 2 for f in finals)
+    # One batch: 20 steps for the longest row (prefill included), none for the short alone.
+    assert engine.steps - steps_at_start == 20
