@@ -8,7 +8,7 @@ PYTHON ?= $(shell for p in python3.13 python3.12 python3.11 python3; do \
 	$$p -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null && { echo $$p; break; }; \
 	done)
 
-.PHONY: venv run test chaos lint bench bench-policies bench-cache profile
+.PHONY: venv run test chaos lint bench bench-policies bench-static bench-cache profile
 
 venv: $(VENV)/.installed
 
@@ -55,6 +55,14 @@ bench: venv
 bench-policies: venv
 	$(VENV)/bin/tokenbus bench compare --json bench/out/compare.json \
 		--plots docs/img --docs docs/benchmarks.md $(BENCH_ARGS)
+
+# The static-batch benchmark (issue 14) in docs/benchmarks.md: batch1, fixed, buckets and
+# adaptive on static sim workers (llama3-8b-h100), simulated in simulated time with the real
+# scheduler policy, then batch1 and fixed live on real stacks at one rate; the targets met or
+# missed. Broker: KAFKA_BOOTSTRAP_SERVERS, else a private one. ~1.5-2 min.
+bench-static: venv
+	$(VENV)/bin/tokenbus bench static --live --json bench/out/static.json \
+		--plot docs/img/static_bus_rule.png --docs docs/benchmarks.md
 
 # The response cache (issue 14 point 4) in docs/benchmarks.md: TTFT and total of a cached
 # answer vs the same request uncached, one sim stack on llama3-8b-h100. ~1 min.

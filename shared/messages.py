@@ -405,6 +405,11 @@ class Heartbeat(Model):
         description="When this worker process started: the same worker_id with another"
         " started_at is a new incarnation.",
     )
+    batch_mode: Literal["continuous", "static"] = Field(
+        default="continuous",
+        description="static: each batch runs as one engine call, one batch at a time, so a"
+        " batch sent to it takes all its slots until a heartbeat says otherwise.",
+    )
 
 
 class StreamResumed(Model):

@@ -96,6 +96,25 @@ def register(commands: Subcommands) -> None:
     compare.add_argument("--log-dir", type=Path, default=Path("bench/out/logs"))
     compare.set_defaults(handler=_compare)
 
+    static = actions.add_parser(
+        "static",
+        help="the static-batch benchmark: batch1, fixed, buckets and adaptive on static sim "
+        "workers, simulated in simulated time with the real scheduler policy (make bench-static)",
+        description="Highest rate at the interactive SLO against batch size 1, the padded "
+        "share of prefill tokens with and without buckets, the adaptive wait at low load.",
+    )
+    static.add_argument("--seconds", type=float, default=60.0, help="simulated, per run")
+    static.add_argument("--slo-ms", type=float, default=500.0, help="interactive p99 TTFT SLO")
+    static.add_argument("--json", type=Path, default=Path("bench/out/static.json"))
+    static.add_argument("--plot", type=Path, default=None, help="PNG of TTFT p99 against load")
+    static.add_argument("--docs", type=Path, default=None, help="rewrite its block in this file")
+    static.add_argument(
+        "--live",
+        action="store_true",
+        help="also batch1 and fixed on real stacks, one static worker each (~1-2 min)",
+    )
+    static.set_defaults(handler=_static)
+
     capacity = actions.add_parser(
         "capacity",
         help="the capacity benchmark: fixed and direct on the fast constant profile, a rate "
@@ -285,6 +304,19 @@ def _compare(args: argparse.Namespace) -> int:
         )
         return 1
     return 0
+
+
+def _static(args: argparse.Namespace) -> int:
+    from bench.static import main
+
+    argv = ["--seconds", str(args.seconds), "--slo-ms", str(args.slo_ms), "--json", str(args.json)]
+    if args.plot is not None:
+        argv += ["--plot", str(args.plot)]
+    if args.docs is not None:
+        argv += ["--docs", str(args.docs)]
+    if args.live:
+        argv.append("--live")
+    return main(argv)
 
 
 def _capacity(args: argparse.Namespace) -> int:

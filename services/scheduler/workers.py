@@ -53,6 +53,8 @@ class WorkerState:
         return self.beat.batch_partition
 
     def free(self) -> int:
+        if self.beat.batch_mode == "static" and self.unacked:
+            return 0  # a static worker takes one batch at a time, whatever its size
         return max(0, self.beat.free_slots - sum(self.unacked.values()))
 
 

@@ -21,6 +21,7 @@ from services.worker.cache_writes import CacheWriter
 from services.worker.cancel import CancelBook, CancelListener
 from services.worker.drain import Drain
 from services.worker.engines.base import Engine
+from services.worker.engines.factory import static_engine
 from services.worker.fence import Fence
 from services.worker.heartbeat import Heartbeats
 from services.worker.intake import BatchIntake
@@ -111,6 +112,7 @@ class Worker:
             "worker.started",
             worker_id=s.worker_id,
             engine=engine.name,
+            batch_mode=s.worker_batch_mode,
             context_length=engine.context_length,
         )
         liveness.stored(time.monotonic())  # starting up is no silence
@@ -129,7 +131,15 @@ class Worker:
                 cache=CacheWriter(outbox, topics.cache, s.worker_model),
             )
             loop = BatchLoop(
-                intake, runner, liveness, answers, early_cancels, producer, topics, telemetry
+                intake,
+                runner,
+                liveness,
+                answers,
+                early_cancels,
+                producer,
+                topics,
+                telemetry,
+                static=static_engine(engine, s),
             )
             async with asyncio.TaskGroup() as tg:
                 taker = tg.create_task(loop.run(batches, tg))

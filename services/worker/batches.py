@@ -1,5 +1,9 @@
 """The worker's batch loop: take batch records, run their requests, complete each record.
 
+In static mode (TOKENBUS_WORKER_BATCH_MODE=static) a batch record's requests go to the
+engine as one call (`StaticEngine.generate_batch`): they start together and stream as
+usual, each answered when its own row ends; in continuous mode each goes on its own.
+
 Nothing it reads can stop it: a batch record it cannot handle is dead-lettered (its
 requests answered where they can be), and Kafka errors are retried with backoff. Nothing
 it runs ends silently: each request gets one final record, or goes back to the
@@ -10,8 +14,10 @@ answered or handed back.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import OrderedDict
+from collections.abc import AsyncIterator
 
 import structlog
 from aiokafka import AIOKafkaConsumer, TopicPartition
@@ -21,9 +27,10 @@ from aiokafka.structs import ConsumerRecord
 from services.worker.answers import Answers
 from services.worker.cancel import CancelBook
 from services.worker.drain import hand_back
+from services.worker.engines.base import EngineOutput, StaticEngine
 from services.worker.intake import BatchIntake, ParsedBatch
 from services.worker.liveness import Liveness
-from services.worker.runner import RequestRunner, RunOutcome
+from services.worker.runner import RequestRunner, RunOutcome, engine_request
 from services.worker.telemetry import RunTrace, WorkerTelemetry
 from shared.dead_letters import Source
 from shared.messages import Batch, ErrorCode, ErrorResult, QueuedRequest
@@ -52,7 +59,9 @@ class BatchLoop:
         producer: RenewingProducer,
         topics: Topics,
         telemetry: WorkerTelemetry,
+        static: StaticEngine | None = None,
     ) -> None:
+        self._static = static  # set: each batch record runs as one engine call
         self._intake = intake
         self._runner = runner
         self._liveness = liveness
@@ -142,8 +151,12 @@ class BatchLoop:
             results: list[RunOutcome | BaseException] = ["handed_back"] * len(batch.requests)
         else:
             source = Source(tp.topic, tp.partition, offset)
+            streams = self._one_call(batch)
             results = await asyncio.gather(
-                *(self._run_held(r, batch, epoch, source) for r in batch.requests),
+                *(
+                    self._run_held(r, batch, epoch, source, stream)
+                    for r, stream in zip(batch.requests, streams, strict=True)
+                ),
                 return_exceptions=True,
             )
         for request, result in zip(batch.requests, results, strict=True):
@@ -164,14 +177,36 @@ class BatchLoop:
             await self._intake.done(consumer, copy_offset)
         await self._intake.done(consumer, offset)
 
+    def _one_call(self, batch: Batch) -> list[AsyncIterator[EngineOutput] | None]:
+        """Static mode: the batch's rows, submitted to the engine now as one call."""
+        if self._static is None:
+            return [None] * len(batch.requests)
+        requests = [engine_request(r) for r in batch.requests]
+        log.info("batch.one_call", batch_id=batch.batch_id, rows=len(requests))
+        return list(self._static.generate_batch(requests))
+
     async def _run_held(
-        self, request: QueuedRequest, batch: Batch, epoch: int, source: Source
+        self,
+        request: QueuedRequest,
+        batch: Batch,
+        epoch: int,
+        source: Source,
+        stream: AsyncIterator[EngineOutput] | None = None,
     ) -> RunOutcome:
-        """Run the request; it stays held until answered (or, if handed back, until stored)."""
+        """Run the request; it stays held until answered (or, if handed back, until stored).
+
+        `stream`: its row of a batch run as one call (static mode), closed when the run
+        ends; a run that never reads it (an early cancel, a dead reply topic) also aborts
+        the row (`_drop_row`). No trace context reaches the engine for such rows: the
+        batch is submitted before any of its runs has a span.
+        """
         try:
-            with self._telemetry.run(request, batch) as trace:
-                outcome = await self._run_request(request, batch, trace, epoch, source)
-                self._telemetry.run_ended(trace, request, outcome)
+            async with contextlib.AsyncExitStack() as closing:
+                if stream is not None:
+                    closing.push_async_callback(_close, stream)
+                with self._telemetry.run(request, batch) as trace:
+                    outcome = await self._run_request(request, batch, trace, epoch, source, stream)
+                    self._telemetry.run_ended(trace, request, outcome)
         except BaseException:
             self._intake.finished(request)
             raise
@@ -179,19 +214,46 @@ class BatchLoop:
             self._intake.finished(request)
         return outcome
 
+    async def _drop_row(
+        self, request: QueuedRequest, stream: AsyncIterator[EngineOutput] | None
+    ) -> None:
+        """Static mode: take a row that will not run out of its batch (closing a stream
+        never read does not reach the engine; an abort does)."""
+        if stream is not None and self._static is not None:
+            await self._static.abort(request.request_id)
+
     async def _run_request(
-        self, request: QueuedRequest, batch: Batch, trace: RunTrace, epoch: int, source: Source
+        self,
+        request: QueuedRequest,
+        batch: Batch,
+        trace: RunTrace,
+        epoch: int,
+        source: Source,
+        stream: AsyncIterator[EngineOutput] | None,
     ) -> RunOutcome:
         if self._early_cancels.take(request.request_id, time.monotonic()):
             # Its cancel overtook the batch: answer it without running it.
+            await self._drop_row(request, stream)
             cancelled = ErrorResult.for_request(request, ErrorCode.cancelled, "request cancelled")
             await self._answers.error(request.reply_to, cancelled)
             return "answered"
         problem = await self._answers.reply_problem(request.reply_to)
         if problem is not None:
             # Nobody can be told anything: running it would only fail at its first write.
+            await self._drop_row(request, stream)
             await self._answers.undeliverable(request, source, problem)
             return "answered"
         return await self._runner.run(
-            request, len(batch.requests), trace, formed_at=batch.formed_at, epoch=epoch
+            request,
+            len(batch.requests),
+            trace,
+            formed_at=batch.formed_at,
+            epoch=epoch,
+            stream=stream,
         )
+
+
+async def _close(stream: AsyncIterator[EngineOutput]) -> None:
+    aclose = getattr(stream, "aclose", None)
+    if aclose is not None:
+        await aclose()

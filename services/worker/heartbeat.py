@@ -10,7 +10,7 @@ import structlog
 from aiokafka.structs import RecordMetadata
 
 from services.worker.drain import Drain
-from services.worker.engines.base import Engine
+from services.worker.engines.base import Capacity, Engine
 from services.worker.intake import BatchIntake
 from services.worker.liveness import Liveness
 from services.worker.settings import WorkerSettings
@@ -26,6 +26,19 @@ log = structlog.get_logger()
 # After a slot frees, the next heartbeat goes out this soon (not sooner), so schedulers
 # refill the slot without waiting for the regular interval.
 HEARTBEAT_MIN_GAP_S = 0.05
+
+
+def free_slots(cap: Capacity, held: int, *, one_batch_at_a_time: bool) -> int:
+    """The free slots a heartbeat advertises.
+
+    Requests taken in but not yet in the engine count as busy too. A static worker (one
+    batch record per engine call) takes one batch at a time: all its slots while nothing
+    is held or running, none otherwise.
+    """
+    if one_batch_at_a_time:
+        idle = held == 0 and cap.running == 0 and cap.queued == 0
+        return cap.total_slots if idle else 0
+    return min(cap.free_slots, max(0, cap.total_slots - held))
 
 
 class Heartbeats:
@@ -83,8 +96,8 @@ class Heartbeats:
         cap = engine.capacity()
         self._telemetry.observe_capacity(cap.running, cap.total_slots)
         self._telemetry.observe_engine_cpu(engine.cpu_seconds)
-        # Requests taken in but not yet in the engine count as busy too.
-        free = min(cap.free_slots, max(0, cap.total_slots - len(intake)))
+        static = s.worker_batch_mode == "static"
+        free = free_slots(cap, len(intake), one_batch_at_a_time=static)
         return Heartbeat(
             worker_id=s.worker_id,
             model=s.worker_model,
@@ -99,4 +112,5 @@ class Heartbeats:
             held=intake.held(),
             interval_ms=s.worker_heartbeat_ms,
             started_at=intake.started_at,
+            batch_mode=s.worker_batch_mode,
         )

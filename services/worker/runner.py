@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import AsyncGenerator, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from typing import Literal, cast
 
 import structlog
@@ -106,11 +106,14 @@ class RequestRunner:
         *,
         formed_at: float | None = None,
         epoch: int | None = None,
+        stream: AsyncIterator[EngineOutput] | None = None,
     ) -> RunOutcome:
         """Generate and publish every chunk and the final record; return once all are stored.
 
         `epoch`: the fence epoch the request was taken in (default: now); once the worker
         is fenced past it, the run writes nothing more and returns "rerun".
+        `stream`: the request's outputs when the engine already has it (its row of a batch
+        run as one call, static mode); None: the run submits it with `generate`.
         """
         rid = request.request_id
         while (older := self.runs.get(rid)) is not None:
@@ -139,7 +142,7 @@ class RequestRunner:
         )
         self.runs.start(state)
         try:
-            return await self._run(state, trace)
+            return await self._run(state, trace, stream)
         except (Fenced, ReplyFailed) as exc:
             log.warning(
                 "request.stopped_for_rerun",
@@ -152,12 +155,14 @@ class RequestRunner:
         finally:
             self.runs.end(state)
 
-    async def _run(self, state: RequestState, trace: RunTrace) -> RunOutcome:
+    async def _run(
+        self, state: RequestState, trace: RunTrace, stream: AsyncIterator[EngineOutput] | None
+    ) -> RunOutcome:
         request = state.request
         finish: EngineFinish | None = None
         failure: ErrorResult | None = None
         try:
-            finish = await self._stream(state, trace)
+            finish = await self._stream(state, trace, stream)
         except (Fenced, ReplyFailed):
             raise  # closing the stream has aborted the request in the engine
         except PromptTooLong as exc:
@@ -188,10 +193,16 @@ class RequestRunner:
         state.log_finished(final, finish)
         return "answered"
 
-    async def _stream(self, state: RequestState, trace: RunTrace) -> EngineFinish:
+    async def _stream(
+        self, state: RequestState, trace: RunTrace, given: AsyncIterator[EngineOutput] | None
+    ) -> EngineFinish:
         """Feed the engine's outputs to the state until the finish record."""
         # The engine (vLLM) gets the request's trace context, so its spans join the trace.
-        generated = self._engine.generate(engine_request(state.request, carrier(trace.context)))
+        generated = (
+            given
+            if given is not None
+            else self._engine.generate(engine_request(state.request, carrier(trace.context)))
+        )
         stream = cast(AsyncGenerator[EngineOutput], generated)
         async with contextlib.aclosing(stream):
             async for out in stream:

@@ -35,6 +35,13 @@ class WorkerSettings(TokenbusSettings):
         description="The batches topic partition this worker reads; batches are addressed to"
         " a worker id, so workers may share one, but each on its own reads only its own.",
     )
+    worker_batch_mode: Literal["continuous", "static"] = Field(
+        default="continuous",
+        description="continuous: each request of a batch record goes to the engine on its own"
+        " (the engine batches, as vLLM does). static: each batch record runs as one engine"
+        " call, padded to its longest prompt, every slot taken until its longest output ends"
+        " (Triton's static batcher); one batch at a time. Engines: sim, transformers.",
+    )
     worker_heartbeat_ms: float = Field(
         default=1000.0,
         gt=0,

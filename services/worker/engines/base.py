@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Literal, Protocol, runtime_checkable
 
 FinishReason = Literal["stop", "length", "cancelled"]
 
@@ -124,3 +124,26 @@ class Engine(Protocol):
     def capacity(self) -> Capacity: ...
 
     async def stop(self) -> None: ...
+
+
+@runtime_checkable
+class StaticEngine(Engine, Protocol):
+    """An engine that can also run a batch as one call (TOKENBUS_WORKER_BATCH_MODE=static).
+
+    `generate_batch` submits every request at once, as one static batch: their prompts are
+    padded to the longest, they start together, and their slots stay taken until the
+    longest row has finished (Triton's static batcher, a padded `model.generate`). It
+    returns one stream per request, in order, each behaving as `generate`'s does: deltas
+    as the row's tokens come, then one `EngineFinish` as soon as that row is done (its own
+    stop, EOS or max_tokens; the batch may run on for longer rows). A prompt longer than
+    `context_length` is refused in its own stream (`PromptTooLong` at its first step) and
+    left out of the batch. `abort`, or closing a stream once read from, ends that row's
+    stream at once (closing one never read may not reach the engine: abort it); its slot
+    is still taken until the batch ends. A batch larger than the engine's slots
+    runs as consecutive static batches. While anything runs or waits, `capacity()` counts
+    the batch's whole width as running.
+    """
+
+    def generate_batch(
+        self, requests: Sequence[EngineRequest]
+    ) -> list[AsyncIterator[EngineOutput]]: ...

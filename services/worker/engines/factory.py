@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.worker.engines.base import Engine
+from services.worker.engines.base import Engine, StaticEngine
 from services.worker.engines.sim import SimEngine
 from services.worker.engines.sim_profiles import sim_profile
 from services.worker.settings import WorkerSettings
@@ -16,9 +16,9 @@ def build_engine(settings: WorkerSettings) -> Engine:
             token_rate=settings.worker_sim_token_rate,
             context_length=settings.worker_max_model_len,
         )
-        return SimEngine(
-            profile, settings.worker_sim_mode, fail_marker=settings.worker_sim_fail_marker
-        )
+        # A static worker's batches run as the sim's static batches, whatever its own mode.
+        mode = "static" if settings.worker_batch_mode == "static" else settings.worker_sim_mode
+        return SimEngine(profile, mode, fail_marker=settings.worker_sim_fail_marker)
     if settings.worker_engine == "vllm":
         from services.worker.engines.vllm import VllmEngine, engine_args_from_settings, load_vllm
 
@@ -37,3 +37,19 @@ def build_engine(settings: WorkerSettings) -> Engine:
             max_model_len=settings.worker_max_model_len,
         )
     raise ValueError(f"engine {settings.worker_engine!r} is not available in this build")
+
+
+def static_engine(engine: Engine, settings: WorkerSettings) -> StaticEngine | None:
+    """The engine to run each batch record on as one call, or None (continuous mode).
+
+    The one place the worker's batch mode is chosen; an engine that cannot run a batch as
+    one call (vLLM batches continuously) is refused at start.
+    """
+    if settings.worker_batch_mode != "static":
+        return None
+    if not isinstance(engine, StaticEngine):
+        raise ValueError(
+            f"TOKENBUS_WORKER_BATCH_MODE=static: the {engine.name} engine cannot run a batch"
+            " as one call (sim and transformers can)"
+        )
+    return engine

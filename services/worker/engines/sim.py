@@ -5,6 +5,10 @@ Two batching modes, as real engines have them:
   their prompts are prefilled inside that step, and each sequence leaves when it is done.
 - `static`: a batch starts only when the previous one has fully finished; its prompts are
   padded to the longest one, and finished rows keep costing compute until the batch ends.
+  The engine forms a batch from whatever waits (`generate`), or runs the batch it is given
+  as one call (`generate_batch`, the worker's TOKENBUS_WORKER_BATCH_MODE=static); the
+  cost model of a static batch is the profile's (`SimProfile.padded_prefill_seconds`,
+  `padded_decode_seconds`; docs/sim-profiles.md).
 
 Fault injection (tests only): with `fail_marker` set, a request whose prompt contains it
 fails inside the engine after its first token, as a real engine's request can (a CUDA
@@ -19,7 +23,7 @@ import heapq
 import itertools
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -30,6 +34,7 @@ from services.worker.engines.base import (
     EngineOutput,
     EngineRequest,
     FinishReason,
+    PromptTooLong,
     check_prompt,
 )
 from services.worker.engines.sim_profiles import SimProfile
@@ -103,6 +108,7 @@ class _StaticBatch:
     rows: list[_Sequence]
     padded_prompt: int
     steps: int = 0
+    holds_slots: bool = False  # given as one call: every row's slot is taken until the end
 
 
 class SimEngine:
@@ -124,6 +130,7 @@ class SimEngine:
         self._waiting: list[tuple[int, int, _Sequence]] = []
         self._running: dict[str, _Sequence] = {}
         self._batch: _StaticBatch | None = None
+        self._groups: deque[list[_Sequence]] = deque()  # static batches given as one call
         self._arrivals = itertools.count()
         self._wakeup = asyncio.Event()
         self._loop: asyncio.Task[None] | None = None
@@ -145,17 +152,48 @@ class SimEngine:
             seq.finish("cancelled")
         self._running.clear()
         self._waiting.clear()
+        self._groups.clear()
         self._batch = None
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+        seq = self._sequence(request)
+        check_prompt(seq.prompt_tokens, self.context_length)
+        heapq.heappush(self._waiting, (request.priority, next(self._arrivals), seq))
+        self._wakeup.set()
+        async with contextlib.aclosing(self._follow(seq)) as outputs:
+            async for out in outputs:
+                yield out
+
+    def generate_batch(
+        self, requests: Sequence[EngineRequest]
+    ) -> list[AsyncIterator[EngineOutput]]:
+        """Queue the requests as static batches of up to `max_num_seqs` rows (StaticEngine)."""
+        streams: list[AsyncIterator[EngineOutput]] = []
+        group: list[_Sequence] = []
+        for request in requests:
+            seq = self._sequence(request)
+            try:
+                check_prompt(seq.prompt_tokens, self.context_length)
+            except PromptTooLong as exc:
+                streams.append(_refused(exc))
+                continue
+            group.append(seq)
+            streams.append(self._follow(seq))
+        width = self.profile.max_num_seqs
+        for start in range(0, len(group), width):
+            self._groups.append(group[start : start + width])
+        self._wakeup.set()
+        return streams
+
+    def _sequence(self, request: EngineRequest) -> _Sequence:
         plan = complete(
             request.prompt, request.max_tokens, request.stop, request.temperature, request.top_p
         )
         seq = _Sequence(request, plan, estimate_tokens(request.prompt))
-        check_prompt(seq.prompt_tokens, self.context_length)
         seq.fails = self.fail_marker is not None and self.fail_marker in request.prompt
-        heapq.heappush(self._waiting, (request.priority, next(self._arrivals), seq))
-        self._wakeup.set()
+        return seq
+
+    async def _follow(self, seq: _Sequence) -> AsyncGenerator[EngineOutput]:
         try:
             while True:
                 out = await seq.take()
@@ -166,7 +204,7 @@ class SimEngine:
                     return
         finally:
             if not seq.finished:  # the consumer went away: free the slot
-                self._remove(request.request_id)
+                self._remove(seq.request.request_id)
                 seq.finish("cancelled")
 
     async def abort(self, request_id: str) -> bool:
@@ -178,15 +216,19 @@ class SimEngine:
 
     def capacity(self) -> Capacity:
         total = self.profile.max_num_seqs
-        running = len(self._running)
+        batch = self._batch
+        # A batch given as one call holds all its slots until its longest row ends.
+        held = len(batch.rows) if batch is not None and batch.holds_slots else 0
+        running = max(len(self._running), held)
+        queued = len(self._waiting) + sum(len(g) for g in self._groups)
         queued_tokens = sum(
             s.prompt_tokens + s.request.max_tokens - s.position for s in self._all()
         )
         return Capacity(
             total_slots=total,
-            free_slots=max(0, total - running - len(self._waiting)),
+            free_slots=max(0, total - running - queued),
             running=running,
-            queued=len(self._waiting),
+            queued=queued,
             queued_tokens=queued_tokens,
             utilisation=running / total,
         )
@@ -196,7 +238,8 @@ class SimEngine:
         return self.profile.step_seconds(running, 0)
 
     def _all(self) -> list[_Sequence]:
-        return list(self._running.values()) + [s for _, _, s in self._waiting]
+        grouped = [s for group in self._groups for s in group]
+        return list(self._running.values()) + [s for _, _, s in self._waiting] + grouped
 
     def _remove(self, request_id: str) -> _Sequence | None:
         seq = self._running.pop(request_id, None)
@@ -207,6 +250,13 @@ class SimEngine:
                 self._waiting.pop(i)
                 heapq.heapify(self._waiting)
                 return waiting
+        for group in self._groups:
+            for seq in group:
+                if seq.request.request_id == request_id:
+                    group.remove(seq)
+                    if not group:
+                        self._groups.remove(group)
+                    return seq
         return None
 
     def _admit(self, limit: int) -> list[_Sequence]:
@@ -220,12 +270,14 @@ class SimEngine:
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            if not self._running and not self._waiting and self._batch is None:
+            idle = not self._running and not self._waiting and not self._groups
+            if idle and self._batch is None:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 self._step_due = loop.time()
             cpu_at = time.thread_time()
-            if self.mode == "continuous":
+            # A batch given as one call runs as a static batch in either mode.
+            if self.mode == "continuous" and self._batch is None and not self._groups:
                 seconds = self._plan_continuous_step()
             else:
                 seconds = self._plan_static_step()
@@ -250,14 +302,19 @@ class SimEngine:
 
     def _plan_static_step(self) -> float:
         if self._batch is None:
-            rows = self._admit(self.profile.max_num_seqs)
+            given = bool(self._groups)
+            if given:
+                rows = self._groups.popleft()
+                for seq in rows:
+                    self._running[seq.request.request_id] = seq
+            else:
+                rows = self._admit(self.profile.max_num_seqs)
             padded = max((s.prompt_tokens for s in rows), default=0)
-            self._batch = _StaticBatch(rows, padded)
-            return self.profile.step_seconds(0, len(rows) * padded, len(rows) * padded)
+            self._batch = _StaticBatch(rows, padded, holds_slots=given)
+            return self.profile.padded_prefill_seconds(len(rows), padded)
         batch = self._batch
         batch.steps += 1
-        width = len(batch.rows)
-        return self.profile.step_seconds(width, width * (batch.padded_prompt + batch.steps))
+        return self.profile.padded_decode_seconds(len(batch.rows), batch.padded_prompt, batch.steps)
 
     async def _tick(self, loop: asyncio.AbstractEventLoop, seconds: float) -> None:
         # Steps run on an absolute clock so timer lag does not slow the simulated GPU down;
@@ -281,3 +338,9 @@ class SimEngine:
             seq.position = seq.plan.completion_tokens
             self._running.pop(seq.request.request_id, None)
             seq.finish()
+
+
+async def _refused(exc: PromptTooLong) -> AsyncIterator[EngineOutput]:
+    """A row's stream that raises `exc` at its first step (the row never ran)."""
+    raise exc
+    yield  # an async generator all the same

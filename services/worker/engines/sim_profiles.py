@@ -5,6 +5,7 @@ Every number of the cost-model profiles is derived, with its source, in docs/sim
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 GB = 1e9
@@ -58,6 +59,46 @@ class SimProfile:
         if self.cost is None:
             return 1.0 / self.token_rate
         return self.cost.step_seconds(running, kv_tokens, prefill_tokens)
+
+    # The static-batch cost model (docs/sim-profiles.md, "Static batches"): every row is
+    # padded to the longest prompt, and every row decodes until the longest output ends.
+
+    def padded_prefill_seconds(self, rows: int, longest_prompt: int) -> float:
+        """The step that prefills a static batch: rows x longest prompt tokens, pads too.
+
+        It also yields every row's first token.
+        """
+        padded = rows * longest_prompt
+        return self.step_seconds(0, padded, padded)
+
+    def padded_decode_seconds(self, rows: int, longest_prompt: int, step: int) -> float:
+        """Decode step `step` (1, 2, ...) of a static batch: all its rows, finished or not."""
+        return self.step_seconds(rows, rows * (longest_prompt + step))
+
+    def static_batch_seconds(self, prompts: Sequence[int], outputs: Sequence[int]) -> StaticTiming:
+        """When a static batch's rows get their first token and their last, from its start."""
+        rows, longest = len(prompts), max(prompts, default=0)
+        first = self.padded_prefill_seconds(rows, longest)
+        ends_at = [first]  # ends_at[k]: the end of the step that yields token k + 1
+        for step in range(1, max(outputs, default=1)):
+            ends_at.append(ends_at[-1] + self.padded_decode_seconds(rows, longest, step))
+        return StaticTiming(
+            first_token_s=first,
+            row_done_s=tuple(ends_at[max(1, n) - 1] for n in outputs),
+            batch_s=ends_at[-1],
+        )
+
+
+@dataclass(frozen=True)
+class StaticTiming:
+    """A static batch's timeline from its start: first tokens, each row's end, its end.
+
+    Every row's slot is taken until `batch_s`, however early the row itself ends.
+    """
+
+    first_token_s: float
+    row_done_s: tuple[float, ...]
+    batch_s: float
 
 
 # Llama-3-8B in bf16 (config.json of meta-llama/Meta-Llama-3-8B; docs/sim-profiles.md).

@@ -5,6 +5,13 @@ boundary, the waiting requests (by priority) are prefilled together, left-padded
 new cohort with its own KV cache; every step decodes one token for each cohort. A row that
 finishes or is aborted is pruned from its cohort's cache, so its slot is free at once.
 The forward passes run in a worker thread, so the event loop (Kafka, cancels) stays live.
+
+A batch given as one call (`generate_batch`, the worker's TOKENBUS_WORKER_BATCH_MODE=static)
+runs natively as one padded `model.generate`: prompts left-padded with an attention mask,
+every row decoding until the longest ends (or all are done or aborted), streamed per row
+by a streamer of our own (`_RowStreamer`) that hands each step's tokens to the event loop.
+`model.generate` takes one sampling setting per call: a static batch is greedy if every
+row is greedy, else sampled with its first sampled row's temperature, top_p and seed.
 torch and transformers are imported here only, when this engine is chosen.
 """
 
@@ -15,7 +22,8 @@ import contextlib
 import heapq
 import inspect
 import itertools
-from collections.abc import AsyncIterator
+from collections import deque
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +32,11 @@ from transformers import (  # type: ignore[import-not-found,unused-ignore]
     AutoModelForCausalLM,
     AutoTokenizer,
     DynamicCache,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
+from transformers.generation.streamers import (  # type: ignore[import-not-found,unused-ignore]
+    BaseStreamer,
 )
 
 from services.worker.engines.base import (
@@ -33,6 +46,7 @@ from services.worker.engines.base import (
     EngineOutput,
     EngineRequest,
     FinishReason,
+    PromptTooLong,
     check_prompt,
 )
 
@@ -92,6 +106,8 @@ class TransformersEngine:
         ) or 0
         self._waiting: list[tuple[int, int, _Sequence]] = []
         self._cohorts: list[_Cohort] = []
+        self._static_groups: deque[list[_Sequence]] = deque()  # batches given as one call
+        self._static_width = 0  # rows of the static batch running now: all hold slots
         self._live: dict[str, _Sequence] = {}
         self._arrivals = itertools.count()
         self._wakeup = asyncio.Event()
@@ -133,19 +149,52 @@ class TransformersEngine:
             self._loop = None
         for seq in list(self._live.values()) + [s for _, _, s in self._waiting]:
             seq.finish("cancelled")
+        for seq in (s for group in self._static_groups for s in group):
+            seq.finish("cancelled")
         self._live.clear()
         self._waiting.clear()
         self._cohorts.clear()
+        self._static_groups.clear()
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
-        seq = _Sequence(request, self._encode(request))
+        seq = self._sequence(request)
         check_prompt(len(seq.prompt_ids), self.context_length)
+        heapq.heappush(self._waiting, (request.priority, next(self._arrivals), seq))
+        self._wakeup.set()
+        async with contextlib.aclosing(self._follow(seq)) as outputs:
+            async for out in outputs:
+                yield out
+
+    def generate_batch(
+        self, requests: Sequence[EngineRequest]
+    ) -> list[AsyncIterator[EngineOutput]]:
+        """Queue the requests as static batches of up to `max_num_seqs` rows (StaticEngine)."""
+        streams: list[AsyncIterator[EngineOutput]] = []
+        group: list[_Sequence] = []
+        for request in requests:
+            seq = self._sequence(request)
+            try:
+                check_prompt(len(seq.prompt_ids), self.context_length)
+            except PromptTooLong as exc:
+                streams.append(_refused(exc))
+                continue
+            group.append(seq)
+            streams.append(self._follow(seq))
+        for start in range(0, len(group), self.max_num_seqs):
+            self._static_groups.append(group[start : start + self.max_num_seqs])
+        self._wakeup.set()
+        return streams
+
+    def _sequence(self, request: EngineRequest) -> _Sequence:
+        seq = _Sequence(request, self._encode(request))
         if request.temperature > 0:
             seq.generator = torch.Generator(device=self.device)
             seed = request.seed if request.seed is not None else hash(request.request_id)
             seq.generator.manual_seed(seed & 0x7FFFFFFFFFFFFFFF)
-        heapq.heappush(self._waiting, (request.priority, next(self._arrivals), seq))
-        self._wakeup.set()
+        return seq
+
+    async def _follow(self, seq: _Sequence) -> AsyncGenerator[EngineOutput]:
+        request = seq.request
         try:
             while True:
                 out = await seq.outputs.get()
@@ -165,8 +214,9 @@ class TransformersEngine:
         return True
 
     def capacity(self) -> Capacity:
-        running = len(self._live)
+        running = max(len(self._live), self._static_width)
         waiting = [s for _, _, s in self._waiting]
+        waiting += [s for group in self._static_groups for s in group]
         queued_tokens = sum(
             len(s.prompt_ids) + s.request.max_tokens - len(s.generated)
             for s in list(self._live.values()) + waiting
@@ -202,13 +252,23 @@ class TransformersEngine:
                 self._waiting.pop(i)
                 heapq.heapify(self._waiting)
                 return waiting
+        for group in self._static_groups:
+            for seq in group:
+                if seq.request.request_id == request_id:
+                    group.remove(seq)
+                    if not group:
+                        self._static_groups.remove(group)
+                    return seq
         return None
 
     async def _run(self) -> None:
         while True:
-            if not self._waiting and not self._cohorts:
+            if not self._waiting and not self._cohorts and not self._static_groups:
                 self._wakeup.clear()
                 await self._wakeup.wait()
+            if self._static_groups and not self._cohorts:
+                await self._run_static(self._static_groups.popleft())
+                continue
             joined: list[_Sequence] = []
             while self._waiting and len(self._live) + len(joined) < self.max_num_seqs:
                 joined.append(heapq.heappop(self._waiting)[2])
@@ -222,6 +282,51 @@ class TransformersEngine:
             for cohort, picked in tokens:
                 self._emit(cohort, picked)
             self._cohorts = [c for c in self._cohorts if c.rows]
+
+    async def _run_static(self, rows: list[_Sequence]) -> None:
+        """One static batch as one padded `model.generate`, its rows streamed as they go."""
+        loop = asyncio.get_running_loop()
+        for seq in rows:
+            self._live[seq.request.request_id] = seq
+        self._static_width = len(rows)
+
+        def emit(picked: list[int]) -> None:
+            for seq, token in zip(rows, picked, strict=True):
+                if not seq.finished:
+                    self._advance(seq, token)
+
+        streamer = _RowStreamer(lambda picked: loop.call_soon_threadsafe(emit, picked))
+        try:
+            await asyncio.to_thread(self._generate_static, rows, streamer)
+        finally:
+            self._static_width = 0
+            for seq in rows:  # generate ended before the row did (it cannot, but be sure)
+                if not seq.finished:
+                    self._end(seq, "length")
+
+    def _generate_static(self, rows: list[_Sequence], streamer: _RowStreamer) -> None:
+        width = max(len(s.prompt_ids) for s in rows)
+        ids = [[self._pad_id] * (width - len(s.prompt_ids)) + s.prompt_ids for s in rows]
+        mask = [[0] * (width - len(s.prompt_ids)) + [1] * len(s.prompt_ids) for s in rows]
+        sampled = [s.request for s in rows if s.request.temperature > 0]
+        sampling: dict[str, Any] = {"do_sample": False}
+        if sampled:
+            first = sampled[0]
+            sampling = {"do_sample": True, "temperature": first.temperature, "top_p": first.top_p}
+            if first.seed is not None:
+                torch.manual_seed(first.seed)
+        with torch.inference_mode():
+            self.model.generate(
+                input_ids=torch.tensor(ids, device=self.device),
+                attention_mask=torch.tensor(mask, device=self.device),
+                max_new_tokens=max(s.request.max_tokens for s in rows),
+                streamer=streamer,
+                # Stop early once every row has ended (done, stopped or aborted).
+                stopping_criteria=StoppingCriteriaList([_AllEnded(rows)]),
+                pad_token_id=self._pad_id,
+                eos_token_id=self.tokenizer.eos_token_id,
+                **sampling,
+            )
 
     def _step(
         self, joined: list[_Sequence], cohorts: list[_Cohort]
@@ -359,3 +464,40 @@ def _new_cache(config: Any) -> Any:
         return DynamicCache(config=config)
     except TypeError:  # transformers before 4.56 takes no config
         return DynamicCache()
+
+
+class _RowStreamer(BaseStreamer):  # type: ignore[misc,unused-ignore]
+    """Gets each generation step's tokens, one per row, from `model.generate`'s thread.
+
+    `generate` first puts the prompt (skipped here), then each step's new tokens.
+    """
+
+    def __init__(self, on_step: Callable[[list[int]], object]) -> None:
+        self._on_step = on_step
+        self._prompt_seen = False
+
+    def put(self, value: Any) -> None:
+        if not self._prompt_seen:
+            self._prompt_seen = True
+            return
+        self._on_step([int(t) for t in value.reshape(-1).tolist()])
+
+    def end(self) -> None:
+        return None
+
+
+class _AllEnded(StoppingCriteria):  # type: ignore[misc,unused-ignore]
+    """Stops `model.generate` once every row of the batch has ended, however it ended."""
+
+    def __init__(self, rows: list[_Sequence]) -> None:
+        self._rows = rows
+
+    def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
+        ended = all(s.finished for s in self._rows)
+        return torch.full((input_ids.shape[0],), ended, dtype=torch.bool, device=input_ids.device)
+
+
+async def _refused(exc: PromptTooLong) -> AsyncIterator[EngineOutput]:
+    """A row's stream that raises `exc` at its first step (the row never ran)."""
+    raise exc
+    yield  # an async generator all the same
