@@ -8,7 +8,7 @@ PYTHON ?= $(shell for p in python3.13 python3.12 python3.11 python3; do \
 	$$p -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null && { echo $$p; break; }; \
 	done)
 
-.PHONY: venv run test chaos lint bench bench-policies bench-static bench-cache profile
+.PHONY: venv run test chaos lint bench bench-capacity bench-policies bench-static bench-affinity bench-cache profile
 
 venv: $(VENV)/.installed
 
@@ -40,12 +40,17 @@ lint: venv
 	else echo "lint: mypy not installed, skipped"; fi; \
 	exit $$status
 
+# Every benchmark, one after the other, each rewriting its own block of docs/benchmarks.md
+# (and its JSON under bench/out/, its plot under docs/img/); each starts a private broker
+# unless KAFKA_BOOTSTRAP_SERVERS is set. ~12-15 min on 2 cores.
+bench: bench-capacity bench-static bench-affinity bench-cache
+
 # The capacity benchmark (issue 12) in docs/benchmarks.md: `fixed` and `direct` on the fast
 # constant profile climb a rate ladder; CPU per request of every process from /proc; the
 # pipeline overhead at 50 req/s on llama3-8b-h100; the targets met or missed. A private
-# broker on free ports (its CPU is the run's alone). ~4-8 min on 2 cores. BENCH_ARGS passes
+# broker on free ports (its CPU is the run's alone). ~3-8 min on 2 cores. BENCH_ARGS passes
 # through, e.g. BENCH_ARGS=--quick (a ~1 min smoke run) or BENCH_ARGS='--source ../old'.
-bench: venv
+bench-capacity: venv
 	$(VENV)/bin/tokenbus bench capacity --json bench/out/capacity.json \
 		--plots docs/img --docs docs/benchmarks.md $(BENCH_ARGS)
 
@@ -68,7 +73,7 @@ bench-static: venv
 # answer vs the same request uncached, one sim stack on llama3-8b-h100. ~1 min.
 bench-cache: venv
 	$(VENV)/bin/tokenbus bench cache --json bench/out/cache.json \
-		--plot docs/img/cache.png --docs docs/benchmarks.md $(BENCH_ARGS)
+		--plot docs/img/cache.png --docs docs/benchmarks.md
 
 # Flame graphs (py-spy) of every service and CPU per process at 60 req/s, on the fast
 # constant profile: docs/perf/<service>-$(LABEL).svg and docs/perf/cpu-$(LABEL).json.
