@@ -89,6 +89,13 @@ class ChatRequest(Model):
         description="Sampling seed, for engines that take one (vllm, transformers).",
     )
     priority: Tier | None = None
+    conversation_id: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=128,
+        description="Names a conversation whose turns share a prompt prefix: the scheduler"
+        " sends them to the worker that last served it (prefix-affinity routing).",
+    )
     # Bounded so every service can turn it into a float deadline (~24.8 days at most).
     deadline_ms: int | None = Field(
         default=None, ge=1, le=2**31 - 1, description="Budget from acceptance."
@@ -352,6 +359,13 @@ class Heartbeat(Model):
         default=0.0,
         description="When this worker process started: the same worker_id with another"
         " started_at is a new incarnation.",
+    )
+    prefix_cache_hit_rate: float | None = Field(
+        default=None,
+        ge=0.0,
+        le=1.0,
+        description="Share of recent prompt tokens the engine found in its prefix cache"
+        " (None: the engine does not say).",
     )
 
 

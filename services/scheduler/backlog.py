@@ -46,6 +46,7 @@ class Passenger(Generic[T]):
     deadline_at: float | None
     number: int  # arrival order, unique per backlog
     tenant: str = DEFAULT_TENANT  # whose fair share it rides on
+    prefix: str | None = None  # prefix key (shared/prefixes.py): prefix-affinity routing
 
 
 class Lane(Generic[T]):
@@ -159,6 +160,7 @@ class Backlog(Generic[T]):
         now: float,
         deadline_at: float | None = None,
         tenant: str = DEFAULT_TENANT,
+        prefix: str | None = None,
     ) -> Passenger[T]:
         key = self.lane_of(tier, prompt_tokens)
         lane = self.lanes.get(key)
@@ -168,7 +170,7 @@ class Backlog(Generic[T]):
             )
             lane = self.lanes[key] = Lane(key, self.config.tiers[tier], fair)
         number = next(self._numbers)
-        p = Passenger(item, tier, cost, prompt_tokens, now, deadline_at, number, tenant)
+        p = Passenger(item, tier, cost, prompt_tokens, now, deadline_at, number, tenant, prefix)
         lane.add(p)
         self._where[p.number] = p
         if deadline_at is not None:

@@ -10,13 +10,14 @@ it reads and `plan(now, workers)` whenever something changed or `Plan.wake_at` c
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from services.scheduler.backlog import DEFAULT_TENANT, Backlog, Lane, LaneKey, Passenger
 from services.scheduler.departure import DepartureRule, DispatchReason, FixedRule
 from services.scheduler.limits import PolicyConfig
+from services.scheduler.routing import Router
 from shared.messages import Tier
 
 T = TypeVar("T")
@@ -66,11 +67,15 @@ class Plan(Generic[T]):
 class Policy(Generic[T]):
     """Per-tier bus rule with token budgets, priority, aging, fill and capacity."""
 
-    def __init__(self, config: PolicyConfig, rule: DepartureRule | None = None) -> None:
+    def __init__(
+        self, config: PolicyConfig, rule: DepartureRule | None = None, router: Router | None = None
+    ) -> None:
         self.config = config
         self.rule: DepartureRule = rule or FixedRule()
+        self.router = router or Router()
         self.backlog: Backlog[T] = Backlog(config)
         self.background_share = 0.0  # of recently dispatched requests
+        self._totals: dict[str, int] = {}  # every live worker's slots, as of this plan
 
     def add(
         self,
@@ -82,6 +87,7 @@ class Policy(Generic[T]):
         now: float,
         deadline_at: float | None = None,
         tenant: str = DEFAULT_TENANT,
+        prefix: str | None = None,
     ) -> Passenger[T] | None:
         """Queue a request; None if it can never ride (larger than its tier's token budget)."""
         if cost > self.config.tiers[tier].max_batch_tokens:
@@ -94,12 +100,14 @@ class Policy(Generic[T]):
             now=now,
             deadline_at=deadline_at,
             tenant=tenant,
+            prefix=prefix,
         )
 
     def plan(self, now: float, workers: Sequence[WorkerSlots]) -> Plan[T]:
         plan: Plan[T] = Plan(expired=self.backlog.expire(now))
         free = {w.worker_id: w.free for w in workers if w.free > 0}
         queued = {w.worker_id: w.queued_tokens for w in workers}
+        self._totals = {w.worker_id: w.total for w in workers}
         total = sum(w.total for w in workers)
         load = 1.0 if total <= 0 else 1.0 - min(total, sum(free.values())) / total
         # Aging is decided once per plan, from the share before it.
@@ -141,11 +149,14 @@ class Policy(Generic[T]):
             chosen = self.backlog.select(
                 lane.key, limits.max_batch_size, limits.max_batch_tokens, admit
             )
-            # The batch goes to the worker with most room; if it has too little, the rest
-            # of this same batch goes to the next one (each part is within every limit).
-            while chosen and free:
-                worker = max(free, key=lambda w: (free[w], -queued.get(w, 0), w))
-                part, chosen = chosen[: free[worker]], chosen[free[worker] :]
+            # The router says where each passenger goes (routing.py): least loaded, the
+            # batch whole unless its worker has too little room; or by prefix affinity. A
+            # batch splits into one part per worker, each within every limit (ADR 0034).
+            where = self.router.route([p.prefix for p in chosen], free, self._totals, queued)
+            parts: dict[str, list[Passenger[T]]] = {}
+            for p, worker in zip(chosen, where, strict=False):
+                parts.setdefault(worker, []).append(p)
+            for worker, part in parts.items():
                 self.backlog.discard(lane.key, part)
                 plan.dispatches.append(Dispatch(worker, lane.key.tier, reason, part))
                 self._use(free, worker, len(part))
@@ -166,16 +177,28 @@ class Policy(Generic[T]):
                 keys.append(LaneKey(other, own.bucket))
             lanes = [lane for k in keys if (lane := self.backlog.lanes.get(k)) and len(lane)]
             lanes.sort(key=lambda ln: self._order(ln, aged_before))
+            # With prefix routing, only riders that prefer this worker (or have no key).
+            admit = self._prefers(d.worker_id) if self.router.mode == "prefix" else None
             for lane in lanes:
                 room = min(limits.max_batch_size - len(d.passengers), free.get(d.worker_id, 0))
                 budget = limits.max_batch_tokens - d.tokens
                 if room <= 0 or budget <= 0:
                     break
-                taken = self.backlog.take(lane.key, room, budget)
+                taken = self.backlog.select(lane.key, room, budget, admit)
+                self.backlog.discard(lane.key, taken)
                 if lane.key.tier is not d.tier:
                     d.filled += len(taken)
                 d.passengers.extend(taken)
                 self._use(free, d.worker_id, len(taken))
+
+    def _prefers(self, worker: str) -> Callable[[Passenger[T]], bool]:
+        def admit(p: Passenger[T]) -> bool:
+            if p.prefix is None:
+                return True
+            last = self.router.last_server(p.prefix)
+            return last is None or last == worker
+
+        return admit
 
     def _wake_at(self, now: float, load: float, capacity_left: bool) -> float | None:
         """The next time a plan could differ without any new arrival or capacity."""

@@ -81,7 +81,7 @@ class Heartbeats:
     def _beat(self) -> Heartbeat:
         s, engine, intake = self._settings, self._engine, self._intake
         cap = engine.capacity()
-        self._telemetry.observe_capacity(cap.running, cap.total_slots)
+        self._telemetry.observe_capacity(cap.running, cap.total_slots, cap.prefix_cache_hit_rate)
         self._telemetry.observe_engine_cpu(engine.cpu_seconds)
         # Requests taken in but not yet in the engine count as busy too.
         free = min(cap.free_slots, max(0, cap.total_slots - len(intake)))
@@ -99,4 +99,5 @@ class Heartbeats:
             held=intake.held(),
             interval_ms=s.worker_heartbeat_ms,
             started_at=intake.started_at,
+            prefix_cache_hit_rate=cap.prefix_cache_hit_rate,
         )

@@ -15,6 +15,7 @@ def build_engine(settings: WorkerSettings) -> Engine:
             max_num_seqs=settings.worker_max_num_seqs,
             token_rate=settings.worker_sim_token_rate,
             context_length=settings.worker_max_model_len,
+            prefix_cache_tokens=settings.worker_sim_prefix_cache_tokens,
         )
         return SimEngine(
             profile, settings.worker_sim_mode, fail_marker=settings.worker_sim_fail_marker

@@ -32,6 +32,7 @@ from services.worker.engines.base import (
     FinishReason,
     check_prompt,
 )
+from services.worker.engines.sim_cache import PrefixCache
 from services.worker.engines.sim_profiles import SimProfile
 from services.worker.engines.sim_text import Completion, complete
 from shared.tokens import estimate_tokens
@@ -130,6 +131,7 @@ class SimEngine:
         self._step_due = 0.0
         self.steps = 0  # engine steps taken, for tests and benchmarks
         self.cpu_seconds = 0.0  # thread CPU time of the steps themselves (not of the readers)
+        self.prefix_cache = PrefixCache(self.profile.prefix_cache_tokens)
 
     async def start(self) -> None:
         if self._loop is None:
@@ -189,6 +191,7 @@ class SimEngine:
             queued=len(self._waiting),
             queued_tokens=queued_tokens,
             utilisation=running / total,
+            prefix_cache_hit_rate=self.prefix_cache.hit_rate,
         )
 
     def step_seconds(self, running: int) -> float:
@@ -243,7 +246,12 @@ class SimEngine:
 
     def _plan_continuous_step(self) -> float:
         joined = self._admit(self.profile.max_num_seqs)
-        prefill = sum(s.prompt_tokens for s in joined)
+        # A cached prefix is not prefilled again: only its KV is read (in `kv` below), as
+        # with vLLM's automatic prefix caching and SGLang's RadixAttention.
+        prefill = 0
+        for s in joined:
+            _, cached = self.prefix_cache.admit(s.request.prompt)
+            prefill += s.prompt_tokens - cached
         kv = sum(s.prompt_tokens + s.position for s in self._running.values())
         decoding = len(self._running) - len(joined)
         return self.profile.step_seconds(decoding, kv, prefill)
