@@ -243,9 +243,7 @@ class VllmEngine:
         if self._llm is None:
             factory = stat_logger_factory(self.prefix_cache)
             try:
-                self._llm = self._api.async_llm.from_engine_args(
-                    self._args, stat_loggers=[factory]
-                )
+                self._llm = self._api.async_llm.from_engine_args(self._args, stat_loggers=[factory])
             except TypeError as exc:  # a vLLM without custom stat loggers
                 log.warning("vllm.no_stat_loggers", error=repr(exc))
                 self._llm = self._api.async_llm.from_engine_args(self._args)
