@@ -32,10 +32,10 @@ from services.worker.engines.base import (
     FinishReason,
     check_prompt,
 )
-from services.worker.engines.sim_cache import PrefixCache
+from services.worker.engines.sim_cache import ANSWER_HEADER, PrefixCache
 from services.worker.engines.sim_profiles import SimProfile
 from services.worker.engines.sim_text import Completion, complete
-from shared.tokens import estimate_tokens
+from shared.tokens import estimate_tokens, split_tokens
 
 SimMode = Literal["continuous", "static"]
 
@@ -54,6 +54,7 @@ class _Sequence:
     position: int = 0
     finished: bool = False
     fails: bool = False  # fault injection: fail after the first token
+    tokens: list[str] | None = None  # the prompt's, once looked up in the prefix cache
 
     @property
     def done(self) -> bool:
@@ -250,8 +251,8 @@ class SimEngine:
         # with vLLM's automatic prefix caching and SGLang's RadixAttention.
         prefill = 0
         for s in joined:
-            _, cached = self.prefix_cache.admit(s.request.prompt)
-            prefill += s.prompt_tokens - cached
+            s.tokens = split_tokens(s.request.prompt)
+            prefill += s.prompt_tokens - self.prefix_cache.admit(s.tokens)
         kv = sum(s.prompt_tokens + s.position for s in self._running.values())
         decoding = len(self._running) - len(joined)
         return self.profile.step_seconds(decoding, kv, prefill)
@@ -288,4 +289,7 @@ class SimEngine:
         if seq.done:
             seq.position = seq.plan.completion_tokens
             self._running.pop(seq.request.request_id, None)
+            if seq.tokens is not None:
+                answer = split_tokens(seq.plan.text)
+                self.prefix_cache.store([*seq.tokens, *ANSWER_HEADER, *answer])
             seq.finish()

@@ -10,8 +10,11 @@ The least recently used blocks are evicted once the blocks exceed the budget; a 
 blocks are touched last-first, so a parent is always more recent than its children and
 a prefix is evicted from its tail.
 
-Generated tokens are not cached (vLLM caches the full blocks of the output too): a next
-turn finds the previous turn's prompt, not its answer. The hit rate is conservative.
+When a sequence finishes, the full blocks of its prompt and answer are cached too, as
+vLLM does: the answer after an `assistant:` header, which is how the next turn's prompt
+repeats it (`ChatRequest.prompt_text` joins `role: content` lines; a chat template puts
+the assistant header in the generation prompt the same way). So a conversation's next turn
+finds all of the previous turn but the last partial block.
 
 The hit rate is tokens found / prompt tokens looked up over the last `window` requests, as
 vLLM's `CachingMetrics` computes it (`vllm/v1/metrics/stats.py`, default 1000 requests).
@@ -21,11 +24,11 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 
-from shared.tokens import split_tokens
-
 # vLLM's default KV-cache block size on CUDA (tokens per block).
 BLOCK_TOKENS = 16
 HIT_RATE_WINDOW = 1000
+# How a finished answer continues its prompt in the next turn (`assistant: ` + answer).
+ANSWER_HEADER = ("assistant", ":")
 
 
 class PrefixCache:
@@ -46,34 +49,47 @@ class PrefixCache:
         self._recent: deque[tuple[int, int]] = deque(maxlen=window)  # (queried, hit)
         self._queried = 0
         self._hit = 0
+        self.queried_total = 0  # prompt tokens looked up since the start
+        self.hit_total = 0  # of which found cached
 
     def __len__(self) -> int:
         """Blocks held."""
         return len(self._blocks)
 
-    def admit(self, prompt: str) -> tuple[int, int]:
-        """Look the prompt up and cache its blocks: (prompt tokens, tokens found cached)."""
-        tokens = split_tokens(prompt)
+    def admit(self, tokens: list[str]) -> int:
+        """Look a prompt's tokens up and cache its blocks; the tokens found cached."""
+        hashes = self._hashes(tokens)
+        found = 0
+        for h in hashes:
+            if h not in self._blocks:
+                break
+            found += 1
+        cached = min(found * self.block_tokens, max(0, len(tokens) - 1))
+        self._count(len(tokens), cached)
+        self._insert(hashes)
+        return cached
+
+    def store(self, tokens: list[str]) -> None:
+        """Cache the full blocks of a finished sequence (prompt and answer); no lookup."""
+        self._insert(self._hashes(tokens))
+
+    def _hashes(self, tokens: list[str]) -> list[int]:
         b = self.block_tokens
         hashes: list[int] = []
         parent = 0
         for start in range(0, len(tokens) - b + 1, b):
             parent = hash((parent, *tokens[start : start + b]))
             hashes.append(parent)
-        found = 0
-        for h in hashes:
-            if h not in self._blocks:
-                break
-            found += 1
-        cached = min(found * b, max(0, len(tokens) - 1))
-        self._count(len(tokens), cached)
-        if self.capacity_blocks > 0:
-            for h in reversed(hashes[: self.capacity_blocks]):
-                self._blocks[h] = None
-                self._blocks.move_to_end(h)
-            while len(self._blocks) > self.capacity_blocks:
-                self._blocks.popitem(last=False)
-        return len(tokens), cached
+        return hashes
+
+    def _insert(self, hashes: list[int]) -> None:
+        if self.capacity_blocks <= 0:
+            return
+        for h in reversed(hashes[: self.capacity_blocks]):
+            self._blocks[h] = None
+            self._blocks.move_to_end(h)
+        while len(self._blocks) > self.capacity_blocks:
+            self._blocks.popitem(last=False)
 
     @property
     def hit_rate(self) -> float | None:
@@ -86,5 +102,7 @@ class PrefixCache:
             self._queried -= old_queried
             self._hit -= old_hit
         self._recent.append((queried, hit))
+        self.queried_total += queried
+        self.hit_total += hit
         self._queried += queried
         self._hit += hit
