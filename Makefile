@@ -8,7 +8,7 @@ PYTHON ?= $(shell for p in python3.13 python3.12 python3.11 python3; do \
 	$$p -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null && { echo $$p; break; }; \
 	done)
 
-.PHONY: venv run test chaos lint bench bench-policies profile
+.PHONY: venv run test chaos lint bench bench-policies bench-affinity profile
 
 venv: $(VENV)/.installed
 
@@ -54,6 +54,13 @@ bench: venv
 # Broker: KAFKA_BOOTSTRAP_SERVERS, else a local one. BENCH_ARGS passes through.
 bench-policies: venv
 	$(VENV)/bin/tokenbus bench compare --json bench/out/compare.json \
+		--plots docs/img --docs docs/benchmarks.md $(BENCH_ARGS)
+
+# Prefix-affinity routing vs least loaded (issue 14): a multi-turn chat mix over 4 sim
+# workers at ~70 % load, in one process (bench/affinity.py); rewrites its block in
+# docs/benchmarks.md, bench/out/affinity.json and docs/img/affinity.png. ~3 min on 2 cores.
+bench-affinity: venv
+	$(VENV)/bin/tokenbus bench affinity --json bench/out/affinity.json \
 		--plots docs/img --docs docs/benchmarks.md $(BENCH_ARGS)
 
 # Flame graphs (py-spy) of every service and CPU per process at 60 req/s, on the fast

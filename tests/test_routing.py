@@ -153,3 +153,22 @@ def test_prefix_key_is_the_conversation_or_its_opening() -> None:
     assert prefix_key(ChatRequest(prompt="x" * 5000)) == prefix_key(
         ChatRequest(prompt="x" * 4000 + "y")
     )
+
+
+def test_spare_room_is_filled_only_with_riders_that_prefer_that_worker() -> None:
+    now = TierLimits(max_batch_size=16, max_batch_tokens=10_000, max_wait_ms=0)
+    later = TierLimits(max_batch_size=16, max_batch_tokens=10_000, max_wait_ms=1000)
+    config = PolicyConfig({Tier.interactive: now, Tier.background: later}, background_aging_ms=5000)
+    policy: Policy[str] = Policy(config, router=Router("prefix", load_factor=2.0))
+    workers = [WorkerSlots("a", 8, 8), WorkerSlots("b", 8, 8)]
+    keys = [f"k{i}" for i in range(40)]
+    to_a = [k for k in keys if rendezvous(k, ["a", "b"]) == "a"]
+    to_b = [k for k in keys if rendezvous(k, ["a", "b"]) == "b"]
+    policy.add(to_a[0], tier=Tier.interactive, cost=10, prompt_tokens=5, now=0.0, prefix=to_a[0])
+    for k in (to_a[1], to_b[0]):  # background, not due: only spare room can take them now
+        policy.add(k, tier=Tier.background, cost=10, prompt_tokens=5, now=0.0, prefix=k)
+    plan = policy.plan(0.1, workers)
+    placed = {p.item: d.worker_id for d in plan.dispatches for p in d.passengers}
+    assert placed == {to_a[0]: "a", to_a[1]: "a"}
+    assert policy.waiting() == 1  # to_b[0] waits for its own bus, to go to b
+    assert policy.router.last_server(to_a[1]) == "a"

@@ -186,6 +186,9 @@ class Policy(Generic[T]):
                     break
                 taken = self.backlog.select(lane.key, room, budget, admit)
                 self.backlog.discard(lane.key, taken)
+                for p in taken:
+                    if p.prefix is not None and self.router.mode == "prefix":
+                        self.router.served(p.prefix, d.worker_id)
                 if lane.key.tier is not d.tier:
                     d.filled += len(taken)
                 d.passengers.extend(taken)
@@ -193,10 +196,7 @@ class Policy(Generic[T]):
 
     def _prefers(self, worker: str) -> Callable[[Passenger[T]], bool]:
         def admit(p: Passenger[T]) -> bool:
-            if p.prefix is None:
-                return True
-            last = self.router.last_server(p.prefix)
-            return last is None or last == worker
+            return p.prefix is None or self.router.prefers(p.prefix, worker, self._totals)
 
         return admit
 

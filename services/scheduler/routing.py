@@ -94,6 +94,17 @@ class Router:
     def last_server(self, key: str) -> str | None:
         return self._last.get(key)
 
+    def prefers(self, key: str, worker: str, totals: Mapping[str, int]) -> bool:
+        """Whether `worker` is the key's preferred one among the live workers `totals`."""
+        last = self._last.get(key)
+        if last is None or last not in totals:
+            last = rendezvous(key, totals)
+        return last == worker
+
+    def served(self, key: str, worker: str) -> None:
+        """Remember a placement made outside `route` (a batch's spare room filled)."""
+        self._remember(key, worker)
+
     def _least_loaded(self, n: int, room: dict[str, int], queued: Mapping[str, int]) -> list[str]:
         out: list[str] = []
         while len(out) < n and room:
