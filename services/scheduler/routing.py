@@ -29,8 +29,8 @@ RoutingMode = Literal["least_loaded", "prefix"]
 # Keys whose last server is remembered (least recently routed forgotten first): ~100 bytes
 # each, so about 10 MB at most.
 DEFAULT_MEMORY = 100_000
-# Mirrokni et al.'s c: a worker takes at most 25 % more than the average load (the value
-# HAProxy and Vimeo's deployment of the paper use).
+# Mirrokni et al.'s c: a worker takes at most 25 % more than the average load (Vimeo's
+# deployment of the paper; HAProxy's `hash-balance-factor` documents 150 %, i.e. 1.5).
 DEFAULT_LOAD_FACTOR = 1.25
 
 
