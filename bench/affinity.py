@@ -55,11 +55,6 @@ BEGIN = (
 END = "<!-- tokenbus-affinity:end -->"
 PLOT = "affinity.png"
 MODES: tuple[RoutingMode, ...] = ("prefix", "least_loaded")
-# After its first token, a turn's answer is read every 50 ms: the engine joins queued deltas,
-# so four workers' slots do not cost a wake-up per token. A freed slot is then seen up to
-# 50 ms late, as the scheduler sees it through the worker's next heartbeat
-# (services/worker/heartbeat.py HEARTBEAT_MIN_GAP_S).
-READ_EVERY_S = 0.05
 HIT_RATE_TARGET = 0.80
 TTFT_RATIO_TARGET = 0.5
 Say = Callable[[str], None]
@@ -233,7 +228,6 @@ class Harness:
                     if turn.result.ttft_ms is None:
                         turn.result.ttft_ms = (loop.time() - turn.result.sent_at) * 1000
                     pieces.append(out.text)
-                    await asyncio.sleep(READ_EVERY_S)
         finally:
             self.active[worker] -= 1
             self.wake.set()

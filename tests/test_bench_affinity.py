@@ -10,7 +10,7 @@ from bench.affinity import BEGIN, END, AffinityOptions, affinity, write_outputs
 
 async def test_a_short_run_measures_both_routings_and_writes_its_block(tmp_path: Path) -> None:
     options = AffinityOptions(
-        workers=2, rate=4.0, duration_s=3.0, warmup_s=0.5, drain_s=10.0, turns=(3, 4)
+        workers=2, rate=4.0, duration_s=3.0, warmup_s=0.5, drain_s=10.0, turns=(3, 4), think_s=0.2
     )
     report = await affinity(options, say=lambda _: None)
     by = {r.mode: r for r in report.results}
