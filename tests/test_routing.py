@@ -46,6 +46,7 @@ def test_bounded_load_is_never_exceeded(
         assert room[worker] > 0, "a worker without a free slot got a request"
         busy = sum(before.values())
         bound = math.ceil(factor * (busy + 1) * totals[worker] / sum(totals.values()))
+        bound = max(bound, totals[worker] // 2)  # below half busy, affinity always holds
         # By affinity only within the bound; beyond it, only the least loaded worker.
         least = max(room[w] for w in room)
         assert before[worker] + 1 <= bound or room[worker] == least
@@ -82,9 +83,12 @@ def test_a_worker_at_its_bound_spills_even_with_free_slots() -> None:
     totals = {"a": 10, "b": 10}
     key = next(f"k{i}" for i in range(100) if rendezvous(f"k{i}", totals) == "a")
     router = Router("prefix", load_factor=1.25)
-    # a: 6 busy, b: 0 busy. Average with one more: 7/20; a's bound ceil(1.25*7*10/20) = 5.
+    # a: 6 busy, b: 0. Average with one more: 7/20; a's bound max(ceil(1.25*7*10/20), 5) = 5.
     (worker,) = router.route([key], {"a": 4, "b": 10}, totals)
     assert worker == "b"
+    # a: 4 busy (under half its slots): it keeps its key although b is idle.
+    (worker,) = Router("prefix", load_factor=1.25).route([key], {"a": 6, "b": 10}, totals)
+    assert worker == "a"
 
 
 @settings(max_examples=100, deadline=None)

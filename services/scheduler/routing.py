@@ -12,8 +12,11 @@ served each key (that worker's engine holds the prefix in its KV cache).
   every scheduler replica computes alike and which moves only the keys of a worker that
   leaves. A worker may take a passenger while it has a free slot and its busy slots stay
   within `ceil(load_factor * average utilisation * its slots)`, the average counting the
-  passenger; when the preferred worker is full or at that bound, the passenger goes to
-  the least loaded worker instead (which becomes the key's last server).
+  passenger, or within half its slots (below that, balance buys nothing: a decode step
+  of a continuous-batching engine is memory-bound, about as long with few sequences as
+  with many, while a miss costs a whole prefill). When the preferred worker is full or
+  over both, the passenger goes to the least loaded worker instead (which becomes the
+  key's last server).
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ DEFAULT_MEMORY = 100_000
 # Mirrokni et al.'s c: a worker takes at most 25 % more than the average load (Vimeo's
 # deployment of the paper; HAProxy's `hash-balance-factor` documents 150 %, i.e. 1.5).
 DEFAULT_LOAD_FACTOR = 1.25
+# A worker less than this share busy takes its keys whatever the average load.
+AFFINITY_FLOOR = 0.5
 
 
 class Router:
@@ -132,6 +137,7 @@ class Router:
         capacity = sum(totals.values())
         busy = sum(totals[w] - room.get(w, 0) for w in totals)
         bound = math.ceil(self.load_factor * (busy + 1) * totals[worker] / capacity)
+        bound = max(bound, math.floor(AFFINITY_FLOOR * totals[worker]))
         return totals[worker] - room.get(worker, 0) + 1 <= bound
 
     def _remember(self, key: str, worker: str) -> None:

@@ -54,6 +54,7 @@ class Client:
         stop: Sequence[str] | None = None,
         priority: Literal["interactive", "background"] | None = None,
         deadline_ms: int | None = None,
+        conversation_id: str | None = None,
     ) -> ChatStream:
         """One request: a conversation (`[{"role": ..., "content": ...}, ...]`) or a prompt.
 
@@ -71,6 +72,7 @@ class Client:
             "stop": list(stop) if stop is not None else None,
             "priority": priority,
             "deadline_ms": deadline_ms,
+            "conversation_id": conversation_id,
         }
         body.update({k: v for k, v in options.items() if v is not None})
         return ChatStream(

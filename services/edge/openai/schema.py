@@ -67,9 +67,11 @@ class SamplingFields(OpenAIModel):
     frequency_penalty: float | None = None
     logprobs: Any = None
     logit_bias: dict[str, float] | None = None
-    # Extensions, as vLLM's `priority`: the tier, and a deadline from acceptance.
+    # Extensions, as vLLM's `priority`: the tier, a deadline from acceptance, and the
+    # conversation whose turns share a prompt prefix (prefix-affinity routing).
     priority: Priority | None = None
     deadline_ms: int | None = None
+    conversation_id: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields):

@@ -60,6 +60,7 @@ def to_chat_request(body: OpenAIRequest, limits: RequestLimits) -> ChatRequest |
         "seed": body.seed,
         "priority": _tier(body.priority),
         "deadline_ms": body.deadline_ms,
+        "conversation_id": body.conversation_id,
     }
     if body.temperature is not None:
         fields["temperature"] = body.temperature
