@@ -75,6 +75,13 @@ bench-cache: venv
 	$(VENV)/bin/tokenbus bench cache --json bench/out/cache.json \
 		--plot docs/img/cache.png --docs docs/benchmarks.md
 
+# Prefix-affinity routing vs least loaded (issue 14): a multi-turn chat mix over 4 sim
+# workers at ~70 % load, in one process (bench/affinity.py); rewrites its block in
+# docs/benchmarks.md, bench/out/affinity.json and docs/img/affinity.png. ~3 min on 2 cores.
+bench-affinity: venv
+	$(VENV)/bin/tokenbus bench affinity --json bench/out/affinity.json \
+		--plots docs/img --docs docs/benchmarks.md
+
 # Flame graphs (py-spy) of every service and CPU per process at 60 req/s, on the fast
 # constant profile: docs/perf/<service>-$(LABEL).svg and docs/perf/cpu-$(LABEL).json.
 # PROFILE_ARGS passes through, e.g. '--source ../before --wait-load 1.5'. ~2-3 min.

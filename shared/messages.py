@@ -109,6 +109,13 @@ class ChatRequest(Model):
         description="false: never answer this request from the response cache, nor store its"
         " answer there (only deterministic requests are cached: temperature 0 or a seed).",
     )
+    conversation_id: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=128,
+        description="Names a conversation whose turns share a prompt prefix: the scheduler"
+        " sends them to the worker that last served it (prefix-affinity routing).",
+    )
     # Bounded so every service can turn it into a float deadline (~24.8 days at most).
     deadline_ms: int | None = Field(
         default=None, ge=1, le=2**31 - 1, description="Budget from acceptance."
@@ -409,6 +416,13 @@ class Heartbeat(Model):
         default="continuous",
         description="static: each batch runs as one engine call, one batch at a time, so a"
         " batch sent to it takes all its slots until a heartbeat says otherwise.",
+    )
+    prefix_cache_hit_rate: float | None = Field(
+        default=None,
+        ge=0.0,
+        le=1.0,
+        description="Share of recent prompt tokens the engine found in its prefix cache"
+        " (None: the engine does not say).",
     )
 
 

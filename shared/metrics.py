@@ -273,6 +273,7 @@ class WorkerMetrics:
     slots_total: Gauge
     lag: ConsumerLag
     engine_cpu: Counter
+    prefix_cache_hit_rate: Gauge
     _output_tokens: float = 0.0
     _rate_mark: tuple[float, float] | None = None  # (time, output tokens) at the last sample
 
@@ -336,6 +337,12 @@ class WorkerMetrics:
                 "tokenbus_worker_engine_cpu_seconds",
                 "CPU time the engine's own steps took in the worker process (sim engine; 0 for"
                 " engines that run elsewhere): the worker's CPU less this is the pipeline's.",
+                registry=registry,
+            ),
+            Gauge(
+                "tokenbus_worker_prefix_cache_hit_rate",
+                "Share of recent prompt tokens the engine found in its prefix cache (sim: last"
+                " 1000 requests; vllm: its own prefix-cache stats).",
                 registry=registry,
             ),
         )

@@ -172,6 +172,26 @@ def register(commands: Subcommands) -> None:
     cached.add_argument("--docs", type=Path, default=None, help="Markdown file to update")
     cached.add_argument("--log-dir", type=Path, default=Path("bench/out/logs"))
     cached.set_defaults(handler=_cache)
+    affinity = actions.add_parser(
+        "affinity",
+        help="prefix-affinity vs least-loaded routing: a multi-turn chat mix over 4 sim"
+        " workers at ~70%% load; hit rate and TTFT p50/p99 side by side (make bench-affinity)",
+        description="The scheduler's policy and router in front of 4 sim engines"
+        " (llama3-8b-h100, with their prefix caches), in one process; ~3 min on 2 cores.",
+    )
+    affinity.add_argument("--quick", action="store_true", help="a smoke run (~1 min)")
+    affinity.add_argument("--duration", type=float, default=None, help="seconds per routing")
+    affinity.add_argument("--json", type=Path, default=Path("bench/out/affinity.json"))
+    affinity.add_argument("--plots", type=Path, default=None, help="directory for the PNG")
+    affinity.add_argument("--docs", type=Path, default=None, help="Markdown file to update")
+    affinity.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="override one bench.affinity.AffinityOptions field (a Python literal)",
+    )
+    affinity.set_defaults(handler=_affinity)
 
 
 def _sweep_arguments(parser: argparse.ArgumentParser, rates: str, duration: float) -> None:
@@ -317,6 +337,12 @@ def _static(args: argparse.Namespace) -> int:
     if args.live:
         argv.append("--live")
     return main(argv)
+
+
+def _affinity(args: argparse.Namespace) -> int:
+    from bench.affinity import run
+
+    return run(args)
 
 
 def _capacity(args: argparse.Namespace) -> int:

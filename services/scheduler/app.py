@@ -52,6 +52,7 @@ from services.scheduler.workers import WorkerRegistry
 from shared.health import Readiness, consumer_readiness
 from shared.kafka import LONG_POLL_MS, make_admin, make_consumer, make_producer
 from shared.messages import ErrorCode, ErrorResult, Tier, unknown_model_message
+from shared.prefixes import prefix_key
 from shared.producers import RenewingProducer
 from shared.retry import backoffs, retrying
 from shared.topics import Topics
@@ -138,7 +139,7 @@ class Scheduler:
         self.clients = clients
         self.topics = Topics(s.topic_prefix)
         self.group = f"{s.topic_prefix}.scheduler"
-        self.policy: Policy[Waiting] = Policy(s.policy_config(), s.departure_rule())
+        self.policy: Policy[Waiting] = Policy(s.policy_config(), s.departure_rule(), s.router())
         self.admission = Admission(self.policy.config)
         self.ledger = Ledger()
         self.workers = WorkerRegistry(s.scheduler_worker_missed_beats)
@@ -292,6 +293,7 @@ class Scheduler:
             tenant=request.tenant,
             model=request.model or s.scheduler_default_model,
             fallback=request.fallback_model or s.fallback_model(request.tier),
+            prefix=prefix_key(request) if self.policy.router.mode == "prefix" else None,
         )
 
     def _owned(self, consumer: AIOKafkaConsumer, fetched: Fetched) -> Fetched:

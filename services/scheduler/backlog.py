@@ -49,6 +49,7 @@ class Passenger(Generic[T]):
     tenant: str = DEFAULT_TENANT  # whose fair share it rides on
     model: str | None = None  # the model it runs on (its lane's); None: any
     fallback: str | None = None  # the model it may run on instead (models.py)
+    prefix: str | None = None  # prefix key (shared/prefixes.py): prefix-affinity routing
 
 
 class Lane(Generic[T]):
@@ -165,6 +166,7 @@ class Backlog(Generic[T]):
         tenant: str = DEFAULT_TENANT,
         model: str | None = None,
         fallback: str | None = None,
+        prefix: str | None = None,
     ) -> Passenger[T]:
         key = self.lane_of(tier, prompt_tokens, model)
         number = next(self._numbers)
@@ -179,6 +181,7 @@ class Backlog(Generic[T]):
             tenant,
             model=model,
             fallback=fallback,
+            prefix=prefix,
         )
         self._enter(key, p)
         return p

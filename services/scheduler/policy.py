@@ -10,7 +10,7 @@ it reads and `plan(now, workers)` whenever something changed or `Plan.wake_at` c
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -18,6 +18,7 @@ from services.scheduler.backlog import DEFAULT_TENANT, Backlog, Lane, LaneKey, P
 from services.scheduler.departure import DepartureRule, DispatchReason, FixedRule
 from services.scheduler.limits import PolicyConfig
 from services.scheduler.models import fall_back, serves
+from services.scheduler.routing import Router
 from shared.messages import Tier
 
 T = TypeVar("T")
@@ -70,11 +71,15 @@ class Plan(Generic[T]):
 class Policy(Generic[T]):
     """Per-tier bus rule with token budgets, priority, aging, fill and capacity."""
 
-    def __init__(self, config: PolicyConfig, rule: DepartureRule | None = None) -> None:
+    def __init__(
+        self, config: PolicyConfig, rule: DepartureRule | None = None, router: Router | None = None
+    ) -> None:
         self.config = config
         self.rule: DepartureRule = rule or FixedRule()
+        self.router = router or Router()
         self.backlog: Backlog[T] = Backlog(config)
         self.background_share = 0.0  # of recently dispatched requests
+        self._totals: dict[str, int] = {}  # every live worker's slots, as of this plan
 
     def add(
         self,
@@ -88,6 +93,7 @@ class Policy(Generic[T]):
         tenant: str = DEFAULT_TENANT,
         model: str | None = None,
         fallback: str | None = None,
+        prefix: str | None = None,
     ) -> Passenger[T] | None:
         """Queue a request; None if it can never ride (larger than its tier's token budget)."""
         if cost > self.config.tiers[tier].max_batch_tokens:
@@ -102,6 +108,7 @@ class Policy(Generic[T]):
             tenant=tenant,
             model=model,
             fallback=fallback if fallback != model else None,
+            prefix=prefix,
         )
 
     def plan(self, now: float, workers: Sequence[WorkerSlots]) -> Plan[T]:
@@ -109,6 +116,7 @@ class Policy(Generic[T]):
         plan.fell_back = fall_back(self.backlog, now, workers)
         free = {w.worker_id: w.free for w in workers if w.free > 0}
         queued = {w.worker_id: w.queued_tokens for w in workers}
+        self._totals = {w.worker_id: w.total for w in workers}
         total = sum(w.total for w in workers)
         load = 1.0 if total <= 0 else 1.0 - min(total, sum(free.values())) / total
         # Aging is decided once per plan, from the share before it.
@@ -155,13 +163,16 @@ class Policy(Generic[T]):
             chosen = self.backlog.select(
                 lane.key, limits.max_batch_size, limits.max_batch_tokens, admit
             )
-            # The batch goes to the worker with most room; if it has too little, the rest
-            # of this same batch goes to the next one (each part is within every limit).
-            # Only the workers serving the lane's model take it (models.py).
+            # Only the workers serving the lane's model take it (models.py); among them the
+            # router says where each passenger goes (routing.py): least loaded, the batch
+            # whole unless its worker has too little room; or by prefix affinity. A batch
+            # splits into one part per worker, each within every limit (ADR 0034).
             room = {w: n for w, n in free.items() if serves(models.get(w), lane.key.model)}
-            while chosen and room:
-                worker = max(room, key=lambda w: (room[w], -queued.get(w, 0), w))
-                part, chosen = chosen[: room[worker]], chosen[room[worker] :]
+            where = self.router.route([p.prefix for p in chosen], room, self._totals, queued)
+            parts: dict[str, list[Passenger[T]]] = {}
+            for p, worker in zip(chosen, where, strict=False):
+                parts.setdefault(worker, []).append(p)
+            for worker, part in parts.items():
                 self.backlog.discard(lane.key, part)
                 plan.dispatches.append(Dispatch(worker, lane.key.tier, reason, part))
                 self._use(free, worker, len(part))
@@ -184,16 +195,28 @@ class Policy(Generic[T]):
                 keys.append(LaneKey(other, own.bucket, own.model))
             lanes = [lane for k in keys if (lane := self.backlog.lanes.get(k)) and len(lane)]
             lanes.sort(key=lambda ln: self._order(ln, aged_before))
+            # With prefix routing, only riders that prefer this worker (or have no key).
+            admit = self._prefers(d.worker_id) if self.router.mode == "prefix" else None
             for lane in lanes:
                 room = min(limits.max_batch_size - len(d.passengers), free.get(d.worker_id, 0))
                 budget = limits.max_batch_tokens - d.tokens
                 if room <= 0 or budget <= 0:
                     break
-                taken = self.backlog.take(lane.key, room, budget)
+                taken = self.backlog.select(lane.key, room, budget, admit)
+                self.backlog.discard(lane.key, taken)
+                for p in taken:
+                    if p.prefix is not None and self.router.mode == "prefix":
+                        self.router.served(p.prefix, d.worker_id)
                 if lane.key.tier is not d.tier:
                     d.filled += len(taken)
                 d.passengers.extend(taken)
                 self._use(free, d.worker_id, len(taken))
+
+    def _prefers(self, worker: str) -> Callable[[Passenger[T]], bool]:
+        def admit(p: Passenger[T]) -> bool:
+            return p.prefix is None or self.router.prefers(p.prefix, worker, self._totals)
+
+        return admit
 
     def _wake_at(
         self, now: float, load: float, free: dict[str, int], models: dict[str, str | None]

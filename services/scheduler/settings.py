@@ -10,6 +10,7 @@ from pydantic import Field, model_validator
 
 from services.scheduler.departure import AdaptiveRule, CostModel, DepartureRule, FixedRule
 from services.scheduler.limits import PolicyConfig, TierLimits
+from services.scheduler.routing import DEFAULT_LOAD_FACTOR, Router, RoutingMode
 from shared.messages import Tier
 from shared.settings import TokenbusSettings
 
@@ -73,6 +74,21 @@ class SchedulerSettings(TokenbusSettings):
         default_factory=dict,
         description='Fair-share weight per tenant, JSON (e.g. `{"key-ab12": 3}`); unnamed'
         " tenants weigh 1.",
+    )
+
+    scheduler_routing: RoutingMode = Field(
+        default="prefix",
+        description="Where a leaving batch's requests go. prefix: requests sharing a prompt"
+        " prefix (a conversation_id, else the leading messages) go to the worker that last"
+        " served it, within a bounded load (docs/scheduler.md); least_loaded: the worker with"
+        " most free slots.",
+    )
+    scheduler_routing_load_factor: float = Field(
+        default=DEFAULT_LOAD_FACTOR,
+        ge=1.0,
+        description="prefix routing: a worker takes a request by affinity only while its busy"
+        " slots stay within this factor of the average utilisation; beyond, the least loaded"
+        " worker takes it.",
     )
 
     # adaptive policy: engine time of a batch of n = per_request * n + per_batch. Defaults:
@@ -180,3 +196,6 @@ class SchedulerSettings(TokenbusSettings):
                 )
             )
         return FixedRule()
+
+    def router(self) -> Router:
+        return Router(self.scheduler_routing, load_factor=self.scheduler_routing_load_factor)

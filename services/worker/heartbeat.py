@@ -94,7 +94,7 @@ class Heartbeats:
     def _beat(self) -> Heartbeat:
         s, engine, intake = self._settings, self._engine, self._intake
         cap = engine.capacity()
-        self._telemetry.observe_capacity(cap.running, cap.total_slots)
+        self._telemetry.observe_capacity(cap.running, cap.total_slots, cap.prefix_cache_hit_rate)
         self._telemetry.observe_engine_cpu(engine.cpu_seconds)
         static = s.worker_batch_mode == "static"
         free = free_slots(cap, len(intake), one_batch_at_a_time=static)
@@ -113,4 +113,5 @@ class Heartbeats:
             interval_ms=s.worker_heartbeat_ms,
             started_at=intake.started_at,
             batch_mode=s.worker_batch_mode,
+            prefix_cache_hit_rate=cap.prefix_cache_hit_rate,
         )

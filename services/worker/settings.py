@@ -84,6 +84,12 @@ class WorkerSettings(TokenbusSettings):
         default="continuous", description="sim: continuous (vLLM-like) or static batching."
     )
     worker_sim_token_rate: float = Field(default=50.0, gt=0, description="sim: tokens/s/seq.")
+    worker_sim_prefix_cache_tokens: int | None = Field(
+        default=None,
+        ge=0,
+        description="sim: KV-cache tokens its prefix cache may hold; 0: none (default: the"
+        " profile's, its GPU's KV cache; 65536 for constant).",
+    )
     worker_sim_fail_marker: str | None = Field(
         default=None,
         min_length=1,

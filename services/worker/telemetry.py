@@ -177,8 +177,12 @@ class WorkerTelemetry:
         if run.span is not None:
             self._record_stages(run, run.span, state, final)
 
-    def observe_capacity(self, running: int, total: int) -> None:
+    def observe_capacity(
+        self, running: int, total: int, prefix_cache_hit_rate: float | None = None
+    ) -> None:
         self._metrics.observe_capacity(running, total)
+        if prefix_cache_hit_rate is not None:
+            self._metrics.prefix_cache_hit_rate.set(prefix_cache_hit_rate)
 
     def observe_engine_cpu(self, seconds: float) -> None:
         """The engine's own CPU time so far (cumulative); counted apart from the worker's."""

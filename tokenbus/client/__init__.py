@@ -56,6 +56,7 @@ class Client:
         deadline_ms: int | None = None,
         model: str | None = None,
         fallback_model: str | None = None,
+        conversation_id: str | None = None,
     ) -> ChatStream:
         """One request: a conversation (`[{"role": ..., "content": ...}, ...]`) or a prompt.
 
@@ -75,6 +76,7 @@ class Client:
             "deadline_ms": deadline_ms,
             "model": model,
             "fallback_model": fallback_model,
+            "conversation_id": conversation_id,
         }
         body.update({k: v for k, v in options.items() if v is not None})
         return ChatStream(

@@ -67,11 +67,13 @@ class SamplingFields(OpenAIModel):
     frequency_penalty: float | None = None
     logprobs: Any = None
     logit_bias: dict[str, float] | None = None
-    # Extensions, as vLLM's `priority`: the tier, a deadline from acceptance, and the model
-    # the request may run on instead when its deadline cannot be met on `model`.
+    # Extensions, as vLLM's `priority`: the tier, a deadline from acceptance, the model the
+    # request may run on instead when its deadline cannot be met on `model`, and the
+    # conversation whose turns share a prompt prefix (prefix-affinity routing).
     priority: Priority | None = None
     deadline_ms: int | None = None
     fallback_model: str | None = None
+    conversation_id: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields):

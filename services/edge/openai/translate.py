@@ -64,6 +64,7 @@ def to_chat_request(body: OpenAIRequest, limits: RequestLimits) -> ChatRequest |
         "deadline_ms": body.deadline_ms,
         "model": body.model,
         "fallback_model": body.fallback_model,
+        "conversation_id": body.conversation_id,
     }
     if body.temperature is not None:
         fields["temperature"] = body.temperature

@@ -72,6 +72,8 @@ class Capacity:
     queued: int
     queued_tokens: int
     utilisation: float
+    # Share of recent prompt tokens found in the engine's prefix cache; None: not known.
+    prefix_cache_hit_rate: float | None = None
 
 
 class PromptTooLong(ValueError):

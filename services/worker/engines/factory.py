@@ -15,6 +15,7 @@ def build_engine(settings: WorkerSettings) -> Engine:
             max_num_seqs=settings.worker_max_num_seqs,
             token_rate=settings.worker_sim_token_rate,
             context_length=settings.worker_max_model_len,
+            prefix_cache_tokens=settings.worker_sim_prefix_cache_tokens,
         )
         # A static worker's batches run as the sim's static batches, whatever its own mode.
         mode = "static" if settings.worker_batch_mode == "static" else settings.worker_sim_mode

@@ -37,9 +37,10 @@ from services.worker.engines.base import (
     PromptTooLong,
     check_prompt,
 )
+from services.worker.engines.sim_cache import ANSWER_HEADER, PrefixCache
 from services.worker.engines.sim_profiles import SimProfile
 from services.worker.engines.sim_text import Completion, complete
-from shared.tokens import estimate_tokens
+from shared.tokens import estimate_tokens, split_tokens
 
 SimMode = Literal["continuous", "static"]
 
@@ -58,6 +59,7 @@ class _Sequence:
     position: int = 0
     finished: bool = False
     fails: bool = False  # fault injection: fail after the first token
+    tokens: list[str] | None = None  # the prompt's, once looked up in the prefix cache
 
     @property
     def done(self) -> bool:
@@ -137,6 +139,7 @@ class SimEngine:
         self._step_due = 0.0
         self.steps = 0  # engine steps taken, for tests and benchmarks
         self.cpu_seconds = 0.0  # thread CPU time of the steps themselves (not of the readers)
+        self.prefix_cache = PrefixCache(self.profile.prefix_cache_tokens)
 
     async def start(self) -> None:
         if self._loop is None:
@@ -231,6 +234,7 @@ class SimEngine:
             queued=queued,
             queued_tokens=queued_tokens,
             utilisation=running / total,
+            prefix_cache_hit_rate=self.prefix_cache.hit_rate,
         )
 
     def step_seconds(self, running: int) -> float:
@@ -295,7 +299,12 @@ class SimEngine:
 
     def _plan_continuous_step(self) -> float:
         joined = self._admit(self.profile.max_num_seqs)
-        prefill = sum(s.prompt_tokens for s in joined)
+        # A cached prefix is not prefilled again: only its KV is read (in `kv` below), as
+        # with vLLM's automatic prefix caching and SGLang's RadixAttention.
+        prefill = 0
+        for s in joined:
+            s.tokens = split_tokens(s.request.prompt)
+            prefill += s.prompt_tokens - self.prefix_cache.admit(s.tokens)
         kv = sum(s.prompt_tokens + s.position for s in self._running.values())
         decoding = len(self._running) - len(joined)
         return self.profile.step_seconds(decoding, kv, prefill)
@@ -337,6 +346,9 @@ class SimEngine:
         if seq.done:
             seq.position = seq.plan.completion_tokens
             self._running.pop(seq.request.request_id, None)
+            if seq.tokens is not None:
+                answer = split_tokens(seq.plan.text)
+                self.prefix_cache.store([*seq.tokens, *ANSWER_HEADER, *answer])
             seq.finish()
 
 

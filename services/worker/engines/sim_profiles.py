@@ -54,6 +54,8 @@ class SimProfile:
     cost: CostModel | None = None
     # Llama-3-8B's max_position_embeddings (config.json); a prompt longer is refused.
     context_length: int = 8192
+    # KV-cache tokens the prefix cache may hold (sim_cache.py); 0: no prefix caching.
+    prefix_cache_tokens: int = 65536
 
     def step_seconds(self, running: int, kv_tokens: int, prefill_tokens: int = 0) -> float:
         if self.cost is None:
@@ -113,6 +115,17 @@ COMPUTE_EFFICIENCY = 0.50
 STEP_OVERHEAD_S = 0.0005
 
 
+# KV-cache tokens of Llama-3-8B on a GPU, as vLLM sizes its cache: gpu_memory_utilization
+# (0.9, its default) of the GPU's memory, less the weights, over the KV bytes per token.
+# Activation memory is not subtracted, so this is an upper bound (docs/sim-profiles.md).
+GPU_MEMORY_UTILIZATION = 0.9
+
+
+def llama3_8b_kv_tokens(gpu_memory_bytes: float) -> int:
+    free = gpu_memory_bytes * GPU_MEMORY_UTILIZATION - LLAMA3_8B_WEIGHT_BYTES
+    return int(free // LLAMA3_8B_KV_BYTES_PER_TOKEN)
+
+
 def _llama3_8b(memory_bandwidth: float, peak_flops: float) -> CostModel:
     return CostModel(
         weight_bytes=LLAMA3_8B_WEIGHT_BYTES,
@@ -129,18 +142,33 @@ def _llama3_8b(memory_bandwidth: float, peak_flops: float) -> CostModel:
 PROFILES: dict[str, SimProfile] = {
     "constant": SimProfile(),
     # H100 SXM5: 3.35 TB/s HBM3, 989 TFLOPS dense bf16 (NVIDIA H100 datasheet).
-    "llama3-8b-h100": SimProfile(name="llama3-8b-h100", cost=_llama3_8b(3.35 * TERA, 989 * TERA)),
-    # H200 SXM: 4.8 TB/s HBM3e, 989 TFLOPS dense bf16 (NVIDIA H200 datasheet).
-    "llama3-8b-h200": SimProfile(name="llama3-8b-h200", cost=_llama3_8b(4.8 * TERA, 989 * TERA)),
+    # 80 GB of HBM3 (80 GiB as CUDA reports it).
+    "llama3-8b-h100": SimProfile(
+        name="llama3-8b-h100",
+        cost=_llama3_8b(3.35 * TERA, 989 * TERA),
+        prefix_cache_tokens=llama3_8b_kv_tokens(80 * 2**30),
+    ),
+    # H200 SXM: 4.8 TB/s HBM3e, 989 TFLOPS dense bf16, 141 GB (NVIDIA H200 datasheet).
+    "llama3-8b-h200": SimProfile(
+        name="llama3-8b-h200",
+        cost=_llama3_8b(4.8 * TERA, 989 * TERA),
+        prefix_cache_tokens=llama3_8b_kv_tokens(141 * GB),
+    ),
 }
 
 
 def sim_profile(
-    name: str, *, max_num_seqs: int, token_rate: float, context_length: int | None = None
+    name: str,
+    *,
+    max_num_seqs: int,
+    token_rate: float,
+    context_length: int | None = None,
+    prefix_cache_tokens: int | None = None,
 ) -> SimProfile:
     """The named profile with this worker's slot count (and, for `constant`, its rate).
 
-    `context_length` overrides the profile's (TOKENBUS_WORKER_MAX_MODEL_LEN).
+    `context_length` overrides the profile's (TOKENBUS_WORKER_MAX_MODEL_LEN), and so does
+    `prefix_cache_tokens` (TOKENBUS_WORKER_SIM_PREFIX_CACHE_TOKENS).
     """
     try:
         base = PROFILES[name]
@@ -149,4 +177,6 @@ def sim_profile(
     profile = replace(base, max_num_seqs=max_num_seqs, token_rate=token_rate)
     if context_length is not None:
         profile = replace(profile, context_length=context_length)
+    if prefix_cache_tokens is not None:
+        profile = replace(profile, prefix_cache_tokens=prefix_cache_tokens)
     return profile

@@ -3,7 +3,11 @@
 Written against vLLM's v1 engine API (`vllm/v1/engine/async_llm.py` on main at commit
 00080ee, between v0.16 and v0.18; see docs/engines.md): `AsyncLLM.from_engine_args`,
 `generate(prompt, sampling_params, request_id, trace_headers=, priority=)` yielding
-`RequestOutput`s, `abort(request_id)`, `SamplingParams(output_kind=RequestOutputKind.DELTA)`.
+`RequestOutput`s, `abort(request_id)`, `SamplingParams(output_kind=RequestOutputKind.DELTA)`,
+and the `stat_loggers` factories of `from_engine_args` (`vllm/v1/metrics/loggers.py`
+StatLoggerBase: `record(scheduler_stats, iteration_stats, engine_idx)`), from which the
+prefix-cache hit rate is read (`SchedulerStats.prefix_cache_stats`, a `PrefixCacheStats` of
+requests, queries and hits in tokens, `vllm/v1/metrics/stats.py`).
 vLLM is imported only by `load_vllm`, so this module imports (and is tested) without it.
 """
 
@@ -12,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -138,6 +143,72 @@ def finish_reason(vllm_reason: str | None) -> FinishReason:
     return "cancelled"
 
 
+# vLLM's own hit rate covers its last 1000 requests (PrefixCachingMetrics.max_recent_requests).
+HIT_RATE_REQUESTS = 1000
+
+
+class PrefixCacheWindow:
+    """vLLM's prefix-cache hit rate over its last `max_requests` requests, as vLLM logs it.
+
+    Fed every `PrefixCacheStats` the engine reports (`reset`, `requests`, `queries`, `hits`;
+    queries and hits count tokens); a reset of the cache empties the window.
+    """
+
+    def __init__(self, max_requests: int = HIT_RATE_REQUESTS) -> None:
+        self.max_requests = max_requests
+        self._updates: deque[tuple[int, int, int]] = deque()  # (requests, queries, hits)
+        self._requests = self._queries = self._hits = 0
+
+    def observe(self, stats: Any) -> None:
+        if getattr(stats, "reset", False):
+            self._updates.clear()
+            self._requests = self._queries = self._hits = 0
+        requests = int(getattr(stats, "requests", 0))
+        if requests <= 0:
+            return
+        update = (requests, int(stats.queries), int(stats.hits))
+        self._updates.append(update)
+        self._requests += update[0]
+        self._queries += update[1]
+        self._hits += update[2]
+        while len(self._updates) > 1 and self._requests - self._updates[0][0] >= self.max_requests:
+            old = self._updates.popleft()
+            self._requests -= old[0]
+            self._queries -= old[1]
+            self._hits -= old[2]
+
+    @property
+    def hit_rate(self) -> float | None:
+        return None if self._queries <= 0 else self._hits / self._queries
+
+
+class PrefixCacheStatLogger:
+    """A vLLM stat logger (the StatLoggerBase interface) that feeds a `PrefixCacheWindow`."""
+
+    def __init__(self, window: PrefixCacheWindow) -> None:
+        self.window = window
+
+    def record(self, scheduler_stats: Any, iteration_stats: Any, engine_idx: int = 0) -> None:
+        stats = getattr(scheduler_stats, "prefix_cache_stats", None)
+        if stats is not None:
+            self.window.observe(stats)
+
+    def log_engine_initialized(self) -> None:
+        pass
+
+    def log(self) -> None:
+        pass
+
+
+def stat_logger_factory(window: PrefixCacheWindow) -> Callable[..., PrefixCacheStatLogger]:
+    """A `StatLoggerFactory` (called with the VllmConfig and an engine index)."""
+
+    def make(vllm_config: Any, engine_index: int = 0) -> PrefixCacheStatLogger:
+        return PrefixCacheStatLogger(window)
+
+    return make
+
+
 @dataclass
 class _InFlight:
     request: EngineRequest
@@ -166,10 +237,16 @@ class VllmEngine:
         self._llm: AsyncLLMLike | None = None
         self._inflight: dict[str, _InFlight] = {}
         self.context_length: int | None = getattr(args, "max_model_len", None)
+        self.prefix_cache = PrefixCacheWindow()
 
     async def start(self) -> None:
         if self._llm is None:
-            self._llm = self._api.async_llm.from_engine_args(self._args)
+            factory = stat_logger_factory(self.prefix_cache)
+            try:
+                self._llm = self._api.async_llm.from_engine_args(self._args, stat_loggers=[factory])
+            except TypeError as exc:  # a vLLM without custom stat loggers
+                log.warning("vllm.no_stat_loggers", error=repr(exc))
+                self._llm = self._api.async_llm.from_engine_args(self._args)
             self.context_length = _max_model_len(self._llm) or self.context_length
 
     async def stop(self) -> None:
@@ -231,6 +308,7 @@ class VllmEngine:
             queued=in_flight - running,
             queued_tokens=queued_tokens,
             utilisation=running / self._max_num_seqs,
+            prefix_cache_hit_rate=self.prefix_cache.hit_rate,
         )
 
     def _require_llm(self) -> AsyncLLMLike:
