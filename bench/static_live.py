@@ -1,40 +1,78 @@
-"""The static benchmark's live check: batch size 1 against the bus rule on a real stack.
+"""The static benchmark's live part: batch size 1 against the bus rule on real stacks.
 
 `tokenbus bench static --live`. One stack per policy on the broker in
-KAFKA_BOOTSTRAP_SERVERS, else a private one (edge, ingest, scheduler and
-one worker in TOKENBUS_WORKER_BATCH_MODE=static on the `llama3-8b-h100` sim profile), the
-same open-loop Poisson arrivals for both (bench/loadgen.py), at one rate where the
-simulation (bench/static.py, one worker) says batch size 1 cannot keep up and the bus rule
-can. What it checks is the simulation's prediction, through Kafka and real processes.
+KAFKA_BOOTSTRAP_SERVERS, else a private one: edge, ingest, scheduler and `static.WORKERS`
+workers in TOKENBUS_WORKER_BATCH_MODE=static on the `llama3-8b-h100` sim profile, each its
+own id and batches partition, the same slots as the simulation (bench/static.py). Each
+policy climbs open-loop Poisson rates (bench/loadgen.py) anchored on its simulated
+ceiling until interactive p99 TTFT reaches the SLO or a request goes unanswered, then
+bisects between the highest passing and the lowest failing rate (as bench/capacity.py's
+climb does). Its ceiling is the highest passing rate; the ratio of the two ceilings is
+issue 14's bus-rule target, with the simulation's beside it as the prediction.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
-from dataclasses import dataclass
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench import static
+from bench.findings import passes_slo
 from bench.loadgen import LoadConfig, run_load, warm_up
-from bench.stacks import PipelineStack, private_broker
+from bench.stacks import PipelineStack, StackError, private_broker
+from bench.stats import RunContext, summarise
 from bench.workload import LengthDistribution, Mix, RequestClass, plan
 from services.worker.engines.sim_profiles import sim_profile
 from shared.messages import Tier
 
-RATE = 4.0  # req/s: one static worker; the simulation puts batch size 1 far past its SLO
-DURATION_S = 20.0
-DRAIN_S = 15.0
+DURATION_S = 10.0  # arrivals per run: short, so the whole `make bench-static` stays ~5 min
+WARM_S = 3.0  # unmeasured load at the ladder's first rate: a fresh stack's first seconds lag
+DRAIN_S = 6.0  # after the last arrival; a request still unanswered then fails the rate
+IDLE_TIMEOUT_S = 20.0  # between runs: the backlog of a failing rate must not leak on
+CONNECTIONS = 4
+# The climb: these shares of the simulated ceiling, up while runs pass...
+LADDER = (0.5, 0.75, 1.0, 1.25, 1.5)
+# ...then this many bisections between the highest passing and the lowest failing rate,
+REFINE_STEPS = 2
+# ...stopping sooner once the two are this close (share of the passing rate).
+RESOLUTION = 0.1
+WORKERS_TIMEOUT_S = 30.0  # every worker heard by the scheduler before the load
+
+Say = Callable[[str], None]
 
 
 @dataclass
 class LiveRun:
+    """One rate on one stack: what the clients saw, and the simulation's p99 there."""
+
     policy: str
     rate: float
     sent: int
     answered: int
     ttft_ms_p50: float
     ttft_ms_p99: float
-    predicted_ttft_ms_p99: float  # the simulation's, same policy, rate and one worker
+    passed: bool
+    batch_size_mean: float  # batches seen on the batches topic
+    batches: int
+    hops_ms_p50: dict[str, float]  # TTFT cut at each service's stamp (bench/stats.py HOPS)
+    hops_ms_p99: dict[str, float]
+    load_avg_1m: float
+    predicted_ttft_ms_p99: float  # the simulation's: same policy, rate and workers
+
+
+@dataclass
+class LiveClimb:
+    policy: str
+    workers: int
+    simulated_ceiling_rps: float
+    ceiling_rps: float  # highest passing rate below the lowest failing; 0: none passed
+    first_failing_rps: float | None
+    runs: list[LiveRun] = field(default_factory=list)
+    failed: str = ""  # why the climb stopped early, if it did
 
 
 def mix() -> Mix:
@@ -68,49 +106,143 @@ def env(policy: str) -> dict[str, str]:
     return settings
 
 
+def next_rate(
+    passed: dict[float, bool], ladder: tuple[float, ...], refine: int = REFINE_STEPS
+) -> float | None:
+    """The next rate to run, or None when the ceiling is found (bench/capacity.py's rule,
+    with a relative resolution: these rates are a few req/s, not hundreds)."""
+    failing = sorted(r for r, ok in passed.items() if not ok)
+    if not failing:
+        higher = [r for r in ladder if r not in passed]
+        return higher[0] if higher else None
+    first_fail = failing[0]
+    low = max((r for r, ok in passed.items() if ok and r < first_fail), default=0.0)
+    refined = sum(1 for r in passed if r not in ladder)
+    if refined >= refine or first_fail - low <= RESOLUTION * max(low, first_fail / 2):
+        return None
+    return round((low + first_fail) / 2, 2)
+
+
+def ceiling(runs: list[LiveRun]) -> tuple[float, float | None]:
+    """The highest passing rate below the lowest failing one (0 if none), and that one."""
+    failing = min((r.rate for r in runs if not r.passed), default=None)
+    passing = [r.rate for r in runs if r.passed and (failing is None or r.rate < failing)]
+    return max(passing, default=0.0), failing
+
+
+def predicted_p99(policy: str, rate: float, seconds: float) -> float:
+    profile = sim_profile(static.PROFILE, max_num_seqs=static.SLOTS, token_rate=50.0)
+    return static.simulate(static.POLICIES[policy], profile, rate, seconds).ttft_ms_p99
+
+
+async def measured_run(
+    stack: PipelineStack, policy: str, rate: float, index: int, sim_seconds: float
+) -> LiveRun:
+    seed = static.SEED * 1000 + index
+    planned = plan(mix(), rate, DURATION_S, seed=seed)
+    config = LoadConfig(
+        stack.ws_url, connections=CONNECTIONS, drain_s=DRAIN_S, label=f"{policy} {rate:g}/s"
+    )
+    assert stack.observer is not None
+    stack.observer.take_batches()  # forget what earlier runs left
+    result = await run_load(config, planned)
+    batches = stack.observer.take_batches()
+    context = RunContext(policy, rate, DURATION_S, seed, {"interactive": static.SLOTS})
+    run = summarise(context, config, result, batches)
+    await stack.wait_idle(IDLE_TIMEOUT_S)
+    tier = run.tiers["interactive"]
+    # A request unanswered within the drain counts as past any SLO.
+    ttft = sorted(run.ttft_samples_ms["interactive"]) + [math.inf] * (tier.sent - tier.completed)
+    return LiveRun(
+        policy=policy,
+        rate=rate,
+        sent=tier.sent,
+        answered=tier.completed,
+        ttft_ms_p50=round(_quantile(ttft, 0.5), 1),
+        ttft_ms_p99=round(_quantile(ttft, 0.99), 1),
+        passed=passes_slo(run, static.SLO_MS),
+        batch_size_mean=round(run.batches.size.mean or 0.0, 2),
+        batches=run.batches.batches,
+        hops_ms_p50={k: round(v.p50, 1) for k, v in tier.hops_ms.items() if v.p50 is not None},
+        hops_ms_p99={k: round(v.p99, 1) for k, v in tier.hops_ms.items() if v.p99 is not None},
+        load_avg_1m=run.load_avg_1m,
+        predicted_ttft_ms_p99=predicted_p99(policy, rate, sim_seconds),
+    )
+
+
+async def climb(
+    policy: str, simulated: float, bootstrap: str, log_dir: Path, sim_seconds: float, say: Say
+) -> LiveClimb:
+    ladder = tuple(round(share * simulated, 2) for share in LADDER)
+    stack = PipelineStack(
+        f"static{policy}", env(policy), log_dir, bootstrap, workers=static.WORKERS
+    )
+    out = LiveClimb(policy, static.WORKERS, simulated, 0.0, None)
+    say(f"live {policy}: {static.WORKERS} static workers, climbing {ladder} req/s")
+    try:
+        await stack.start()
+        await _all_workers_heard(stack)
+        await warm_up(stack.ws_url)
+        warm = plan(mix(), ladder[0], WARM_S, seed=static.SEED)
+        await run_load(LoadConfig(stack.ws_url, connections=CONNECTIONS, drain_s=DRAIN_S), warm)
+        await stack.wait_idle(IDLE_TIMEOUT_S)
+        passed: dict[float, bool] = {}
+        while (rate := next_rate(passed, ladder)) is not None:
+            run = await measured_run(stack, policy, rate, len(out.runs), sim_seconds)
+            passed[rate] = run.passed
+            out.runs.append(run)
+            say(_one_line(run))
+        stack.check_alive()
+    except (StackError, TimeoutError, OSError) as exc:
+        out.failed = str(exc)[:500]
+        say(f"live {policy}: failed: {out.failed}")
+    finally:
+        await stack.stop()
+    out.ceiling_rps, out.first_failing_rps = ceiling(out.runs)
+    return out
+
+
+async def _all_workers_heard(stack: PipelineStack) -> None:
+    """Every worker's heartbeat seen, so the first run does not start on fewer workers."""
+    assert stack.observer is not None
+    deadline = time.monotonic() + WORKERS_TIMEOUT_S
+    while len(stack.observer.heartbeats) < stack.workers:
+        if time.monotonic() > deadline:
+            heard = len(stack.observer.heartbeats)
+            raise TimeoutError(f"{heard}/{stack.workers} workers heard in {WORKERS_TIMEOUT_S} s")
+        await asyncio.sleep(0.1)
+
+
+async def run_live(
+    bootstrap: str | None,
+    log_dir: Path,
+    simulated: dict[str, float],
+    sim_seconds: float,
+    say: Say = print,
+) -> list[LiveClimb]:
+    """batch1 and fixed climbed on `bootstrap`, or on a private broker when None."""
+    if bootstrap is not None:
+        return [
+            await climb(p, simulated[p], bootstrap, log_dir, sim_seconds, say)
+            for p in ("batch1", "fixed")
+        ]
+    async with private_broker(say) as own:
+        return [
+            await climb(p, simulated[p], own, log_dir, sim_seconds, say)
+            for p in ("batch1", "fixed")
+        ]
+
+
 def _quantile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * (len(ordered) - 1)))] if ordered else math.nan
 
 
-async def run_policy(policy: str, bootstrap: str, log_dir: Path) -> LiveRun:
-    planned = plan(mix(), RATE, DURATION_S, seed=static.SEED)
-    stack = PipelineStack(f"static{policy}", env(policy), log_dir, bootstrap)
-    try:
-        await stack.start()
-        await warm_up(stack.ws_url)
-        result = await run_load(LoadConfig(stack.ws_url, connections=4, drain_s=DRAIN_S), planned)
-    finally:
-        await stack.stop()
-    ttft = [
-        (t.delta_at[0] - t.sent_at) * 1000
-        for t in result.traces
-        if t.delta_at and t.sent_at is not None
-    ]
-    answered = sum(1 for t in result.traces if t.done_at is not None)
-    # Requests never answered within the drain count as past any SLO.
-    ttft += [math.inf] * (len(result.traces) - len(ttft))
-    workers = static.WORKERS
-    static.WORKERS = 1
-    try:
-        profile = sim_profile(static.PROFILE, max_num_seqs=static.SLOTS, token_rate=50.0)
-        predicted = static.simulate(static.POLICIES[policy], profile, RATE, DURATION_S)
-    finally:
-        static.WORKERS = workers
-    return LiveRun(
-        policy=policy,
-        rate=RATE,
-        sent=len(result.traces),
-        answered=answered,
-        ttft_ms_p50=round(_quantile(ttft, 0.5), 1),
-        ttft_ms_p99=round(_quantile(ttft, 0.99), 1),
-        predicted_ttft_ms_p99=predicted.ttft_ms_p99,
+def _one_line(run: LiveRun) -> str:
+    hops = ", ".join(f"{k} {v:g}" for k, v in run.hops_ms_p50.items())
+    return (
+        f"  {run.policy:>6} {run.rate:6g}/s {'pass' if run.passed else 'FAIL'}  "
+        f"answered {run.answered}/{run.sent}  TTFT p50 {run.ttft_ms_p50:g} p99 "
+        f"{run.ttft_ms_p99:g} ms (simulated p99 {run.predicted_ttft_ms_p99:g})  batch mean "
+        f"{run.batch_size_mean:g} of {run.batches}  hops p50 ms: {hops}  load {run.load_avg_1m:g}"
     )
-
-
-async def run_live(bootstrap: str | None, log_dir: Path) -> list[LiveRun]:
-    """Both policies on `bootstrap`, or on a private broker when None."""
-    if bootstrap is not None:
-        return [await run_policy(p, bootstrap, log_dir) for p in ("batch1", "fixed")]
-    async with private_broker() as own:
-        return [await run_policy(p, own, log_dir) for p in ("batch1", "fixed")]
