@@ -39,8 +39,8 @@ def section(report: StaticReport, doc: Path, plot_path: Path | None) -> str:
         "pipeline overhead on every TTFT, lognormal with the p50 and p99 that "
         f"`make bench-policies` measured ({s['pipeline_p50_s'] * 1000:g} and "
         f"{s['pipeline_p99_s'] * 1000:g} ms), a worker's slots seen free again "
-        f"{s['free_notice_s'] * 1000:g} ms after its batch ends (heartbeat gap and a "
-        "Kafka hop), and a batch's dispatch taking one hop "
+        f"{s['free_notice_s'] * 1000:g} ms after its batch ends (its heartbeat goes out "
+        "at once, then a Kafka hop), and a batch's dispatch taking one hop "
         f"({s['kafka_hop_s'] * 1000:g} ms). The simulation predicts; where the live "
         "climb ran (below), its ceilings decide the bus-rule target, and the buckets and "
         "adaptive targets stay simulated.",
@@ -109,7 +109,8 @@ def _live(report: StaticReport) -> list[str]:
         "TOKENBUS_WORKER_BATCH_MODE=static, each its own id and batches partition). "
         f"Open-loop Poisson arrivals, {DURATION_S:g} s per rate over {CONNECTIONS} "
         "WebSocket connections, prompts lognormal around 128 tokens (32-512), max_tokens "
-        f"around 32 (16-64); {WARM_S:g} s of unmeasured load first. Each policy climbs "
+        f"around 32 (16-64); {WARM_S:g} s of unmeasured load first; broker: "
+        f"{report.setup.get('live_broker', '-')}. Each policy climbs "
         f"{', '.join(f'{x:g}' for x in LADDER)} x its simulated ceiling until p99 TTFT "
         f">= {report.setup['slo_ms']:g} ms or a request is unanswered {DRAIN_S:g} s after "
         "the last arrival, then bisects; its ceiling is the highest passing rate.",
@@ -167,7 +168,8 @@ def write_section(report: StaticReport, doc: Path, plot_path: Path | None) -> No
 
 
 def plot(report: StaticReport, path: Path) -> None:
-    """Interactive p99 TTFT against offered load, one line per policy (the SLO search runs)."""
+    """Interactive p99 TTFT against offered load, one line per policy (the SLO search runs),
+    and one per live climb."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -181,6 +183,14 @@ def plot(report: StaticReport, path: Path) -> None:
             [max(r.ttft_ms_p99, 1.0) for r in runs],
             "o-",
             label=name,
+        )
+    for climb in report.live:
+        live = sorted(climb["runs"], key=lambda r: r["rate"])
+        ax.plot(
+            [r["rate"] for r in live],
+            [min(max(r["ttft_ms_p99"], 1.0), 1e6) for r in live],
+            "x--",
+            label=f"{climb['policy']} (live)",
         )
     ax.axhline(report.setup["slo_ms"], color="grey", linestyle="--", label="SLO")
     ax.set_xscale("log")
