@@ -40,6 +40,9 @@ LADDER = (0.5, 0.75, 1.0, 1.25, 1.5)
 REFINE_STEPS = 2
 # ...stopping sooner once the two are this close (share of the passing rate).
 RESOLUTION = 0.1
+# A failing rate is run again (other arrivals) before it counts as failed: on a shared
+# machine one stall of a process (another job's burst) otherwise sets the ceiling.
+TRIES = 2
 WORKERS_TIMEOUT_S = 30.0  # every worker heard by the scheduler before the load
 
 Say = Callable[[str], None]
@@ -124,9 +127,15 @@ def next_rate(
 
 
 def ceiling(runs: list[LiveRun]) -> tuple[float, float | None]:
-    """The highest passing rate below the lowest failing one (0 if none), and that one."""
-    failing = min((r.rate for r in runs if not r.passed), default=None)
-    passing = [r.rate for r in runs if r.passed and (failing is None or r.rate < failing)]
+    """The highest passing rate below the lowest failing one (0 if none), and that one.
+
+    A rate passes when any run at it passed (a failure is run again: `TRIES`).
+    """
+    ok: dict[float, bool] = {}
+    for r in runs:
+        ok[r.rate] = ok.get(r.rate, False) or r.passed
+    failing = min((rate for rate, good in ok.items() if not good), default=None)
+    passing = [rate for rate, good in ok.items() if good and (failing is None or rate < failing)]
     return max(passing, default=0.0), failing
 
 
@@ -188,10 +197,13 @@ async def climb(
         await stack.wait_idle(IDLE_TIMEOUT_S)
         passed: dict[float, bool] = {}
         while (rate := next_rate(passed, ladder)) is not None:
-            run = await measured_run(stack, policy, rate, len(out.runs), sim_seconds)
+            for _ in range(TRIES):
+                run = await measured_run(stack, policy, rate, len(out.runs), sim_seconds)
+                out.runs.append(run)
+                say(_one_line(run))
+                if run.passed:
+                    break
             passed[rate] = run.passed
-            out.runs.append(run)
-            say(_one_line(run))
         stack.check_alive()
     except (StackError, TimeoutError, OSError) as exc:
         out.failed = str(exc)[:500]

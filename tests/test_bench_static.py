@@ -77,6 +77,8 @@ def test_the_live_ceilings_decide_the_bus_rule_target(tmp_path: Path) -> None:
     runs = [_fake_run(8.0, True), _fake_run(16.0, False), _fake_run(12.0, True)]
     assert static_live.ceiling(runs) == (12.0, 16.0)
     assert static_live.ceiling([_fake_run(3.0, False)]) == (0.0, 3.0)
+    # A failure run again that passes: the rate passes.
+    assert static_live.ceiling([*runs, _fake_run(16.0, True)]) == (16.0, None)
     report = static.run_all(seconds=10.0, slo_ms=500.0, command="test")
     simulated = report.targets[0]
     missed = static.bus_rule_live(simulated, batch1=4.0, fixed=12.0)
