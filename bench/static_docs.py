@@ -108,7 +108,9 @@ def _live(report: StaticReport) -> list[str]:
         f"{workers} sim workers (`{report.profile}`, {report.setup['slots']} slots, "
         "TOKENBUS_WORKER_BATCH_MODE=static, each its own id and batches partition). "
         f"Open-loop Poisson arrivals, {DURATION_S:g} s per rate over {CONNECTIONS} "
-        "WebSocket connections, prompts lognormal around 128 tokens (32-512), max_tokens "
+        "WebSocket connections (both stacks up together, the two climbs taking turns run by "
+        "run, so that load from outside falls on both alike), prompts lognormal around 128 "
+        "tokens (32-512), max_tokens "
         f"around 32 (16-64); {WARM_S:g} s of unmeasured load first; broker: "
         f"{report.setup.get('live_broker', '-')}. Each policy climbs "
         f"{', '.join(f'{x:g}' for x in LADDER)} x its simulated ceiling until p99 TTFT "
@@ -131,11 +133,13 @@ def _live(report: StaticReport) -> list[str]:
         "Every run of the climbs. Hops are TTFT cut at each service's stamp "
         "(bench/stats.py HOPS), p50 / p99 ms: in = client to edge, edge = edge to ingest, "
         "bus = ingest to the batch formed, to worker = the batch record to the runner, "
-        "engine = to the first token, out = first token back to the client.",
+        "engine = to the first token, out = first token back to the client. Cores: the "
+        "stack's CPU over the run (edge, ingest, scheduler, workers), and the load "
+        "generator's.",
         "",
         "| policy | req/s | answered | TTFT p50 | p99 | simulated p99 | batch mean "
-        "| in | edge | bus | to worker | engine | out | load 1m |",
-        "|---|---:|---:|---:|---:|---:|---:|---|---|---|---|---|---|---:|",
+        "| in | edge | bus | to worker | engine | out | cores | load 1m |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---|---|---|---|---|---|---:|",
     ]
     for c in report.live:
         for r in sorted(c["runs"], key=lambda r: r["rate"]):
@@ -147,9 +151,14 @@ def _live(report: StaticReport) -> list[str]:
                 f"| {r['policy']} | {r['rate']:g} | {r['answered']}/{r['sent']} "
                 f"| {r['ttft_ms_p50']:g} | {r['ttft_ms_p99']:g}{'' if r['passed'] else ' ✗'} "
                 f"| {r['predicted_ttft_ms_p99']:g} | {r['batch_size_mean']:g} "
-                f"| {hops} | {r['load_avg_1m']:g} |"
+                f"| {hops} | {_cores(r['cores'])} | {r['load_avg_1m']:g} |"
             )
     return out
+
+
+def _cores(cores: dict[str, float]) -> str:
+    stack = sum(v for k, v in cores.items() if k != "loadgen")
+    return f"{stack:.2f} + {cores.get('loadgen', 0.0):.2f}"
 
 
 def _num(value: float | None) -> str:

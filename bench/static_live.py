@@ -1,26 +1,29 @@
 """The static benchmark's live part: batch size 1 against the bus rule on real stacks.
 
-`tokenbus bench static --live`. One stack per policy on the broker in
+`tokenbus bench static --live`. One stack per policy, both up at once, on the broker in
 KAFKA_BOOTSTRAP_SERVERS, else a private one: edge, ingest, scheduler and `static.WORKERS`
 workers in TOKENBUS_WORKER_BATCH_MODE=static on the `llama3-8b-h100` sim profile, each its
 own id and batches partition, the same slots as the simulation (bench/static.py). Each
-policy climbs open-loop Poisson rates (bench/loadgen.py) anchored on its simulated
-ceiling until interactive p99 TTFT reaches the SLO or a request goes unanswered, then
-bisects between the highest passing and the lowest failing rate (as bench/capacity.py's
-climb does). Its ceiling is the highest passing rate; the ratio of the two ceilings is
-issue 14's bus-rule target, with the simulation's beside it as the prediction.
+policy climbs open-loop Poisson rates (bench/loadgen.py), the two climbs taking turns run
+by run, anchored on its simulated ceiling, until interactive p99 TTFT reaches the SLO or a
+request goes unanswered, then bisects between the highest passing and the lowest failing
+rate (as bench/capacity.py's climb does). Its ceiling is the highest passing rate; the
+ratio of the two ceilings is issue 14's bus-rule target, with the simulation's beside it
+as the prediction.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench import static
+from bench.cpu import cpu_seconds
 from bench.findings import passes_slo
 from bench.loadgen import LoadConfig, run_load, warm_up
 from bench.stacks import PipelineStack, StackError, private_broker
@@ -64,6 +67,7 @@ class LiveRun:
     hops_ms_p50: dict[str, float]  # TTFT cut at each service's stamp (bench/stats.py HOPS)
     hops_ms_p99: dict[str, float]
     load_avg_1m: float
+    cores: dict[str, float]  # CPU seconds per second of the run: edge, ingest, ..., loadgen
     predicted_ttft_ms_p99: float  # the simulation's: same policy, rate and workers
 
 
@@ -154,7 +158,10 @@ async def measured_run(
     )
     assert stack.observer is not None
     stack.observer.take_batches()  # forget what earlier runs left
+    pids = {**stack.pids, "loadgen": os.getpid()}
+    before = {key: cpu_seconds(pid) for key, pid in pids.items()}
     result = await run_load(config, planned)
+    cpu = _cores(pids, before, result.ended_at - result.started_at)
     batches = stack.observer.take_batches()
     context = RunContext(policy, rate, DURATION_S, seed, {"interactive": static.SLOTS})
     run = summarise(context, config, result, batches)
@@ -175,43 +182,84 @@ async def measured_run(
         hops_ms_p50={k: round(v.p50, 1) for k, v in tier.hops_ms.items() if v.p50 is not None},
         hops_ms_p99={k: round(v.p99, 1) for k, v in tier.hops_ms.items() if v.p99 is not None},
         load_avg_1m=run.load_avg_1m,
+        cores=cpu,
         predicted_ttft_ms_p99=predicted_p99(policy, rate, sim_seconds),
     )
 
 
-async def climb(
-    policy: str, simulated: float, bootstrap: str, log_dir: Path, sim_seconds: float, say: Say
-) -> LiveClimb:
-    ladder = tuple(round(share * simulated, 2) for share in LADDER)
-    stack = PipelineStack(
-        f"static{policy}", env(policy), log_dir, bootstrap, workers=static.WORKERS
-    )
-    out = LiveClimb(policy, static.WORKERS, simulated, 0.0, None)
-    say(f"live {policy}: {static.WORKERS} static workers, climbing {ladder} req/s")
+class Climber:
+    """One policy's stack and climb; `step` runs its next rate (its retries included)."""
+
+    def __init__(
+        self, policy: str, simulated: float, bootstrap: str, log_dir: Path, sim_seconds: float
+    ) -> None:
+        self.policy = policy
+        self.ladder = tuple(round(share * simulated, 2) for share in LADDER)
+        self.stack = PipelineStack(
+            f"static{policy}", env(policy), log_dir, bootstrap, workers=static.WORKERS
+        )
+        self.sim_seconds = sim_seconds
+        self.passed: dict[float, bool] = {}
+        self.out = LiveClimb(policy, static.WORKERS, simulated, 0.0, None)
+        self.done = False
+
+    async def start(self) -> None:
+        await self.stack.start()
+        await _all_workers_heard(self.stack)
+        await warm_up(self.stack.ws_url)
+        warm = plan(mix(), self.ladder[0], WARM_S, seed=static.SEED)
+        url = self.stack.ws_url
+        await run_load(LoadConfig(url, connections=CONNECTIONS, drain_s=DRAIN_S), warm)
+        await self.stack.wait_idle(IDLE_TIMEOUT_S)
+
+    async def step(self, say: Say) -> None:
+        rate = next_rate(self.passed, self.ladder)
+        if rate is None:
+            self.done = True
+            return
+        for _ in range(TRIES):
+            run = await measured_run(
+                self.stack, self.policy, rate, len(self.out.runs), self.sim_seconds
+            )
+            self.out.runs.append(run)
+            say(_one_line(run))
+            if run.passed:
+                break
+        self.passed[rate] = run.passed
+        self.stack.check_alive()
+
+    def fail(self, exc: BaseException, say: Say) -> None:
+        self.out.failed = str(exc)[:500]
+        self.done = True
+        say(f"live {self.policy}: failed: {self.out.failed}")
+
+    def result(self) -> LiveClimb:
+        self.out.ceiling_rps, self.out.first_failing_rps = ceiling(self.out.runs)
+        return self.out
+
+
+async def climb_together(climbers: list[Climber], say: Say) -> list[LiveClimb]:
+    """Every stack up at once, their climbs taking turns, a rate each: load from outside
+    (a shared machine) then falls on both policies alike, not on whichever runs second."""
     try:
-        await stack.start()
-        await _all_workers_heard(stack)
-        await warm_up(stack.ws_url)
-        warm = plan(mix(), ladder[0], WARM_S, seed=static.SEED)
-        await run_load(LoadConfig(stack.ws_url, connections=CONNECTIONS, drain_s=DRAIN_S), warm)
-        await stack.wait_idle(IDLE_TIMEOUT_S)
-        passed: dict[float, bool] = {}
-        while (rate := next_rate(passed, ladder)) is not None:
-            for _ in range(TRIES):
-                run = await measured_run(stack, policy, rate, len(out.runs), sim_seconds)
-                out.runs.append(run)
-                say(_one_line(run))
-                if run.passed:
-                    break
-            passed[rate] = run.passed
-        stack.check_alive()
-    except (StackError, TimeoutError, OSError) as exc:
-        out.failed = str(exc)[:500]
-        say(f"live {policy}: failed: {out.failed}")
+        for c in climbers:
+            say(f"live {c.policy}: {static.WORKERS} static workers, ladder {c.ladder} req/s")
+            try:
+                await c.start()
+            except (StackError, TimeoutError, OSError) as exc:
+                c.fail(exc, say)
+        while not all(c.done for c in climbers):
+            for c in climbers:
+                if c.done:
+                    continue
+                try:
+                    await c.step(say)
+                except (StackError, TimeoutError, OSError) as exc:
+                    c.fail(exc, say)
     finally:
-        await stack.stop()
-    out.ceiling_rps, out.first_failing_rps = ceiling(out.runs)
-    return out
+        for c in climbers:
+            await c.stack.stop()
+    return [c.result() for c in climbers]
 
 
 async def _all_workers_heard(stack: PipelineStack) -> None:
@@ -233,16 +281,27 @@ async def run_live(
     say: Say = print,
 ) -> list[LiveClimb]:
     """batch1 and fixed climbed on `bootstrap`, or on a private broker when None."""
+    policies = ("batch1", "fixed")
     if bootstrap is not None:
-        return [
-            await climb(p, simulated[p], bootstrap, log_dir, sim_seconds, say)
-            for p in ("batch1", "fixed")
-        ]
+        climbers = [Climber(p, simulated[p], bootstrap, log_dir, sim_seconds) for p in policies]
+        return await climb_together(climbers, say)
     async with private_broker(say) as own:
-        return [
-            await climb(p, simulated[p], own, log_dir, sim_seconds, say)
-            for p in ("batch1", "fixed")
-        ]
+        climbers = [Climber(p, simulated[p], own, log_dir, sim_seconds) for p in policies]
+        return await climb_together(climbers, say)
+
+
+def _cores(
+    pids: dict[str, int], before: dict[str, float | None], wall_s: float
+) -> dict[str, float]:
+    """Each process's CPU over the run in cores (its workers summed as `workers`)."""
+    out: dict[str, float] = {}
+    for key, pid in pids.items():
+        start, end = before[key], cpu_seconds(pid)
+        if start is None or end is None:
+            continue
+        name = "workers" if key.startswith("worker") else key
+        out[name] = out.get(name, 0.0) + (end - start) / max(wall_s, 1e-9)
+    return {k: round(v, 2) for k, v in out.items()}
 
 
 def _quantile(values: list[float], q: float) -> float:
@@ -257,4 +316,5 @@ def _one_line(run: LiveRun) -> str:
         f"answered {run.answered}/{run.sent}  TTFT p50 {run.ttft_ms_p50:g} p99 "
         f"{run.ttft_ms_p99:g} ms (simulated p99 {run.predicted_ttft_ms_p99:g})  batch mean "
         f"{run.batch_size_mean:g} of {run.batches}  hops p50 ms: {hops}  load {run.load_avg_1m:g}"
+        f"  cores: {', '.join(f'{k} {v:g}' for k, v in run.cores.items())}"
     )

@@ -69,6 +69,7 @@ def _fake_run(rate: float, passed: bool) -> static_live.LiveRun:
         hops,
         hops,
         3.5,
+        {"workers": 0.4},
         300.0,
     )
 
