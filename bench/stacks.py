@@ -175,10 +175,13 @@ class PipelineStack(Stack):
         bootstrap: str,
         tenants: tuple[str, ...] = (),
         source: Path = ROOT,
+        workers: int = 1,
     ) -> None:
         self.prefix = f"bench{name}{uuid.uuid4().hex[:8]}"
         super().__init__(name, env, log_dir, source)
         self.worker_metrics_port = free_port()
+        # More than one worker: each its own id and batches partition (the topic has 4).
+        self.workers = workers
         self.env.update(
             KAFKA_BOOTSTRAP_SERVERS=bootstrap,
             TOKENBUS_TOPIC_PREFIX=self.prefix,
@@ -215,13 +218,28 @@ class PipelineStack(Stack):
             env = self.env
             if name == "worker":
                 env = {**env, "TOKENBUS_METRICS_PORT": str(self.worker_metrics_port)}
+                if self.workers > 1:
+                    env |= self.worker_env(0)
             self._spawn(name, f"services.{name}", env)
+        # The extra workers: `worker-1`, `worker-2`, ... (the first keeps the name `worker`).
+        for index in range(1, self.workers):
+            env = {**self.env, "TOKENBUS_METRICS_PORT": str(free_port()), **self.worker_env(index)}
+            self._spawn(f"worker-{index}", "services.worker", env)
         await self._until_healthy()
         self.observer = DeploymentObserver(self.settings)
         await self.observer.start()
 
+    def worker_env(self, index: int) -> dict[str, str]:
+        """Worker `index`'s id and batches partition, when the stack runs several."""
+        partitions = Topics(self.prefix).partitions()[Topics(self.prefix).batches]
+        return {
+            "TOKENBUS_WORKER_ID": f"{self.name}-w{index}",
+            "TOKENBUS_WORKER_BATCH_PARTITION": str(index % partitions),
+        }
+
     @property
     def worker_metrics_url(self) -> str | None:
+        """The first worker's `/metrics`."""
         return f"http://127.0.0.1:{self.worker_metrics_port}/metrics"
 
     async def wait_idle(self, timeout_s: float) -> bool:

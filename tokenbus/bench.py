@@ -327,7 +327,7 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _static(args: argparse.Namespace) -> int:
-    from bench.static import main
+    from bench.static_command import main
 
     argv = ["--seconds", str(args.seconds), "--slo-ms", str(args.slo_ms), "--json", str(args.json)]
     if args.plot is not None:

@@ -24,7 +24,8 @@ from shared.topics import Topics
 log = structlog.get_logger()
 
 # After a slot frees, the next heartbeat goes out this soon (not sooner), so schedulers
-# refill the slot without waiting for the regular interval.
+# refill the slot without waiting for the regular interval. A static worker whose batch
+# has just ended sends at once (`Heartbeats._min_gap`).
 HEARTBEAT_MIN_GAP_S = 0.05
 
 
@@ -70,10 +71,41 @@ class Heartbeats:
         while True:
             freed.clear()
             await self.send()
-            await asyncio.sleep(HEARTBEAT_MIN_GAP_S)
+            await self._min_gap(freed)
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(interval - HEARTBEAT_MIN_GAP_S):
                     await freed.wait()
+
+    async def _min_gap(self, freed: asyncio.Event) -> None:
+        """The least time between beats, cut short when a static worker's batch has ended.
+
+        Its rows finish one by one, each a reason for a beat, but its slots all come free
+        only with the last: that beat goes out at once, since until the schedulers hear it
+        the worker idles. A freed slot seen meanwhile leaves `freed` set (a beat follows).
+        """
+        if self._settings.worker_batch_mode != "static":
+            await asyncio.sleep(HEARTBEAT_MIN_GAP_S)
+            return
+        loop = asyncio.get_running_loop()
+        until = loop.time() + HEARTBEAT_MIN_GAP_S
+        seen = False
+        while (left := until - loop.time()) > 0:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(left):
+                    await freed.wait()
+            if freed.is_set():
+                seen = True
+                freed.clear()
+                if self._free_now() > 0:
+                    break
+        if seen:
+            freed.set()
+
+    def _free_now(self) -> int:
+        cap = self._engine.capacity()
+        static = self._settings.worker_batch_mode == "static"
+        free = free_slots(cap, len(self._intake), one_batch_at_a_time=static)
+        return 0 if self._drain.requested.is_set() else free
 
     async def send(self) -> None:
         self._liveness.epoch_now()  # after a pause, fence before telling anyone we are alive
@@ -96,14 +128,12 @@ class Heartbeats:
         cap = engine.capacity()
         self._telemetry.observe_capacity(cap.running, cap.total_slots, cap.prefix_cache_hit_rate)
         self._telemetry.observe_engine_cpu(engine.cpu_seconds)
-        static = s.worker_batch_mode == "static"
-        free = free_slots(cap, len(intake), one_batch_at_a_time=static)
         return Heartbeat(
             worker_id=s.worker_id,
             model=s.worker_model,
             total_slots=cap.total_slots,
             # A draining worker takes nothing new.
-            free_slots=0 if self._drain.requested.is_set() else free,
+            free_slots=self._free_now(),
             running=cap.running,
             queued_tokens=cap.queued_tokens,
             utilisation=min(1.0, cap.utilisation),
