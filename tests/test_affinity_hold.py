@@ -50,14 +50,14 @@ def test_router_holds_only_for_a_full_last_server_and_only_until_the_hold_ends()
     assert plain.route(["k"], {"b": 4}, totals, now=0.0, hold_until=[9.0]) == ["b"]
 
 
-def test_router_holds_for_a_last_server_at_its_load_bound() -> None:
+def test_during_its_hold_a_request_takes_a_free_slot_on_its_last_server_past_the_bound() -> None:
     router = Router("prefix", load_factor=1.0, hold_s=HOLD)
     router.served("k", "a")
     totals = {"a": 8, "b": 8}
-    # a: 6 of 8 busy, b idle: a is past its bound (4 busy), yet has room.
-    assert router.route(["k"], {"a": 2, "b": 8}, totals, now=0.0, hold_until=[0.2]) == [None]
+    # a: 6 of 8 busy, b idle: a is past its bound (4 busy) but has room and the cache.
+    assert router.route(["k"], {"a": 2, "b": 8}, totals, now=0.0, hold_until=[0.2]) == ["a"]
+    # Once the hold is over (or without one) the bound applies, as before.
     assert router.route(["k"], {"a": 2, "b": 8}, totals, now=0.2, hold_until=[0.2]) == ["b"]
-    # Without a hold the bound sends it to the least loaded worker, as before.
     router.served("k", "a")
     assert router.route(["k"], {"a": 2, "b": 8}, totals) == ["b"]
 

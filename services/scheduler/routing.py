@@ -17,14 +17,16 @@ served each key (that worker's engine holds the prefix in its KV cache).
   with many, while a miss costs a whole prefill). When the preferred worker is full or
   over both, the passenger goes to the least loaded worker instead (which becomes the
   key's last server).
-- The hold (ADR 0034): when a key's last server is live but has no free slot, a miss
-  elsewhere would prefill the whole history again, while a slot there frees within a
-  fraction of a second at usual loads. Like Dynamo's KV-aware router and SGLang's
+- The hold (ADR 0034): a key with a live last server holds its history in that worker's
+  cache; anywhere else the whole history is prefilled again, while at usual loads a slot
+  there frees within a fraction of a second. Like Dynamo's KV-aware router and SGLang's
   cache-aware router, which weigh the cached prefix against the wait, the router then
-  holds the passenger (it stays in the backlog) until `hold_until` (`Router.hold_until`:
-  at most its tier's hold after its arrival, and never within one hold of its deadline),
-  and sends it to the least loaded worker only after that. A key never served (nothing
-  cached) and a last server over its bound are not held for.
+  keeps the passenger for that worker until `hold_until` (`Router.hold_until`: at most
+  its tier's hold after its arrival, never within one hold of its deadline): it goes
+  there as soon as the worker has a free slot, past the load bound (the bound is for
+  placing keys by hash; here the cache decides), and while the worker is full it is held
+  (None: it stays in the backlog). After its hold, the rules above apply. A key never
+  served (nothing cached) is never held.
 """
 
 from __future__ import annotations
@@ -118,11 +120,13 @@ class Router:
         for i, key in enumerate(keys):
             if not room:
                 break
-            if hold_until is not None and now < hold_until[i] and self._waits(key, room, totals):
+            warm = self._warm(key, totals)
+            holding = hold_until is not None and now < hold_until[i] and warm is not None
+            if holding and room.get(warm or "", 0) <= 0:
                 self.holds += 1
                 out.append(None)
                 continue
-            worker = self._preferred(key, room, totals)
+            worker = warm if holding else self._preferred(key, room, totals)
             if worker is None:
                 worker = _most_room(room, queued)
                 if key is not None:
@@ -172,12 +176,10 @@ class Router:
             return None
         return worker if self._within_bound(worker, room, totals) else None
 
-    def _waits(self, key: str | None, room: Mapping[str, int], totals: Mapping[str, int]) -> bool:
-        """Whether the key's last server (live, its cache warm) may not take it now."""
+    def _warm(self, key: str | None, totals: Mapping[str, int]) -> str | None:
+        """The key's last server if it is live (its cache holds the key's prefix)."""
         worker = None if key is None else self._last.get(key)
-        if worker is None or worker not in totals:
-            return False
-        return room.get(worker, 0) <= 0 or not self._within_bound(worker, room, totals)
+        return worker if worker is not None and worker in totals else None
 
     def _within_bound(
         self, worker: str, room: Mapping[str, int], totals: Mapping[str, int]

@@ -94,9 +94,9 @@ class SchedulerSettings(TokenbusSettings):
         default=DEFAULT_HOLD_S[Tier.interactive] * 1000.0,
         ge=0,
         description="prefix routing: an interactive request whose last worker (its prefix"
-        " cached there) has no free slot waits for one up to this long after its arrival,"
-        " never within this long of its deadline, then goes to the least loaded worker;"
-        " 0: never waits.",
+        " cached there) is live waits for a free slot there (past the load bound) up to"
+        " this long after its arrival, never within this long of its deadline; then the"
+        " bound and the least loaded worker apply. 0: never waits.",
     )
     scheduler_affinity_hold_background_ms: float = Field(
         default=DEFAULT_HOLD_S[Tier.background] * 1000.0,
