@@ -451,11 +451,11 @@ def section(report: AffinityReport, image: Path | None, doc: Path) -> str:
         f" {o['document_tokens'][0]}-{o['document_tokens'][1]} tokens), think time"
         f" {o['think_s']:g} s; {o['duration_s']:g} s of arrivals per routing, the first"
         f" {o['warmup_s']:g} s not counted. TTFT: arrival at the scheduler to first token."
-        f" `prefix` holds a turn whose last worker is full up to {o['hold_ms']:g} ms"
+        f" `prefix` waits up to {o['hold_ms']:g} ms for a turn's last worker to free a slot"
         f" (`TOKENBUS_SCHEDULER_AFFINITY_HOLD_MS`); spilled: turns sent elsewhere anyway.",
         "",
         "| routing | turns | hit rate | TTFT p50 | TTFT p99 | occupancy | next turn on same"
-        " worker | spilled | batches / requests |",
+        " worker | spilled (whole run) | batches / requests |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in report.results:
