@@ -39,7 +39,7 @@ from typing import Any
 
 from services.scheduler.departure import FixedRule
 from services.scheduler.policy import Policy, WorkerSlots
-from services.scheduler.routing import DEFAULT_LOAD_FACTOR, Router, RoutingMode
+from services.scheduler.routing import DEFAULT_HOLD_S, DEFAULT_LOAD_FACTOR, Router, RoutingMode
 from services.scheduler.settings import SchedulerSettings
 from services.worker.engines.base import EngineDelta, EngineRequest
 from services.worker.engines.sim import SimEngine
@@ -71,6 +71,9 @@ class AffinityOptions:
     # (measured; the table shows it for both routings).
     rate: float = 5.5
     load_factor: float = DEFAULT_LOAD_FACTOR  # the router's, as the scheduler's default
+    # prefix routing: the longest an interactive turn waits for its full last worker
+    # (TOKENBUS_SCHEDULER_AFFINITY_HOLD_MS, as the scheduler's default).
+    hold_ms: float = DEFAULT_HOLD_S[Tier.interactive] * 1000.0
     duration_s: float = 60.0  # of conversation arrivals, per routing
     warmup_s: float = 25.0  # turns sent before this are not counted (caches fill)
     drain_s: float = 30.0  # longest wait for the last turns after arrivals stop
@@ -112,6 +115,7 @@ class ModeResult:
     dispatches: int
     requests_dispatched: int
     spills: int
+    holds: int  # plans in which a turn waited for its full last worker
     per_worker_hit_rate: dict[str, float] = field(default_factory=dict)
     ttft_ms: list[float] = field(default_factory=list)
 
@@ -142,7 +146,11 @@ class Harness:
         self.options = options
         self.mode = mode
         config = SchedulerSettings(scheduler_id="bench-affinity").policy_config()
-        self.router = Router(mode, load_factor=options.load_factor)
+        self.router = Router(
+            mode,
+            load_factor=options.load_factor,
+            hold_s={**DEFAULT_HOLD_S, Tier.interactive: options.hold_ms / 1000.0},
+        )
         self.policy: Policy[_Turn] = Policy(config, FixedRule(), self.router)
         profile = sim_profile(
             options.profile,
@@ -351,6 +359,7 @@ async def run_mode(
         dispatches=harness.dispatches,
         requests_dispatched=harness.requests_dispatched,
         spills=harness.router.spills,
+        holds=harness.router.holds,
         per_worker_hit_rate=per_worker,
         ttft_ms=[round(v, 2) for v in ttfts],
     )
@@ -403,7 +412,8 @@ async def affinity(options: AffinityOptions, say: Say = print) -> AffinityReport
         say(
             f"{mode}: {result.turns} turns, hit rate {result.hit_rate:.1%}, TTFT p50"
             f" {result.ttft_p50_ms:g} ms p99 {result.ttft_p99_ms:g} ms, occupancy"
-            f" {result.occupancy:.0%}, same worker {result.same_worker:.0%}"
+            f" {result.occupancy:.0%}, same worker {result.same_worker:.0%}, spills"
+            f" {result.spills}, holds {result.holds}"
         )
         results.append(result)
     targets = check_targets(results)
@@ -440,17 +450,19 @@ def section(report: AffinityReport, image: Path | None, doc: Path) -> str:
         f" ({o['document_share']:.0%} of conversations open with a document of"
         f" {o['document_tokens'][0]}-{o['document_tokens'][1]} tokens), think time"
         f" {o['think_s']:g} s; {o['duration_s']:g} s of arrivals per routing, the first"
-        f" {o['warmup_s']:g} s not counted. TTFT: arrival at the scheduler to first token.",
+        f" {o['warmup_s']:g} s not counted. TTFT: arrival at the scheduler to first token."
+        f" `prefix` waits up to {o['hold_ms']:g} ms for a turn's last worker to free a slot"
+        f" (`TOKENBUS_SCHEDULER_AFFINITY_HOLD_MS`); spilled: turns sent elsewhere anyway.",
         "",
         "| routing | turns | hit rate | TTFT p50 | TTFT p99 | occupancy | next turn on same"
-        " worker | batches / requests |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        " worker | spilled (whole run) | batches / requests |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in report.results:
         out.append(
             f"| `{r.mode}` | {r.turns} | {r.hit_rate:.1%} | {r.ttft_p50_ms:g} ms |"
             f" {r.ttft_p99_ms:g} ms | {r.occupancy:.0%} | {r.same_worker:.0%} |"
-            f" {r.dispatches} / {r.requests_dispatched} |"
+            f" {r.spills} | {r.dispatches} / {r.requests_dispatched} |"
         )
     out += ["", "Targets (issue 14):", ""]
     for t in report.targets:

@@ -68,6 +68,27 @@ class Plan(Generic[T]):
     wake_at: float | None = None  # call `plan` again by then, even if nothing happens
 
 
+@dataclass
+class _Held:
+    """Passengers held for their full last server during one plan (routing.py)."""
+
+    until: dict[int, float] = field(default_factory=dict)  # by number: when the hold ends
+    stuck: set[LaneKey] = field(default_factory=set)  # lanes where all that may leave is held
+
+
+def _within(passengers: list[Passenger[T]], limit: int, budget: int) -> list[Passenger[T]]:
+    """The leading passengers within a batch's size and token limits."""
+    out: list[Passenger[T]] = []
+    tokens = 0
+    for p in passengers:
+        if len(out) >= limit:
+            break
+        if tokens + p.cost <= budget:
+            out.append(p)
+            tokens += p.cost
+    return out
+
+
 class Policy(Generic[T]):
     """Per-tier bus rule with token budgets, priority, aging, fill and capacity."""
 
@@ -123,9 +144,10 @@ class Policy(Generic[T]):
         aging = self.background_share < self.config.background_min_share
         aged_before = now - self.config.background_aging_ms / 1000.0 if aging else -math.inf
         models = {w.worker_id: w.model for w in workers}
-        self._place(plan, now, free, queued, load, aged_before, models)
+        held = _Held()
+        self._place(plan, now, free, queued, load, aged_before, models, held)
         self._fill(plan, free, aged_before)
-        plan.wake_at = self._wake_at(now, load, free, models)
+        plan.wake_at = self._wake_at(now, load, free, models, held)
         for d in plan.dispatches:
             for p in d.passengers:
                 background = 1.0 if p.tier is Tier.background else 0.0
@@ -141,12 +163,15 @@ class Policy(Generic[T]):
         load: float,
         aged_before: float,
         models: dict[str, str | None],
+        held: _Held,
     ) -> None:
         """Due lanes, best rank first, each as batches on the workers (of its model) with
         most room."""
         while free:
             best: tuple[tuple[int, float, int], Lane[T], DispatchReason] | None = None
             for lane in self.backlog.busy_lanes():
+                if lane.key in held.stuck:
+                    continue
                 if not any(serves(models.get(w), lane.key.model) for w in free):
                     continue
                 reason = self.rule.reason(lane, now, load)
@@ -160,18 +185,41 @@ class Policy(Generic[T]):
             (rank, _, _), lane, reason = best
             limits = lane.limits
             admit = (lambda p: p.arrived <= aged_before) if rank == AGED else None
+            # Passengers held for their full last server (routing.py) stay in the lane: the
+            # selection reaches past those held earlier in this plan, then leaves them out.
+            waiting = [p for p in lane if p.number in held.until] if held.until else []
             chosen = self.backlog.select(
-                lane.key, limits.max_batch_size, limits.max_batch_tokens, admit
+                lane.key,
+                limits.max_batch_size + len(waiting),
+                limits.max_batch_tokens + sum(p.cost for p in waiting),
+                admit,
+            )
+            chosen = _within(
+                [p for p in chosen if p.number not in held.until],
+                limits.max_batch_size,
+                limits.max_batch_tokens,
             )
             # Only the workers serving the lane's model take it (models.py); among them the
             # router says where each passenger goes (routing.py): least loaded, the batch
-            # whole unless its worker has too little room; or by prefix affinity. A batch
-            # splits into one part per worker, each within every limit (ADR 0034).
+            # whole unless its worker has too little room; or by prefix affinity, perhaps
+            # holding some. A batch splits into one part per worker, each within every limit
+            # (ADR 0034).
             room = {w: n for w, n in free.items() if serves(models.get(w), lane.key.model)}
-            where = self.router.route([p.prefix for p in chosen], room, self._totals, queued)
+            totals = {
+                w: n for w, n in self._totals.items() if serves(models.get(w), lane.key.model)
+            }
+            hold_until = [self.router.hold_until(p.tier, p.arrived, p.deadline_at) for p in chosen]
+            where = self.router.route(
+                [p.prefix for p in chosen], room, totals, queued, now=now, hold_until=hold_until
+            )
             parts: dict[str, list[Passenger[T]]] = {}
-            for p, worker in zip(chosen, where, strict=False):
-                parts.setdefault(worker, []).append(p)
+            for p, until, worker in zip(chosen, hold_until, where, strict=False):
+                if worker is None:
+                    held.until[p.number] = until
+                else:
+                    parts.setdefault(worker, []).append(p)
+            if not parts:  # all held (or no room): nothing more leaves this lane now
+                held.stuck.add(lane.key)
             for worker, part in parts.items():
                 self.backlog.discard(lane.key, part)
                 plan.dispatches.append(Dispatch(worker, lane.key.tier, reason, part))
@@ -219,14 +267,21 @@ class Policy(Generic[T]):
         return admit
 
     def _wake_at(
-        self, now: float, load: float, free: dict[str, int], models: dict[str, str | None]
+        self,
+        now: float,
+        load: float,
+        free: dict[str, int],
+        models: dict[str, str | None],
+        held: _Held,
     ) -> float | None:
         """The next time a plan could differ without any new arrival or capacity.
 
         Only lanes with room left on their model's workers count: a lane due but without
-        room waits for a heartbeat (which wakes the scheduler), not for the clock.
+        room waits for a heartbeat (which wakes the scheduler), not for the clock. A lane
+        whose passengers are all held waits for the first hold to end (or a heartbeat: the
+        last server freeing a slot releases its passengers at once).
         """
-        times: list[float] = []
+        times: list[float] = list(held.until.values())
         deadline = self.backlog.next_deadline()
         if deadline is not None:
             times.append(deadline)
@@ -234,7 +289,8 @@ class Policy(Generic[T]):
             times.extend(
                 self.rule.due_at(lane, now, load)
                 for lane in self.backlog.busy_lanes()
-                if any(serves(models.get(w), lane.key.model) for w in free)
+                if lane.key not in held.stuck
+                and any(serves(models.get(w), lane.key.model) for w in free)
             )
         return max(now, min(times)) if times else None
 

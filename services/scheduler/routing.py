@@ -17,6 +17,16 @@ served each key (that worker's engine holds the prefix in its KV cache).
   with many, while a miss costs a whole prefill). When the preferred worker is full or
   over both, the passenger goes to the least loaded worker instead (which becomes the
   key's last server).
+- The hold (ADR 0034): a key with a live last server holds its history in that worker's
+  cache; anywhere else the whole history is prefilled again, while at usual loads a slot
+  there frees within a fraction of a second. Like Dynamo's KV-aware router and SGLang's
+  cache-aware router, which weigh the cached prefix against the wait, the router then
+  keeps the passenger for that worker until `hold_until` (`Router.hold_until`: at most
+  its tier's hold after its arrival, never within one hold of its deadline): it goes
+  there as soon as the worker has a free slot, past the load bound (the bound is for
+  placing keys by hash; here the cache decides), and while the worker is full it is held
+  (None: it stays in the backlog). After its hold, the rules above apply. A key never
+  served (nothing cached) is never held.
 """
 
 from __future__ import annotations
@@ -26,6 +36,8 @@ import math
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Literal
+
+from shared.messages import Tier
 
 RoutingMode = Literal["least_loaded", "prefix"]
 
@@ -37,6 +49,11 @@ DEFAULT_MEMORY = 100_000
 DEFAULT_LOAD_FACTOR = 1.25
 # A worker less than this share busy takes its keys whatever the average load.
 AFFINITY_FLOOR = 0.5
+# The longest a passenger waits for its last server's next free slot, per tier: about the
+# prefill a hit saves (a few thousand tokens of history: ~0.1-0.3 s on an H100 for an 8B
+# model) for interactive; background waits longer, as its deadline is loose
+# (`make bench-affinity` measures the interactive one, docs/benchmarks.md).
+DEFAULT_HOLD_S = {Tier.interactive: 0.3, Tier.background: 2.0}
 
 
 class Router:
@@ -48,6 +65,7 @@ class Router:
         *,
         load_factor: float = DEFAULT_LOAD_FACTOR,
         memory: int = DEFAULT_MEMORY,
+        hold_s: Mapping[Tier, float] | None = None,
     ) -> None:
         if load_factor < 1.0:
             raise ValueError("load_factor must be at least 1")
@@ -56,9 +74,25 @@ class Router:
         self.mode = mode
         self.load_factor = load_factor
         self.memory = memory
+        self.hold_s = dict(DEFAULT_HOLD_S if hold_s is None else hold_s)
+        if any(v < 0 for v in self.hold_s.values()):
+            raise ValueError("hold_s must not be negative")
         self._last: OrderedDict[str, str] = OrderedDict()
         self.hits = 0  # passengers placed on their preferred worker
         self.spills = 0  # passengers whose preferred worker was full or at its bound
+        self.holds = 0  # times a passenger was held for its full last server
+
+    def hold_until(self, tier: Tier, arrived: float, deadline_at: float | None) -> float:
+        """Until when a passenger may wait for its full last server (`prefix` mode).
+
+        At most the tier's hold after its arrival, and never within one hold of its
+        deadline (so that it still has that long to start elsewhere).
+        """
+        hold = self.hold_s.get(tier, 0.0) if self.mode == "prefix" else 0.0
+        until = arrived + hold
+        if deadline_at is not None:
+            until = min(until, deadline_at - hold)
+        return until
 
     def route(
         self,
@@ -66,22 +100,33 @@ class Router:
         free: Mapping[str, int],
         totals: Mapping[str, int],
         queued: Mapping[str, int] | None = None,
-    ) -> list[str]:
+        *,
+        now: float = 0.0,
+        hold_until: Sequence[float] | None = None,
+    ) -> list[str | None]:
         """A worker for each key, in order; at most `free[w]` passengers go to worker `w`.
 
         `free` holds the workers with room (> 0), `totals` every live worker's slots (those
-        without room included: they count in the average load). Passengers beyond the
-        total room are not routed: the answer is then shorter than `keys`.
+        without room included: they count in the average load). None for a passenger held
+        for its full last server: `now` is before its `hold_until` (module docstring); it
+        stays in the backlog. Passengers beyond the total room are not routed: the answer
+        is then shorter than `keys`.
         """
         room = {w: n for w, n in free.items() if n > 0}
         queued = queued or {}
         if self.mode == "least_loaded":
-            return self._least_loaded(len(keys), room, queued)
-        out: list[str] = []
-        for key in keys:
+            return list(self._least_loaded(len(keys), room, queued))
+        out: list[str | None] = []
+        for i, key in enumerate(keys):
             if not room:
                 break
-            worker = self._preferred(key, room, totals)
+            warm = self._warm(key, totals)
+            holding = hold_until is not None and now < hold_until[i] and warm is not None
+            if holding and room.get(warm or "", 0) <= 0:
+                self.holds += 1
+                out.append(None)
+                continue
+            worker = warm if holding else self._preferred(key, room, totals)
             if worker is None:
                 worker = _most_room(room, queued)
                 if key is not None:
@@ -130,6 +175,11 @@ class Router:
         if worker is None or room.get(worker, 0) <= 0:
             return None
         return worker if self._within_bound(worker, room, totals) else None
+
+    def _warm(self, key: str | None, totals: Mapping[str, int]) -> str | None:
+        """The key's last server if it is live (its cache holds the key's prefix)."""
+        worker = None if key is None else self._last.get(key)
+        return worker if worker is not None and worker in totals else None
 
     def _within_bound(
         self, worker: str, room: Mapping[str, int], totals: Mapping[str, int]

@@ -10,7 +10,7 @@ from pydantic import Field, model_validator
 
 from services.scheduler.departure import AdaptiveRule, CostModel, DepartureRule, FixedRule
 from services.scheduler.limits import PolicyConfig, TierLimits
-from services.scheduler.routing import DEFAULT_LOAD_FACTOR, Router, RoutingMode
+from services.scheduler.routing import DEFAULT_HOLD_S, DEFAULT_LOAD_FACTOR, Router, RoutingMode
 from shared.messages import Tier
 from shared.settings import TokenbusSettings
 
@@ -89,6 +89,19 @@ class SchedulerSettings(TokenbusSettings):
         description="prefix routing: a worker takes a request by affinity only while its busy"
         " slots stay within this factor of the average utilisation; beyond, the least loaded"
         " worker takes it.",
+    )
+    scheduler_affinity_hold_ms: float = Field(
+        default=DEFAULT_HOLD_S[Tier.interactive] * 1000.0,
+        ge=0,
+        description="prefix routing: an interactive request whose last worker (its prefix"
+        " cached there) is live waits for a free slot there (past the load bound) up to"
+        " this long after its arrival, never within this long of its deadline; then the"
+        " bound and the least loaded worker apply. 0: never waits.",
+    )
+    scheduler_affinity_hold_background_ms: float = Field(
+        default=DEFAULT_HOLD_S[Tier.background] * 1000.0,
+        ge=0,
+        description="prefix routing: the same wait for a background request.",
     )
 
     # adaptive policy: engine time of a batch of n = per_request * n + per_batch. Defaults:
@@ -198,4 +211,11 @@ class SchedulerSettings(TokenbusSettings):
         return FixedRule()
 
     def router(self) -> Router:
-        return Router(self.scheduler_routing, load_factor=self.scheduler_routing_load_factor)
+        return Router(
+            self.scheduler_routing,
+            load_factor=self.scheduler_routing_load_factor,
+            hold_s={
+                Tier.interactive: self.scheduler_affinity_hold_ms / 1000.0,
+                Tier.background: self.scheduler_affinity_hold_background_ms / 1000.0,
+            },
+        )
