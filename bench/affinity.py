@@ -576,7 +576,7 @@ def run(args: Any) -> int:
     options = AffinityOptions(**given)
     report = asyncio.run(affinity(options))
     write_outputs(report, args.json, args.plots, args.docs)
-    return 0 if all(t["met"] for t in report.targets) else 1
+    return 0  # a missed target is reported, not an exit status (`make bench` runs on)
 
 
 if __name__ == "__main__":
