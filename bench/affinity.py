@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.doc_block import replace_block
 from services.scheduler.departure import FixedRule
 from services.scheduler.policy import Policy, WorkerSlots
 from services.scheduler.routing import DEFAULT_HOLD_S, DEFAULT_LOAD_FACTOR, Router, RoutingMode
@@ -484,15 +485,7 @@ def _relative(path: Path, doc: Path) -> str:
 
 
 def write_docs(report: AffinityReport, doc: Path, image: Path | None) -> None:
-    block = section(report, image, doc)
-    text = doc.read_text() if doc.exists() else "# Benchmarks\n"
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + block + rest.split(END, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    doc.parent.mkdir(parents=True, exist_ok=True)
-    doc.write_text(text)
+    replace_block(doc, BEGIN, END, section(report, image, doc))
 
 
 def plot(report: AffinityReport, directory: Path) -> Path:

@@ -26,6 +26,7 @@ from typing import Any
 
 import websockets
 
+from bench.doc_block import replace_block
 from bench.loadgen import warm_up
 from bench.stacks import PipelineStack, private_broker
 from bench.stats import percentile
@@ -221,13 +222,7 @@ def section(results: Results, config: dict[str, Any], plot: Path | None, doc: Pa
 
 
 def write_docs(doc: Path, block: str) -> None:
-    text = doc.read_text()
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + block + rest.split(END, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    doc.write_text(text)
+    replace_block(doc, BEGIN, END, block)
 
 
 def plot_results(results: Results, path: Path) -> None:

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import matplotlib
 
+from bench.doc_block import replace_block
+
 matplotlib.use("Agg")  # files only: no display on servers and CI
 
 import matplotlib.pyplot as plt
@@ -173,15 +175,7 @@ def section(report: CapacityReport, image_dir: Path, doc: Path) -> str:
 
 def write(report: CapacityReport, doc: Path, image_dir: Path) -> None:
     """Replace the generated block of `doc` (append it, or create the file, if missing)."""
-    block = section(report, image_dir, doc)
-    text_ = doc.read_text() if doc.exists() else "# Benchmarks\n"
-    if BEGIN in text_ and END in text_:
-        head, rest = text_.split(BEGIN, 1)
-        text_ = head + block + rest.split(END, 1)[1]
-    else:
-        text_ = text_.rstrip("\n") + "\n\n" + block + "\n"
-    doc.parent.mkdir(parents=True, exist_ok=True)
-    doc.write_text(text_)
+    replace_block(doc, BEGIN, END, section(report, image_dir, doc))
 
 
 def plot(report: CapacityReport, image_dir: Path) -> Path:

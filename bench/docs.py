@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 from bench import table
+from bench.doc_block import replace_block
 from bench.plots import FILES, reference_rate
 from bench.report import BenchReport
 from bench.stats import HOPS
@@ -110,16 +111,7 @@ def section(report: BenchReport, image_dir: Path, doc: Path) -> str:
 
 def write(report: BenchReport, doc: Path, image_dir: Path) -> None:
     """Replace the generated block of `doc` (append it, or create the file, if missing)."""
-    block = section(report, image_dir, doc)
-    text = doc.read_text() if doc.exists() else "# Benchmarks\n"
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        tail = rest.split(END, 1)[1]
-        text = head + block + tail
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    doc.parent.mkdir(parents=True, exist_ok=True)
-    doc.write_text(text)
+    replace_block(doc, BEGIN, END, section(report, image_dir, doc))
 
 
 def _hops(report: BenchReport) -> list[str]:

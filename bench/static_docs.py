@@ -6,6 +6,7 @@ import math
 import os
 from pathlib import Path
 
+from bench.doc_block import replace_block
 from bench.static import POLICIES, StaticReport
 from bench.stats import HOPS
 
@@ -167,15 +168,7 @@ def _num(value: float | None) -> str:
 
 def write_section(report: StaticReport, doc: Path, plot_path: Path | None) -> None:
     """Replace the generated block of `doc` (append it, or create the file, if missing)."""
-    block = section(report, doc, plot_path)
-    text = doc.read_text() if doc.exists() else "# Benchmarks\n"
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + block + rest.split(END, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    doc.parent.mkdir(parents=True, exist_ok=True)
-    doc.write_text(text)
+    replace_block(doc, BEGIN, END, section(report, doc, plot_path))
 
 
 def plot(report: StaticReport, path: Path) -> None:
