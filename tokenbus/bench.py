@@ -128,7 +128,7 @@ def register(commands: Subcommands) -> None:
     )
     capacity.add_argument("--policies", default="fixed,direct", help="from: fixed, direct, ...")
     capacity.add_argument(
-        "--ladder", default=None, help="rates to climb, comma-separated (default 25..800)"
+        "--ladder", default=None, help="rates to climb, comma-separated (default 25..1600)"
     )
     capacity.add_argument("--duration", type=float, default=None, help="seconds per rate (6)")
     capacity.add_argument("--slo-ms", type=float, default=500.0, help="interactive p99 TTFT SLO")

@@ -84,5 +84,8 @@ def _cache_follower(
         settings.ingest_cache_max_bytes,
         max_age_s=settings.cache_retention_ms / 1000,
     )
-    consumer = make_consumer(settings, group_id=None, client_id="ingest-cache")
+    # Assigned and sought once, at start: a new cache entry ends the long poll at once.
+    consumer = make_consumer(
+        settings, group_id=None, client_id="ingest-cache", fetch_max_wait_ms=LONG_POLL_MS
+    )
     return CacheFollower(cache, consumer, admin, topics.cache)
