@@ -108,7 +108,8 @@ def make(broker: FakeProducer, **settings: Any) -> Ingest:
     }
     admin = FakeAdmin({f"{PREFIX}.results": 4, "mine": 1})
     telemetry = IngestTelemetry(f"{PREFIX}.requests")
-    return Ingest(IngestSettings(**{**base, **settings}), broker, admin, telemetry)  # type: ignore[arg-type]
+    # No tails consumer: `recall` is replaced (no_recall above).
+    return Ingest(IngestSettings(**{**base, **settings}), broker, admin, telemetry, tails=None)  # type: ignore[arg-type]
 
 
 def record(value: bytes | dict[str, Any], offset: int = 0, key: bytes | None = None) -> Any:

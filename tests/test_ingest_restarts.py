@@ -28,6 +28,7 @@ from shared.kafka import (
     create_topics,
     delete_topics,
     make_admin,
+    make_consumer,
     make_producer,
 )
 from shared.messages import Tier
@@ -247,8 +248,10 @@ async def test_a_producer_left_broken_is_renewed_and_the_request_forwarded(
 
     producer = RenewingProducer(make)
     await producer.start()
+    tails = make_consumer(settings, group_id=None, client_id="ingest-recall-test")
+    await tails.start()
     try:
-        ingest = Ingest(settings, producer, admin, IngestTelemetry(topics.requests))
+        ingest = Ingest(settings, producer, admin, IngestTelemetry(topics.requests), tails=tails)
         await ingest.recall()
         body = json.dumps({"request_id": "renewed", "prompt": "hi"}).encode()
         decision = await ingest.handle(
@@ -273,6 +276,7 @@ async def test_a_producer_left_broken_is_renewed_and_the_request_forwarded(
         on_tier = await read_all(bootstrap, topics.tier(Tier.interactive), 4)
         assert [r.key for r in on_tier] == [b"renewed"]
     finally:
+        await tails.stop()
         await producer.stop()
         await admin.close()
         await delete_topics(settings, topics.partitions())

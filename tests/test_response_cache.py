@@ -254,7 +254,8 @@ def hit_ingest(broker: FakeProducer, cache: ResponseCache) -> Ingest:
     )
     admin = FakeAdmin({f"{PREFIX}.results": 4})
     telemetry = IngestTelemetry(f"{PREFIX}.requests")
-    return Ingest(settings, broker, admin, telemetry, cache)  # type: ignore[arg-type]
+    # No tails consumer: its tests replace `recall`.
+    return Ingest(settings, broker, admin, telemetry, cache, tails=None)  # type: ignore[arg-type]
 
 
 async def test_a_hit_is_written_to_reply_to_whole_and_never_to_its_tier(

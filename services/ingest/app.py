@@ -50,6 +50,9 @@ async def serve(
         client_id="ingest",
         fetch_max_wait_ms=LONG_POLL_MS,
     )
+    # Reads the tier topics' and the DLQ's tails back at each assignment (memory.py): one
+    # for the process's life, so no TLS connection is closed mid-response per recall.
+    tails = make_consumer(settings, group_id=None, client_id="ingest-recall")
     built(consumer)
     async with contextlib.AsyncExitStack() as stack:
         await admin.start()
@@ -61,7 +64,10 @@ async def serve(
             # Loaded before the first request is read: a restarted ingest hits at once.
             await follower.load()
         cache = follower.cache if follower is not None else None
-        ingest = Ingest(settings, producer, admin, IngestTelemetry(topics.requests), cache)
+        await tails.start()
+        stack.push_async_callback(tails.stop)
+        telemetry = IngestTelemetry(topics.requests)
+        ingest = Ingest(settings, producer, admin, telemetry, cache, tails=tails)
         reader = RequestReader(consumer, ingest, settings.ingest_commit_interval_ms / 1000)
         consumer.subscribe([topics.requests], listener=reader.listener())
         await consumer.start()

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from typing import TypeAlias, TypeVar
 
 import structlog
-from aiokafka import ConsumerRecord
+from aiokafka import AIOKafkaConsumer, ConsumerRecord
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import (
     InvalidTopicError,
@@ -43,7 +43,7 @@ from services.ingest.admission import (
 )
 from services.ingest.dead_letter import ReplyStatus, Source, dead_letter
 from services.ingest.destinations import MetadataUnavailable, ReplyDestinations
-from services.ingest.memory import Memory, recall
+from services.ingest.memory import Memory, RecallRefused, recall
 from services.ingest.response_cache import ResponseCache, replay
 from services.ingest.settings import IngestSettings
 from services.ingest.telemetry import IngestTelemetry
@@ -104,7 +104,11 @@ class Ingest:
         admin: AIOKafkaAdminClient,
         telemetry: IngestTelemetry,
         cache: ResponseCache | None = None,
+        *,
+        tails: AIOKafkaConsumer,
     ) -> None:
+        """`tails` is the started group-less consumer that reads the tier topics' and the
+        DLQ's tails back at each assignment (memory.py); the caller owns and stops it."""
         self.settings = settings
         self.cache = cache  # None: the response cache is off
         self.topics = Topics(settings.topic_prefix)
@@ -112,6 +116,7 @@ class Ingest:
         self.memory = Memory.of_size(settings.ingest_dedupe_window)
         self.producer = producer
         self.admin = admin
+        self.tails = tails
         self.telemetry = telemetry
         self._recalled = asyncio.Event()
         self.destinations = ReplyDestinations(
@@ -136,11 +141,22 @@ class Ingest:
                     self.memory,
                     self.topics,
                     self.admin,
-                    self.settings,
+                    self.tails,
                     self.settings.ingest_dedupe_window,
                 )
                 self._recalled.set()
                 return
+            except RecallRefused as exc:
+                # Nothing is forwarded until an operator grants the ACL: say which, loudly.
+                delay = self.backoff.after(delay)
+                log.error(
+                    "memory.recall_refused",
+                    topic=exc.topic,
+                    operation=exc.operation,
+                    error=str(exc),
+                    retry_in_s=delay,
+                )
+                await asyncio.sleep(delay)
             except Exception as exc:
                 delay = self.backoff.after(delay)
                 log.warning("memory.recall_failed", error=_describe(exc), retry_in_s=delay)
