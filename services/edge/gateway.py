@@ -65,7 +65,7 @@ class Gateway:
     """Every stream of this edge, and the request path that opens, routes and ends them.
 
     Caller: client handlers (`open_stream`, `cancel_stream`, `resume_stream`, `detach`,
-    `written`); the result reader (`on_control`, `on_result`); the app (`housekeeping`).
+    `written`); the result reader (`on_control`, `on_results`); the app (`housekeeping`).
     Affects: the router's streams, what the reader follows, the topology's retention.
     """
 
@@ -301,14 +301,18 @@ class Gateway:
 
     # -- what the reader hands over -------------------------------------------------------
 
-    def on_result(self, record: ConsumerRecord[bytes, bytes], result: ResultRecord) -> None:
-        """One result record: the stream's progress and trace, then its frame (if any)."""
-        stream = self.router.get(result.request_id)
-        if stream is not None:
-            self.stalls.seen(stream, time.monotonic())
-            if stream.flight is not None:
-                self.telemetry.result_record(stream.flight, record)
-        self.router.route(result)
+    def on_results(
+        self, results: Sequence[tuple[ConsumerRecord[bytes, bytes], ResultRecord]]
+    ) -> None:
+        """Result records, in order: each stream's progress and trace, then its frames."""
+        now = time.monotonic()
+        for record, result in results:
+            stream = self.router.get(result.request_id)
+            if stream is not None:
+                self.stalls.seen(stream, now)
+                if stream.flight is not None:
+                    self.telemetry.result_record(stream.flight, record)
+            self.router.route(result)
 
     def on_fetched(
         self,

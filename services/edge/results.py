@@ -43,8 +43,10 @@ class ResultSink(Protocol):
     def on_control(self, value: bytes) -> None:
         """One record of the control topic."""
 
-    def on_result(self, record: ConsumerRecord[bytes, bytes], result: ResultRecord) -> None:
-        """One valid result record, parsed."""
+    def on_results(
+        self, results: Sequence[tuple[ConsumerRecord[bytes, bytes], ResultRecord]]
+    ) -> None:
+        """The valid result records of one partition from one fetch, parsed, in order."""
 
 
 @dataclass(frozen=True)
@@ -203,22 +205,26 @@ class ResultReader:
         self, tp: TopicPartition, records: list[ConsumerRecord[bytes, bytes]], sink: ResultSink
     ) -> None:
         tail = self._tails.get(tp)
-        if tail is None:
+        if tail is None or not records:
             return  # unfollowed while these were in flight
-        for record in records:
-            tail.position = record.offset + 1
-            if tp == self._control:
+        tail.position = records[-1].offset + 1
+        if tp == self._control:
+            for record in records:
                 sink.on_control(record.value or b"")
-                continue
-            if (handler := self._side.get(tp)) is not None:
+        elif (handler := self._side.get(tp)) is not None:
+            for record in records:
                 handler(record.value or b"")
-                continue
-            try:
-                result = _results.validate_json(record.value or b"")
-            except ValidationError as exc:
-                log.error("result.invalid", topic=tp.topic, offset=record.offset, error=str(exc))
-                continue
-            sink.on_result(record, result)
+        else:
+            parsed: list[tuple[ConsumerRecord[bytes, bytes], ResultRecord]] = []
+            for record in records:
+                try:
+                    parsed.append((record, _results.validate_json(record.value or b"")))
+                except ValidationError as exc:
+                    log.error(
+                        "result.invalid", topic=tp.topic, offset=record.offset, error=str(exc)
+                    )
+            if parsed:
+                sink.on_results(parsed)
         self._fire_waiters()
 
     def _fire_waiters(self) -> None:
