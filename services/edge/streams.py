@@ -230,7 +230,9 @@ class StreamRouter:
         if record.attempt > stream.attempt:
             stream.attempt = record.attempt
             stream.next_seq = 0
-            stream.emit(ResetFrame(request_id=record.request_id, attempt=record.attempt))
+            stream.emit(
+                ResetFrame.model_construct(request_id=record.request_id, attempt=record.attempt)
+            )
             if isinstance(record, ResetResult):
                 return True
         if isinstance(record, ResetResult):
@@ -254,11 +256,16 @@ class StreamRouter:
             return False
         stream.next_seq = record.seq + 1
         if isinstance(record, DeltaResult):
-            stream.emit(DeltaFrame(request_id=record.request_id, seq=record.seq, text=record.text))
+            # The record was validated when read: its frame is built without validating again.
+            stream.emit(
+                DeltaFrame.model_construct(
+                    request_id=record.request_id, seq=record.seq, text=record.text
+                )
+            )
             return True
         if isinstance(record, DoneResult):
             stream.emit(
-                DoneFrame(
+                DoneFrame.model_construct(
                     request_id=record.request_id,
                     finish_reason=record.finish_reason,
                     usage=record.usage,
