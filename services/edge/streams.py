@@ -230,9 +230,7 @@ class StreamRouter:
         if record.attempt > stream.attempt:
             stream.attempt = record.attempt
             stream.next_seq = 0
-            stream.emit(
-                ResetFrame.model_construct(request_id=record.request_id, attempt=record.attempt)
-            )
+            stream.emit(ResetFrame(request_id=record.request_id, attempt=record.attempt))
             if isinstance(record, ResetResult):
                 return True
         if isinstance(record, ResetResult):
@@ -256,16 +254,11 @@ class StreamRouter:
             return False
         stream.next_seq = record.seq + 1
         if isinstance(record, DeltaResult):
-            # The record was validated when read: its frame is built without validating again.
-            stream.emit(
-                DeltaFrame.model_construct(
-                    request_id=record.request_id, seq=record.seq, text=record.text
-                )
-            )
+            stream.emit(DeltaFrame(request_id=record.request_id, seq=record.seq, text=record.text))
             return True
         if isinstance(record, DoneResult):
             stream.emit(
-                DoneFrame.model_construct(
+                DoneFrame(
                     request_id=record.request_id,
                     finish_reason=record.finish_reason,
                     usage=record.usage,
