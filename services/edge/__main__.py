@@ -5,7 +5,6 @@ from pydantic import ValidationError
 
 from services.edge.app import build_app
 from services.edge.settings import EdgeSettings
-from services.edge.ws_protocol import CoalescingWebSocketsProtocol
 from shared.logs import configure_logging
 from shared.process import UVICORN_LOOP
 from shared.telemetry import start_telemetry
@@ -25,8 +24,6 @@ def main() -> None:
         # Read frames up to 4x the answered limit, so an oversized frame gets a polite
         # invalid_request instead of a closed socket.
         ws_max_size=settings.edge_max_frame_bytes * 4,
-        # One transport write per loop turn for the frames a connection was sent in it.
-        ws=CoalescingWebSocketsProtocol,
         log_level="warning",
         lifespan="on",
         loop=UVICORN_LOOP,
