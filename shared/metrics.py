@@ -89,10 +89,13 @@ class ConsumerLag:
         """Call after each fetch with what it returned (aiokafka `getmany`)."""
         now = time.time() if now is None else now
         for tp, records in fetched.items():
+            if not records:
+                continue
+            # One partition's records share a topic: its labelled child is looked up once.
+            delay = self.delay.labels(records[0].topic)
             for record in records:
-                self.delay.labels(record.topic).observe(max(0.0, now - record.timestamp / 1000))
-            if records:
-                self._next[tp] = records[-1].offset + 1
+                delay.observe(max(0.0, now - record.timestamp / 1000))
+            self._next[tp] = records[-1].offset + 1
         by_topic: dict[str, int] = {}
         # After a rebalance, a revoked partition's lag is its new owner's to report (and
         # aiokafka's highwater() asserts on a partition no longer assigned).

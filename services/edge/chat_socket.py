@@ -114,10 +114,15 @@ class ChatSocket:
             log.info("socket.close_unsent", error=repr(exc))
 
     async def _write(self) -> None:
+        outbox, ws, written = self.outbox, self.ws, self.gateway.written
         while True:
-            frame, stream = await self.outbox.get()
-            await self.ws.send_text(frame.model_dump_json())
-            self.gateway.written(frame, stream)
+            # Wake once per batch: a fetch of results queues many frames at once.
+            batch = [await outbox.get()]
+            while not outbox.empty():
+                batch.append(outbox.get_nowait())
+            for frame, stream in batch:
+                await ws.send_text(frame.model_dump_json())
+                written(frame, stream)
 
     async def _read(self, tg: asyncio.TaskGroup) -> Close | None:
         if refused := self.auth.start():

@@ -61,11 +61,21 @@ _control: TypeAdapter[ControlRecord] = TypeAdapter(ControlRecord)
 RESUME_TIMEOUT_S = 10.0
 
 
+def request_record(
+    request: ChatRequest, *, request_id: str, tenant: str, reply_to: ReplyTo
+) -> RequestRecord:
+    """The request record of a validated request, built without validating it again."""
+    fields = {name: getattr(request, name) for name in ChatRequest.model_fields}
+    return RequestRecord.model_construct(
+        **fields, request_id=request_id, tenant=tenant, reply_to=reply_to, created_at=time.time()
+    )
+
+
 class Gateway:
     """Every stream of this edge, and the request path that opens, routes and ends them.
 
     Caller: client handlers (`open_stream`, `cancel_stream`, `resume_stream`, `detach`,
-    `written`); the result reader (`on_control`, `on_result`); the app (`housekeeping`).
+    `written`); the result reader (`on_control`, `on_results`); the app (`housekeeping`).
     Affects: the router's streams, what the reader follows, the topology's retention.
     """
 
@@ -114,6 +124,9 @@ class Gateway:
     ) -> ResultStream | None:
         """Queue an admitted request and open its stream to `client`.
 
+        `request` was validated under `self.limits` (as `parse_client_frame` and the OpenAI
+        translation do): it is not validated again.
+
         The client is sent `chat.accepted` and then the stream's frames, or one `overloaded`
         ErrorFrame (None returned) if the request could not be queued. `parent`: headers
         that may carry the caller's `traceparent`.
@@ -134,9 +147,7 @@ class Gateway:
                 )
             )
             return None
-        fields = request.model_dump(exclude={"type"})
-        fields.update(request_id=request_id, tenant=tenant, reply_to=reply_to.model_dump())
-        record = RequestRecord.model_validate(fields, context={"limits": self.limits})
+        record = request_record(request, request_id=request_id, tenant=tenant, reply_to=reply_to)
         followed = reply_tp(reply_to) if self.topology.followed(reply_to) else None
         stream = self.router.open(request_id, client, followed=followed, flight=flight)
         self.metrics.streams_open.set(len(self.router))
@@ -301,14 +312,18 @@ class Gateway:
 
     # -- what the reader hands over -------------------------------------------------------
 
-    def on_result(self, record: ConsumerRecord[bytes, bytes], result: ResultRecord) -> None:
-        """One result record: the stream's progress and trace, then its frame (if any)."""
-        stream = self.router.get(result.request_id)
-        if stream is not None:
-            self.stalls.seen(stream, time.monotonic())
-            if stream.flight is not None:
-                self.telemetry.result_record(stream.flight, record)
-        self.router.route(result)
+    def on_results(
+        self, results: Sequence[tuple[ConsumerRecord[bytes, bytes], ResultRecord]]
+    ) -> None:
+        """Result records, in order: each stream's progress and trace, then its frames."""
+        now = time.monotonic()
+        for record, result in results:
+            stream = self.router.get(result.request_id)
+            if stream is not None:
+                self.stalls.seen(stream, now)
+                if stream.flight is not None:
+                    self.telemetry.result_record(stream.flight, record)
+            self.router.route(result)
 
     def on_fetched(
         self,

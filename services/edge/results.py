@@ -43,8 +43,10 @@ class ResultSink(Protocol):
     def on_control(self, value: bytes) -> None:
         """One record of the control topic."""
 
-    def on_result(self, record: ConsumerRecord[bytes, bytes], result: ResultRecord) -> None:
-        """One valid result record, parsed."""
+    def on_results(
+        self, results: Sequence[tuple[ConsumerRecord[bytes, bytes], ResultRecord]]
+    ) -> None:
+        """The valid result records of one partition from one fetch, parsed, in order."""
 
 
 @dataclass(frozen=True)
@@ -88,7 +90,8 @@ class ResultReader:
         self._tails: dict[TopicPartition, _Tail] = {}
         self._assigned: frozenset[TopicPartition] = frozenset()
         self._ops: list[_Follow | _Unfollow] = []
-        self._changed = asyncio.Event()
+        # Resolved when a change is asked for; `run` waits on it beside each fetch.
+        self._wake: asyncio.Future[None] | None = None
 
     async def start(self, own: TopicPartition | None, side_since: float | None = None) -> None:
         """Follow the control topic, and `own` (the edge's result partition), from their ends;
@@ -135,35 +138,49 @@ class ResultReader:
         """
         target = offset if caught_up_at is None else caught_up_at
         self._ops.append(_Follow(tp, offset, target, on_caught_up))
-        self._changed.set()
+        self._poke()
 
     def unfollow(self, tp: TopicPartition) -> None:
         self._ops.append(_Unfollow(tp))
-        self._changed.set()
+        self._poke()
+
+    def _poke(self) -> None:
+        if self._wake is not None and not self._wake.done():
+            self._wake.set_result(None)
 
     async def run(self, sink: ResultSink) -> None:
         """Read until cancelled. Safe to call again after a failure: positions are kept here,
         and the first step assigns and seeks every followed partition afresh."""
         self._assigned = frozenset()
+        loop = asyncio.get_running_loop()
         while True:
+            # One wake-up future, kept across fetches while no change is asked for (most
+            # fetches end with records). Armed before the changes are taken, so a change
+            # asked for from here on (even by a sink or a caught-up callback below) wakes it.
+            if self._wake is None or self._wake.done():
+                self._wake = loop.create_future()
             self._apply_changes()
             self._fire_waiters()
+            if self._wake.done():
+                continue  # a callback asked for another change: apply it before fetching
             fetch = asyncio.ensure_future(
                 self._consumer.getmany(timeout_ms=1000, max_records=FETCH_MAX_RECORDS)
             )
-            wake = asyncio.ensure_future(self._changed.wait())
             try:
-                await asyncio.wait({fetch, wake}, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait({fetch, self._wake}, return_when=asyncio.FIRST_COMPLETED)
             finally:
-                wake.cancel()
                 if not fetch.done():
                     fetch.cancel()
             try:
                 fetched = await fetch
             except asyncio.CancelledError:
-                # Interrupted for a change of what to follow; nothing was taken from the
-                # consumer's buffer, and positions are ours, so nothing is lost.
-                if not self._changed.is_set():
+                # The reader itself is being cancelled: go. Otherwise the fetch was cancelled
+                # here for a change of what to follow; nothing was taken from the consumer's
+                # buffer, and positions are ours, so nothing is lost. (Deciding this by
+                # whether a change is pending would be wrong: the change may already be
+                # applied, and a reader that raised CancelledError would end silently.)
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
                     raise
                 continue
             sink.on_fetched(self._consumer, fetched)
@@ -171,7 +188,6 @@ class ResultReader:
                 self._handle(tp, records, sink)
 
     def _apply_changes(self) -> None:
-        self._changed.clear()
         seeks: set[TopicPartition] = set()
         ops, self._ops = self._ops, []
         for op in ops:
@@ -203,22 +219,26 @@ class ResultReader:
         self, tp: TopicPartition, records: list[ConsumerRecord[bytes, bytes]], sink: ResultSink
     ) -> None:
         tail = self._tails.get(tp)
-        if tail is None:
+        if tail is None or not records:
             return  # unfollowed while these were in flight
-        for record in records:
-            tail.position = record.offset + 1
-            if tp == self._control:
+        tail.position = records[-1].offset + 1
+        if tp == self._control:
+            for record in records:
                 sink.on_control(record.value or b"")
-                continue
-            if (handler := self._side.get(tp)) is not None:
+        elif (handler := self._side.get(tp)) is not None:
+            for record in records:
                 handler(record.value or b"")
-                continue
-            try:
-                result = _results.validate_json(record.value or b"")
-            except ValidationError as exc:
-                log.error("result.invalid", topic=tp.topic, offset=record.offset, error=str(exc))
-                continue
-            sink.on_result(record, result)
+        else:
+            parsed: list[tuple[ConsumerRecord[bytes, bytes], ResultRecord]] = []
+            for record in records:
+                try:
+                    parsed.append((record, _results.validate_json(record.value or b"")))
+                except ValidationError as exc:
+                    log.error(
+                        "result.invalid", topic=tp.topic, offset=record.offset, error=str(exc)
+                    )
+            if parsed:
+                sink.on_results(parsed)
         self._fire_waiters()
 
     def _fire_waiters(self) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -31,6 +31,16 @@ from shared.metrics import EdgeRequestMetrics, edge_metrics
 from shared.telemetry import extract, has_trace, inject, record_span, sent_at, tracer
 
 
+class ResultHeaders(Protocol):
+    """What telemetry reads of a result record (aiokafka's ConsumerRecord)."""
+
+    @property
+    def timestamp(self) -> int: ...
+
+    @property
+    def headers(self) -> Sequence[tuple[str, bytes]]: ...
+
+
 @dataclass(eq=False)
 class InFlight:
     """One request's trace and latency clocks, from its frame to its final frame."""
@@ -41,8 +51,9 @@ class InFlight:
     tier: str
     started: float
     first_delta: bool = False
-    # The latest result record of the request: its create time and the context it carried.
-    last_record: tuple[float, Context] | None = None
+    # The latest result record of the request, read at the end for its create time and the
+    # trace context it carried (kept as is: most records are not the last).
+    last_record: ResultHeaders | None = None
     ended: bool = False  # the root span is ended; nothing more is measured
 
 
@@ -135,10 +146,10 @@ class EdgeTelemetry:
         if ours:
             self.metrics.lag.observe(consumer, ours)
 
-    def result_record(self, flight: InFlight, record: Any) -> None:
-        """A result record of this request was read: when the worker wrote it, and its trace."""
-        written_at = sent_at(record.headers, fallback=record.timestamp / 1000)
-        flight.last_record = (written_at, extract(record.headers))
+    @staticmethod
+    def result_record(flight: InFlight, record: ResultHeaders) -> None:
+        """A result record of this request was read: kept, and read only if it is the last."""
+        flight.last_record = record
 
     def end(self, flight: InFlight, *, outcome: str) -> None:
         """The request ended without a final frame written (not opened, or let go of)."""
@@ -156,8 +167,9 @@ class EdgeTelemetry:
             return
         if not isinstance(frame, DoneFrame | ErrorFrame):
             return
-        if flight.last_record is not None:
-            written_at, carried = flight.last_record
+        if (last := flight.last_record) is not None:
+            written_at = sent_at(last.headers, fallback=last.timestamp / 1000)
+            carried = extract(last.headers)
             parent = carried if has_trace(carried) else flight.context
             record_span(
                 semconv.stage_span_name(semconv.STAGE_DELIVER),
