@@ -191,18 +191,34 @@ class Edge:
         A dead loop would leave the edge accepting requests it cannot serve, and killing
         the process would close every socket: the failure is logged and the loop resumes
         from the state it keeps outside itself (positions, deadlines).
+
+        Every loop runs until the edge stops, so a loop that returns, or that ends cancelled
+        while the edge is not cancelling it (a stray `CancelledError` from inside, as in ADR
+        0039's wedge), has failed too: it is logged and restarted, never ended in silence.
         """
         backoff = RESTART_MIN_S
         while True:
             started = time.monotonic()
+            failure: BaseException | None = None
             try:
                 await loop()
-                return
+            except asyncio.CancelledError as exc:
+                task = asyncio.current_task()
+                if task is None or task.cancelling():
+                    raise  # the edge is stopping
+                failure = exc
             except Exception as exc:
-                if time.monotonic() - started > RESTART_MAX_S:
-                    backoff = RESTART_MIN_S  # it ran fine for a while: a new failure
-                log.exception("edge.task_failed", task=name, error=repr(exc), restart_in_s=backoff)
-                self.metrics.task_restarts.labels(name).inc()
+                failure = exc
+            if time.monotonic() - started > RESTART_MAX_S:
+                backoff = RESTART_MIN_S  # it ran fine for a while: a new failure
+            log.error(
+                "edge.task_failed",
+                task=name,
+                error=repr(failure) if failure is not None else "the loop returned",
+                restart_in_s=backoff,
+                exc_info=failure,
+            )
+            self.metrics.task_restarts.labels(name).inc()
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, RESTART_MAX_S)
 

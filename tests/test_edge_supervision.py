@@ -1,0 +1,85 @@
+"""The edge's background loops never end in silence (unit: fake loops, no Kafka).
+
+ADR 0039: a stray CancelledError from inside the result reader ended it with no log line
+and no restart, and the edge went on accepting requests it could no longer answer. A loop
+that fails, returns, or is cancelled from within is logged and restarted; one the edge
+itself cancels (shutdown) ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import pytest
+from pydantic import SecretStr
+from structlog.testing import capture_logs
+
+from services.edge import app as edge_app
+from services.edge import keys as keyfile
+from services.edge.app import Edge
+from services.edge.settings import EdgeSettings
+
+
+@pytest.fixture
+def edge(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Edge:
+    keys, _, _ = keyfile.add_key(keyfile.KeysFile(), "acme", {}, 0.0)
+    keyfile.save(tmp_path / "keys.json", keys)
+    monkeypatch.setattr(edge_app, "RESTART_MIN_S", 0.01)
+    return Edge(
+        EdgeSettings(
+            edge_keys_file=tmp_path / "keys.json", resume_secret=SecretStr(secrets.token_hex(16))
+        )
+    )
+
+
+def ends_once(how: str) -> tuple[Callable[[], Awaitable[None]], list[int]]:
+    """A loop that ends `how` on its first run and then runs until cancelled."""
+    runs: list[int] = []
+
+    async def loop() -> None:
+        runs.append(1)
+        if len(runs) == 1:
+            if how == "raises":
+                raise RuntimeError("boom")
+            if how == "cancelled":
+                raise asyncio.CancelledError  # from within, as a stale waiter's cancel would
+            return
+        await asyncio.Event().wait()
+
+    return loop, runs
+
+
+@pytest.mark.parametrize("how", ["raises", "cancelled", "returns"])
+async def test_a_loop_that_ends_is_logged_and_restarted(edge: Edge, how: str) -> None:
+    loop, runs = ends_once(how)
+    with capture_logs() as logs:
+        task = asyncio.create_task(edge._supervised("edge-results", loop))
+        async with asyncio.timeout(5):
+            while len(runs) < 2:
+                await asyncio.sleep(0.01)
+        assert not task.done()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    failed = [e for e in logs if e["event"] == "edge.task_failed"]
+    assert [e["task"] for e in failed] == ["edge-results"]
+    assert edge.metrics.task_restarts.labels("edge-results")._value.get() == 1
+
+
+async def test_a_loop_the_edge_cancels_ends_without_a_restart(edge: Edge) -> None:
+    started = asyncio.Event()
+
+    async def loop() -> None:
+        started.set()
+        await asyncio.Event().wait()
+
+    with capture_logs() as logs:
+        task = asyncio.create_task(edge._supervised("edge-sweeper", loop))
+        await started.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    assert not [e for e in logs if e["event"] == "edge.task_failed"]
