@@ -35,9 +35,11 @@ def edge(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Edge:
     )
 
 
-def ends_once(how: str) -> tuple[Callable[[], Awaitable[None]], list[int]]:
-    """A loop that ends `how` on its first run and then runs until cancelled."""
+def ends_once(how: str) -> tuple[Callable[[], Awaitable[None]], asyncio.Event]:
+    """A loop that ends `how` on its first run and then runs until cancelled; the event is
+    set when it runs again."""
     runs: list[int] = []
+    again = asyncio.Event()
 
     async def loop() -> None:
         runs.append(1)
@@ -47,19 +49,19 @@ def ends_once(how: str) -> tuple[Callable[[], Awaitable[None]], list[int]]:
             if how == "cancelled":
                 raise asyncio.CancelledError  # from within, as a stale waiter's cancel would
             return
+        again.set()
         await asyncio.Event().wait()
 
-    return loop, runs
+    return loop, again
 
 
 @pytest.mark.parametrize("how", ["raises", "cancelled", "returns"])
 async def test_a_loop_that_ends_is_logged_and_restarted(edge: Edge, how: str) -> None:
-    loop, runs = ends_once(how)
+    loop, again = ends_once(how)
     with capture_logs() as logs:
         task = asyncio.create_task(edge._supervised("edge-results", loop))
         async with asyncio.timeout(5):
-            while len(runs) < 2:
-                await asyncio.sleep(0.01)
+            await again.wait()
         assert not task.done()
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
