@@ -19,6 +19,7 @@ from services.ingest.response_cache import CacheFollower, ResponseCache
 from services.ingest.settings import IngestSettings
 from services.ingest.telemetry import IngestTelemetry
 from shared.kafka import LONG_POLL_MS, make_admin, make_consumer, make_producer, wait_for_broker
+from shared.process import for_life
 from shared.producers import RenewingProducer
 from shared.topics import Topics
 
@@ -75,8 +76,8 @@ async def serve(
         log.info("ingest.started", cache=cache is not None)
         async with asyncio.TaskGroup() as tasks:
             if follower is not None:
-                tasks.create_task(follower.follow())
-            tasks.create_task(reader.run())
+                tasks.create_task(for_life("cache follower", follower.follow()))
+            tasks.create_task(for_life("request reader", reader.run()))
 
 
 def _cache_follower(

@@ -53,6 +53,7 @@ from shared.health import Readiness, consumer_readiness
 from shared.kafka import LONG_POLL_MS, make_admin, make_consumer, make_producer
 from shared.messages import ErrorCode, ErrorResult, Tier, unknown_model_message
 from shared.prefixes import prefix_key
+from shared.process import for_life
 from shared.producers import RenewingProducer
 from shared.retry import backoffs, retrying
 from shared.topics import Topics
@@ -198,10 +199,10 @@ class Scheduler:
         await tiers.start()
         log.info("scheduler.started", scheduler_id=s.scheduler_id, policy=s.scheduler_policy)
         async with asyncio.TaskGroup() as tg:
-            tg.create_task(self._read_tiers(tiers))
-            tg.create_task(self.heartbeats.run())
-            tg.create_task(self._steps())
-            tg.create_task(self.liveness.run())
+            tg.create_task(for_life("tier reader", self._read_tiers(tiers)))
+            tg.create_task(for_life("heartbeat reader", self.heartbeats.run()))
+            tg.create_task(for_life("steps", self._steps()))
+            tg.create_task(for_life("liveness", self.liveness.run()))
 
     async def _start(self) -> None:
         parts = await self._partitions(self.topics.batches)

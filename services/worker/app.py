@@ -33,6 +33,7 @@ from services.worker.settings import WorkerSettings
 from services.worker.telemetry import WorkerTelemetry
 from shared.health import Readiness, consumer_readiness
 from shared.kafka import LONG_POLL_MS, make_consumer, make_producer
+from shared.process import for_life
 from shared.producers import RenewingProducer
 from shared.topics import Topics
 
@@ -143,10 +144,10 @@ class Worker:
                 static=static_engine(engine, s),
             )
             async with asyncio.TaskGroup() as tg:
-                taker = tg.create_task(loop.run(batches, tg))
+                taker = tg.create_task(for_life("batch loop", loop.run(batches, tg)))
                 others = [
-                    tg.create_task(cancels.run(control)),
-                    tg.create_task(heartbeats.run()),
+                    tg.create_task(for_life("cancel listener", cancels.run(control))),
+                    tg.create_task(for_life("heartbeats", heartbeats.run())),
                 ]
                 await drain.requested.wait()
                 taker.cancel()
