@@ -19,7 +19,7 @@ from services.worker.coalesce import Coalescer
 from services.worker.engines.base import Engine, EngineDelta, EngineFinish, EngineOutput
 from services.worker.replies import Fenced, ReplyFailed, ReplyWriter
 from shared.messages import (
-    DeltaResult,
+    DeltaFrames,
     DoneResult,
     ErrorCode,
     ErrorResult,
@@ -91,6 +91,10 @@ class RequestState:
     exited: asyncio.Event = field(default_factory=asyncio.Event)
     _timer: asyncio.TimerHandle | None = None
     _ended: asyncio.Future[EngineFinish] | None = None  # push mode: the run waits on it
+    _frames: DeltaFrames = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._frames = DeltaFrames(self.request.request_id, self.request.attempt)
 
     @property
     def request_id(self) -> str:
@@ -199,13 +203,8 @@ class RequestState:
     def _publish(self, text: str) -> None:
         coalescer = self.coalescer
         self.gaps.chunk(time.monotonic(), coalescer.last_wait, coalescer.last_overdue)
-        request = self.request
-        self.writer.send(
-            DeltaResult(
-                request_id=request.request_id, attempt=request.attempt, seq=self.seq, text=text
-            )
-        )
-        if request.cache_key is not None:
+        self.writer.send_encoded(self._frames.encode(self.seq, text))
+        if self.request.cache_key is not None:
             self.chunks.append(text)
         self.seq += 1
 
