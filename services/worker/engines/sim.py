@@ -157,7 +157,9 @@ class SimEngine:
         self._loop: asyncio.Task[None] | None = None
         self._step_due = 0.0
         self.steps = 0  # engine steps taken, for tests and benchmarks
-        self.cpu_seconds = 0.0  # thread CPU time of the steps themselves (not of the readers)
+        # Thread CPU time of the engine's own work: planning each request's text and the
+        # steps themselves (not what their readers or sinks do with the outputs).
+        self.cpu_seconds = 0.0
         self.prefix_cache = PrefixCache(self.profile.prefix_cache_tokens)
 
     async def start(self) -> None:
@@ -218,11 +220,14 @@ class SimEngine:
         return streams
 
     def _sequence(self, request: EngineRequest) -> _Sequence:
+        # Planning the text is the engine's own work (a real one's model): counted as its time.
+        cpu_at = time.thread_time()
         plan = complete(
             request.prompt, request.max_tokens, request.stop, request.temperature, request.top_p
         )
         seq = _Sequence(request, plan, estimate_tokens(request.prompt))
         seq.fails = self.fail_marker is not None and self.fail_marker in request.prompt
+        self.cpu_seconds += time.thread_time() - cpu_at
         return seq
 
     async def _follow(self, seq: _Sequence) -> AsyncGenerator[EngineOutput]:
