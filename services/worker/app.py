@@ -32,7 +32,7 @@ from services.worker.runner import RequestRunner
 from services.worker.settings import WorkerSettings
 from services.worker.telemetry import WorkerTelemetry
 from shared.health import Readiness, consumer_readiness
-from shared.kafka import make_consumer, make_producer
+from shared.kafka import LONG_POLL_MS, make_consumer, make_producer
 from shared.producers import RenewingProducer
 from shared.topics import Topics
 
@@ -64,6 +64,7 @@ class Worker:
             group_id=None,
             client_id=f"{s.worker_id}-control",
             auto_offset_reset="latest",
+            fetch_max_wait_ms=LONG_POLL_MS,  # a cancel ends the long poll at once (ADR 0038)
         )
         await producer.start()
         try:
