@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from services.worker.engines.base import EngineDelta, EngineFinish, EngineRequest
+from services.worker.engines.base import EngineDelta, EngineFinish, EngineRequest, PromptTooLong
 from services.worker.engines.sim import SimEngine
 from services.worker.engines.sim_profiles import PROFILES, SimProfile, sim_profile
 
@@ -105,5 +105,78 @@ async def test_static_batch_rows_share_steps_and_aborted_rows_stay_until_the_end
         assert isinstance(await late_first, EngineDelta)
         await late.aclose()  # type: ignore[attr-defined]
         await long.aclose()  # type: ignore[attr-defined]
+    finally:
+        await engine.stop()
+
+
+class RecordingSink:
+    """An `OutputSink` that keeps what it was pushed, and says when the finish came."""
+
+    def __init__(self) -> None:
+        self.outputs: list[EngineDelta | EngineFinish] = []
+        self.errors: list[Exception] = []
+        self.ended = asyncio.Event()
+        self.first = asyncio.Event()
+
+    def on_output(self, out: EngineDelta | EngineFinish) -> None:
+        assert not self.ended.is_set(), "an output after the finish"
+        self.outputs.append(out)
+        self.first.set()
+        if isinstance(out, EngineFinish):
+            self.ended.set()
+
+    def on_error(self, error: Exception) -> None:
+        self.errors.append(error)
+        self.ended.set()
+
+
+async def test_pushed_outputs_are_the_streamed_ones_step_by_step() -> None:
+    request = EngineRequest("r1", "push me the same tokens", max_tokens=12, seed=7)
+    engine = SimEngine(SimProfile(token_rate=2000.0, max_num_seqs=4))
+    await engine.start()
+    try:
+        streamed = [out async for out in engine.generate(request)]
+        sink = RecordingSink()
+        engine.submit(request, sink)
+        await asyncio.wait_for(sink.ended.wait(), 10)
+    finally:
+        await engine.stop()
+    pushed = sink.outputs
+    last = pushed[-1]
+    assert isinstance(last, EngineFinish)
+    assert "".join(o.text for o in pushed if isinstance(o, EngineDelta)) == "".join(
+        o.text for o in streamed if isinstance(o, EngineDelta)
+    )
+    assert pushed[-1] == streamed[-1] == EngineFinish("length", last.prompt_tokens, 12)
+    # One delta per step: a token reaches the sink as it is made, never merged or held back.
+    assert [o.tokens for o in pushed if isinstance(o, EngineDelta)] == [1] * 12
+    assert not sink.errors
+
+
+async def test_abort_pushes_a_cancelled_finish_and_frees_the_slot() -> None:
+    engine = SimEngine(SimProfile(token_rate=200.0, max_num_seqs=1))
+    await engine.start()
+    try:
+        sink = RecordingSink()
+        engine.submit(EngineRequest("r1", "a long one", max_tokens=10_000), sink)
+        await asyncio.wait_for(sink.first.wait(), 10)
+        assert await engine.abort("r1")
+        assert sink.ended.is_set()  # pushed at once, by the abort itself
+        finish = sink.outputs[-1]
+        assert isinstance(finish, EngineFinish)
+        assert finish.finish_reason == "cancelled"
+        assert engine.capacity().free_slots == 1
+        assert not await engine.abort("r1")
+    finally:
+        await engine.stop()
+
+
+async def test_a_prompt_over_the_context_is_refused_by_submit_itself() -> None:
+    engine = SimEngine(SimProfile(token_rate=200.0, max_num_seqs=1, context_length=4))
+    await engine.start()
+    try:
+        with pytest.raises(PromptTooLong):
+            engine.submit(EngineRequest("r1", "one two three four five six", 5), RecordingSink())
+        assert engine.capacity().queued == 0
     finally:
         await engine.stop()

@@ -132,7 +132,8 @@ class BatchIntake:
             group_id=self.group,
             client_id=self.worker_id,
             auto_offset_reset="latest",
-            # Seeks only while taking over, before serving: a batch ends the long poll at once.
+            # A fetch returns as soon as a batch arrives: the long poll saves the idle
+            # fetches (ADR 0038); a seek (only in `start`'s take-over) may wait one out.
             fetch_max_wait_ms=LONG_POLL_MS,
         )
 

@@ -70,8 +70,12 @@ class ReplyWriter:
 
     def send(self, record: Result, headers: Headers | None = None) -> None:
         """Queue `record` after every earlier one; raise if the run may not go on."""
+        self.send_encoded(encode(record), headers)
+
+    def send_encoded(self, value: bytes, headers: Headers | None = None) -> None:
+        """As `send`, for a record already encoded (a chunk's `DeltaFrames.encode`)."""
         self.check()
-        self._outbox.put(self._reply_to, self._key, encode(record), headers, self)
+        self._outbox.put(self._reply_to, self._key, value, headers, self)
         self._unsettled += 1
         self._settled.clear()
 

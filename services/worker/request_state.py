@@ -16,10 +16,10 @@ from typing import Literal
 import structlog
 
 from services.worker.coalesce import Coalescer
-from services.worker.engines.base import Engine, EngineDelta, EngineFinish
+from services.worker.engines.base import Engine, EngineDelta, EngineFinish, EngineOutput
 from services.worker.replies import Fenced, ReplyFailed, ReplyWriter
 from shared.messages import (
-    DeltaResult,
+    DeltaFrames,
     DoneResult,
     ErrorCode,
     ErrorResult,
@@ -90,6 +90,11 @@ class RequestState:
     chunks: list[str] = field(default_factory=list)  # kept only for the response cache
     exited: asyncio.Event = field(default_factory=asyncio.Event)
     _timer: asyncio.TimerHandle | None = None
+    _ended: asyncio.Future[EngineFinish] | None = None  # push mode: the run waits on it
+    _frames: DeltaFrames = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._frames = DeltaFrames(self.request.request_id, self.request.attempt)
 
     @property
     def request_id(self) -> str:
@@ -106,6 +111,33 @@ class RequestState:
             self._publish(chunk)
         elif self._timer is None:
             self._arm()
+
+    def pushed(self) -> asyncio.Future[EngineFinish]:
+        """Push mode: the future of the engine's finish, which the run awaits.
+
+        The engine calls `on_output` / `on_error` (the `OutputSink`) from its step loop;
+        a chunk leaves from there, and the run wakes once, at the end. A failure of the
+        run's own (`Fenced`, `ReplyFailed` from a write) ends it the same way.
+        """
+        self._ended = asyncio.get_running_loop().create_future()
+        return self._ended
+
+    def on_output(self, out: EngineOutput) -> None:
+        ended = self._ended
+        if ended is None or ended.done():
+            return  # the run stopped listening (it aborts the request)
+        if isinstance(out, EngineFinish):
+            ended.set_result(out)
+            return
+        try:
+            self.on_delta(out)
+        except Exception as exc:  # the run's own failure, raised where the run awaits
+            ended.set_exception(exc)
+
+    def on_error(self, error: Exception) -> None:
+        ended = self._ended
+        if ended is not None and not ended.done():
+            ended.set_exception(error)
 
     def flush_rest(self) -> None:
         """Send what is still buffered (the stream ended)."""
@@ -171,13 +203,8 @@ class RequestState:
     def _publish(self, text: str) -> None:
         coalescer = self.coalescer
         self.gaps.chunk(time.monotonic(), coalescer.last_wait, coalescer.last_overdue)
-        request = self.request
-        self.writer.send(
-            DeltaResult(
-                request_id=request.request_id, attempt=request.attempt, seq=self.seq, text=text
-            )
-        )
-        if request.cache_key is not None:
+        self.writer.send_encoded(self._frames.encode(self.seq, text))
+        if self.request.cache_key is not None:
             self.chunks.append(text)
         self.seq += 1
 

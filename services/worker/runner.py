@@ -24,6 +24,7 @@ from services.worker.engines.base import (
     EngineOutput,
     EngineRequest,
     PromptTooLong,
+    PushEngine,
 )
 from services.worker.outbox import ResultOutbox
 from services.worker.replies import Fenced, ReplyFailed, ReplyWriter
@@ -87,6 +88,8 @@ class RequestRunner:
         cache: CacheWriter | None = None,
     ) -> None:
         self._engine = engine
+        # Pushed to from its step loop where it can (the sim engine), else its streams read.
+        self._push = engine if isinstance(engine, PushEngine) else None
         self._model = model  # the model this worker serves: named in every answer
         self._cache = cache
         self._outbox = outbox
@@ -197,6 +200,8 @@ class RequestRunner:
         self, state: RequestState, trace: RunTrace, given: AsyncIterator[EngineOutput] | None
     ) -> EngineFinish:
         """Feed the engine's outputs to the state until the finish record."""
+        if given is None and self._push is not None:
+            return await self._pushed(self._push, state, trace)
         # The engine (vLLM) gets the request's trace context, so its spans join the trace.
         generated = (
             given
@@ -210,6 +215,18 @@ class RequestRunner:
                     return out
                 state.on_delta(out)
         raise AssertionError("engine stream ended without a finish record")
+
+    @staticmethod
+    async def _pushed(engine: PushEngine, state: RequestState, trace: RunTrace) -> EngineFinish:
+        """As `_stream`, the engine pushing each step's outputs to the state: no wakeup per
+        token; a run that stops listening before the finish aborts its request."""
+        ended = state.pushed()
+        engine.submit(engine_request(state.request, carrier(trace.context)), state)
+        try:
+            return await ended
+        finally:
+            if not ended.done() or ended.cancelled() or ended.exception() is not None:
+                await engine.abort(state.request_id)
 
     @staticmethod
     async def _stop_for_hand_back(state: RequestState) -> RunOutcome:

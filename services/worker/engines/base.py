@@ -128,6 +128,36 @@ class Engine(Protocol):
     async def stop(self) -> None: ...
 
 
+class OutputSink(Protocol):
+    """Where a push engine hands one request's outputs (`PushEngine.submit`).
+
+    Called from the engine's step loop, synchronously and never awaited: one pass over a
+    step's outputs reaches every request it touched (as vLLM's v1 output processor appends
+    to each `RequestState`), so a token costs a call, not a task wakeup. A sink must not
+    raise (it keeps its own failure for its run) nor call back into the engine.
+    """
+
+    def on_output(self, out: EngineOutput) -> None:
+        """The request's next output; after its `EngineFinish` nothing more comes."""
+
+    def on_error(self, error: Exception) -> None:
+        """The engine failed this request (as an exception from `generate`'s stream)."""
+
+
+@runtime_checkable
+class PushEngine(Engine, Protocol):
+    """An engine that can also push a request's outputs to a sink (`submit`).
+
+    `submit` behaves as `generate` with its stream read to the end: deltas, then one
+    `EngineFinish` ("cancelled" after `abort`), or `on_error`; a prompt longer than
+    `context_length` raises `PromptTooLong` from `submit` itself, before the request is
+    submitted. There is no stream to close: a caller that stops listening before the
+    finish aborts the request (`abort`).
+    """
+
+    def submit(self, request: EngineRequest, sink: OutputSink) -> None: ...
+
+
 @runtime_checkable
 class StaticEngine(Engine, Protocol):
     """An engine that can also run a batch as one call (TOKENBUS_WORKER_BATCH_MODE=static).

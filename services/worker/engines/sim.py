@@ -10,6 +10,10 @@ Two batching modes, as real engines have them:
   cost model of a static batch is the profile's (`SimProfile.padded_prefill_seconds`,
   `padded_decode_seconds`; docs/sim-profiles.md).
 
+A request's outputs are read from its stream (`generate`), or pushed to a sink in one
+pass after each step (`submit`, `PushEngine`: the worker's continuous mode), so a token
+costs its reader a call rather than a task wakeup.
+
 Fault injection (tests only): with `fail_marker` set, a request whose prompt contains it
 fails inside the engine after its first token, as a real engine's request can (a CUDA
 error, an OOM): its stream raises `SimulatedFault`.
@@ -34,6 +38,7 @@ from services.worker.engines.base import (
     EngineOutput,
     EngineRequest,
     FinishReason,
+    OutputSink,
     PromptTooLong,
     check_prompt,
 )
@@ -60,6 +65,7 @@ class _Sequence:
     finished: bool = False
     fails: bool = False  # fault injection: fail after the first token
     tokens: list[str] | None = None  # the prompt's, once looked up in the prefix cache
+    sink: OutputSink | None = None  # pushed to (`submit`) rather than read (`generate`)
 
     @property
     def done(self) -> bool:
@@ -67,7 +73,20 @@ class _Sequence:
 
     def put(self, out: EngineOutput | Exception) -> None:
         self.outputs.append(out)
-        self.ready.set()
+        if self.sink is None:
+            self.ready.set()
+
+    def deliver(self) -> None:
+        """Push mode: hand what is queued to the sink (after a step, or at once on abort)."""
+        sink, outputs = self.sink, self.outputs
+        if sink is None:
+            return
+        while outputs:
+            out = outputs.popleft()
+            if isinstance(out, Exception):
+                sink.on_error(out)
+            else:
+                sink.on_output(out)
 
     async def take(self) -> EngineOutput | Exception:
         """The next output; deltas queued behind each other come as one (a reader that fell
@@ -138,7 +157,9 @@ class SimEngine:
         self._loop: asyncio.Task[None] | None = None
         self._step_due = 0.0
         self.steps = 0  # engine steps taken, for tests and benchmarks
-        self.cpu_seconds = 0.0  # thread CPU time of the steps themselves (not of the readers)
+        # Thread CPU time of the engine's own work: planning each request's text and the
+        # steps themselves (not what their readers or sinks do with the outputs).
+        self.cpu_seconds = 0.0
         self.prefix_cache = PrefixCache(self.profile.prefix_cache_tokens)
 
     async def start(self) -> None:
@@ -153,6 +174,7 @@ class SimEngine:
             self._loop = None
         for seq in self._all():
             seq.finish("cancelled")
+            seq.deliver()
         self._running.clear()
         self._waiting.clear()
         self._groups.clear()
@@ -160,12 +182,21 @@ class SimEngine:
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
         seq = self._sequence(request)
-        check_prompt(seq.prompt_tokens, self.context_length)
-        heapq.heappush(self._waiting, (request.priority, next(self._arrivals), seq))
-        self._wakeup.set()
+        self._enqueue(seq)
         async with contextlib.aclosing(self._follow(seq)) as outputs:
             async for out in outputs:
                 yield out
+
+    def submit(self, request: EngineRequest, sink: OutputSink) -> None:
+        """Push mode (`PushEngine`): each step's outputs go to `sink` in the step's own pass."""
+        seq = self._sequence(request)
+        seq.sink = sink
+        self._enqueue(seq)
+
+    def _enqueue(self, seq: _Sequence) -> None:
+        check_prompt(seq.prompt_tokens, self.context_length)
+        heapq.heappush(self._waiting, (seq.request.priority, next(self._arrivals), seq))
+        self._wakeup.set()
 
     def generate_batch(
         self, requests: Sequence[EngineRequest]
@@ -189,11 +220,14 @@ class SimEngine:
         return streams
 
     def _sequence(self, request: EngineRequest) -> _Sequence:
+        # Planning the text is the engine's own work (a real one's model): counted as its time.
+        cpu_at = time.thread_time()
         plan = complete(
             request.prompt, request.max_tokens, request.stop, request.temperature, request.top_p
         )
         seq = _Sequence(request, plan, estimate_tokens(request.prompt))
         seq.fails = self.fail_marker is not None and self.fail_marker in request.prompt
+        self.cpu_seconds += time.thread_time() - cpu_at
         return seq
 
     async def _follow(self, seq: _Sequence) -> AsyncGenerator[EngineOutput]:
@@ -215,6 +249,7 @@ class SimEngine:
         if seq is None:
             return False
         seq.finish("cancelled")
+        seq.deliver()
         return True
 
     def capacity(self) -> Capacity:
@@ -289,13 +324,18 @@ class SimEngine:
             await self._tick(loop, seconds)
             cpu_at = time.thread_time()
             self.steps += 1
-            for seq in list(self._running.values()):
+            stepped = list(self._running.values())
+            for seq in stepped:
                 self._emit(seq)
             if self._batch is not None and not any(
                 r.request.request_id in self._running for r in self._batch.rows
             ):
                 self._batch = None
             self.cpu_seconds += time.thread_time() - cpu_at
+            # Outside the engine's own time: what the sinks do with a step is the worker's.
+            for seq in stepped:
+                if seq.sink is not None:
+                    seq.deliver()
 
     def _plan_continuous_step(self) -> float:
         joined = self._admit(self.profile.max_num_seqs)
