@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Awaitable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,7 @@ from shared.kafka import (
     wait_for_broker,
 )
 from shared.messages import Tier
+from shared.process import new_service_loop
 from shared.settings import TokenbusSettings
 from shared.topics import Topics
 from tests.chat_client import run_requests
@@ -521,6 +522,57 @@ async def test_a_recall_refused_names_the_topic_and_the_missing_operation(
     assert (refusal.value.topic, refusal.value.operation) == (topics.dlq, refused)
     assert f"{refused} topic '{topics.dlq}'" in str(refusal.value)
     assert time.monotonic() - began < 10, "a refusal must not be waited out"
+
+
+# -- closing a client mid-request on TLS ----------------------------------------------------
+
+
+async def timed(stop: Awaitable[None]) -> float:
+    began = time.monotonic()
+    await stop
+    return time.monotonic() - began
+
+
+def test_clients_stopped_mid_request_on_tls_stop_at_once(cluster: launcher.Cluster) -> None:
+    """On the services' own loop, a consumer stopped with a response on its way stops at once.
+
+    On uvloop's defaults a consumer stopped with a request in flight (here `end_offsets`,
+    as ingest's recall did) took 30.0 s to stop, every try: closing a TLS connection waited
+    for the broker's close_notify, which did not come, until uvloop's SSL shutdown timeout
+    (ADR 0040). One stopped right after `assign()` (a metadata refresh) met it in some
+    tries. Three tries each. The bound is wide (the machine is loaded); the fault was 30 s.
+    """
+    topics = Topics(new_prefix())
+    admin = settings_of(cluster, secured.ADMIN, topics.prefix)
+    partition = TopicPartition(topics.dlq, 0)
+
+    async def stop_times() -> dict[str, list[float]]:
+        await create_topics(admin, {topics.dlq: 1})
+        seconds: dict[str, list[float]] = {"assigned": [], "asking": []}
+        for _ in range(3):
+            consumer = make_consumer(admin, group_id=None, client_id="tls-close")
+            await consumer.start()
+            consumer.assign([partition])  # starts a metadata refresh
+            # One turn of the loop: the refresh goes out (and aiokafka's own task that
+            # `stop` cancels gets to start; cancelled before it does, `stop` raises).
+            await asyncio.sleep(0)
+            seconds["assigned"].append(await timed(consumer.stop()))
+
+            consumer = make_consumer(admin, group_id=None, client_id="tls-close")
+            await consumer.start()
+            consumer.assign([partition])
+            await consumer.seek_to_end(partition)  # the metadata is in: asking goes out at once
+            asking = asyncio.ensure_future(consumer.end_offsets([partition]))
+            for _ in range(3):  # until the request is written, not answered yet
+                await asyncio.sleep(0)
+            seconds["asking"].append(await timed(consumer.stop()))
+            asking.cancel()
+        return seconds
+
+    with asyncio.Runner(loop_factory=new_service_loop) as runner:
+        seconds = runner.run(stop_times())
+    print(seconds)
+    assert all(s < 5 for tries in seconds.values() for s in tries), seconds
 
 
 async def test_a_wrong_password_is_named_not_waited_out(cluster: launcher.Cluster) -> None:
