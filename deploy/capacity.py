@@ -57,15 +57,15 @@ FIGURES = (
         label="measured 2026-11-30 (make bench)",
         source=(
             "`make bench` (bench/capacity.py), docs/benchmarks.md's capacity run of"
-            " 2026-11-30 14:39 UTC, services of 955ab48: /proc CPU of each process at the"
-            " pipeline's ceiling, 400 req/s on 2 cores (load average 3), 64 output tokens"
-            " per request, engine time apart"
+            " 2026-11-30 18:42 UTC, services of 92c9ae7: /proc CPU of each process at the"
+            " pipeline's ceiling, 500 req/s on 2 cores (load average 1-2.5), 64 output"
+            " tokens per request, engine time apart"
         ),
         tokens_per_request=64,
-        edge_ms=1.06,
-        ingest_ms=0.54,
-        scheduler_ms=0.47,
-        worker_ms=1.11,
+        edge_ms=0.84,
+        ingest_ms=0.46,
+        scheduler_ms=0.41,
+        worker_ms=0.66,
     ),
     CpuFigures(
         label="issue 12 target",
@@ -74,10 +74,10 @@ FIGURES = (
             " token per request (1.78 ms at 64 tokens), split here like the measured row."
         ),
         tokens_per_request=64,
-        edge_ms=1.78 * 1.06 / 3.18,
-        ingest_ms=1.78 * 0.54 / 3.18,
-        scheduler_ms=1.78 * 0.47 / 3.18,
-        worker_ms=1.78 * 1.11 / 3.18,
+        edge_ms=1.78 * 0.84 / 2.37,
+        ingest_ms=1.78 * 0.46 / 2.37,
+        scheduler_ms=1.78 * 0.41 / 2.37,
+        worker_ms=1.78 * 0.66 / 2.37,
     ),
 )
 
