@@ -106,14 +106,21 @@ async def chat(traced: TracedStack, max_tokens: int) -> tuple[str, dict[str, obj
 
 
 def wait_for_whole_trace(traced: TracedStack, request_id: str) -> list[SpanRecord]:
-    """Spans are written in the background: poll until the edge's last ones are there."""
+    """Spans are written in the background, each process on its own clock: poll until the
+    edge's last ones are there and every service has written some (the worker's may land
+    after the edge's: its run span ends once its records are stored)."""
     found: list[SpanRecord] = []
 
     def complete() -> bool:
         nonlocal found
         found = traced.request_spans(request_id)
         names = {s.name for s in found}
-        return semconv.SPAN_CHAT in names and "stage deliver" in names
+        services = {service(s) for s in found}
+        return (
+            semconv.SPAN_CHAT in names
+            and "stage deliver" in names
+            and services >= {"edge", "ingest", "scheduler", "worker"}
+        )
 
     wait_until(complete, 20, f"the spans of request {request_id}")
     return found
