@@ -12,6 +12,7 @@ import contextlib
 import json
 import random
 import time
+import urllib.parse
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -152,7 +153,7 @@ class WsUser:
 
     async def _serve(self, ws: websockets.ClientConnection) -> None:
         if self.reconnects:
-            self.log(f"{self.name} connected to {self.urls[self.edge]}")
+            self.log(f"{self.name} connected to {_without_key(self.urls[self.edge])}")
         for r in self._by_request.values():
             if not r.final:
                 await self._resume(ws, r)
@@ -410,3 +411,10 @@ async def cancel_all(tasks: list[asyncio.Task[None]]) -> None:
     for task in tasks:
         with contextlib.suppress(asyncio.CancelledError, websockets.ConnectionClosed):
             await task
+
+
+def _without_key(url: str) -> str:
+    """The URL as logged: the API key in its user part left out (no secret in a log)."""
+    parts = urllib.parse.urlsplit(url)
+    host = parts.netloc.rpartition("@")[2]
+    return parts._replace(netloc=host).geturl()
