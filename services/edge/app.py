@@ -46,6 +46,7 @@ from shared.health import Readiness, health_routes
 from shared.kafka import make_admin, make_consumer, make_producer
 from shared.messages import ReplyTo
 from shared.metrics import EdgeRequestMetrics
+from shared.process import for_life
 from shared.producers import RenewingProducer
 from shared.retry import retrying
 from shared.topics import Topics
@@ -199,25 +200,12 @@ class Edge:
         backoff = RESTART_MIN_S
         while True:
             started = time.monotonic()
-            failure: BaseException | None = None
             try:
-                await loop()
-            except asyncio.CancelledError as exc:
-                task = asyncio.current_task()
-                if task is None or task.cancelling():
-                    raise  # the edge is stopping
-                failure = exc
+                await for_life(name, loop())  # a return or an inner cancel raises LoopEnded
             except Exception as exc:
-                failure = exc
-            if time.monotonic() - started > RESTART_MAX_S:
-                backoff = RESTART_MIN_S  # it ran fine for a while: a new failure
-            log.error(
-                "edge.task_failed",
-                task=name,
-                error=repr(failure) if failure is not None else "the loop returned",
-                restart_in_s=backoff,
-                exc_info=failure,
-            )
+                if time.monotonic() - started > RESTART_MAX_S:
+                    backoff = RESTART_MIN_S  # it ran fine for a while: a new failure
+                log.exception("edge.task_failed", task=name, error=repr(exc), restart_in_s=backoff)
             self.metrics.task_restarts.labels(name).inc()
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, RESTART_MAX_S)
