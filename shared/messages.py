@@ -161,6 +161,17 @@ class ChatRequest(Model):
         # Always set by the validator; the fallback keeps the type honest.
         return self.max_tokens if self.max_tokens is not None else DEFAULT_LIMITS.default_max_tokens
 
+    @property
+    def deterministic(self) -> bool:
+        """Whether the answer is fixed by the request's fields: greedy, or a seeded sample
+        (what the response cache may answer, ADR 0036)."""
+        return self.temperature == 0 or self.seed is not None
+
+    @property
+    def cacheable(self) -> bool:
+        """Whether the response cache may answer it and store its answer (it did not opt out)."""
+        return self.cache and self.deterministic
+
 
 class RequestRecord(ChatRequest):
     """A request on `tokenbus.requests`, as the edge or an external producer writes it."""
@@ -170,6 +181,19 @@ class RequestRecord(ChatRequest):
     reply_to: ReplyTo | None = None
     created_at: float = Field(
         default_factory=time.time, allow_inf_nan=False, description="Unix time, seconds."
+    )
+
+
+def over_budget(prompt_tokens: int, max_tokens: int, budget: int | None) -> str | None:
+    """Why no batch could ever hold a request (its prompt plus max_tokens is above `budget`,
+    the largest tier token budget), or None. Refused where it enters rather than left to wait
+    forever: the one rule for ingest and the edge (ADR 0041)."""
+    cost = prompt_tokens + max_tokens
+    if budget is None or cost <= budget:
+        return None
+    return (
+        f"prompt (~{prompt_tokens} tokens) plus max_tokens ({max_tokens}) is {cost} tokens,"
+        f" above the largest batch token budget of {budget}"
     )
 
 
@@ -203,6 +227,10 @@ class QueuedRequest(RequestRecord):
     def token_cost(self) -> int:
         """Tokens this request may occupy: its prompt plus everything it may generate."""
         return self.prompt_tokens + self.effective_max_tokens
+
+    def over_budget(self, budget: int | None) -> str | None:
+        """Why no batch could ever hold it, or None (see `over_budget`)."""
+        return over_budget(self.prompt_tokens, self.effective_max_tokens, budget)
 
     def next_attempt(self) -> QueuedRequest:
         """The request as it is run again elsewhere: same id, the next attempt number.

@@ -25,6 +25,7 @@ from pydantic import SecretStr
 from services.edge import keys as keyfile
 from services.edge.resume import ResumeKeys
 from shared.kafka import create_topics, delete_topics, make_admin, make_consumer, wait_for_broker
+from shared.messages import Tier
 from shared.settings import TokenbusSettings
 from shared.topics import Topics
 
@@ -201,6 +202,16 @@ class Stack:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+
+    @property
+    def request_topics(self) -> tuple[str, ...]:
+        """Where an edge writes a new request: `tokenbus.requests` (one the response cache may
+        answer) or straight to its tier topic (ADR 0041). Ingest's forwards land there too."""
+        return (self.topics.requests, *(self.topics.tier(t) for t in Tier))
+
+    async def read_requests(self) -> list[bytes]:
+        """Every record value on the topics new requests go to (`request_topics`) now."""
+        return [v for topic in self.request_topics for v in await self.read_async(topic)]
 
     def read(self, topic: str) -> list[bytes]:
         """Every record value on one of the stack's topics, read from the beginning now."""

@@ -21,8 +21,9 @@ def marker() -> str:
     return "marker-" + uuid.uuid4().hex
 
 
-async def prompts_on(stack: Stack, topic: str) -> list[str]:
-    return [json.loads(v).get("prompt") or "" for v in await stack.read_async(topic)]
+async def prompts_on(stack: Stack) -> list[str]:
+    """The prompts of every request the edge wrote (to `tokenbus.requests` or a tier)."""
+    return [json.loads(v).get("prompt") or "" for v in await stack.read_requests()]
 
 
 async def until_served(stack: Stack, prompt: str) -> None:
@@ -63,7 +64,7 @@ async def test_without_a_key_every_frame_is_unauthorized_and_nothing_reaches_kaf
         done = await run_requests(ws, [{"client_id": "ok", "prompt": served, "max_tokens": 3}])
         assert done["ok"].final is not None
         assert done["ok"].final["type"] == "chat.done"
-    prompts = await prompts_on(stack, stack.topics.requests)
+    prompts = await prompts_on(stack)
     assert served in prompts  # the read sees the socket's records...
     assert refused not in prompts  # ...and none from before the key
     assert len(await stack.read_async(stack.topics.control)) == control_before
@@ -106,7 +107,7 @@ async def test_a_revoked_key_stops_working_without_a_restart(stack: Stack, capsy
         frame = await recv_json(ws)
         assert frame["code"] == "unauthorized"
     await until_served(stack, marker())
-    assert late not in await prompts_on(stack, stack.topics.requests)
+    assert late not in await prompts_on(stack)
 
 
 async def test_a_socket_without_a_key_is_closed_after_the_auth_timeout(stack: Stack) -> None:
@@ -141,7 +142,7 @@ async def test_a_client_cannot_set_reply_to_or_tenant(stack: Stack) -> None:
             assert (frame["type"], frame["code"]) == ("error", "invalid_request"), frame
             assert next(iter(field)) in frame["message"]
     await until_served(stack, marker())
-    assert forged not in await prompts_on(stack, stack.topics.requests)
+    assert forged not in await prompts_on(stack)
 
 
 async def test_kafka_sees_a_keyed_hash_of_the_tenant_never_the_key(stack: Stack) -> None:
@@ -152,7 +153,7 @@ async def test_kafka_sees_a_keyed_hash_of_the_tenant_never_the_key(stack: Stack)
     ) as ws:
         done = await run_requests(ws, [{"client_id": "a", "prompt": prompt, "max_tokens": 3}])
     assert done["a"].final is not None
-    records = [json.loads(v) for v in await stack.read_async(stack.topics.requests)]
+    records = [json.loads(v) for v in await stack.read_requests()]
     (record,) = [r for r in records if r.get("prompt") == prompt]
     assert record["tenant"] == tenant_id(stack.resume_secret.encode(), "alice")
     assert record["tenant"] not in ("alice", hashlib.sha256(alice.encode()).hexdigest()[:16])
@@ -169,7 +170,7 @@ async def test_a_second_auth_frame_cannot_switch_tenants(stack: Stack) -> None:
         prompt = marker()
         done = await run_requests(ws, [{"client_id": "a", "prompt": prompt, "max_tokens": 3}])
         assert done["a"].final is not None
-    records = [json.loads(v) for v in await stack.read_async(stack.topics.requests)]
+    records = [json.loads(v) for v in await stack.read_requests()]
     (record,) = [r for r in records if r.get("prompt") == prompt]
     assert record["tenant"] == tenant_id(stack.resume_secret.encode(), "alice")
 

@@ -74,7 +74,7 @@ def test_a_request_from_frame_to_final_frame(
 ) -> None:
     tel, exporter, registry, clock = setup
     flight = tel.begin("r1", tier="interactive", max_tokens=8)
-    sending = tel.sending(flight, "t.requests", record("r1", 1000.002))
+    sending = tel.sending(flight, "t.requests", record("r1", 1000.002), None)
     headers = sending.headers  # the caller writes the record with these
     tel.sent(flight, sending, None)
     clock.now = 1000.1
@@ -133,7 +133,7 @@ def test_a_failed_produce_ends_the_trace_with_an_error(
 ) -> None:
     tel, exporter, registry, _ = setup
     flight = tel.begin("r1", tier="interactive", max_tokens=None)
-    sending = tel.sending(flight, "t.requests", record("r1", 1000.0))
+    sending = tel.sending(flight, "t.requests", record("r1", 1000.0), None)
     tel.sent(flight, sending, ConnectionError("broker gone"))
     root = next(s for s in exporter.get_finished_spans() if s.name == "chat")
     send = next(s for s in exporter.get_finished_spans() if s.name == "send t.requests")

@@ -169,7 +169,7 @@ async def test_tokenbus_trace_reads_the_whole_request_back_from_jaeger(
     batches_span = f"send {stack.topics.batches}"
 
     def whole() -> bool:
-        # Spans reach Jaeger in batches from four processes: wait for the last of them.
+        # Spans reach Jaeger in batches from three processes: wait for the last of them.
         found = waterfall.build(request_id, source.request_spans(request_id))
         if found is None:
             return False
@@ -184,7 +184,8 @@ async def test_tokenbus_trace_reads_the_whole_request_back_from_jaeger(
     own = [s for s in shown["spans"] if not s["linked"]]
     linked = [s for s in shown["spans"] if s["linked"]]
     assert {s["trace_id"] for s in own} == {shown["trace_id"]}
-    assert {s["service"] for s in own} == {"edge", "ingest", "scheduler", "worker"}
+    # A sampled request: from the edge straight to its tier topic, no ingest (ADR 0041).
+    assert {s["service"] for s in own} == {"edge", "scheduler", "worker"}
     roots = [(s["service"], s["name"]) for s in own if s["parent_span_id"] is None]
     assert roots == [("edge", semconv.SPAN_CHAT)]
     # The batch it rode: the scheduler's send and the worker's receive, another trace.

@@ -26,6 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from shared import semconv
 from shared.kafka import create_topics, make_producer
+from shared.messages import Tier
 from shared.telemetry import SpanRecord, read_span_file
 from tests.chat_client import run_requests
 from tests.stack import ROOT, SERVICES, Stack, _create, free_port, new_prefix, wait_until
@@ -90,12 +91,19 @@ def service(span: SpanRecord) -> str:
     return span.service.removeprefix("tokenbus-")
 
 
-async def chat(traced: TracedStack, max_tokens: int) -> tuple[str, dict[str, object], float]:
+# A greedy request the response cache may answer goes through ingest (which holds the
+# cache); a sampled one goes from the edge straight to its tier topic (ADR 0041).
+THROUGH_INGEST = {"temperature": 0}
+
+
+async def chat(
+    traced: TracedStack, max_tokens: int, prompt: str = "trace me please", **fields: object
+) -> tuple[str, dict[str, object], float]:
     """One request; its id, its chat.done frame, and the end-to-end time the client saw."""
     async with websockets.connect(traced.stack.ws_url) as ws:
         began = time.perf_counter()
         transcripts = await run_requests(
-            ws, [{"client_id": "c", "prompt": "trace me please", "max_tokens": max_tokens}]
+            ws, [{"client_id": "c", "prompt": prompt, "max_tokens": max_tokens, **fields}]
         )
         elapsed = time.perf_counter() - began
     t = transcripts["c"]
@@ -105,21 +113,27 @@ async def chat(traced: TracedStack, max_tokens: int) -> tuple[str, dict[str, obj
     return t.request_id, t.final, elapsed
 
 
-def wait_for_whole_trace(traced: TracedStack, request_id: str) -> list[SpanRecord]:
+ALL_FOUR = frozenset({"edge", "ingest", "scheduler", "worker"})
+DIRECT = frozenset({"edge", "scheduler", "worker"})
+
+
+def wait_for_whole_trace(
+    traced: TracedStack, request_id: str, services: frozenset[str] = DIRECT
+) -> list[SpanRecord]:
     """Spans are written in the background, each process on its own clock: poll until the
-    edge's last ones are there and every service has written some (the worker's may land
-    after the edge's: its run span ends once its records are stored)."""
+    edge's last ones are there and every service on the request's path has written some
+    (the worker's may land after the edge's: its run span ends once its records are
+    stored). Every stage's span must be there too."""
     found: list[SpanRecord] = []
 
     def complete() -> bool:
         nonlocal found
         found = traced.request_spans(request_id)
         names = {s.name for s in found}
-        services = {service(s) for s in found}
         return (
             semconv.SPAN_CHAT in names
-            and "stage deliver" in names
-            and services >= {"edge", "ingest", "scheduler", "worker"}
+            and {s.stage for s in found if s.stage} == set(semconv.STAGES)
+            and {service(s) for s in found} >= services
         )
 
     wait_until(complete, 20, f"the spans of request {request_id}")
@@ -127,13 +141,14 @@ def wait_for_whole_trace(traced: TracedStack, request_id: str) -> list[SpanRecor
 
 
 async def test_one_trace_through_all_four_services(traced: TracedStack) -> None:
-    request_id, _, _ = await chat(traced, max_tokens=8)
-    spans = wait_for_whole_trace(traced, request_id)
+    # Greedy (cacheable), so through ingest; a prompt of its own, so the cache misses.
+    request_id, _, _ = await chat(traced, 8, f"trace me {uuid.uuid4().hex}", **THROUGH_INGEST)
+    spans = wait_for_whole_trace(traced, request_id, ALL_FOUR)
     traces = {s.trace_id for s in spans if s.attributes.get(semconv.REQUEST_ID) == request_id}
     assert len(traces) == 1, traces
     trace_id = traces.pop()
     mine = [s for s in spans if s.trace_id == trace_id]
-    assert {service(s) for s in mine} == {"edge", "ingest", "scheduler", "worker"}
+    assert {service(s) for s in mine} == ALL_FOUR
 
     # The parent chain is intact: one root (the edge's request span), every other span's
     # parent is in the trace.
@@ -188,6 +203,28 @@ async def test_one_trace_through_all_four_services(traced: TracedStack) -> None:
     finished = [x for x in log.splitlines() if f"request_id={request_id!r}" in x]
     assert finished
     assert all(f"trace_id='{trace_id}'" in x for x in finished), finished
+
+
+async def test_one_trace_on_the_direct_path(traced: TracedStack) -> None:
+    """A sampled request goes from the edge straight to its tier topic: one trace through the
+    edge, the scheduler and the worker, every stage in it (`admit` is the edge's)."""
+    request_id, _, _ = await chat(traced, max_tokens=8)
+    spans = wait_for_whole_trace(traced, request_id, DIRECT)
+    assert len({s.trace_id for s in spans}) == 1
+    assert {service(s) for s in spans} == DIRECT
+    by_id = {s.span_id: s for s in spans}
+    roots = [s for s in spans if s.parent_span_id is None]
+    assert [(service(r), r.name) for r in roots] == [("edge", "chat")]
+    assert all(s.parent_span_id in by_id for s in spans if s.parent_span_id is not None)
+    admit = next(s for s in spans if s.stage == semconv.STAGE_ADMIT)
+    assert service(admit) == "edge"
+    assert admit.attributes[semconv.ADMISSION] == "direct"
+    tier_topic = traced.stack.topics.tier(Tier.interactive)
+    assert admit.attributes[semconv.MESSAGING_DESTINATION_NAME] == tier_topic
+    # The scheduler's stages continue the edge's producer span of the tier record.
+    queue_wait = next(s for s in spans if s.stage == semconv.STAGE_QUEUE_WAIT)
+    assert service(queue_wait) == "scheduler"
+    assert by_id[queue_wait.parent_span_id or ""].name == f"send {tier_topic}"
 
 
 async def test_an_external_producers_traceparent_is_continued(traced: TracedStack) -> None:
@@ -278,7 +315,7 @@ async def test_trace_waterfall_stages_add_up_to_the_client_time(traced: TracedSt
     text = run_trace_cli(request_id, "--dir", str(traced.trace_dir))
     lines = text.splitlines()
     assert lines[0].startswith(f"request {request_id}")
-    assert {line.split()[0] for line in lines[3:] if line and line[0] != " "} >= set(SERVICES)
+    assert {line.split()[0] for line in lines[3:] if line and line[0] != " "} >= DIRECT
     assert "stage prefill" in text
     assert "linked (the batch this request rode):" in text
 
@@ -313,7 +350,10 @@ async def test_metrics_count_fifty_requests(traced: TracedStack) -> None:
     before = {s: scrape(traced.metrics_url(s)) for s in services}
     n = 50
     requests = [
-        {"client_id": f"m{i}", "prompt": f"count me {i}", "max_tokens": 8} for i in range(n)
+        # Through ingest (greedy, each prompt its own, so the cache misses): every service counts.
+        {"client_id": f"m{i}", "prompt": f"count me {i} {uuid.uuid4().hex}", "max_tokens": 8}
+        | THROUGH_INGEST
+        for i in range(n)
     ]
     async with websockets.connect(traced.stack.ws_url) as ws:
         transcripts = await run_requests(ws, requests, timeout=120)

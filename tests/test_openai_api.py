@@ -180,7 +180,7 @@ async def test_priority_and_deadline_extensions_are_carried_to_kafka(api: Stack)
         max_tokens=4,
         extra_body={"priority": 5, "deadline_ms": 60000},
     )
-    records = [json.loads(v) for v in await api.read_async(api.topics.requests)]
+    records = [json.loads(v) for v in await api.read_requests()]
     (record,) = [r for r in records if r["messages"] and r["messages"][0]["content"] == text]
     assert (record["priority"], record["deadline_ms"]) == ("background", 60000)
     assert record["max_tokens"] == 4
@@ -196,7 +196,7 @@ async def test_a_callers_traceparent_is_continued_on_kafka(api: Stack) -> None:
             max_tokens=2,
             extra_headers={"traceparent": f"00-{trace_id}-{parent_id}-01"},
         )
-    records = await read_with_headers(api, api.topics.requests)
+    records = [r for t in api.request_topics for r in await read_with_headers(api, t)]
     (headers,) = [h for value, h in records if text.encode() in value]
     assert headers["traceparent"].split("-")[1] == trace_id
 

@@ -46,8 +46,8 @@ def bearer(stack: Stack, tenant: str) -> dict[str, Any]:
 
 
 async def prompts_on_kafka(stack: Stack) -> list[str]:
-    values = await stack.read_async(stack.topics.requests)
-    return [json.loads(v).get("prompt") or "" for v in values]
+    """The prompts of every request the edge wrote (to `tokenbus.requests` or a tier)."""
+    return [json.loads(v).get("prompt") or "" for v in await stack.read_requests()]
 
 
 async def send(ws: websockets.ClientConnection, client_id: str, prompt: str, n: int) -> None:

@@ -17,7 +17,6 @@ from services.ingest.handling import Ingest
 from services.ingest.response_cache import (
     ResponseCache,
     cache_key,
-    cacheable,
     entry_size,
     replay,
 )
@@ -129,11 +128,11 @@ def test_naming_the_default_max_tokens_is_naming_none() -> None:
 
 
 def test_only_deterministic_requests_that_did_not_opt_out_are_cacheable() -> None:
-    assert cacheable(record(temperature=0))
-    assert cacheable(record(temperature=0.8, seed=3))
-    assert not cacheable(record(temperature=0.8))
-    assert not cacheable(record(temperature=0, cache=False))
-    assert not cacheable(record(temperature=0.8, seed=3, cache=False))
+    assert record(temperature=0).cacheable
+    assert record(temperature=0.8, seed=3).cacheable
+    assert not record(temperature=0.8).cacheable
+    assert not record(temperature=0, cache=False).cacheable
+    assert not record(temperature=0.8, seed=3, cache=False).cacheable
 
 
 def test_admission_keys_cacheable_requests_only_when_the_cache_is_on() -> None:

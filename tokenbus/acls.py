@@ -128,6 +128,8 @@ def grants(topics: Topics) -> dict[str, list[Grant]]:
     return {
         "edge": [
             _topic(topics.requests, write),
+            # A request the response cache cannot answer goes straight to its tier (ADR 0041).
+            *(_topic(t, write) for t in tiers),
             _topic(topics.control, read, write),  # cancels out; resume hand-overs in and out
             _topic(topics.results, read),
             # Workers' heartbeats: the models `/v1/models` lists (the OpenAI API).

@@ -213,10 +213,11 @@ def channels(topics: Topics) -> tuple[Channel, ...]:
         Channel(
             f"{tier.value}Requests",
             topics.tier(tier),
-            f"Admitted {tier.value} requests, waiting for a bus. Hand-backs of a dead or"
-            " draining worker come back here as the next attempt.",
+            f"Admitted {tier.value} requests, waiting for a bus: from ingest, or from the"
+            " edge straight for a request the response cache cannot answer (ADR 0041)."
+            " Hand-backs of a dead or draining worker come back here as the next attempt.",
             (QUEUED,),
-            ("ingest", "scheduler", "worker"),
+            ("edge", "ingest", "scheduler", "worker"),
             ("scheduler",),
             parts[topics.tier(tier)],
             groups={"scheduler": f"{topics.prefix}.scheduler"},
@@ -227,9 +228,9 @@ def channels(topics: Topics) -> tuple[Channel, ...]:
         Channel(
             "requests",
             topics.requests,
-            "Chat requests from the edge and from any producer (`kcat`, applications). A"
-            " request without reply_to gets its results on the results topic, keyed by"
-            " request_id.",
+            "Chat requests from any producer (`kcat`, applications) and the edge's requests"
+            " the response cache may answer (temperature 0 or a seed). A request without"
+            " reply_to gets its results on the results topic, keyed by request_id.",
             (REQUEST,),
             ("edge", "external producer"),
             ("ingest",),

@@ -23,7 +23,7 @@ from services.edge.metrics import EdgeMetrics
 from services.edge.protocol import ErrorFrame
 from services.edge.topology import UNKNOWN_TOPIC
 from shared.kafka import Headers, encode, key_of
-from shared.messages import CancelRecord, ErrorCode
+from shared.messages import CancelRecord, ErrorCode, Tier
 from shared.producers import RenewingProducer
 from shared.topics import Topics
 
@@ -141,8 +141,11 @@ class BrokerLink:
                 await self.withdraw(request_id)
 
     async def _requests_writable(self) -> bool:
-        """Every partition of the requests topic has a leader (a restarted broker elects)."""
-        described = await self.admin.describe_topics([self.topics.requests])
+        """Every partition of the topics new requests go to has a leader (a restarted broker
+        elects): the requests topic and the tier topics."""
+        described = await self.admin.describe_topics(
+            [self.topics.requests, *(self.topics.tier(t) for t in Tier)]
+        )
         partitions = [p for e in described if e["error_code"] == 0 for p in e["partitions"]]
         return bool(partitions) and all(p["leader"] >= 0 for p in partitions)
 
@@ -153,9 +156,12 @@ class BrokerLink:
                 return len(entry["partitions"])
         return None
 
-    async def send_request(self, request_id: str, value: bytes, headers: Headers) -> RecordMetadata:
+    async def send_request(
+        self, topic: str, request_id: str, value: bytes, headers: Headers
+    ) -> RecordMetadata:
+        """A new request, to `tokenbus.requests` or straight to its tier topic (ADR 0041)."""
         return await self.producer.send_and_wait(
-            self.topics.requests, value, key=key_of(request_id), headers=headers
+            topic, value, key=key_of(request_id), headers=headers
         )
 
     async def send_control(self, request_id: str, value: bytes) -> RecordMetadata:

@@ -46,12 +46,15 @@ from shared.messages import (
     ControlRecord,
     ErrorCode,
     ErrorResult,
+    QueuedRequest,
     ReplyTo,
     RequestRecord,
     ResultRecord,
     StreamResumed,
     Tier,
+    over_budget,
 )
+from shared.tokens import estimate_tokens
 from shared.topics import Topics
 
 log = structlog.get_logger()
@@ -68,6 +71,15 @@ def request_record(
     fields = {name: getattr(request, name) for name in ChatRequest.model_fields}
     return RequestRecord.model_construct(
         **fields, request_id=request_id, tenant=tenant, reply_to=reply_to, created_at=time.time()
+    )
+
+
+def tier_record(record: RequestRecord, *, tier: Tier, prompt_tokens: int) -> QueuedRequest:
+    """What ingest would forward for a validated request (`QueuedRequest.from_record`),
+    built without validating it again: the edge's direct path to the tier topic (ADR 0041)."""
+    fields = {name: getattr(record, name) for name in RequestRecord.model_fields}
+    return QueuedRequest.model_construct(
+        **fields, tier=tier, prompt_tokens=prompt_tokens, accepted_at=time.time()
     )
 
 
@@ -107,6 +119,7 @@ class Gateway:
         self.metrics = metrics
         self.resume_keys = resume_keys
         self.limits = settings.limits()
+        self.token_budget = settings.largest_token_budget  # the most one request may ask
         self.stalls = StallGuard(settings.edge_stream_stall_s)
         self.wake = asyncio.Event()  # housekeeping has an earlier deadline to look at
         link.on_reachable.append(self.on_reachable)
@@ -135,6 +148,18 @@ class Gateway:
         flight = self.telemetry.begin(
             request_id, tier=tier.value, max_tokens=request.max_tokens, parent=parent
         )
+        prompt_tokens = estimate_tokens(request.prompt_text())
+        refusal = over_budget(prompt_tokens, request.effective_max_tokens, self.token_budget)
+        if refusal is not None:
+            # No batch could ever hold it: refused before anything is written.
+            self.telemetry.end(flight, outcome="over_budget")
+            self.guard.release(request_id)
+            client.send(
+                ErrorFrame(
+                    code=ErrorCode.invalid_request, message=refusal, client_id=request.client_id
+                )
+            )
+            return None
         try:
             reply_to, offset = await self._reply_to(request_id)
         except (TopologyError, KafkaError, BrokerUnavailable) as exc:
@@ -151,7 +176,7 @@ class Gateway:
         followed = reply_tp(reply_to) if self.topology.followed(reply_to) else None
         stream = self.router.open(request_id, client, followed=followed, flight=flight)
         self.metrics.streams_open.set(len(self.router))
-        if not await self._produce(record, flight):
+        if not await self._produce(record, tier, prompt_tokens, flight):
             self.router.close(request_id)
             self._let_go(stream, ended=True)
             client.send(
@@ -252,12 +277,26 @@ class Gateway:
             raise BrokerUnavailable("the broker is unreachable")
         return await self.link.bounded(self.topology.open(request_id))
 
-    async def _produce(self, record: RequestRecord, flight: InFlight) -> bool:
-        """Write the request record, with its trace context; False if it failed."""
-        sending = self.telemetry.sending(flight, self.topics.requests, record)
+    async def _produce(
+        self, record: RequestRecord, tier: Tier, prompt_tokens: int, flight: InFlight
+    ) -> bool:
+        """Write the request, with its trace context; False if it failed.
+
+        Straight to its tier topic, as ingest would forward it, unless the response cache
+        may answer it: ingest holds the cache, so a cacheable request goes through
+        `tokenbus.requests` (ADR 0041). Nothing else of ingest's applies to an edge's
+        request: it is validated here, its id is new, its `reply_to` is this edge's own.
+        """
+        queued: QueuedRequest | None = None
+        if self.settings.edge_direct_to_tier and not record.cacheable:
+            queued = tier_record(record, tier=tier, prompt_tokens=prompt_tokens)
+            topic, value = self.topics.tier(tier), encode(queued)
+        else:
+            topic, value = self.topics.requests, encode(record)
+        sending = self.telemetry.sending(flight, topic, record, queued)
         try:
             await self.link.bounded(
-                self.link.send_request(record.request_id, encode(record), sending.headers)
+                self.link.send_request(topic, record.request_id, value, sending.headers)
             )
         except (KafkaError, BrokerUnavailable) as exc:
             log.error("request.produce_failed", request_id=record.request_id, error=repr(exc))

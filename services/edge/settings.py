@@ -71,6 +71,14 @@ class EdgeSettings(KeysSettings):
     edge_result_topic_sweep_interval_s: float = Field(
         default=60.0, gt=0, description="How often the sweeper lists per-request topics."
     )
+    edge_direct_to_tier: bool = Field(
+        default=True,
+        description=(
+            "Write a request straight to its tier topic, one Kafka hop fewer, unless the"
+            " response cache may answer it (temperature 0 or a seed: those go through"
+            " tokenbus.requests and ingest). false: every request goes through ingest (ADR 0041)."
+        ),
+    )
     edge_disconnect_grace_s: float = Field(
         default=30.0,
         ge=0,

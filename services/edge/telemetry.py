@@ -26,7 +26,7 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
 from services.edge.protocol import DeltaFrame, DoneFrame, ErrorFrame, ServerFrame
 from shared import semconv
 from shared.kafka import Headers
-from shared.messages import RequestRecord
+from shared.messages import QueuedRequest, RequestRecord
 from shared.metrics import EdgeRequestMetrics, edge_metrics
 from shared.telemetry import extract, has_trace, inject, record_span, sent_at, tracer
 
@@ -103,9 +103,13 @@ class EdgeTelemetry:
         self.metrics.in_flight.inc()
         return InFlight(request_id, root, context, tier, now)
 
-    def sending(self, flight: InFlight, topic: str, record: RequestRecord) -> Sending:
+    def sending(
+        self, flight: InFlight, topic: str, record: RequestRecord, queued: QueuedRequest | None
+    ) -> Sending:
         """The request record is about to be written: the `accept` stage, and the producer
-        span whose context the caller puts in the record's headers."""
+        span whose context the caller puts in the record's headers. `queued`: the record
+        goes straight to its tier topic (ADR 0041), so the `admit` stage, ingest's on the
+        other path, is the edge's."""
         record_span(
             semconv.stage_span_name(semconv.STAGE_ACCEPT),
             start=flight.started,
@@ -114,6 +118,21 @@ class EdgeTelemetry:
             attributes={semconv.STAGE: semconv.STAGE_ACCEPT, semconv.REQUEST_ID: flight.request_id},
             tracer_=self.tracer,
         )
+        if queued is not None:
+            record_span(
+                semconv.stage_span_name(semconv.STAGE_ADMIT),
+                start=queued.created_at,
+                end=queued.accepted_at,
+                context=flight.context,
+                attributes={
+                    semconv.STAGE: semconv.STAGE_ADMIT,
+                    semconv.REQUEST_ID: flight.request_id,
+                    semconv.TIER: queued.tier.value,
+                    semconv.ADMISSION: "direct",
+                    semconv.MESSAGING_DESTINATION_NAME: topic,
+                },
+                tracer_=self.tracer,
+            )
         span = self.tracer.start_span(
             semconv.messaging_span_name("send", topic),
             context=flight.context,

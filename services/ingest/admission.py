@@ -12,7 +12,7 @@ from typing import Generic, TypeVar
 from pydantic import ValidationError
 from pydantic_core import from_json
 
-from services.ingest.response_cache import cache_key, cacheable
+from services.ingest.response_cache import cache_key
 from shared.kafka import encode
 from shared.messages import (
     REQUEST_ID,
@@ -154,18 +154,11 @@ def admit(
     queued = QueuedRequest.from_record(
         record, tier=record.priority or Tier.interactive, reply_to=reply_to
     )
-    budget = limits.max_request_tokens
-    if budget is not None and queued.token_cost > budget:
-        # No batch could ever hold it: refuse now rather than let it wait forever.
-        message = (
-            f"prompt (~{queued.prompt_tokens} tokens) plus max_tokens"
-            f" ({queued.effective_max_tokens}) is {queued.token_cost} tokens, above the"
-            f" largest batch token budget of {budget}"
-        )
-        return _rejected(Reason.over_budget, message, record.request_id, reply_to)
+    if (too_big := queued.over_budget(limits.max_request_tokens)) is not None:
+        return _rejected(Reason.over_budget, too_big, record.request_id, reply_to)
     if queued.request_id in recent:
         return Duplicate(queued.request_id)
-    if cache and cacheable(queued):
+    if cache and queued.cacheable:
         queued = queued.model_copy(update={"cache_key": cache_key(queued)})
     value = encode(queued)
     if len(value) > max_record_bytes:

@@ -49,16 +49,6 @@ ENTRY_OVERHEAD_BYTES = 2000
 CHUNK_OVERHEAD_BYTES = 60
 
 
-def deterministic(request: RequestRecord) -> bool:
-    """Whether the request's answer is fixed by its fields: greedy, or a seeded sample."""
-    return request.temperature == 0 or request.seed is not None
-
-
-def cacheable(request: RequestRecord) -> bool:
-    """Whether the cache may answer it and store its answer (it did not opt out)."""
-    return request.cache and deterministic(request)
-
-
 def cache_key(request: RequestRecord) -> str:
     """SHA-256 of a canonical JSON of the fields that decide the answer (`KEY_FIELDS`).
 
