@@ -94,6 +94,10 @@ class Workload:
     replication: int = 3  # copies of each topic (min.insync.replicas 2)
     broker_write_mb_s: float = 50.0  # replicated writes one broker takes with headroom
     profile: str = "llama3-8b-h100"
+    # Requests that pass ingest: applications' (written to tokenbus.requests) and the edge's
+    # that the response cache may answer (temperature 0 or a seed). The edge writes the rest
+    # straight to a tier topic (ADR 0041). An assumption to replace with a deployment's mix.
+    ingest_share: float = 0.2
 
 
 WORKLOAD = Workload()
@@ -134,7 +138,7 @@ def plan(gpus: int, measured: CpuFigures, w: Workload = WORKLOAD) -> Plan:
     cpu = measured.at(w.output_tokens)
     rps = gpus * gpu_requests_per_second(cost, w)
     edges = max(2, replicas(rps, cpu.edge_ms, w))
-    ingest = replicas(rps, cpu.ingest_ms, w)
+    ingest = replicas(rps * w.ingest_share, cpu.ingest_ms, w)
     schedulers = replicas(rps, cpu.scheduler_ms, w)
     topics = Topics("tokenbus")
     fixed = topics.partitions()
@@ -149,11 +153,11 @@ def plan(gpus: int, measured: CpuFigures, w: Workload = WORKLOAD) -> Plan:
     request_bytes = w.prompt_tokens * w.bytes_per_token + w.record_overhead_bytes
     result_records = math.ceil(w.output_tokens / w.flush_tokens) + 1  # deltas + done
     result_bytes = w.output_tokens * w.bytes_per_token + result_records * w.record_overhead_bytes
-    # requests, tier topic, batches (each request once), results.
-    produce = rps * (3 * request_bytes + result_bytes) / 1e6
+    # requests (ingest's share), tier topic, batches (each request once), results.
+    produce = rps * ((2 + w.ingest_share) * request_bytes + result_bytes) / 1e6
     # Every worker reads the whole batches partition it shares (TOKENBUS_WORKER_BATCH_PARTITION
     # is one value for the Deployment) and keeps the batches addressed to it.
-    consume = rps * (2 * request_bytes + gpus * request_bytes + result_bytes) / 1e6
+    consume = rps * ((1 + w.ingest_share + gpus) * request_bytes + result_bytes) / 1e6
     brokers = max(3, math.ceil(produce * w.replication / w.broker_write_mb_s))
     return Plan(
         gpus, rps, rps * w.output_tokens, edges, ingest, schedulers,
@@ -171,7 +175,9 @@ def markdown(w: Workload = WORKLOAD) -> str:
         f"`{w.profile}` at {w.max_num_seqs} sequences: **{per_gpu:.1f} requests/s "
         f"({per_gpu * w.output_tokens:,.0f} output tokens/s) per GPU**. Replicas at "
         f"{w.cpu_target:.0%} of one core each; replication factor {w.replication}; "
-        f"{w.broker_write_mb_s:.0f} MB/s of replicated writes per broker.",
+        f"{w.broker_write_mb_s:.0f} MB/s of replicated writes per broker; "
+        f"{w.ingest_share:.0%} of requests pass ingest (applications' and cacheable ones;"
+        " the edge writes the rest straight to a tier topic, ADR 0041).",
         "",
     ]
     for measured in FIGURES:

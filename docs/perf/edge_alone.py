@@ -5,6 +5,8 @@ and per delta record; optionally records a py-spy flame graph of the edge. From 
 
     RATE=30 DURATION=20 DELTAS=64 SVG=edge.svg .venv/bin/python docs/perf/edge_alone.py
 
+(SPY_FORMAT=raw writes collapsed stacks instead of an SVG.)
+
 Run with DELTAS=1 and DELTAS=64 and solve cpu = a * requests + b * deltas (ADR 0023).
 PREFIX reuses existing topics (and keeps them) for a broker slow to show new ones.
 """
@@ -26,7 +28,7 @@ from aiokafka import TopicPartition
 from bench.loadgen import LoadConfig, run_load
 from bench.workload import PlannedRequest
 from shared.kafka import make_consumer, make_producer
-from shared.messages import DeltaResult, DoneResult, RequestRecord, Timings, Usage
+from shared.messages import DeltaResult, DoneResult, QueuedRequest, RequestRecord, Timings, Usage
 from tests.stack import Stack, _create, free_port, new_prefix, wait_until
 
 RATE = float(os.environ.get("RATE", "60"))
@@ -34,6 +36,7 @@ DURATION = float(os.environ.get("DURATION", "20"))
 DELTAS = int(os.environ.get("DELTAS", "64"))
 DELTA_EVERY_S = float(os.environ.get("DELTA_EVERY_S", "0.001"))
 SVG = os.environ.get("SVG", "")
+SPY_FORMAT = os.environ.get("SPY_FORMAT", "flamegraph")  # or raw: collapsed stacks, for scripts
 TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -43,7 +46,8 @@ def cpu_s(pid: int) -> float:
 
 
 async def responder(stack: Stack, stop: asyncio.Event) -> None:
-    """Answers every request on the requests topic: DELTAS deltas (one token each), done."""
+    """Answers every request the edge writes (the requests topic, or a tier topic on its
+    direct path, ADR 0041): DELTAS deltas (one token each), done."""
     settings = stack.settings
     topics = stack.topics
     consumer = make_consumer(settings, group_id=None, client_id="bench-responder")
@@ -51,7 +55,9 @@ async def responder(stack: Stack, stop: asyncio.Event) -> None:
     await consumer.start()
     await producer.start()
     parts = [
-        TopicPartition(topics.requests, p) for p in range(topics.partitions()[topics.requests])
+        TopicPartition(topic, p)
+        for topic in stack.request_topics
+        for p in range(topics.partitions()[topic])
     ]
     consumer.assign(parts)
     for tp in parts:
@@ -96,7 +102,8 @@ async def responder(stack: Stack, stop: asyncio.Event) -> None:
             fetched = await consumer.getmany(timeout_ms=100)
             for records in fetched.values():
                 for r in records:
-                    live.append((RequestRecord.model_validate_json(r.value or b""), 0))
+                    model = RequestRecord if r.topic == topics.requests else QueuedRequest
+                    live.append((model.model_validate_json(r.value or b""), 0))
     finally:
         emitter.cancel()
         await consumer.stop()
@@ -160,6 +167,8 @@ def main() -> None:
                     "-d",
                     str(int(DURATION) + 4),
                     "--nonblocking",
+                    "--format",
+                    SPY_FORMAT,
                 ],
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.STDOUT,

@@ -43,7 +43,7 @@ from services.edge.sweeper import TopicSweeper
 from services.edge.telemetry import EdgeTelemetry
 from services.edge.topology import PartitionTopology, ResultTopology, TopicTopology, reply_tp
 from shared.health import Readiness, health_routes
-from shared.kafka import make_admin, make_consumer, make_producer
+from shared.kafka import LONG_POLL_MS, make_admin, make_consumer, make_producer
 from shared.messages import ReplyTo
 from shared.metrics import EdgeRequestMetrics
 from shared.process import for_life
@@ -90,7 +90,18 @@ class Edge:
         s = self.settings
         producer = RenewingProducer(lambda: make_producer(s, client_id=self.edge_id))
         admin = make_admin(s, client_id=self.edge_id)
-        consumer = make_consumer(s, group_id=None, client_id=self.edge_id)
+        # Partition topology: the reader's partitions rarely change (a resume of another
+        # edge's stream), so its fetch is a long poll, which returns as soon as a result or
+        # control record arrives; a change of partitions waits out the one in flight (up
+        # to LONG_POLL_MS). Idle, this cut the edge from 4.2 to 1.0 % of a core and the
+        # broker from 24.7 to 9.1 % (ADR 0041). Topic topology follows a new topic per
+        # request, whose first tokens must not wait on a long poll: the short default.
+        consumer = make_consumer(
+            s,
+            group_id=None,
+            client_id=self.edge_id,
+            fetch_max_wait_ms=LONG_POLL_MS if s.edge_result_topology == "partition" else None,
+        )
         keeper: LeaseKeeper | None = None
         tasks: list[asyncio.Task[None]] = []
         await producer.start()
