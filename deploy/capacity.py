@@ -57,27 +57,29 @@ FIGURES = (
         label="measured 2026-11-30 (make bench)",
         source=(
             "`make bench` (bench/capacity.py), docs/benchmarks.md's capacity run of"
-            " 2026-11-30 18:42 UTC, services of 92c9ae7: /proc CPU of each process at the"
-            " pipeline's ceiling, 500 req/s on 2 cores (load average 1-2.5), 64 output"
-            " tokens per request, engine time apart"
+            " 2026-11-30 21:57 UTC (ADR 0041: the edge writes most requests straight to a"
+            " tier topic): /proc CPU of each process at the pipeline's ceiling, 500 req/s on"
+            " 2 cores, 64 output tokens per request, engine time apart. Ingest's figure is"
+            " per request that passes it, from the 18:42 run, when every request did"
         ),
         tokens_per_request=64,
-        edge_ms=0.84,
+        edge_ms=1.04,
         ingest_ms=0.46,
-        scheduler_ms=0.41,
-        worker_ms=0.66,
+        scheduler_ms=0.46,
+        worker_ms=0.70,
     ),
     CpuFigures(
         label="issue 12 target",
         source=(
             "issue 12's target for the four services together: 0.5 ms + 20 us per output"
-            " token per request (1.78 ms at 64 tokens), split here like the measured row."
+            " token per request (1.78 ms at 64 tokens), split here like the measured row"
+            " (ingest's share apart)."
         ),
         tokens_per_request=64,
-        edge_ms=1.78 * 0.84 / 2.37,
-        ingest_ms=1.78 * 0.46 / 2.37,
-        scheduler_ms=1.78 * 0.41 / 2.37,
-        worker_ms=1.78 * 0.66 / 2.37,
+        edge_ms=1.78 * 1.04 / 2.20,
+        ingest_ms=1.78 * 0.46 / 2.20,
+        scheduler_ms=1.78 * 0.46 / 2.20,
+        worker_ms=1.78 * 0.70 / 2.20,
     ),
 )
 
