@@ -68,7 +68,7 @@ def messaging_span_name(operation: str, topic: str) -> str:
 # the previous one ended (a timestamp carried in the record), so their durations add up to
 # the request's end-to-end time. `tokenbus trace` sums them; the order is the data flow.
 STAGE_ACCEPT: Final = "accept"  # edge: frame received -> request record created
-STAGE_ADMIT: Final = "admit"  # ingest: record created -> validated, forwarded to a tier
+STAGE_ADMIT: Final = "admit"  # ingest (or the edge, ADR 0041): created -> written to a tier
 STAGE_QUEUE_WAIT: Final = "queue_wait"  # scheduler: in the tier topic and queue -> bus leaves
 STAGE_BATCH_FORM: Final = "batch_form"  # scheduler: bus leaves -> batch record written
 STAGE_BATCH_TRANSIT: Final = "batch_transit"  # batch record -> the worker starts the request
