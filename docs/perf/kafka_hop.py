@@ -1,9 +1,9 @@
 """A bare Kafka hop on this machine: what two services' records cost before tokenbus's work.
 
-One process writes a record every GAP ms (idempotent, acks=all, linger 0, as every
-tokenbus producer) and times each acknowledgement; another reads them (a 500 ms long poll)
-and times each record's way from send to receipt (one machine, one clock). From the repo
-root, against a running broker:
+One process writes a record every GAP ms (a `make_producer` producer: idempotent, acks=all,
+linger 0, as every tokenbus producer) and times each acknowledgement; another reads them
+(a 500 ms long poll) and times each record's way from send to receipt (one machine, one
+clock). From the repo root, against a running broker:
 
     .venv/bin/python docs/perf/kafka_hop.py 127.0.0.1:19092 hop-probe
     N=400 GAP=0 .venv/bin/python docs/perf/kafka_hop.py 127.0.0.1:19092 hop-probe
@@ -19,11 +19,15 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import uvloop
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import TopicAlreadyExistsError
+from aiokafka import TopicPartition
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from shared.kafka import create_topics, make_consumer, make_producer
+from shared.settings import TokenbusSettings
 
 N = int(os.environ.get("N", "400"))
 GAP_MS = float(os.environ.get("GAP", "20"))
@@ -37,10 +41,12 @@ def percentiles(name: str, values: list[float]) -> str:
     )
 
 
+def settings(bootstrap: str) -> TokenbusSettings:
+    return TokenbusSettings.model_validate({"KAFKA_BOOTSTRAP_SERVERS": bootstrap})
+
+
 async def produce(bootstrap: str, topic: str) -> None:
-    producer = AIOKafkaProducer(
-        bootstrap_servers=bootstrap, acks="all", enable_idempotence=True, linger_ms=0
-    )
+    producer = make_producer(settings(bootstrap), client_id="hop-probe")
     await producer.start()
     acks: list[float] = []
     try:
@@ -56,8 +62,8 @@ async def produce(bootstrap: str, topic: str) -> None:
 
 
 async def consume(bootstrap: str, topic: str) -> None:
-    consumer = AIOKafkaConsumer(
-        bootstrap_servers=bootstrap, enable_auto_commit=False, fetch_max_wait_ms=500
+    consumer = make_consumer(
+        settings(bootstrap), group_id=None, client_id="hop-probe", fetch_max_wait_ms=500
     )
     await consumer.start()
     tp = TopicPartition(topic, 0)
@@ -75,14 +81,7 @@ async def consume(bootstrap: str, topic: str) -> None:
 
 
 async def create(bootstrap: str, topic: str) -> None:
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-    await admin.start()
-    try:
-        await admin.create_topics([NewTopic(topic, 1, 1)])
-    except TopicAlreadyExistsError:
-        pass
-    finally:
-        await admin.close()
+    await create_topics(settings(bootstrap), {topic: 1})
 
 
 def main() -> None:
