@@ -228,10 +228,6 @@ class QueuedRequest(RequestRecord):
         """Tokens this request may occupy: its prompt plus everything it may generate."""
         return self.prompt_tokens + self.effective_max_tokens
 
-    def over_budget(self, budget: int | None) -> str | None:
-        """Why no batch could ever hold it, or None (see `over_budget`)."""
-        return over_budget(self.prompt_tokens, self.effective_max_tokens, budget)
-
     def next_attempt(self) -> QueuedRequest:
         """The request as it is run again elsewhere: same id, the next attempt number.
 

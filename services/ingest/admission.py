@@ -25,6 +25,7 @@ from shared.messages import (
     RequestRecord,
     Tier,
     error_message,
+    over_budget,
 )
 from shared.topics import Topics
 
@@ -154,7 +155,10 @@ def admit(
     queued = QueuedRequest.from_record(
         record, tier=record.priority or Tier.interactive, reply_to=reply_to
     )
-    if (too_big := queued.over_budget(limits.max_request_tokens)) is not None:
+    too_big = over_budget(
+        queued.prompt_tokens, queued.effective_max_tokens, limits.max_request_tokens
+    )
+    if too_big is not None:
         return _rejected(Reason.over_budget, too_big, record.request_id, reply_to)
     if queued.request_id in recent:
         return Duplicate(queued.request_id)
