@@ -397,6 +397,8 @@ def test_bench_capacity_quick_measures_cpu_per_process(bootstrap: str, tmp_path:
         "capacity",
         "--quick",
         "--shared-broker",
+        "--overhead-warmup",
+        "1",
         "--json",
         str(out),
         "--plots",
@@ -428,6 +430,8 @@ def test_bench_capacity_quick_measures_cpu_per_process(bootstrap: str, tmp_path:
     assert set(fixed["idle"]["processes"]) >= PIPELINE_PROCESSES
     assert [o["policy"] for o in report["overhead"]] == ["fixed", "direct"]
     assert all(o["completed"] > 0 for o in report["overhead"])
+    # The overhead counts a steady state: a warm-up at the same rate ran first, reported apart.
+    assert all(o["warmup_s"] == 1 and o["warmup_p50_ms"] is not None for o in report["overhead"])
     # The four targets of the issue are each judged (met or not), none left unmeasured.
     assert len(report["targets"]) == 4
     assert all(t["met"] is not None for t in report["targets"]), report["targets"]

@@ -133,6 +133,13 @@ def register(commands: Subcommands) -> None:
     capacity.add_argument("--duration", type=float, default=None, help="seconds per rate (6)")
     capacity.add_argument("--slo-ms", type=float, default=500.0, help="interactive p99 TTFT SLO")
     capacity.add_argument(
+        "--overhead-warmup",
+        type=float,
+        default=None,
+        metavar="S",
+        help="seconds of the overhead rate run first and not counted (10; 0 with --quick)",
+    )
+    capacity.add_argument(
         "--shared-broker",
         action="store_true",
         help="use KAFKA_BOOTSTRAP_SERVERS rather than a private broker (its CPU is then shared)",
@@ -365,6 +372,10 @@ def _capacity(args: argparse.Namespace) -> int:
             if not 0 < args.duration <= MAX_DURATION_S:
                 raise UsageError(f"--duration must be within (0, {MAX_DURATION_S:g}] seconds")
             given["duration_s"] = args.duration
+        if args.overhead_warmup is not None:
+            if not 0 <= args.overhead_warmup <= MAX_DURATION_S:
+                raise UsageError(f"--overhead-warmup must be within [0, {MAX_DURATION_S:g}] s")
+            given["overhead_warmup_s"] = args.overhead_warmup
         if args.shared_broker:
             given["own_broker"] = False
         if args.source is not None:

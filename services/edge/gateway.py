@@ -275,6 +275,8 @@ class Gateway:
         """
         if not self.link.health.reachable:
             raise BrokerUnavailable("the broker is unreachable")
+        if (known := self.topology.known(request_id)) is not None:
+            return known  # the edge's own partition: no Kafka call to bound (nor its turns)
         return await self.link.bounded(self.topology.open(request_id))
 
     async def _produce(

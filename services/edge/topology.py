@@ -32,6 +32,9 @@ def reply_tp(reply_to: ReplyTo) -> TopicPartition:
 class ResultTopology(Protocol):
     name: str
 
+    def known(self, request_id: str) -> tuple[ReplyTo, int] | None:
+        """The destination and start offset when no Kafka call is needed (None: `open`)."""
+
     async def open(self, request_id: str) -> tuple[ReplyTo, int]:
         """Prepare a request's destination; return it and the offset its results start at."""
 
@@ -57,11 +60,14 @@ class PartitionTopology:
         self.reply_to = reply_to
         self._reader = reader
 
-    async def open(self, request_id: str) -> tuple[ReplyTo, int]:
+    def known(self, request_id: str) -> tuple[ReplyTo, int]:
         # Every record of the request is written after this point is read, so resuming from
         # here replays all of it (plus other requests' records, which the router ignores).
         position = self._reader.position(reply_tp(self.reply_to))
         return self.reply_to, position or 0
+
+    async def open(self, request_id: str) -> tuple[ReplyTo, int]:
+        return self.known(request_id)
 
     def followed(self, reply_to: ReplyTo) -> bool:
         return False
@@ -100,6 +106,9 @@ class TopicTopology:
         self._metrics = metrics
         self.deletions: Deadlines[str] = Deadlines()
         self._replication: int | None = None
+
+    def known(self, request_id: str) -> None:
+        return None  # its topic is created by `open`
 
     async def open(self, request_id: str) -> tuple[ReplyTo, int]:
         topic = self._topics.request_results(request_id)

@@ -120,11 +120,28 @@ class BatchLoop:
             self._redelivered[batch.batch_id].append((tp, record.offset))
             return
         self._redelivered[batch.batch_id] = []
-        epoch = self._liveness.epoch_now()
-        stale = self._liveness.stale(batch)
-        task = tg.create_task(self._run_batch(consumer, batch, record.offset, epoch, stale))
+        runs = None if self._liveness.stale(batch) else self._start(batch, record.offset)
+        task = tg.create_task(self._run_batch(consumer, batch, record.offset, runs))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
+        if runs is not None:
+            # Cancelled before it could await them (the worker stopping): they stop too.
+            task.add_done_callback(lambda t: runs.cancel() if t.cancelled() else None)
+
+    def _start(self, batch: Batch, offset: int) -> asyncio.Future[list[RunOutcome | BaseException]]:
+        """Start a run per request now: each begins at the loop's next turn, not after the
+        batch's own task has begun (a turn of a busy loop is a measurable part of TTFT)."""
+        log.info("batch.started", batch_id=batch.batch_id, size=len(batch.requests))
+        epoch = self._liveness.epoch_now()
+        source = Source(self._intake.tp.topic, self._intake.tp.partition, offset)
+        streams = self._one_call(batch)
+        return asyncio.gather(
+            *(
+                self._run_held(r, batch, epoch, source, stream)
+                for r, stream in zip(batch.requests, streams, strict=True)
+            ),
+            return_exceptions=True,
+        )
 
     async def _reject(self, record: ConsumerRecord[bytes, bytes], parsed: ParsedBatch) -> None:
         """Dead-letter a batch record that is not a valid batch; answer what can be answered."""
@@ -141,24 +158,21 @@ class BatchLoop:
             await self._answers.error(rejected.address.reply_to, error)
 
     async def _run_batch(
-        self, consumer: AIOKafkaConsumer, batch: Batch, offset: int, epoch: int, stale: bool
+        self,
+        consumer: AIOKafkaConsumer,
+        batch: Batch,
+        offset: int,
+        runs: asyncio.Future[list[RunOutcome | BaseException]] | None,
     ) -> None:
-        tp = self._intake.tp
-        log.info("batch.started", batch_id=batch.batch_id, size=len(batch.requests), stale=stale)
-        if stale:
+        """Complete a batch record once each of its runs (None: it is stale) has ended."""
+        results: list[RunOutcome | BaseException]
+        if runs is None:
             # Sent before a scheduler may have declared us dead: it may run it elsewhere.
             # Handed back, not run; a scheduler drops the copy its own recovery made.
-            results: list[RunOutcome | BaseException] = ["handed_back"] * len(batch.requests)
+            log.info("batch.stale", batch_id=batch.batch_id, size=len(batch.requests))
+            results = ["handed_back"] * len(batch.requests)
         else:
-            source = Source(tp.topic, tp.partition, offset)
-            streams = self._one_call(batch)
-            results = await asyncio.gather(
-                *(
-                    self._run_held(r, batch, epoch, source, stream)
-                    for r, stream in zip(batch.requests, streams, strict=True)
-                ),
-                return_exceptions=True,
-            )
+            results = await runs
         for request, result in zip(batch.requests, results, strict=True):
             if isinstance(result, BaseException):
                 # A bug, not the engine (the runner answers engine failures itself).
