@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from bench.capacity import CapacityRun, _by, ceiling, next_rate
+from bench.capacity import CapacityOptions, CapacityRun, _by, ceiling, next_rate, warmup_windows
 from bench.cpu import CpuWindow, Reading, cpu_seconds, listening_pid, window
 from bench.findings import slo_result
 from bench.flames import top_frames
@@ -431,7 +431,10 @@ def test_bench_capacity_quick_measures_cpu_per_process(bootstrap: str, tmp_path:
     assert [o["policy"] for o in report["overhead"]] == ["fixed", "direct"]
     assert all(o["completed"] > 0 for o in report["overhead"])
     # The overhead counts a steady state: a warm-up at the same rate ran first, reported apart.
-    assert all(o["warmup_s"] == 1 and o["warmup_p50_ms"] is not None for o in report["overhead"])
+    for o in report["overhead"]:
+        assert [w["duration_s"] for w in o["warmup"]] == [1], o["warmup"]
+        assert o["warmup"][0]["completed"] > 0
+        assert o["warmup"][0]["p50_ms"] is not None
     # The four targets of the issue are each judged (met or not), none left unmeasured.
     assert len(report["targets"]) == 4
     assert all(t["met"] is not None for t in report["targets"]), report["targets"]
@@ -521,3 +524,12 @@ def test_top_frames_of_a_flame_graph(tmp_path: Path) -> None:
     assert samples == 50  # 100 less the 50 waiting in select
     assert [(f.frame, f.samples) for f in top] == [("parse (b.py)", 40), ("run (a.py)", 10)]
     assert top[0].share == 0.8
+
+
+def test_the_overhead_warm_up_runs_in_windows_as_long_as_the_counted_run() -> None:
+    def windows(warmup_s: float) -> list[float]:
+        return warmup_windows(CapacityOptions(overhead_warmup_s=warmup_s, overhead_duration_s=10.0))
+
+    assert windows(30) == [10, 10, 10]
+    assert windows(25) == [10, 10, 5]
+    assert windows(0) == []

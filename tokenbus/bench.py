@@ -137,7 +137,8 @@ def register(commands: Subcommands) -> None:
         type=float,
         default=None,
         metavar="S",
-        help="seconds of the overhead rate run first and not counted (10; 0 with --quick)",
+        help="seconds of the overhead rate run first, not counted, in windows as long as the "
+        "counted run, each reported (30; 0 with --quick)",
     )
     capacity.add_argument(
         "--shared-broker",
