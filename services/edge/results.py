@@ -163,16 +163,14 @@ class ResultReader:
             self._fire_waiters()
             if self._wake.done():
                 continue  # a callback asked for another change: apply it before fetching
-            fetch = asyncio.ensure_future(
-                self._consumer.getmany(timeout_ms=1000, max_records=FETCH_MAX_RECORDS)
-            )
+            fetch = asyncio.ensure_future(self._fetch(sink))
             try:
                 await asyncio.wait({fetch, self._wake}, return_when=asyncio.FIRST_COMPLETED)
             finally:
                 if not fetch.done():
                     fetch.cancel()
             try:
-                fetched = await fetch
+                await fetch
             except asyncio.CancelledError:
                 # The reader itself is being cancelled: go. Otherwise the fetch was cancelled
                 # here for a change of what to follow; nothing was taken from the consumer's
@@ -183,9 +181,20 @@ class ResultReader:
                 if task is not None and task.cancelling():
                     raise
                 continue
-            sink.on_fetched(self._consumer, fetched)
-            for tp, records in fetched.items():
-                self._handle(tp, records, sink)
+
+    async def _fetch(self, sink: ResultSink) -> None:
+        """One fetch, handed to the sink in the turn its records are taken.
+
+        Taking them tells aiokafka's fetcher the buffer is drained, and it builds the next
+        fetch request at its next wake-up; records handed on here (not after this task's
+        end has woken `run`) queue their sockets' writers ahead of that work, 0.3 ms sooner
+        at 50 req/s (ADR 0042). Nothing here awaits after `getmany`, so a cancel for a change
+        of what to follow lands only while nothing has been taken.
+        """
+        fetched = await self._consumer.getmany(timeout_ms=1000, max_records=FETCH_MAX_RECORDS)
+        sink.on_fetched(self._consumer, fetched)
+        for tp, records in fetched.items():
+            self._handle(tp, records, sink)
 
     def _apply_changes(self) -> None:
         seeks: set[TopicPartition] = set()
