@@ -381,7 +381,7 @@ async def overhead_at(
         say(f"{policy.name} on {profile.name}: failed: {exc}")
         return base.model_copy(update={"failed": str(exc)[:500], "warmup": warmup})
     o = run.tiers["all"].overhead_ms
-    before = ", ".join(f"{_ms(w.p50_ms)}" for w in warmup)
+    before = ", ".join(_ms(w.p50_ms) for w in warmup)
     say(
         f"  {policy.name} on {profile.name} at {options.overhead_rate:g}/s: overhead "
         f"p50 {_ms(o.p50)} p99 {_ms(o.p99)} ({run.completed} requests"

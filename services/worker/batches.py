@@ -129,8 +129,8 @@ class BatchLoop:
             task.add_done_callback(lambda t: runs.cancel() if t.cancelled() else None)
 
     def _start(self, batch: Batch, offset: int) -> asyncio.Future[list[RunOutcome | BaseException]]:
-        """Start a run per request now: each begins at the loop's next turn, not after the
-        batch's own task has begun (a turn of a busy loop is a measurable part of TTFT)."""
+        """Start a run per request now: each begins at the loop's next turn, not a turn
+        later from inside the batch's own task (ADR 0042)."""
         log.info("batch.started", batch_id=batch.batch_id, size=len(batch.requests))
         epoch = self._liveness.epoch_now()
         source = Source(self._intake.tp.topic, self._intake.tp.partition, offset)
