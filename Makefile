@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml
 	@[ -n "$(PYTHON)" ] || { echo "make: need Python 3.11 or newer on PATH" >&2; exit 1; }
 	[ -x $(PY) ] || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test,bench]'
+	$(PY) -m pip install -q -e '.[test,bench,lint]'
 	touch $@
 
 run: venv

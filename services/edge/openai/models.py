@@ -21,6 +21,7 @@ UNKNOWN_AFTER_S = 3.0
 class _Seen:
     model: str
     last_at: float  # when its latest heartbeat was sent (the worker's clock, Unix seconds)
+    max_model_len: int | None = None
 
 
 class ModelDirectory:
@@ -44,7 +45,7 @@ class ModelDirectory:
         seen = self._workers.get(beat.worker_id)
         if seen is not None and seen.last_at > beat.sent_at:
             return  # an older beat, read late
-        self._workers[beat.worker_id] = _Seen(beat.model, beat.sent_at)
+        self._workers[beat.worker_id] = _Seen(beat.model, beat.sent_at, beat.max_model_len)
         self._first_seen.setdefault(beat.model, beat.sent_at)
 
     def served(self, now: float) -> dict[str, int]:
@@ -55,6 +56,20 @@ class ModelDirectory:
         for model in [m for m in self._first_seen if m not in live]:
             del self._first_seen[model]
         return {m: int(self._first_seen[m]) for m in sorted(live)}
+
+    def max_model_len(self, now: float) -> dict[str, int]:
+        """Model name -> the context its live workers take (the smallest, where they differ),
+        for every served model whose workers say."""
+        lengths: dict[str, int] = {}
+        for model in self.served(now):
+            known = [
+                s.max_model_len
+                for s in self._workers.values()
+                if s.model == model and s.max_model_len is not None
+            ]
+            if known:
+                lengths[model] = min(known)
+        return lengths
 
     def unknown(self, request: ChatRequest, now: float) -> tuple[str, str] | None:
         """(field, message) if the request names a model (or fallback) no live worker

@@ -81,6 +81,10 @@ class Streams(Protocol):
         """Model name -> when first seen (Unix seconds), for the models live workers serve."""
         ...
 
+    def max_model_len(self) -> dict[str, int]:
+        """Model name -> its context length, where its live workers say."""
+        ...
+
     def unknown_model(self, request: ChatRequest) -> tuple[str, str] | None:
         """(field, message) if the request names a model no live worker serves."""
         ...
@@ -223,7 +227,11 @@ class OpenAIApi:
         principal = self._streams.authenticate(request.headers)
         if isinstance(principal, HttpError):
             return error_response(principal)
-        cards = [ModelCard(id=m, created=t) for m, t in self._streams.served_models().items()]
+        lengths = self._streams.max_model_len()
+        cards = [
+            ModelCard(id=m, created=t, max_model_len=lengths.get(m))
+            for m, t in self._streams.served_models().items()
+        ]
         return JSONResponse(ModelList(data=cards).model_dump())
 
     async def chat_completions(self, request: Request) -> Response:

@@ -172,6 +172,8 @@ class ModelCard(Body):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "tokenbus"
+    # As vLLM's server reports it: the context its workers take (null: not known).
+    max_model_len: int | None = None
 
 
 class ModelList(Body):

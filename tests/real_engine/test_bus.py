@@ -1,0 +1,395 @@
+"""A real model through the whole bus: SmolLM2 on vLLM's CPU build and on transformers.
+
+One stack: edge, ingest and scheduler, two vLLM workers (`smollm2`), a continuous and a
+static transformers worker (`smollm2-hf`, `smollm2-hf-static`), all loading the same model
+folder. A WebSocket client and the official `openai` SDK ask; the answers are the model's.
+The kill -9 test ends one vLLM worker, so it runs last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import websockets
+
+from shared.messages import Heartbeat
+from tests.chat_client import Transcript, recv_json, run_requests
+from tests.stack import Stack, new_prefix, wait_until
+from tokenbus.local_engine import MAX_MODEL_LEN, MODEL_NAME, LocalEngine
+
+VLLM_WORKERS = ("vllm-a", "vllm-b")
+HF = "smollm2-hf"
+HF_STATIC = "smollm2-hf-static"
+# Loading a model takes 30-90 s per worker on 2 cores, four at once.
+LOAD_TIMEOUT_S = 420.0
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module")
+def bus(bootstrap: str, log_dir: Path, local_engine: LocalEngine) -> Iterator[Stack]:
+    workers = {
+        key: {**local_engine.worker_env("vllm"), "TOKENBUS_WORKER_ID": key} for key in VLLM_WORKERS
+    }
+    workers["hf"] = {
+        **local_engine.worker_env("transformers", model=HF, max_num_seqs=4),
+        "TOKENBUS_WORKER_ID": "hf",
+    }
+    workers["hf-static"] = {
+        **local_engine.worker_env(
+            "transformers", model=HF_STATIC, max_num_seqs=4, batch_mode="static"
+        ),
+        "TOKENBUS_WORKER_ID": "hf-static",
+    }
+    stack = Stack(
+        bootstrap=bootstrap,
+        prefix=new_prefix(),
+        log_dir=log_dir,
+        workers=workers,
+        env_overrides={"TOKENBUS_EDGE_DISCONNECT_GRACE_S": "3", "TOKENBUS_LOG_FORMAT": "json"},
+    )
+    try:
+        stack.start()
+        # While the models load, each worker's /healthz answers (its event loop is free)
+        # and /readyz says it is not ready yet.
+        alive_while_loading: set[str] = set()
+
+        def loaded() -> bool:
+            for key in workers:
+                if key not in alive_while_loading:
+                    health, _ = stack.health(key, "/healthz")
+                    ready, body = stack.health(key, "/readyz")
+                    if health == 200 and ready == 503 and body.get("reason") == "starting":
+                        alive_while_loading.add(key)
+            return {MODEL_NAME, HF, HF_STATIC} <= set(served(stack)) and all(
+                stack.health(k, "/readyz")[0] == 200 for k in workers
+            )
+
+        wait_until(loaded, LOAD_TIMEOUT_S, "every worker's model loaded", interval=0.5)
+        assert alive_while_loading == set(workers), "a worker's /healthz went silent as it loaded"
+        yield stack
+    finally:
+        stack.stop()
+
+
+def served(stack: Stack) -> dict[str, dict[str, Any]]:
+    client = openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key=stack.keys["default"])
+    try:
+        return {m.id: m.model_dump() for m in client.models.list()}
+    except openai.APIConnectionError:
+        return {}
+
+
+def sdk(stack: Stack) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url=f"{stack.http_url}/v1", api_key=stack.keys["default"], max_retries=0
+    )
+
+
+def ask(
+    stack: Stack, requests: list[dict[str, Any]], timeout: float = 180
+) -> dict[str, Transcript]:
+    async def go() -> dict[str, Transcript]:
+        async with websockets.connect(stack.ws_url) as ws:
+            return await run_requests(ws, requests, timeout=timeout)
+
+    return asyncio.run(go())
+
+
+def chat(client_id: str, messages: list[dict[str, str]], **fields: Any) -> dict[str, Any]:
+    return {
+        "client_id": client_id,
+        "messages": messages,
+        "temperature": 0,
+        "model": MODEL_NAME,
+        "cache": False,  # every answer here comes from a worker, not the response cache
+        **fields,
+    }
+
+
+def done(t: Transcript) -> dict[str, Any]:
+    final = t.final
+    assert final is not None, t.frames[-3:]
+    assert final["type"] == "chat.done", t.frames[-3:]
+    return final
+
+
+def heartbeats(stack: Stack) -> dict[str, Heartbeat]:
+    """The latest heartbeat of every worker, by worker id."""
+    latest: dict[str, Heartbeat] = {}
+    for value in stack.read(stack.topics.workers):
+        beat = Heartbeat.model_validate_json(value)
+        if beat.worker_id not in latest or latest[beat.worker_id].sent_at <= beat.sent_at:
+            latest[beat.worker_id] = beat
+    return latest
+
+
+def template_tokens(model_path: Path, messages: list[dict[str, str]]) -> int:
+    """The prompt as vLLM's chat server counts it: the template, no special tokens added."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return len(tokenizer.encode(text, add_special_tokens=False))
+
+
+def test_models_list_the_real_model_with_its_context(bus: Stack) -> None:
+    cards = served(bus)
+    assert cards[MODEL_NAME]["max_model_len"] == MAX_MODEL_LEN
+    assert cards[HF]["max_model_len"] == MAX_MODEL_LEN
+
+
+def test_websocket_and_openai_sdk_get_the_models_answer(
+    bus: Stack, local_engine: LocalEngine
+) -> None:
+    t = ask(bus, [chat("ws", FRANCE, max_tokens=64)])["ws"]
+    final = done(t)
+    assert "Paris" in t.text, t.text
+    # b. usage: the templated prompt as the tokenizer counts it; the tokens streamed.
+    assert final["usage"]["prompt_tokens"] == template_tokens(local_engine.model_path, FRANCE)
+    completion = final["usage"]["completion_tokens"]
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(local_engine.model_path)
+    streamed = len(tokenizer.encode(t.text, add_special_tokens=False))
+    # An answer that ends on EOS was billed for it; the EOS is not in the text.
+    assert completion == streamed + (1 if final["finish_reason"] == "stop" else 0), (
+        completion,
+        streamed,
+        t.text,
+    )
+
+    client = sdk(bus)
+    answer = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=FRANCE,
+        temperature=0,
+        max_tokens=48,  # type: ignore[arg-type]
+    )
+    assert "Paris" in (answer.choices[0].message.content or "")
+    assert answer.usage is not None
+    assert answer.usage.prompt_tokens == final["usage"]["prompt_tokens"]
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=FRANCE,  # type: ignore[arg-type]
+            temperature=0,
+            max_tokens=40,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert "Paris" in text
+    usage = chunks[-1].usage
+    assert usage is not None
+    assert usage.prompt_tokens == final["usage"]["prompt_tokens"]
+
+
+def test_stop_max_tokens_and_seed_behave_as_vllm_defines_them(bus: Stack) -> None:
+    colours = [{"role": "user", "content": "Name three colours of the rainbow."}]
+    seeded = [{"role": "user", "content": "Write one sentence about a bus."}]
+    runs = ask(
+        bus,
+        [
+            chat("free", colours, max_tokens=60),
+            chat("short", colours, max_tokens=5),
+            chat("seed-a", seeded, temperature=1.0, seed=7, max_tokens=24),
+            chat("seed-b", seeded, temperature=1.0, seed=7, max_tokens=24),
+            *(chat(f"seed-{s}", seeded, temperature=1.0, seed=s, max_tokens=24) for s in (8, 9)),
+        ],
+    )
+    free = runs["free"].text
+    short = done(runs["short"])
+    assert short["finish_reason"] == "length"
+    assert short["usage"]["completion_tokens"] == 5
+    assert free.startswith(runs["short"].text)
+    # A stop string of vLLM's: the text ends just before it, and it is not included.
+    word = next(w for w in free.split() if len(w) > 3 and free.index(w) > 0)
+    cut = ask(bus, [chat("stop", colours, max_tokens=60, stop=[word])])["stop"]
+    assert done(cut)["finish_reason"] == "stop"
+    assert cut.text == free[: free.index(word)]
+    # seed: the same seed gives the same sample; other seeds give others.
+    assert runs["seed-a"].text == runs["seed-b"].text
+    assert len({runs[k].text for k in ("seed-a", "seed-8", "seed-9")}) >= 2
+
+
+def test_the_transformers_engine_serves_the_same_model_continuous_and_static(
+    bus: Stack, local_engine: LocalEngine
+) -> None:
+    runs = ask(
+        bus,
+        [
+            chat("hf", FRANCE, model=HF, max_tokens=32),
+            chat("hf-static-1", FRANCE, model=HF_STATIC, max_tokens=32),
+            chat(
+                "hf-static-2",
+                [{"role": "user", "content": "What is the capital of Italy?"}],
+                model=HF_STATIC,
+                max_tokens=32,
+            ),
+        ],
+    )
+    prompt_tokens = template_tokens(local_engine.model_path, FRANCE)
+    for key in ("hf", "hf-static-1"):
+        assert "Paris" in runs[key].text, (key, runs[key].text)
+        assert done(runs[key])["usage"]["prompt_tokens"] == prompt_tokens
+    # The static worker ran both of its requests as one padded batch, each row whole.
+    for key in ("hf-static-1", "hf-static-2"):
+        final = done(runs[key])
+        assert final["timings"]["batch_size"] == 2, final["timings"]
+        assert final["usage"]["completion_tokens"] > 0
+        assert runs[key].text.strip()
+
+
+def test_a_conversations_long_prefix_hits_vllms_prefix_cache(bus: Stack) -> None:
+    """g. The turns of a conversation with a long system prompt share its prefix: the
+    affinity router sends every turn to the worker that served the first (shared/prefixes.py
+    keys them alike), whose vLLM finds the prefix cached; the hit rate, which the stat
+    logger reads from vLLM's scheduler stats, is in that worker's heartbeat."""
+    messages = [
+        {
+            "role": "system",
+            "content": " ".join(
+                f"Rule {i}: answer politely, briefly and in plain English." for i in range(60)
+            ),
+        }
+    ]
+    served_by: list[str] = []
+    for i, q in enumerate(["What is 2 + 2?", "Name a fruit.", "Name a colour.", "Thanks!"]):
+        messages.append({"role": "user", "content": q})
+        t = ask(bus, [chat(f"p{i}", messages, max_tokens=8)])[f"p{i}"]
+        served_by.append(worker_that_ran(bus, done(t)["request_id"]))
+        messages.append({"role": "assistant", "content": t.text})
+    assert len(set(served_by)) == 1, served_by  # the affinity router kept the prefix's worker
+
+    def hit() -> bool:
+        rate = heartbeats(bus)[served_by[0]].prefix_cache_hit_rate
+        return rate is not None and rate > 0.3
+
+    wait_until(hit, 15, "a prefix-cache hit rate in the worker's heartbeat")
+
+
+def worker_that_ran(stack: Stack, request_id: str) -> str:
+    """The worker whose log says it finished `request_id` (it logs once the final record
+    is stored: the client may have it first)."""
+    found: list[str] = []
+
+    def logged() -> bool:
+        found[:] = [
+            key
+            for key in (*VLLM_WORKERS, "hf", "hf-static")
+            if any(e["event"] == "request.finished" for e in events(stack, key, request_id))
+        ]
+        return bool(found)
+
+    wait_until(logged, 10, f"a worker's log to show {request_id} finished")
+    return found[0]
+
+
+def test_chat_cancel_mid_stream_aborts_inside_vllm(bus: Stack) -> None:
+    """d. The cancel reaches the worker, which aborts in vLLM: its slot is free again (the
+    worker's `cancel.applied` log: arrival to free), and the heartbeat's running count,
+    which vLLM's own scheduler stats correct, drops."""
+
+    async def go() -> tuple[str, list[dict[str, Any]]]:
+        async with websockets.connect(bus.ws_url) as ws:
+            request = chat(
+                "long",
+                [{"role": "user", "content": "Write a very long story about a red bus."}],
+                max_tokens=1500,
+            )
+            await ws.send(json.dumps({"type": "chat.request", **request}))
+            frames: list[dict[str, Any]] = []
+            while not any(f["type"] == "chat.delta" for f in frames):
+                frames.append(await recv_json(ws, 120))
+            rid = frames[0]["request_id"]
+            await ws.send(json.dumps({"type": "chat.cancel", "request_id": rid}))
+            while frames[-1]["type"] not in ("chat.done", "error"):
+                frames.append(await recv_json(ws, 60))
+            return rid, frames
+
+    rid, frames = asyncio.run(go())
+    assert frames[-1]["type"] == "error", frames[-1]
+    assert frames[-1]["code"] == "cancelled", frames[-1]
+    # Every worker reads every cancel; the one that had the request found it.
+    ((worker, applied),) = [
+        (k, e)
+        for k in VLLM_WORKERS
+        for e in events(bus, k, rid)
+        if e["event"] == "cancel.applied" and e["found"]
+    ]
+    print(f"\ncancel to free slot (vLLM): {applied['arrival_to_free_ms']} ms")
+    assert applied["free_slots_after"] > applied["free_slots_before"]
+    wait_until(
+        lambda: heartbeats(bus)[worker].running == 0,
+        10,
+        "the cancelled request gone from the worker's running count",
+    )
+
+
+def events(stack: Stack, key: str, request_id: str) -> list[dict[str, Any]]:
+    """The JSON log events of the service under `key` that name `request_id`."""
+    found = []
+    for line in stack.log(key).read_text().splitlines():
+        if request_id in line and line.startswith("{"):
+            event = json.loads(line)
+            if event.get("request_id") == request_id:
+                found.append(event)
+    return found
+
+
+def test_kill_9_of_the_serving_vllm_worker_reruns_on_the_other(bus: Stack) -> None:
+    """e. The worker streaming an answer is killed (with its vLLM engine core); the
+    scheduler runs the request again on the other vLLM worker. The client sees `chat.reset`,
+    then one whole answer: every `seq` once and in order, within each attempt."""
+    prompt = [{"role": "user", "content": "Count from 1 to 100, one number per line."}]
+
+    async def go() -> list[dict[str, Any]]:
+        async with websockets.connect(bus.ws_url) as ws:
+            await ws.send(json.dumps({"type": "chat.request", **chat("k", prompt, max_tokens=400)}))
+            frames = [await recv_json(ws, 120)]
+            rid = frames[0]["request_id"]
+            while sum(f["type"] == "chat.delta" for f in frames) < 3:
+                frames.append(await recv_json(ws, 120))
+            victim = await asyncio.to_thread(holder, bus, rid)
+            proc = bus.processes[victim]
+            os.killpg(proc.pid, signal.SIGKILL)  # the worker and its vLLM engine core
+            while frames[-1]["type"] not in ("chat.done", "error"):
+                frames.append(await recv_json(ws, 180))
+            return frames
+
+    frames = asyncio.run(go())
+    assert frames[-1]["type"] == "chat.done", frames[-3:]
+    resets = [i for i, f in enumerate(frames) if f["type"] == "chat.reset"]
+    assert len(resets) == 1, [f["type"] for f in frames]
+    before = [f for f in frames[: resets[0]] if f["type"] == "chat.delta"]
+    after = [f for f in frames[resets[0] :] if f["type"] == "chat.delta"]
+    assert [f["seq"] for f in before] == list(range(len(before)))
+    assert [f["seq"] for f in after] == list(range(len(after)))
+    whole = "".join(f["text"] for f in after)
+    partial = "".join(f["text"] for f in before)
+    assert whole.startswith(partial), (partial, whole)  # greedy: the same answer, whole
+    assert frames[-1]["usage"]["completion_tokens"] > 0
+
+
+def holder(stack: Stack, request_id: str) -> str:
+    """The vLLM worker whose heartbeat says it holds `request_id`."""
+    found: list[str] = []
+
+    def held() -> bool:
+        beats = heartbeats(stack)
+        found[:] = [k for k in VLLM_WORKERS if any(r == request_id for r, _ in beats[k].held)]
+        return bool(found)
+
+    wait_until(held, 15, f"a worker holding {request_id}")
+    return found[0]

@@ -1,0 +1,146 @@
+"""The vLLM adapter on real vLLM (the CPU build) with the real model, in this process.
+
+One engine with a single sequence slot, so vLLM keeps a queue: what it runs next shows
+its priority order, and when it starts the next shows that an abort freed the slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import pytest
+
+from services.worker.engines.base import ChatTurn, EngineDelta, EngineFinish, EngineRequest
+from services.worker.engines.vllm import (
+    VllmEngine,
+    engine_args,
+    load_vllm,
+    prompt_token_ids,
+)
+from tokenbus.local_engine import DTYPE, KV_CACHE_GIB, MAX_MODEL_LEN, LocalEngine
+
+pytestmark = [
+    pytest.mark.timeout(600),
+    # vLLM's own imports warn (deprecations in its dependencies); not this project's.
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+]
+
+
+@pytest.fixture
+async def one_slot(
+    local_engine: LocalEngine, monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[VllmEngine]:
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", str(KV_CACHE_GIB))
+    api = load_vllm()
+    args = engine_args(
+        api,
+        model=str(local_engine.model_path),
+        max_num_seqs=1,
+        dtype=DTYPE,
+        max_model_len=MAX_MODEL_LEN,
+        enforce_eager=True,
+    )
+    engine = VllmEngine(api, args)
+    await engine.start()
+    try:
+        yield engine
+    finally:
+        await engine.stop()
+
+
+def turn(rid: str, text: str, max_tokens: int, priority: int) -> EngineRequest:
+    return EngineRequest(
+        rid,
+        text,
+        max_tokens,
+        temperature=0.0,
+        priority=priority,
+        messages=(ChatTurn("user", text),),
+    )
+
+
+async def test_priority_and_abort_inside_vllm(one_slot: VllmEngine) -> None:
+    """f. With one slot taken, a background request (priority 1) waits in vLLM; an
+    interactive one (0) sent after it runs first. d. Aborting the running request frees
+    vLLM's slot: the next request starts, and the time from abort to its first token is
+    printed (cancel to free slot, a prefill included)."""
+    engine = one_slot
+    firsts: list[tuple[str, float]] = []
+
+    async def run(request: EngineRequest) -> list[object]:
+        outputs: list[object] = []
+        async for out in engine.generate(request):
+            if not outputs:
+                firsts.append((request.request_id, time.monotonic()))
+            outputs.append(out)
+        return outputs
+
+    running = asyncio.create_task(run(turn("a", "Write a long story about a bus.", 1500, 1)))
+    await until(lambda: bool(firsts), "the first request's first token")
+    background = asyncio.create_task(run(turn("b", "Name a fruit.", 8, 1)))
+    await waiting_in_vllm(engine, 1)  # b is in vLLM's queue before c is sent
+    interactive = asyncio.create_task(run(turn("c", "Name a colour.", 8, 0)))
+    await waiting_in_vllm(engine, 2)
+    assert [rid for rid, _ in firsts] == ["a"], "the one slot was not held by the first"
+    aborted_at = time.monotonic()
+    assert await engine.abort("a")
+    a_out = await running
+    c_out, b_out = await interactive, await background
+    assert isinstance(a_out[-1], EngineFinish)
+    assert a_out[-1].finish_reason == "cancelled"
+    order = [rid for rid, _ in firsts]
+    assert order == ["a", "c", "b"], order  # interactive ahead of the background one
+    c_first = dict(firsts)["c"]
+    print(f"\nvLLM abort to the next request's first token: {(c_first - aborted_at) * 1000:.0f} ms")
+    for out in (b_out, c_out):
+        assert isinstance(out[-1], EngineFinish)
+        assert out[-1].finish_reason in ("stop", "length")
+        assert all(isinstance(o, EngineDelta) for o in out[:-1])
+    cap = engine.capacity()
+    assert (cap.free_slots, cap.running, cap.queued) == (1, 0, 0)
+    assert cap.kv_cache_usage is not None  # from vLLM's scheduler stats
+
+
+async def waiting_in_vllm(engine: VllmEngine, count: int) -> None:
+    """Until vLLM's scheduler stats (read by the stat logger) say `count` requests wait."""
+    await until(lambda: (engine.scheduler.waiting or 0) >= count, f"{count} waiting in vLLM")
+
+
+async def until(predicate: Callable[[], bool], what: str, within_s: float = 30) -> None:
+    deadline = time.monotonic() + within_s
+    for _ in itertools.count():
+        if predicate():
+            return
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
+def test_a_tokenizer_that_adds_a_bos_gets_one_bos(local_engine: LocalEngine) -> None:
+    """The chat template writes the BOS; a tokenizer that also adds one (Llama-3's,
+    Mistral's, Gemma's) must not add a second. SmolLM2's adds none, so this one is made
+    to: its post-processor puts `<|im_start|>` (SmolLM2's BOS) in front of every text."""
+    from tokenizers.processors import TemplateProcessing
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(Path(local_engine.model_path))
+    bos = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    tokenizer.backend_tokenizer.post_processor = TemplateProcessing(
+        single="<|im_start|> $A", special_tokens=[("<|im_start|>", bos)]
+    )
+    assert tokenizer.encode("hi")[0] == bos  # it does add one now
+    ids = prompt_token_ids(tokenizer, turn("x", "What is the capital of France?", 8, 0))
+    assert ids[0] == bos, ids[:4]
+    assert ids[1] != bos, ids[:4]
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    assert rendered.startswith("<|im_start|>")
+    assert len(ids) == len(tokenizer.encode(rendered)) - 1  # one BOS fewer than doubled
