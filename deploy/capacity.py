@@ -136,7 +136,7 @@ def replicas(requests_s: float, cpu_ms: float, w: Workload) -> int:
 
 def plan(gpus: int, measured: CpuFigures, w: Workload = WORKLOAD) -> Plan:
     cost = PROFILES[w.profile].cost
-    assert cost is not None
+    assert isinstance(cost, CostModel), f"{w.profile} has no GPU cost model"
     cpu = measured.at(w.output_tokens)
     rps = gpus * gpu_requests_per_second(cost, w)
     edges = max(2, replicas(rps, cpu.edge_ms, w))
@@ -170,7 +170,7 @@ def plan(gpus: int, measured: CpuFigures, w: Workload = WORKLOAD) -> Plan:
 
 def markdown(w: Workload = WORKLOAD) -> str:
     cost = PROFILES[w.profile].cost
-    assert cost is not None
+    assert isinstance(cost, CostModel), f"{w.profile} has no GPU cost model"
     per_gpu = gpu_requests_per_second(cost, w)
     out = [
         f"Workload: {w.prompt_tokens}-token prompts, {w.output_tokens} output tokens, "

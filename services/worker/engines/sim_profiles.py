@@ -45,13 +45,31 @@ class CostModel:
 
 
 @dataclass(frozen=True)
+class MeasuredStepModel:
+    """Step time as measured on a real engine, not derived from a roofline: a base per
+    step, a cost per decoding sequence and per prefilled token (the KV cache read is not
+    seen at these sizes). A CPU's decode step is not memory-bound as a GPU's is: its cost
+    grows with the batch from the first sequence (docs/sim-profiles.md, "smollm2-cpu").
+    """
+
+    base_s: float
+    per_sequence_s: float
+    per_prefill_token_s: float
+
+    def step_seconds(self, running: int, kv_tokens: int, prefill_tokens: int = 0) -> float:
+        return (
+            self.base_s + running * self.per_sequence_s + prefill_tokens * self.per_prefill_token_s
+        )
+
+
+@dataclass(frozen=True)
 class SimProfile:
     """How long the simulated GPU takes. Without a cost model every step lasts 1/token_rate."""
 
     name: str = "constant"
     max_num_seqs: int = 64
     token_rate: float = 50.0  # tokens/s per sequence; the `constant` profile only
-    cost: CostModel | None = None
+    cost: CostModel | MeasuredStepModel | None = None
     # Llama-3-8B's max_position_embeddings (config.json); a prompt longer is refused.
     context_length: int = 8192
     # KV-cache tokens the prefix cache may hold (sim_cache.py); 0: no prefix caching.
@@ -155,6 +173,23 @@ PROFILES: dict[str, SimProfile] = {
         prefix_cache_tokens=llama3_8b_kv_tokens(141 * GB),
     ),
 }
+
+
+# SmolLM2-135M-Instruct on vLLM 0.32's CPU build, bf16, 2 cores (AVX2): fitted by
+# `make bench-real` (bench/real_engine.py) to the direct AsyncLLM runs of 2026-12-01; the
+# fit and the check against the real engine are in docs/benchmarks.md.
+SMOLLM2_CPU_STEP = MeasuredStepModel(
+    base_s=0.0282, per_sequence_s=0.00127, per_prefill_token_s=0.00148
+)
+PROFILES["smollm2-cpu"] = SimProfile(
+    name="smollm2-cpu",
+    max_num_seqs=16,
+    cost=SMOLLM2_CPU_STEP,
+    context_length=2048,
+    # 1 GiB of KV cache (VLLM_CPU_KVCACHE_SPACE=1) over 23040 bytes a token (30 layers,
+    # 3 KV heads of 64, K and V, bf16).
+    prefix_cache_tokens=2**30 // (2 * 30 * 3 * 64 * 2),
+)
 
 
 def sim_profile(
