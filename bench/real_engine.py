@@ -168,7 +168,7 @@ async def closed_loop(url: str, load: int, base: int) -> LoadRun:
 async def through_tokenbus(
     name: str, env: dict[str, str], bootstrap: str, log_dir: Path, python: str | None = None
 ) -> list[LoadRun]:
-    # As `tokenbus up --engine vllm` deploys it: the adaptive departure rule.
+    # As `tokenbus up --engine vllm` deploys it: no bus wait (local_engine.DEPLOYMENT_ENV).
     env = {**env, **DEPLOYMENT_ENV, "TOKENBUS_LOG_LEVEL": "WARNING"}
     stack = PipelineStack(name, env, log_dir, bootstrap)
     if python is not None:
@@ -294,8 +294,8 @@ def section(
         f" scheduling; the same `AsyncEngineArgs` on both paths. Closed loops of 1, 4 and 16"
         f" clients, greedy, max_tokens {MAX_TOKENS}, distinct prompts; times at the client"
         " (direct: around `AsyncLLM.generate`, tokenizing included; tokenbus and sim: the"
-        " WebSocket, one socket per request; the scheduler's `adaptive` rule, as `tokenbus"
-        " up --engine vllm` deploys it)",
+        " WebSocket, one socket per request; the scheduler sends at once, max_wait 0, as"
+        " `tokenbus up --engine vllm` deploys it)",
         "",
         table(results),
         "",

@@ -55,7 +55,7 @@ def messages(i: int) -> list[dict[str, str]]:
 
 def requests_at(load: int) -> int:
     """How many requests a load sends: enough for a steady state, bounded in time."""
-    return max(12, 3 * load)
+    return max(24, 3 * load)
 
 
 @dataclass

@@ -68,7 +68,9 @@ real_args=()
 for arg in "$@"; do
   case "$arg" in tests/real_engine*) real_args+=("$arg") ;; *) main_args+=("$arg") ;; esac
 done
-[ $# -gt 0 ] || real_args=(tests/real_engine)
+# The engine contract runs there too: its transformers case needs torch, which the
+# services' environment has not.
+[ $# -gt 0 ] || real_args=(tests/real_engine tests/test_engine_contract.py)
 
 status=0
 if [ $# -eq 0 ] || [ ${#main_args[@]} -gt 0 ]; then
@@ -80,7 +82,7 @@ if [ $# -eq 0 ] || [ ${#main_args[@]} -gt 0 ]; then
   fi
 fi
 # The real-engine suite, in the vLLM worker's environment (tests/real_engine: vLLM and the
-# transformers engine serve SmolLM2 through the whole bus; a few minutes).
+# transformers engine serve SmolLM2 through the whole bus; about 3 min).
 if [ ${#real_args[@]} -gt 0 ]; then
   real_status=0
   "$VLLM_PY" -m pytest -q -p no:cacheprovider "${real_args[@]}" || real_status=$?
