@@ -31,7 +31,6 @@ import json
 import os
 import subprocess
 import time
-import urllib.request
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -51,7 +50,7 @@ from bench.real_workload import (
     messages,
     requests_at,
 )
-from bench.stacks import PipelineStack, private_broker
+from bench.stacks import PipelineStack, answers_200, private_broker
 from services.worker.engines.sim_profiles import PROFILES, MeasuredStepModel
 from shared.tokens import estimate_tokens
 from tokenbus.local_engine import (
@@ -177,7 +176,7 @@ async def through_tokenbus(
         await stack.start()
         ready = f"http://127.0.0.1:{stack.worker_metrics_port}/readyz"
         deadline = time.monotonic() + LOAD_TIMEOUT_S
-        while not await asyncio.to_thread(_answers_200, ready):
+        while not await asyncio.to_thread(answers_200, ready):
             stack.check_alive()
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{name}: the worker loaded nothing in {LOAD_TIMEOUT_S} s")
@@ -191,14 +190,6 @@ async def through_tokenbus(
         return runs
     finally:
         await stack.stop()
-
-
-def _answers_200(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=1) as r:
-            return bool(r.status == 200)
-    except OSError:
-        return False
 
 
 def sim_prompt_tokens() -> float:

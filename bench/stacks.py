@@ -141,7 +141,7 @@ class Stack:
     async def _until_healthy(self) -> None:
         url = f"http://127.0.0.1:{self.port}/readyz"
         deadline = time.monotonic() + READY_TIMEOUT_S
-        while not await asyncio.to_thread(_answers_200, url):
+        while not await asyncio.to_thread(answers_200, url):
             self.check_alive()
             if time.monotonic() > deadline:
                 raise StackError(f"{self.name}: {url} not healthy after {READY_TIMEOUT_S:.0f} s")
@@ -282,7 +282,8 @@ def _get(url: str) -> bytes:
         return body
 
 
-def _answers_200(url: str) -> bool:
+def answers_200(url: str) -> bool:
+    """Whether `url` answers 200 within a second (a health probe)."""
     try:
         with urllib.request.urlopen(url, timeout=1.0) as response:
             return bool(response.status == 200)
