@@ -17,10 +17,10 @@ import time
 from bench.real_workload import (
     LOADS,
     MAX_NUM_SEQS,
-    MAX_TOKENS,
     LoadRun,
     Sample,
     dump_runs,
+    max_tokens,
     messages,
     requests_at,
 )
@@ -38,11 +38,11 @@ async def one(llm: object, api: object, tokenizer: object, i: int) -> Sample:
     )
 
     turns = tuple(ChatTurn(m["role"], m["content"]) for m in messages(i))
-    request = EngineRequest(f"d{i}", "", MAX_TOKENS, temperature=0.0, messages=turns)
+    request = EngineRequest(f"d{i}", "", max_tokens(i), temperature=0.0, messages=turns)
     began = time.perf_counter()
     ids = await asyncio.to_thread(prompt_token_ids, tokenizer, request)
     params = SamplingParams(
-        max_tokens=MAX_TOKENS, temperature=0.0, output_kind=RequestOutputKind.DELTA
+        max_tokens=request.max_tokens, temperature=0.0, output_kind=RequestOutputKind.DELTA
     )
     first: float | None = None
     last = began

@@ -9,7 +9,7 @@ from `tokenbus.local_engine`), the same engine settings on both paths:
 3. sim: the same stack with the `smollm2-cpu` sim profile in place of vLLM.
 
 Each sends the same closed loops (bench/real_workload.py: 1, 4 and 16 clients, greedy,
-64 tokens at most). From the direct runs the sim's step model is fitted again (base,
+24-88 tokens at most). From the direct runs the sim's step model is fitted again (base,
 per sequence, per prefilled token) and printed beside the shipped profile's. Prints one
 table, writes JSON and a plot, rewrites its block in docs/benchmarks.md, and reports each
 target met or missed, by how much:
@@ -43,10 +43,11 @@ from bench.real_direct import RESULT
 from bench.real_workload import (
     LOADS,
     MAX_NUM_SEQS,
-    MAX_TOKENS,
+    MAX_TOKENS_RANGE,
     LoadRun,
     Sample,
     load_runs,
+    max_tokens,
     messages,
     requests_at,
 )
@@ -119,7 +120,7 @@ async def ask(url: str, i: int) -> Sample:
             "client_id": f"c{i}",
             "messages": messages(i),
             "temperature": 0,
-            "max_tokens": MAX_TOKENS,
+            "max_tokens": max_tokens(i),
             "cache": False,
         }
         began = time.perf_counter()
@@ -283,7 +284,8 @@ def section(
         f"- Engine: vLLM {config['vllm']} (CPU build), SmolLM2-135M-Instruct, {DTYPE},"
         f" max_num_seqs {MAX_NUM_SEQS}, enforce_eager, prefix caching on, priority"
         f" scheduling; the same `AsyncEngineArgs` on both paths. Closed loops of 1, 4 and 16"
-        f" clients, greedy, max_tokens {MAX_TOKENS}, distinct prompts; times at the client"
+        f" clients, greedy, max_tokens {MAX_TOKENS_RANGE[0]}-{MAX_TOKENS_RANGE[1]} (one per"
+        " request, the same on every path), distinct prompts; times at the client"
         " (direct: around `AsyncLLM.generate`, tokenizing included; tokenbus and sim: the"
         " WebSocket, one socket per request; the scheduler sends at once, max_wait 0, as"
         " `tokenbus up --engine vllm` deploys it)",

@@ -4,7 +4,10 @@ environment) and through tokenbus (the bench, over the WebSocket).
 
 Closed loops: at load `c`, `c` clients each send their next request as soon as the last one
 ended, until the load's requests are all answered. Greedy (temperature 0), so both paths
-generate the same tokens for the same request, and `max_tokens` bounds every answer.
+generate the same tokens for the same request. `max_tokens` differs from request to
+request (24-88): with one cap for all, most answers stop at it in the same engine step,
+the clients' next requests arrive together and are prefilled in one long step, and the
+TTFT under load measures that wave more than the engine (docs/sim-profiles.md).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from bench.stats import percentile
 # (saturation: every slot busy).
 LOADS = (1, 4, 16)
 MAX_NUM_SEQS = 16
-MAX_TOKENS = 64
+MAX_TOKENS_RANGE = (24, 88)
 
 TOPICS = (
     "a bus",
@@ -51,6 +54,12 @@ def messages(i: int) -> list[dict[str, str]]:
     ask = ASKS[i % len(ASKS)].format(TOPICS[(i // len(ASKS)) % len(TOPICS)])
     system = f"Request {i}. You are a helpful assistant; answer briefly and clearly."
     return [{"role": "system", "content": system}, {"role": "user", "content": ask}]
+
+
+def max_tokens(i: int) -> int:
+    """Request `i`'s cap: spread over MAX_TOKENS_RANGE (a stride coprime with its width)."""
+    low, high = MAX_TOKENS_RANGE
+    return low + (i * 37) % (high - low + 1)
 
 
 def requests_at(load: int) -> int:

@@ -8,6 +8,7 @@ with a real model, through the whole bus.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -151,13 +152,14 @@ class FakeAsyncLLM:
         self.shut_down = True
 
 
-async def calls_reach(llm: FakeAsyncLLM, count: int) -> None:
-    """Let the pump tasks reach vLLM's generate until it has `count` calls."""
-    for _ in range(1000):
-        if len(llm.generate_calls) >= count:
-            return
-        await asyncio.sleep(0)
-    raise AssertionError(f"{len(llm.generate_calls)} generate calls, not {count}")
+async def calls_reach(llm: FakeAsyncLLM, count: int, within_s: float = 10.0) -> None:
+    """Until vLLM's generate has `count` calls (each request is tokenized in a thread
+    first, so this takes as long as the machine takes to run it)."""
+    deadline = time.monotonic() + within_s
+    while len(llm.generate_calls) < count:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{len(llm.generate_calls)} generate calls, not {count}")
+        await asyncio.sleep(0.001)
 
 
 def fake_sampling_params(**kwargs: Any) -> dict[str, Any]:
@@ -348,10 +350,7 @@ async def test_capacity_counts_requests_beyond_max_num_seqs_as_queued() -> None:
         llm.hang_after_script.add(rid)
     streams = [engine.generate(EngineRequest(rid, "p", 10)) for rid in ("q1", "q2", "q3")]
     tasks = [asyncio.ensure_future(anext(s)) for s in streams]
-    for _ in range(1000):  # let the three pump tasks reach vLLM
-        if len(llm.generate_calls) == 3:
-            break
-        await asyncio.sleep(0)
+    await calls_reach(llm, 3)  # the three pump tasks reached vLLM
     cap = engine.capacity()
     assert (cap.total_slots, cap.free_slots, cap.running, cap.queued) == (1, 0, 1, 2)
     for rid in ("q1", "q2", "q3"):
