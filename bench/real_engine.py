@@ -51,7 +51,7 @@ from bench.real_workload import (
     messages,
     requests_at,
 )
-from bench.stacks import PipelineStack, answers_200, private_broker
+from bench.stacks import PipelineStack, private_broker
 from services.worker.engines.sim_profiles import PROFILES, MeasuredStepModel
 from shared.tokens import estimate_tokens
 from tokenbus.local_engine import (
@@ -175,13 +175,10 @@ async def through_tokenbus(
         stack.pythons["worker"] = python
     try:
         await stack.start()
-        ready = f"http://127.0.0.1:{stack.worker_metrics_port}/readyz"
-        deadline = time.monotonic() + LOAD_TIMEOUT_S
-        while not await asyncio.to_thread(answers_200, ready):
-            stack.check_alive()
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{name}: the worker loaded nothing in {LOAD_TIMEOUT_S} s")
-            await asyncio.sleep(0.5)
+        # The worker's /readyz answers once its engine has loaded the model.
+        await stack.until_answers(
+            f"http://127.0.0.1:{stack.worker_metrics_port}/readyz", LOAD_TIMEOUT_S
+        )
         await closed_loop(stack.ws_url, 4, 10_000)  # warm-up, not counted
         runs, base = [], 0
         for load in LOADS:

@@ -139,12 +139,15 @@ class Stack:
             )
 
     async def _until_healthy(self) -> None:
-        url = f"http://127.0.0.1:{self.port}/readyz"
-        deadline = time.monotonic() + READY_TIMEOUT_S
+        await self.until_answers(f"http://127.0.0.1:{self.port}/readyz", READY_TIMEOUT_S)
+
+    async def until_answers(self, url: str, timeout_s: float) -> None:
+        """Until `url` answers 200 (a /readyz); StackError if a process dies or time runs out."""
+        deadline = time.monotonic() + timeout_s
         while not await asyncio.to_thread(answers_200, url):
             self.check_alive()
             if time.monotonic() > deadline:
-                raise StackError(f"{self.name}: {url} not healthy after {READY_TIMEOUT_S:.0f} s")
+                raise StackError(f"{self.name}: {url} not healthy after {timeout_s:.0f} s")
             await asyncio.sleep(0.2)
 
     def check_alive(self) -> None:

@@ -229,7 +229,7 @@ class SchedulerStatsLogger:
     view: SchedulerView  # set on the class `stat_logger_factory` builds
 
     def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
-        self.engine_index = engine_index
+        pass  # vLLM constructs it so; what it reads is on the class (`view`)
 
     def record(
         self,
@@ -291,10 +291,6 @@ class VllmEngine:
         self._submissions = itertools.count()
         self.context_length: int | None = getattr(args, "max_model_len", None)
         self.scheduler = SchedulerView()
-
-    @property
-    def prefix_cache(self) -> PrefixCacheWindow:
-        return self.scheduler.prefix_cache
 
     async def start(self) -> None:
         if self._llm is not None:
