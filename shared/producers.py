@@ -97,6 +97,14 @@ class RenewingProducer:
         """An empty record batch to fill and hand to `send_batch` (aiokafka's `BatchBuilder`)."""
         return self._inner.create_batch()
 
+    async def partition_for(self, topic: str, key: bytes) -> int:
+        """The partition the producer's partitioner gives `key` in `topic`, as `send` would
+        place it (waits for the topic's metadata, like `send`)."""
+        producer = self._inner
+        await producer.partitions_for(topic)
+        partition: int = producer._partition(topic, None, key, None, key, None)
+        return partition
+
     async def send_batch(
         self, batch: Any, topic: str, *, partition: int
     ) -> asyncio.Future[RecordMetadata]:

@@ -229,7 +229,7 @@ async def test_the_runner_streams_each_row_of_one_call_and_answers_it_when_its_r
     ]
     await engine.start()
     try:
-        async with ResultOutbox(producer, within_s=1.0) as outbox:
+        async with ResultOutbox(producer, resend_s=1.0) as outbox:
             runner = RequestRunner(
                 engine,
                 outbox,

@@ -1,6 +1,8 @@
 """The result outbox: records put meanwhile leave as one batch, in order; failures reach the writer.
 
 Pure of Kafka: a fake producer stands in, whose batches are stored when the test says so.
+A batch Kafka did not take is sent again before anything after it (ADR 0048): a stream on
+the log never has a hole.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ import asyncio
 from typing import Any
 
 import pytest
+from aiokafka.errors import KafkaTimeoutError, NotLeaderForPartitionError
 from prometheus_client import CollectorRegistry
 
 from services.worker.engines.base import EngineRequest
@@ -46,13 +49,22 @@ class FakeProducer:
     async def send_batch(self, batch: FakeBatch, topic: str, *, partition: int) -> Any:
         if self.fail_sends:
             self.fail_sends -= 1
-            raise TimeoutError("no metadata")
+            raise KafkaTimeoutError()  # aiokafka: no room behind the partition's batch in time
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self.batches.append((topic, partition, batch.values, future))
         return future
 
-    async def send(self, topic: str, value: bytes, **kwargs: Any) -> Any:
-        raise AssertionError("every record here has a partition")
+    async def partition_for(self, topic: str, key: bytes) -> int:
+        return int(key.decode()[-1])  # b"k0" -> 0, b"k1" -> 1
+
+    def stored(self) -> list[bytes]:
+        """Values of the batches Kafka stored, in the order they were sent."""
+        return [
+            v
+            for *_, values, f in self.batches
+            if f.done() and not f.cancelled() and f.exception() is None
+            for v in values
+        ]
 
 
 class Writer:
@@ -91,7 +103,7 @@ async def test_records_put_together_leave_as_one_batch_per_partition_in_order() 
     producer = FakeProducer()
     writer = Writer()
     a, b = ReplyTo(topic="t.results", partition=0), ReplyTo(topic="t.results", partition=1)
-    async with ResultOutbox(producer, within_s=1.0) as outbox:
+    async with ResultOutbox(producer, resend_s=1.0) as outbox:
         for i in range(5):
             outbox.put(a, b"k", f"a{i}".encode(), None, Ticket(writer))
         outbox.put(b, b"k", b"b0", None, Ticket(writer))
@@ -105,45 +117,96 @@ async def test_records_put_together_leave_as_one_batch_per_partition_in_order() 
     assert writer.errors == []
 
 
-async def test_a_full_batch_leaves_and_the_rest_follows_in_the_next() -> None:
+async def test_a_full_batch_leaves_and_the_rest_follows_once_it_is_stored() -> None:
     producer = FakeProducer(batch_limit=2)
     writer = Writer()
     reply_to = ReplyTo(topic="t.results", partition=0)
-    async with ResultOutbox(producer, within_s=1.0) as outbox:
+    async with ResultOutbox(producer, resend_s=1.0) as outbox:
         for i in range(5):
             outbox.put(reply_to, b"k", str(i).encode(), None, Ticket(writer))
-        await until(lambda: sum(len(v) for _, _, v, _ in producer.batches) == 5)
+        for sent in range(1, 4):
+            await until(lambda sent=sent: len(producer.batches) == sent)  # type: ignore[misc]
+            await asyncio.sleep(0.01)
+            assert len(producer.batches) == sent  # one batch out at a time
+            producer.batches[-1][3].set_result(None)
+        await until(lambda: writer.stored == 5)
     assert [v for _, _, v, _ in producer.batches] == [[b"0", b"1"], [b"2", b"3"], [b"4"]]
 
 
-async def test_a_batch_kafka_refuses_fails_each_of_its_records() -> None:
+async def test_a_batch_kafka_did_not_store_is_sent_again_before_anything_after_it() -> None:
+    """The broker hang of issue 25: a batch expired in the outage (aiokafka fails it, its
+    sequence numbers spent) while later records of the same streams waited behind it. They
+    must not be stored before it: the edge would see a hole and end the stream `not_found`."""
     producer = FakeProducer()
     writer = Writer()
     reply_to = ReplyTo(topic="t.results", partition=0)
-    async with ResultOutbox(producer, within_s=1.0) as outbox:
-        outbox.put(reply_to, b"k", b"x", None, Ticket(writer))
-        outbox.put(reply_to, b"k", b"y", None, Ticket(writer))
+    run = Ticket(writer)
+    async with ResultOutbox(producer, resend_s=5.0) as outbox:
+        outbox.put(reply_to, b"k", b"seq0", None, run)
         await until(lambda: len(producer.batches) == 1)
-        producer.batches[0][3].set_exception(TimeoutError("not stored"))
-        await until(lambda: len(writer.errors) == 2)
-    assert writer.stored == 0
+        outbox.put(reply_to, b"k", b"seq1", None, run)  # the stream goes on meanwhile
+        outbox.put(reply_to, b"k", b"seq2", None, run)
+        await asyncio.sleep(0.01)
+        producer.batches[0][3].set_exception(NotLeaderForPartitionError())
+        # Whatever is sent next: stored only if everything before it was.
+        while len(producer.stored()) < 3:
+            count = len(producer.batches)
+            await until(lambda count=count: len(producer.batches) > count)  # type: ignore[misc]
+            producer.batches[-1][3].set_result(None)
+        await until(lambda: writer.stored == 3)
+    assert producer.stored() == [b"seq0", b"seq1", b"seq2"]
+    assert [v for _, _, v, _ in producer.batches] == [[b"seq0"], [b"seq0"], [b"seq1", b"seq2"]]
+    assert writer.errors == []
 
 
-async def test_a_batch_that_cannot_be_queued_is_retried_then_its_records_fail() -> None:
-    producer = FakeProducer(fail_sends=1)
+async def test_a_batch_not_taken_within_the_bound_fails_with_the_rest_of_its_runs() -> None:
+    producer = FakeProducer()
     writer = Writer()
     reply_to = ReplyTo(topic="t.results", partition=0)
-    async with ResultOutbox(producer, within_s=5.0) as outbox:
+    async with ResultOutbox(producer, resend_s=5.0) as outbox:
         outbox.put(reply_to, b"k", b"x", None, Ticket(writer))
+        producer.fail_sends = 1
         await until(lambda: len(producer.batches) == 1)  # the retry queued it
         producer.batches[0][3].set_result(None)
         await until(lambda: writer.stored == 1)
 
-    refusing = FakeProducer(fail_sends=100)
-    async with ResultOutbox(refusing, within_s=0.2) as outbox:
-        outbox.put(reply_to, b"k", b"x", None, Ticket(writer))
-        await until(lambda: len(writer.errors) == 1)
-    assert isinstance(writer.errors[0], TimeoutError)
+    # Never taken: its records fail after the bound, and so does every later record of the
+    # same run (the run is handed back, its stream ends where it was stored); another
+    # run's records go on.
+    refusing = FakeProducer(fail_sends=2)  # tries at 0 s and 0.1 s; the bound is then past
+    failing, other = Writer(), Writer()
+    run = Ticket(failing)
+    async with ResultOutbox(refusing, resend_s=0.25) as outbox:
+        outbox.put(reply_to, b"k", b"a0", None, run)
+        await until(lambda: refusing.fail_sends == 1)
+        outbox.put(reply_to, b"k", b"a1", None, run)
+        outbox.put(reply_to, b"k", b"b0", None, Ticket(other))
+        await until(lambda: len(refusing.batches) == 1)
+        refusing.batches[0][3].set_result(None)
+        await until(lambda: other.stored == 1)
+    assert [v for _, _, v, _ in refusing.batches] == [[b"b0"]]
+    assert len(failing.errors) == 2
+    assert failing.stored == 0
+    assert all(isinstance(e, KafkaTimeoutError) for e in failing.errors)
+
+
+async def test_records_without_a_partition_go_to_the_partition_of_their_key() -> None:
+    producer = FakeProducer()
+    writer = Writer()
+    topic_only = ReplyTo(topic="t.cache")
+    async with ResultOutbox(producer, resend_s=1.0) as outbox:
+        for value, key in ((b"x", b"k0"), (b"y", b"k1"), (b"z", b"k0")):
+            outbox.put(topic_only, key, value, None, Ticket(writer))
+        while writer.stored < 3:  # store each batch as it comes
+            await until(lambda: any(not f.done() for *_, f in producer.batches))
+            for *_, future in producer.batches:
+                if not future.done():
+                    future.set_result(None)
+            await asyncio.sleep(0.001)
+    placed: dict[int, list[bytes]] = {}
+    for _, partition, values, _ in producer.batches:
+        placed.setdefault(partition, []).extend(values)
+    assert placed == {0: [b"x", b"z"], 1: [b"y"]}
 
 
 async def test_the_sim_engine_counts_its_own_cpu_time_into_the_engine_counter() -> None:

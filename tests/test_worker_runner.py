@@ -111,7 +111,7 @@ async def run(
     await engine.start()
     clock = iter(epochs) if epochs is not None else None
     try:
-        async with ResultOutbox(producer, within_s=0.5) as outbox:
+        async with ResultOutbox(producer, resend_s=0.5) as outbox:
             runner = RequestRunner(
                 engine,
                 outbox,
@@ -190,7 +190,7 @@ async def test_a_later_attempt_of_a_request_running_here_supersedes_it_silently(
     first = request("a long enough answer please", max_tokens=200)
     again = first.next_attempt()
     try:
-        async with ResultOutbox(producer, within_s=0.5) as outbox:
+        async with ResultOutbox(producer, resend_s=0.5) as outbox:
             telemetry = _telemetry()
             runner = RequestRunner(
                 engine, outbox, RunningRequests(engine), 1.0, 1, telemetry=telemetry

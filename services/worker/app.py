@@ -119,7 +119,7 @@ class Worker:
             context_length=engine.context_length,
         )
         liveness.stored(time.monotonic())  # starting up is no silence
-        async with ResultOutbox(producer, within_s=s.worker_result_write_timeout_s) as outbox:
+        async with ResultOutbox(producer, resend_s=s.worker_result_resend_s) as outbox:
             runner = RequestRunner(
                 engine,
                 outbox,

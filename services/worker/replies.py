@@ -1,13 +1,13 @@
 """One run's result records on their way to `reply_to`: in order, bounded, and fenced.
 
 Records are put in the worker's `ResultOutbox` without waiting, which produces them in
-batches; a record the outbox could not queue within `within_s`, or that Kafka did not
-store, fails the run with `ReplyFailed` at the next write or at `flush` (a record still
-in flight after `within_s` is waited for until the producer stores or fails it: it cannot
-be unsent, and a re-run beside it would answer twice); a run whose worker was fenced since
-it started writes nothing more (`Fenced`). Either way the caller hands the request back to
-be run again as the next attempt: a stream is never left without its final record, and
-never committed silently.
+batches, in order, sending again a batch Kafka did not take (ADR 0048); a record it still
+could not store after `worker_result_resend_s` fails the run with `ReplyFailed` at the next
+write or at `flush` (a record still in flight after `within_s` is waited for until the
+outbox settles it: it cannot be unsent, and a re-run beside it would answer twice); a run
+whose worker was fenced since it started writes nothing more (`Fenced`). Either way the
+caller hands the request back to be run again as the next attempt: a stream is never left
+without its final record, never with a hole, and never committed silently.
 """
 
 from __future__ import annotations
@@ -88,10 +88,9 @@ class ReplyWriter:
             except TimeoutError:
                 # Queued records cannot be unsent: a re-run now would answer twice if they
                 # are stored later (the chaos check saw `done` land after the bound, during
-                # a broker node's failover). So wait until the producer settles each one: the
-                # idempotent producer retries until stored, and fails a batch only when its
-                # partition has no leader past the request timeout or the producer is
-                # renewed (shared/producers.py); only such a failure re-runs the request.
+                # a broker node's failover). So wait until the outbox settles each one: it
+                # sends a batch Kafka did not take again, in order, and fails it only after
+                # `worker_result_resend_s` (outbox.py); only such a failure re-runs it.
                 log.warning(
                     "results.slow",
                     request_id=self._request_id,
