@@ -31,7 +31,7 @@ from services.worker.engines.sim_profiles import sim_profile
 from shared.kafka import create_topics, delete_topics, encode, make_producer, wait_for_broker
 from shared.messages import Batch, QueuedRequest, ReplyTo, Tier
 from shared.settings import TokenbusSettings
-from shared.tokens import estimate_tokens
+from shared.tokens import sim_tokens
 from shared.topics import Topics
 from tests.worker_logs import distribution, events
 
@@ -85,7 +85,7 @@ def batch_of(requests: int, max_tokens: int, reply_to: ReplyTo) -> Batch:
             prompt=f"coalescing bench request number {i}: tell me about the bus",
             max_tokens=max_tokens,
             tier=Tier.interactive,
-            prompt_tokens=estimate_tokens(f"coalescing bench request number {i}"),
+            prompt_tokens=sim_tokens(f"coalescing bench request number {i}"),
             reply_to=reply_to,
         )
         for i in range(requests)

@@ -53,7 +53,7 @@ from bench.real_workload import (
 )
 from bench.stacks import PipelineStack, private_broker
 from services.worker.engines.sim_profiles import PROFILES, MeasuredStepModel
-from shared.tokens import estimate_tokens
+from shared.tokens import sim_tokens
 from tokenbus.local_engine import (
     DEPLOYMENT_ENV,
     DTYPE,
@@ -194,7 +194,7 @@ def sim_prompt_tokens() -> float:
     """The workload's prompts as the sim counts them (its estimate of the joined turns)."""
     count = requests_at(LOADS[0])
     texts = ("\n".join(f"{m['role']}: {m['content']}" for m in messages(i)) for i in range(count))
-    return sum(estimate_tokens(t) for t in texts) / count
+    return sum(sim_tokens(t) for t in texts) / count
 
 
 def fit(runs: list[LoadRun]) -> MeasuredStepModel:

@@ -183,7 +183,8 @@ class Broker:
 
 
 def scrape(port: int) -> dict[str, float]:
-    """The edge's /metrics as {sample name + labels: value}."""
+    """The edge's /metrics (on its metrics `port`, never its public one) as
+    {sample name + labels: value}."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
         text = response.read().decode()
     out: dict[str, float] = {}
@@ -221,14 +222,19 @@ def delta(before: dict[str, float], after: dict[str, float], key: str) -> float:
 
 
 async def run_step(
-    topology: str, url: str, port: int, broker: Broker, rate: float, args: argparse.Namespace
+    topology: str,
+    url: str,
+    metrics_port: int,
+    broker: Broker,
+    rate: float,
+    args: argparse.Namespace,
 ) -> Step:
     topics_before = await broker.topics()
-    metrics_before = scrape(port)
+    metrics_before = scrape(metrics_port)
     samples = await drive(url, rate, args.step_s, args.max_tokens)
     # Let the edge's retention sweep delete what this step made before counting deletes.
     await asyncio.sleep(args.retention_s + 0.5)
-    metrics_after = scrape(port)
+    metrics_after = scrape(metrics_port)
     topics_after = await broker.topics()
 
     done = [s for s in samples if s.done_at is not None and s.error is None]
@@ -322,6 +328,7 @@ async def bench(args: argparse.Namespace, stack: Stack, ports: dict[str, int]) -
     broker = Broker(args.bootstrap, stack.prefix)
     steps: list[Step] = []
     failures = dict.fromkeys(TOPOLOGIES, 0)
+    edge_keys = {"partition": "edge", "topic": "edge-topic"}  # as `start_stack` started them
     for topology in TOPOLOGIES:
         # Uncounted: first connections, metadata, JIT-cold paths of both edges.
         url = f"ws://127.0.0.1:{ports[topology]}/v1/chat"
@@ -331,8 +338,9 @@ async def bench(args: argparse.Namespace, stack: Stack, ports: dict[str, int]) -
             if failures[topology] >= FAILURES_TO_STOP:
                 continue
             port = ports[topology]
+            metrics_port = stack.health_ports[edge_keys[topology]]
             step = await run_step(
-                topology, f"ws://127.0.0.1:{port}/v1/chat", port, broker, rate, args
+                topology, f"ws://127.0.0.1:{port}/v1/chat", metrics_port, broker, rate, args
             )
             steps.append(step)
             print(

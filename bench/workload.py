@@ -10,7 +10,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from shared.messages import Tier
-from shared.tokens import estimate_tokens
+from shared.tokens import sim_tokens
 
 DEFAULT_MIX = Path(__file__).resolve().parent / "data" / "mix.json"
 
@@ -144,7 +144,7 @@ def plan(mix: Mix, rate: float, duration_s: float, seed: int) -> list[PlannedReq
                 at_s=at,
                 request_class=cls.name,
                 tier=cls.tier,
-                prompt_tokens=estimate_tokens(prompt),
+                prompt_tokens=sim_tokens(prompt),
                 body=body,
             )
         )
@@ -160,6 +160,6 @@ def _text(words: list[str], tokens: int, rng: random.Random) -> str:
     while count < tokens:
         word = words[i % len(words)]
         out.append(word)
-        count += estimate_tokens(word)
+        count += sim_tokens(word)
         i += 1
     return " ".join(out)

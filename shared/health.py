@@ -1,9 +1,10 @@
 """`/healthz` (the process answers) and `/readyz` (Kafka answers, partitions assigned).
 
-One implementation for every service: the edge mounts `health_routes` on its own HTTP app;
-ingest, scheduler and worker run `with_health`, which serves them with `/metrics` on
-`TOKENBUS_METRICS_PORT` in the service's own event loop, so a blocked loop fails `/healthz`
-too. Each service passes its readiness check, a coroutine returning a `Readiness`.
+One implementation for every service: each runs `with_health`, which serves them with
+`/metrics` on `TOKENBUS_METRICS_PORT` in the service's own event loop, so a blocked loop fails
+`/healthz` too. The edge also mounts `health_routes` on its public app (load balancers probe
+it there); its `/metrics` is only on the metrics port. Each service passes its readiness
+check, a coroutine returning a `Readiness`.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ log = structlog.get_logger()
 
 # Where /metrics, /healthz and /readyz are served when TOKENBUS_METRICS_PORT is unset:
 # distinct per service, so `tokenbus up` runs all of them on one machine.
-DEFAULT_PORTS = {"ingest": 9101, "scheduler": 9102, "worker": 9103}
+DEFAULT_PORTS = {"edge": 9100, "ingest": 9101, "scheduler": 9102, "worker": 9103}
 # Longest a readiness probe waits for the broker's answer to a metadata request.
 PROBE_TIMEOUT_S = 2.0
 

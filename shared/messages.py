@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from shared.tokens import estimate_tokens
+from shared.tokens import prompt_token_bound
 
 TOPIC_NAME = r"^[A-Za-z0-9._-]{1,249}$"
 REQUEST_ID = r"^[A-Za-z0-9._:-]{1,128}$"
@@ -156,6 +156,11 @@ class ChatRequest(Model):
             return self.prompt
         return "\n".join(f"{m.role}: {m.content}" for m in self.messages or [])
 
+    def prompt_token_bound(self) -> int:
+        """At most how many tokens the prompt makes for the model (shared/tokens.py): what
+        quotas, batch budgets and fair share charge before the request runs."""
+        return prompt_token_bound(self.prompt_text(), len(self.messages or ()))
+
     @property
     def effective_max_tokens(self) -> int:
         # Always set by the validator; the fallback keeps the type honest.
@@ -192,7 +197,7 @@ def over_budget(prompt_tokens: int, max_tokens: int, budget: int | None) -> str 
     if budget is None or cost <= budget:
         return None
     return (
-        f"prompt (~{prompt_tokens} tokens) plus max_tokens ({max_tokens}) is {cost} tokens,"
+        f"prompt (up to {prompt_tokens} tokens) plus max_tokens ({max_tokens}) is {cost} tokens,"
         f" above the largest batch token budget of {budget}"
     )
 
@@ -242,7 +247,7 @@ class QueuedRequest(RequestRecord):
         data.update(
             tier=tier,
             reply_to=reply_to,
-            prompt_tokens=estimate_tokens(record.prompt_text()),
+            prompt_tokens=record.prompt_token_bound(),
         )
         return cls.model_validate(data)
 
@@ -351,23 +356,41 @@ class ErrorResult(ResultBase):
     kind: Literal["error"] = "error"
     code: ErrorCode
     message: str
+    retry_after_ms: int | None = Field(
+        default=None,
+        ge=0,
+        description="With `rate_limited`: when the same request may be sent again (ms).",
+    )
 
     @classmethod
     def for_request(
-        cls, request: RequestAttempt | str, code: ErrorCode, message: str, *, seq: int = 0
+        cls,
+        request: RequestAttempt | str,
+        code: ErrorCode,
+        message: str,
+        *,
+        seq: int = 0,
+        retry_after_ms: int | None = None,
     ) -> ErrorResult:
         """The error that answers one attempt of a request; a bare id is its first attempt.
 
         `seq` is 0 unless the error ends a stream that already carried records.
         """
         if isinstance(request, str):
-            return cls(request_id=request, seq=seq, code=code, message=message)
+            return cls(
+                request_id=request,
+                seq=seq,
+                code=code,
+                message=message,
+                retry_after_ms=retry_after_ms,
+            )
         return cls(
             request_id=request.request_id,
             attempt=request.attempt,
             seq=seq,
             code=code,
             message=message,
+            retry_after_ms=retry_after_ms,
         )
 
 

@@ -11,6 +11,13 @@ the worker that last served it, whose engine then finds the shared prefix in its
   prompt that many requests use, so it is a hit wherever they land).
 - A plain `prompt` is keyed by its first `PROMPT_PREFIX_CHARS` characters.
 
+Every key is salted with the request's tenant: two tenants sending the same prefix (or
+naming the same conversation id) get different keys, so affinity neither sends them to the
+same worker on purpose nor lets one tenant learn from where (and how fast) its request ran
+whether another sent that prefix. The engines' prefix caches are salted per tenant the same
+way (`cache_salt`: vLLM's `TokensPrompt.cache_salt`, the `sim` engine's cache), so a tenant
+never hits blocks another tenant's prompt left in the KV cache, wherever it runs.
+
 Pure and cheap: one BLAKE2b over at most the leading messages, once per request.
 """
 
@@ -25,14 +32,23 @@ PROMPT_PREFIX_CHARS = 1024
 _DIGEST_BYTES = 8
 
 
-def prefix_key(request: ChatRequest) -> str:
-    """The request's prefix key (see the module docstring); never empty."""
+def prefix_key(request: ChatRequest, tenant: str) -> str:
+    """The request's prefix key for `tenant` (see the module docstring); never empty."""
     if request.conversation_id is not None:
-        return "conversation:" + request.conversation_id
+        return "conversation:" + _digest([tenant, request.conversation_id])
     if request.messages is not None:
-        return "messages:" + _digest(_leading(request.messages))
+        return "messages:" + _digest([tenant, *_leading(request.messages)])
     prompt = request.prompt or ""
-    return "prompt:" + _digest([prompt[:PROMPT_PREFIX_CHARS]])
+    return "prompt:" + _digest([tenant, prompt[:PROMPT_PREFIX_CHARS]])
+
+
+def cache_salt(tenant: str) -> str:
+    """The prefix-cache salt of `tenant`'s requests: one per tenant, and always a value
+    vLLM accepts (non-empty, at most 128 characters, none of `@ / \\` or NUL), whatever
+    a tenant name holds. Not a secret: the salt separates tenants' cache blocks, it does
+    not hide them; tenant ids written by the edge are keyed hashes already."""
+    data = b"tokenbus-cache-salt\x00" + tenant.encode("utf-8", "surrogatepass")
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
 def _leading(messages: list[ChatMessage]) -> list[str]:
@@ -48,7 +64,7 @@ def _leading(messages: list[ChatMessage]) -> list[str]:
 def _digest(parts: list[str]) -> str:
     h = hashlib.blake2b(digest_size=_DIGEST_BYTES)
     for part in parts:
-        data = part.encode()
+        data = part.encode("utf-8", "surrogatepass")
         h.update(len(data).to_bytes(8, "little"))
         h.update(data)
     return h.hexdigest()

@@ -16,7 +16,11 @@ LogFormat = Literal["json", "console"]
 class TokenbusSettings(BaseSettings):
     """Base of every service's settings; read from `TOKENBUS_*` environment variables."""
 
-    model_config = SettingsConfigDict(env_prefix="TOKENBUS_", extra="ignore")
+    # hide_input_in_errors: a validation error shows no input value, so no password (the
+    # SASL and key passwords, read from the environment) reaches a log or a crash report.
+    model_config = SettingsConfigDict(
+        env_prefix="TOKENBUS_", extra="ignore", hide_input_in_errors=True
+    )
 
     bootstrap_servers: str = Field(
         default="127.0.0.1:9092",

@@ -78,9 +78,9 @@ class TelemetrySettings(BaseSettings):
         ge=0,
         le=65535,
         description=(
-            "Port of /metrics, /healthz and /readyz of ingest, scheduler and worker (the edge"
-            " serves them on its HTTP port). Unset: 9101 ingest, 9102 scheduler, 9103 worker;"
-            " 0 = off."
+            "Port of a service's /metrics, /healthz and /readyz (the edge also answers"
+            " /healthz and /readyz on its HTTP port, never /metrics). Unset: 9100 edge, 9101"
+            " ingest, 9102 scheduler, 9103 worker; 0 = off."
         ),
     )
     metrics_host: str = Field(

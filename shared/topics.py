@@ -6,6 +6,10 @@ from dataclasses import dataclass
 
 from shared.messages import Tier
 
+# An outside application's name: its principal's user name, its tenant, and a part of its
+# topics' names (no dot, so a LITERAL ACL on its topic can match no other app's).
+APP_NAME = r"^[a-z0-9][a-z0-9-]{0,47}$"
+
 
 @dataclass(frozen=True)
 class Topics:
@@ -57,6 +61,24 @@ class Topics:
     def cache(self) -> str:
         """Compacted log of complete deterministic answers, keyed by cache key (ADR 0036)."""
         return f"{self.prefix}.cache"
+
+    def app_requests(self, app: str) -> str:
+        """The requests topic of one outside application: only its principal may WRITE it,
+        so the topic a record was read from names who wrote it (ADR 0044)."""
+        return f"{self.app_requests_prefix}{app}"
+
+    @property
+    def app_requests_prefix(self) -> str:
+        """Where every application's requests topic lives (ingest READs under it)."""
+        return f"{self.prefix}.app-requests."
+
+    def app_replies(self, app: str) -> str:
+        """The one topic an outside application's results and errors go to; only it READs it."""
+        return f"{self.prefix}.replies.{app}"
+
+    def app_partitions(self, app: str) -> dict[str, int]:
+        """An application's two topics, as `tokenbus topics create --app` makes them."""
+        return {self.app_requests(app): 4, self.app_replies(app): 4}
 
     def worker_group(self, worker_id: str) -> str:
         """The consumer group under which one worker commits its batch partition progress."""

@@ -79,7 +79,8 @@ class Stack:
     # Tenants beyond TENANTS, or other limits for them: name -> TenantLimits fields.
     tenant_limits: dict[str, dict[str, object]] = field(default_factory=dict)
     keys: dict[str, str] = field(default_factory=dict)  # tenant -> its API key
-    # Service key -> its /metrics, /healthz, /readyz port (the edge's is its HTTP port).
+    # Service key -> its /metrics, /healthz, /readyz port (an edge's is not its HTTP port,
+    # which answers /healthz and /readyz but never /metrics).
     health_ports: dict[str, int] = field(default_factory=dict)
     # The workers `start` runs: service key -> its own variables (an engine, a model).
     workers: dict[str, dict[str, str]] = field(default_factory=lambda: {"worker": {}})
@@ -144,10 +145,9 @@ class Stack:
         full = self.env()
         full.update(self.service_env.get(name, {}))
         full.update(env)
-        if name != "edge":
-            # Its own port, not the service's default: stacks run side by side.
-            full.setdefault("TOKENBUS_METRICS_PORT", str(free_port()))
-            self.health_ports[key] = int(full["TOKENBUS_METRICS_PORT"])
+        # Its own port, not the service's default: stacks run side by side.
+        full.setdefault("TOKENBUS_METRICS_PORT", str(free_port()))
+        self.health_ports[key] = int(full["TOKENBUS_METRICS_PORT"])
         with open(self.log_dir / f"{self.prefix}-{key}.log", "ab") as log:
             self.processes[key] = subprocess.Popen(
                 [sys.executable, "-m", f"services.{name}"],
@@ -191,6 +191,17 @@ class Stack:
             return int(e.code), json.loads(e.read())
         except OSError:
             return 0, {}
+
+    def metrics(self, key: str) -> str:
+        """The /metrics text of the service started under `key` (an edge's: on its metrics
+        port, `health_ports[key]`)."""
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        with opener.open(f"http://127.0.0.1:{self.health_ports[key]}/metrics", timeout=10) as r:
+            return r.read().decode()
+
+    def edge_metrics(self, key: str = "edge") -> str:
+        """The /metrics text of the edge started under `key`."""
+        return self.metrics(key)
 
     def check_alive(self) -> None:
         for key, proc in self.processes.items():

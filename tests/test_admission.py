@@ -26,6 +26,7 @@ from services.ingest.dead_letter import (
     dead_letter,
 )
 from shared.messages import QueuedRequest, RequestLimits, Tier
+from shared.tokens import prompt_token_bound
 from shared.topics import Topics
 
 TOPICS = Topics("tb")
@@ -45,12 +46,12 @@ def rejected(body: object, key: bytes | None = b"r1", **kw: int) -> Rejected:
     return d
 
 
-def test_valid_record_goes_to_its_tier_with_a_token_estimate() -> None:
+def test_valid_record_goes_to_its_tier_with_a_token_bound() -> None:
     d = decide({"request_id": "r1", "prompt": "hello there world", "priority": "background"})
     assert isinstance(d, Admitted)
     assert d.topic == "tb.requests.background"
     assert d.request.tier is Tier.background
-    assert d.request.prompt_tokens == 3
+    assert d.request.prompt_tokens == prompt_token_bound("hello there world")  # 17 bytes + 40
     assert d.request.reply_to.topic == "tb.results"  # no reply_to: the shared results topic
     assert QueuedRequest.model_validate_json(d.value) == d.request
 

@@ -104,12 +104,15 @@ async def test_chat_page_and_health_are_served(stack: Stack) -> None:
         health = await client.get("/healthz")
         ready = await client.get("/readyz")
         page = await client.get("/")
+        script = await client.get("/static/chat.js")
     assert health.status_code == 200
     assert health.json() == {"status": "alive"}
     assert ready.status_code == 200
     assert ready.json()["status"] == "ready"
     assert page.status_code == 200
-    assert "/v1/chat" in page.text
+    assert "/static/chat.js" in page.text
+    assert script.status_code == 200
+    assert "/v1/chat" in script.text
 
 
 async def test_background_priority_is_accepted_on_its_tier(stack: Stack) -> None:

@@ -15,19 +15,28 @@ from tests.tools import compose_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON_SERVICES = {"edge", "ingest", "scheduler", "worker", "topics"}
+# Where each service's healthcheck probes /healthz (the edge: its public port, as a load
+# balancer does), and where each serves /metrics (the edge: its own port, never 8000).
 HEALTH_PORTS = {"edge": 8000, "ingest": 9101, "scheduler": 9102, "worker": 9103}
+METRICS_PORTS = {"edge": 9100, "ingest": 9101, "scheduler": 9102, "worker": 9103}
 ENV = {"TOKENBUS_RESUME_SECRET": "s" * 44, "PATH": "/usr/bin:/bin"}
 
 
-def config(*profiles: str) -> dict[str, Any]:
-    """The compose model as Compose resolves it (profiles from .env unless given)."""
+def config(
+    *profiles: str, files: tuple[str, ...] = (), env: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """The compose model as Compose resolves it (profiles from .env unless given); `files`:
+    compose files layered in order (default: docker-compose.yml alone); `env`: more
+    variables."""
     args = [str(compose_cli())]
+    for f in files:
+        args += ["-f", f]
     for p in profiles:
         args += ["--profile", p]
     out = subprocess.run(
         [*args, "config", "--format", "json"],
         cwd=ROOT,
-        env=ENV,
+        env={**ENV, **(env or {})},
         capture_output=True,
         text=True,
         check=False,
@@ -113,11 +122,11 @@ def test_metrics_are_reachable_on_every_service(
     default: dict[str, Any], gpu: dict[str, Any]
 ) -> None:
     services = {**default["services"], **gpu["services"]}
-    for name, port in (*HEALTH_PORTS.items(), ("worker-vllm", 9103)):
+    for name, port in (*METRICS_PORTS.items(), ("worker-vllm", 9103)):
         service = services[name]
-        assert any(p["target"] == port for p in service["ports"]), name
-        if name != "edge":  # the edge binds TOKENBUS_EDGE_HOST=0.0.0.0 in its image
-            assert service["environment"]["TOKENBUS_METRICS_HOST"] == "0.0.0.0", name
+        (published,) = [p for p in service["ports"] if p["target"] == port]
+        assert published["host_ip"] == "127.0.0.1", name
+        assert service["environment"]["TOKENBUS_METRICS_HOST"] == "0.0.0.0", name
 
 
 def test_python_services_share_one_image(default: dict[str, Any]) -> None:

@@ -18,7 +18,6 @@ import websockets
 
 from services.edge.gateway import request_record, tier_record
 from shared.messages import ChatRequest, QueuedRequest, ReplyTo, Tier
-from shared.tokens import estimate_tokens
 from tests.chat_client import run_requests
 from tests.stack import Stack, free_port, new_prefix, wait_until
 
@@ -143,9 +142,7 @@ def test_the_edges_tier_record_is_the_one_ingest_would_forward() -> None:
     )
     reply_to = ReplyTo(topic="p.results", partition=2)
     record = request_record(request, request_id="r1", tenant="t1", reply_to=reply_to)
-    mine = tier_record(
-        record, tier=Tier.background, prompt_tokens=estimate_tokens(record.prompt_text())
-    )
+    mine = tier_record(record, tier=Tier.background, prompt_tokens=record.prompt_token_bound())
     ingests = QueuedRequest.from_record(record, tier=Tier.background, reply_to=reply_to)
     assert QueuedRequest.model_validate_json(mine.model_dump_json()) == mine
     assert mine.model_dump(exclude={"accepted_at"}) == ingests.model_dump(exclude={"accepted_at"})

@@ -16,7 +16,6 @@ import os
 import re
 import socket
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -99,8 +98,7 @@ def rss_kb(pid: int) -> int:
 
 
 def metric(stack: Stack, name: str) -> float:
-    with urllib.request.urlopen(f"{stack.http_url}/metrics", timeout=5) as response:
-        text = response.read().decode()
+    text = stack.edge_metrics()
     found = re.search(rf"^{name}(?:_total)? ([0-9.e+]+)$", text, re.MULTILINE)
     return float(found.group(1)) if found else 0.0
 

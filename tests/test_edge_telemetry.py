@@ -152,6 +152,7 @@ def test_an_error_frame_ends_the_request_and_continues_the_parent(
     setup: tuple[EdgeTelemetry, InMemorySpanExporter, CollectorRegistry, FakeClock],
 ) -> None:
     tel, exporter, _, _ = setup
+    tel.trust_traceparent = True  # TOKENBUS_EDGE_TRUST_TRACEPARENT=true
     flight = tel.begin("r1", tier="background", max_tokens=4, parent={"traceparent": WORKER})
     error = ErrorFrame(code=ErrorCode.deadline_exceeded, message="late", request_id="r1")
     tel.frame_written(flight, error)
@@ -161,3 +162,17 @@ def test_an_error_frame_ends_the_request_and_continues_the_parent(
     # A frame after the final one measures nothing more.
     tel.frame_written(flight, error)
     assert len(exporter.get_finished_spans()) == 1
+
+
+def test_an_untrusted_callers_traceparent_is_only_linked(
+    setup: tuple[EdgeTelemetry, InMemorySpanExporter, CollectorRegistry, FakeClock],
+) -> None:
+    """By default a client cannot choose the edge's trace: a new one, linked to the client's."""
+    tel, exporter, _, _ = setup
+    flight = tel.begin("r1", tier="interactive", max_tokens=4, parent={"traceparent": WORKER})
+    tel.frame_written(flight, ErrorFrame(code=ErrorCode.cancelled, message="x", request_id="r1"))
+    (root,) = exporter.get_finished_spans()
+    assert root.context.trace_id != 0x4BF92F3577B34DA6A3CE929D0E0E4736
+    assert root.parent is None
+    (link,) = root.links
+    assert link.context.trace_id == 0x4BF92F3577B34DA6A3CE929D0E0E4736

@@ -66,8 +66,10 @@ def test_metrics_port_is_on_by_default_with_a_port_per_service(
 ) -> None:
     monkeypatch.delenv("TOKENBUS_METRICS_PORT", raising=False)
     configured = TelemetrySettings().metrics_port
-    ports = {s: health_port(s, configured) for s in ("ingest", "scheduler", "worker")}
-    assert ports == DEFAULT_PORTS == {"ingest": 9101, "scheduler": 9102, "worker": 9103}
+    ports = {s: health_port(s, configured) for s in ("edge", "ingest", "scheduler", "worker")}
+    assert (
+        ports == DEFAULT_PORTS == {"edge": 9100, "ingest": 9101, "scheduler": 9102, "worker": 9103}
+    )
     assert health_port("worker", 0) == 0  # off
     monkeypatch.setenv("TOKENBUS_METRICS_PORT", "9555")
     assert health_port("worker", TelemetrySettings().metrics_port) == 9555
@@ -139,7 +141,13 @@ def test_every_service_is_alive_and_ready_with_its_partitions(stack: Stack) -> N
         assert (body["status"], body["reason"]) == ("ready", "ok"), (key, body)
         if key in expected:
             assert any(p.startswith(f"{expected[key]}-") for p in body["partitions"]), body
-        if key != "edge":  # served beside /healthz and /readyz on the same port
-            port = stack.health_ports[key]
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-                assert b"\nprocess_cpu_seconds_total " in r.read(), key
+        # Served beside /healthz and /readyz on the metrics port; the edge answers those
+        # two on its public port as well (stack.health), /metrics only on its metrics port.
+        port = stack.health_ports[key]
+        assert _get(f"http://127.0.0.1:{port}/healthz") == (200, {"status": "alive"}), key
+        assert _get(f"http://127.0.0.1:{port}/readyz")[0] == 200, key
+        metrics = stack.metrics(key)
+        if key == "edge":  # its own registry: its metrics, no process collector
+            assert "\ntokenbus_edge_streams_open " in metrics, metrics[:500]
+        else:
+            assert "\nprocess_cpu_seconds_total " in metrics, key

@@ -61,11 +61,13 @@ POISONS = [
         "escaped lone surrogate",
         "not_json",
         lambda rid, rt, p: record(rid, rt).replace(f'"{PROMPT}"'.encode(), b'"\\ud800"'),
+        answered=True,  # its reply_to is read by a lenient second parse (ADR 0044)
     ),
     Poison(
         "raw surrogate bytes",
         "not_json",
         lambda rid, rt, p: record(rid, rt).replace(f'"{PROMPT}"'.encode(), b'"\xed\xa0\x80"'),
+        answered=True,  # the same: the stdlib's parser takes surrogate bytes
     ),
     Poison(
         "invalid utf-8",

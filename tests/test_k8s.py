@@ -20,8 +20,10 @@ from tokenbus.config import env_file
 KUBERNETES_VERSION = "1.37.0"
 KEDA_GROUP = "keda.sh"
 SERVICES = ("edge", "ingest", "scheduler", "worker")
-# Where each service serves /metrics, /healthz and /readyz (shared/metrics.py, settings).
+# Where the kubelet probes each service's /healthz and /readyz (the edge: its public port,
+# as a load balancer does), and where each serves /metrics (shared/health.py, settings).
 HEALTH_PORT = {"edge": 8000, "ingest": 9101, "scheduler": 9102, "worker": 9103}
+METRICS_PORT = {"edge": 9100, "ingest": 9101, "scheduler": 9102, "worker": 9103}
 PARTITIONS = Topics("tokenbus").partitions()
 
 
@@ -131,6 +133,11 @@ def test_each_service_is_a_deployment_with_probes_resources_and_a_locked_down_po
         config = config_values(docs, container)
         setting = "TOKENBUS_EDGE_PORT" if name == "edge" else "TOKENBUS_METRICS_PORT"
         assert config[setting] == str(HEALTH_PORT[name]), name
+        # /metrics on the `metrics` port Prometheus scrapes (prometheus-k8s.yml), bound to
+        # every interface of the pod (the NetworkPolicies say who reaches it).
+        assert ports["metrics"] == METRICS_PORT[name], name
+        assert config["TOKENBUS_METRICS_PORT"] == str(METRICS_PORT[name]), name
+        assert config["TOKENBUS_METRICS_HOST"] == "0.0.0.0", name
         assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": probe_port}
         assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": probe_port}
         for kind in ("requests", "limits"):
@@ -186,6 +193,20 @@ def test_the_edge_is_the_only_service_reachable_from_outside_the_namespace() -> 
                     "matchLabels": {"app.kubernetes.io/name": "edge"}
                 }
                 assert rule["ports"] == [{"port": "http", "protocol": "TCP"}]
+
+
+def test_the_edges_metrics_port_is_reached_from_monitoring_only() -> None:
+    docs = rendered("sim")
+    # The Service (what an Ingress or LoadBalancer forwards to) carries the chat port alone.
+    service_ports = named(docs, "Service", "edge")["spec"]["ports"]
+    assert [p["targetPort"] for p in service_ports] == ["http"]
+    # Prometheus's namespace reaches every pod's `metrics` port, the edge's included.
+    policy = named(docs, "NetworkPolicy", "metrics-from-monitoring")["spec"]
+    (selector,) = policy["podSelector"]["matchExpressions"]
+    assert (selector["key"], selector["operator"]) == ("app.kubernetes.io/name", "In")
+    assert set(selector["values"]) == set(SERVICES)
+    (rule,) = policy["ingress"]
+    assert rule["ports"] == [{"port": "metrics", "protocol": "TCP"}]
 
 
 SECRETISH = re.compile(r"PASSWORD|SECRET|TOKEN$|KEY$|API_KEY")

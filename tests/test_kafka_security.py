@@ -60,6 +60,7 @@ from tokenbus.acls import (
     Pattern,
     Permission,
     Resource,
+    app_acls,
     create_acls,
     parse_principals,
     reply_prefix,
@@ -228,8 +229,7 @@ def test_each_service_gets_only_what_it_uses() -> None:
     assert may("scheduler", read, topics.workers)
     assert may("edge", write, topics.control)
     assert may("worker", read, topics.control)
-    assert may("app", write, topics.requests)
-    assert may("app", read, f"{reply_prefix(topics)}a")
+    assert may("ingest", read, topics.app_requests("a"))  # each outside app's own (ADR 0044)
     # Nothing more: no role reads another hop's input or writes another hop's output.
     assert not any(may("edge", read, t) for t in tiers)
     assert not may("edge", write, topics.batches)
@@ -237,9 +237,6 @@ def test_each_service_gets_only_what_it_uses() -> None:
     assert not may("worker", write, topics.batches)
     assert not may("worker", read, topics.requests)
     assert not may("ingest", read, topics.results)
-    assert not may("app", read, topics.results)
-    assert not may("app", write, topics.batches)
-    assert not may("app", read, topics.requests)
     # The edges' lease log is theirs alone, though `p.results.*` matches it too.
     for role in ("ingest", "scheduler", "worker"):
         assert may(role, write, topics.request_results("r1"))
@@ -254,8 +251,8 @@ def test_each_service_gets_only_what_it_uses() -> None:
     assert may("worker", write, topics.cache)
     assert may("ingest", read, topics.cache)
     assert not may("ingest", write, topics.cache)
-    assert not any(may(r, read, topics.cache) for r in ("edge", "scheduler", "worker", "app"))
-    assert not any(may(r, write, topics.cache) for r in ("edge", "scheduler", "app"))
+    assert not any(may(r, read, topics.cache) for r in ("edge", "scheduler", "worker"))
+    assert not any(may(r, write, topics.cache) for r in ("edge", "scheduler"))
     # Only the edge makes and removes topics; every other topic change is the admin's.
     makers = {a.principal for a in acls if a.operation in (Operation.CREATE, Operation.DELETE)}
     assert makers == {"User:edge"}
@@ -343,7 +340,10 @@ def secured_stack(cluster: launcher.Cluster, log_dir: Path) -> Iterator[Stack]:
 
     prefix = new_prefix()
     admin = settings_of(cluster, secured.ADMIN, prefix)
-    asyncio.run(create_acls(admin, service_acls(Topics(prefix))))
+    topics = Topics(prefix)
+    # The README's outside application `app`: its own topics, its own grants (ADR 0044).
+    asyncio.run(create_topics(admin, topics.app_partitions("app")))
+    asyncio.run(create_acls(admin, [*service_acls(topics), *app_acls(topics, "app")]))
     stack = Stack(
         bootstrap=cluster.bootstrap_servers,
         prefix=prefix,
@@ -356,7 +356,7 @@ def secured_stack(cluster: launcher.Cluster, log_dir: Path) -> Iterator[Stack]:
         },
         # Security is under test here, not lease timing: a loaded machine may take longer
         # than the default lease (10 s) between an edge's lease and its first renewal.
-        env_overrides={"TOKENBUS_EDGE_LEASE_TTL_S": "60"},
+        env_overrides={"TOKENBUS_EDGE_LEASE_TTL_S": "60", "TOKENBUS_INGEST_APPS": "app"},
         ready_timeout_s=180,
     )
     try:
@@ -390,12 +390,12 @@ def test_ingest_recalls_its_memory_well_under_a_request_timeout(secured_stack: S
 def test_kcat_request_with_its_own_login_gets_its_answer(
     cluster: launcher.Cluster, secured_stack: Stack
 ) -> None:
-    """The README's outside producer, as the `app` principal, replying under `<prefix>.replies.`.
+    """The README's outside producer, as the `app` principal: its own requests topic in, its
+    own reply topic (`<prefix>.replies.app`) out (ADR 0044).
 
     PLAIN over TLS: kcat's librdkafka (2.0.2 on Debian 12) cannot do SCRAM with Kafka 4.
     """
-    reply_topic = f"{reply_prefix(secured_stack.topics)}kcat"
-    asyncio.run(create_topics(secured_stack.settings, {reply_topic: 1}))
+    reply_topic = secured_stack.topics.app_replies("app")
     env = cluster.client_env("app")
     login = [
         *("-b", cluster.bootstrap_servers),
@@ -414,7 +414,7 @@ def test_kcat_request_with_its_own_login_gets_its_answer(
         "priority": "background",
         "reply_to": {"topic": reply_topic},
     }
-    kcat("-P", *login, "-t", secured_stack.topics.requests, "-K", "\t",
+    kcat("-P", *login, "-t", secured_stack.topics.app_requests("app"), "-K", "\t",
          stdin=f"{request_id}\t{json.dumps(record)}\n".encode())  # fmt: skip
 
     results: list[dict[str, Any]] = []

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import re
 import subprocess
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,7 +21,6 @@ from tests.test_monitoring import RULES, dashboard_queries
 
 pytestmark = pytest.mark.kafka
 
-SCRAPED = ("ingest", "scheduler", "worker")
 PROBE = "tokenbus_probe"
 # Series Prometheus makes itself for every target.
 SCRAPE_SERIES = {"up", "scrape_duration_seconds", "scrape_samples_scraped"}
@@ -32,13 +30,11 @@ SCRAPE_SERIES = {"up", "scrape_duration_seconds", "scrape_samples_scraped"}
 def scraped(bootstrap: str, log_dir: Path) -> Iterator[dict[str, str]]:
     """service -> its /metrics text, after one chat request went through all four."""
     stack = Stack(bootstrap=bootstrap, prefix=new_prefix(), log_dir=log_dir)
-    ports = {name: free_port() for name in SCRAPED}
     try:
         asyncio.run(_create(stack.settings, stack.topics))
         stack.edge_port = free_port()
         for name in SERVICES:
-            extra = {"TOKENBUS_METRICS_PORT": str(ports[name])} if name in ports else {}
-            stack.start_service(name, **extra)
+            stack.start_service(name)  # each on a free metrics port, the edge's included
         wait_until(stack.edge_ready, 60, "the edge's /healthz")
 
         async def one_request() -> None:
@@ -48,13 +44,7 @@ def scraped(bootstrap: str, log_dir: Path) -> Iterator[dict[str, str]]:
             assert got["c"].final["type"] == "chat.done"
 
         asyncio.run(one_request())
-        urls = {name: f"http://127.0.0.1:{port}/metrics" for name, port in ports.items()}
-        urls["edge"] = f"{stack.http_url}/metrics"
-        out = {}
-        for name, url in urls.items():
-            with urllib.request.urlopen(url, timeout=10) as response:
-                out[name] = response.read().decode()
-        yield out
+        yield {name: stack.metrics(name) for name in SERVICES}
     finally:
         stack.stop()
 

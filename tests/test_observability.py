@@ -1,8 +1,8 @@
 """One trace per request across the four real services, `tokenbus trace` on it, and /metrics.
 
 A real broker and the four services as processes, each writing its spans as JSON lines
-(TOKENBUS_TRACE_DIR) and serving /metrics (the edge on its own port, the others on
-TOKENBUS_METRICS_PORT).
+(TOKENBUS_TRACE_DIR) and serving /metrics on TOKENBUS_METRICS_PORT (the edge's too: never on
+its public port).
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ SCRAPED = ("ingest", "scheduler", "worker")
 class TracedStack:
     stack: Stack
     trace_dir: Path
-    metrics_ports: dict[str, int]
 
     def spans(self) -> list[SpanRecord]:
         out: list[SpanRecord] = []
@@ -54,9 +53,7 @@ class TracedStack:
         return [s for s in spans if s.trace_id in traces]
 
     def metrics_url(self, service: str) -> str:
-        if service == "edge":
-            return f"{self.stack.http_url}/metrics"
-        return f"http://127.0.0.1:{self.metrics_ports[service]}/metrics"
+        return f"http://127.0.0.1:{self.stack.health_ports[service]}/metrics"
 
 
 @pytest.fixture(scope="module")
@@ -74,15 +71,13 @@ def traced(
             "TOKENBUS_WORKER_SIM_TOKEN_RATE": "100",
         },
     )
-    ports = {name: free_port() for name in SCRAPED}
     try:
         asyncio.run(_create(stack.settings, stack.topics))
         stack.edge_port = free_port()
         for name in SERVICES:
-            extra = {"TOKENBUS_METRICS_PORT": str(ports[name])} if name in ports else {}
-            stack.start_service(name, **extra)
+            stack.start_service(name)  # each on a free metrics port (stack.health_ports)
         wait_until(stack.edge_ready, 60, "the edge's /healthz")
-        yield TracedStack(stack, trace_dir, ports)
+        yield TracedStack(stack, trace_dir)
     finally:
         stack.stop()
 

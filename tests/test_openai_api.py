@@ -48,6 +48,8 @@ def api(bootstrap: str, log_dir: Path) -> Iterator[Stack]:
         env_overrides={
             "TOKENBUS_EDGE_DISCONNECT_GRACE_S": str(GRACE_S),
             "TOKENBUS_WORKER_SIM_TOKEN_RATE": str(TOKEN_RATE),
+            # test_a_callers_traceparent_is_continued_on_kafka: the configured trust.
+            "TOKENBUS_EDGE_TRUST_TRACEPARENT": "true",
         },
     )
     try:
@@ -344,7 +346,7 @@ def test_a_dropped_stream_resumes_after_last_event_id_without_a_gap(api: Stack) 
     assert after
     # Another tenant's key cannot resume it.
     with pytest.raises(openai.AuthenticationError):
-        sdk(api, "slow").chat.completions.create(
+        sdk(api, "alice").chat.completions.create(
             model=MODEL,
             messages=messages,  # type: ignore[arg-type]
             stream=True,

@@ -23,7 +23,7 @@ TENANTS: dict[str, dict[str, object]] = {
     # One request per 100 s after a burst of two: the third is refused however slow the test.
     "slow": {**UNLIMITED, "rps": 0.01, "burst": 2},
     "single": {**UNLIMITED, "concurrency": 1},
-    "frugal": {**UNLIMITED, "tokens_per_min": 100},
+    "frugal": {**UNLIMITED, "tokens_per_min": 150},
     "twosockets": {**UNLIMITED, "sockets": 2},
 }
 
@@ -107,11 +107,15 @@ async def test_concurrent_streams(limited: Stack) -> None:
 async def test_tokens_per_minute(limited: Stack) -> None:
     first, second, huge = marker(), marker(), marker()
     async with websockets.connect(limited.ws_url_as(None), **bearer(limited, "frugal")) as ws:
-        done = await run_requests(ws, [{"client_id": "a", "prompt": first, "max_tokens": 50}])
+        # Charged at admission: the prompt's 38 bytes + 40 for the template (shared/tokens.py)
+        # + 24 = 102 of 150; settled at its end to its real usage: 3 (the sim's count) + 24
+        # (at most 24: every sim answer is longer).
+        done = await run_requests(ws, [{"client_id": "a", "prompt": first, "max_tokens": 24}])
         assert done["a"].final is not None
         assert done["a"].final["type"] == "chat.done"
-        # ~52 of 100 tokens charged; 60 more do not fit until the bucket refills.
-        await send(ws, "b", second, 60)
+        assert done["a"].final["usage"]["completion_tokens"] == 24
+        # 123 left; the whole minute's 150 do not fit until the bucket refills (~11 s).
+        await send(ws, "b", second, 72)
         frame = await recv_json(ws)
         check_rate_limited(frame, "b", "tokens_per_min")
         assert 1 <= frame["retry_after_ms"] <= 60_000

@@ -151,11 +151,12 @@ def test_prefix_key_is_the_conversation_or_its_opening() -> None:
         ]
     )
     other = ChatRequest(messages=[system, ChatMessage(role="user", content="bye")])
-    assert prefix_key(turn1) == prefix_key(turn2) != prefix_key(other)
+    assert prefix_key(turn1, "t") == prefix_key(turn2, "t") != prefix_key(other, "t")
     named = ChatRequest(messages=[first], conversation_id="c-1")
-    assert prefix_key(named) == "conversation:c-1"
-    assert prefix_key(ChatRequest(prompt="x" * 5000)) == prefix_key(
-        ChatRequest(prompt="x" * 4000 + "y")
+    assert prefix_key(named, "t") == prefix_key(ChatRequest(prompt="z", conversation_id="c-1"), "t")
+    assert prefix_key(named, "t").startswith("conversation:")
+    assert prefix_key(ChatRequest(prompt="x" * 5000), "t") == prefix_key(
+        ChatRequest(prompt="x" * 4000 + "y"), "t"
     )
 
 

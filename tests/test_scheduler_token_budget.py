@@ -11,6 +11,7 @@ from services.ingest.admission import Admitted, RecentIds, Rejected, admit
 from services.ingest.settings import IngestSettings
 from services.scheduler.settings import SchedulerSettings
 from shared.messages import ErrorCode
+from shared.tokens import prompt_token_bound
 from shared.topics import Topics
 
 TOPICS = Topics("tb")
@@ -42,10 +43,12 @@ def test_ingest_refuses_a_request_above_the_largest_tier_budget(
     assert error.request_id == "r2"  # the requester is told, on its reply_to
 
 
-def test_by_default_every_valid_request_fits_a_batch() -> None:
+def test_by_default_every_valid_ascii_request_fits_a_batch() -> None:
     settings = IngestSettings()
     limits = settings.limits()
-    # The estimate counts at most one token per character.
-    largest = settings.max_prompt_chars + settings.max_tokens_cap
+    # A request is charged its prompt's UTF-8 bytes plus a template allowance (ADR 0046): the
+    # longest ASCII prompt fits; one of multi-byte characters that long may not, and is
+    # refused where it enters rather than left waiting.
+    largest = prompt_token_bound("a" * settings.max_prompt_chars) + settings.max_tokens_cap
     assert limits.max_request_tokens is not None
     assert largest <= limits.max_request_tokens

@@ -6,7 +6,7 @@ from services.worker.engines.base import EngineDelta, EngineRequest
 from services.worker.engines.sim import SimEngine
 from services.worker.engines.sim_cache import PrefixCache
 from services.worker.engines.sim_profiles import PROFILES, SimProfile, llama3_8b_kv_tokens
-from shared.tokens import split_tokens
+from shared.tokens import sim_split
 
 
 def words(n: int, start: int = 0) -> list[str]:
@@ -80,8 +80,8 @@ async def test_a_next_turn_finds_the_previous_prompt_and_answer_cached() -> None
     finally:
         await engine.stop()
     cache = engine.prefix_cache
-    turn1, turn2 = len(split_tokens(first)), len(split_tokens(second))
-    history = len(split_tokens(f"{first}\nassistant: {reply}"))
+    turn1, turn2 = len(sim_split(first)), len(sim_split(second))
+    history = len(sim_split(f"{first}\nassistant: {reply}"))
     assert cache.queried_total == turn1 + turn2
     # Every full block of the first turn's prompt and answer; only the new message is not.
     assert cache.hit_total == history - history % 16

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
@@ -13,11 +14,11 @@ from aiokafka.protocol.admin import CreateAclsRequest
 from shared.kafka import make_admin
 from shared.messages import Tier
 from shared.settings import TokenbusSettings
-from shared.topics import Topics
+from shared.topics import APP_NAME, Topics
 
-# Every role that talks to Kafka: the four services and an outside application that
-# writes requests and reads its answers from its own reply topic (README: "any Kafka client").
-ROLES = ("edge", "ingest", "scheduler", "worker", "app")
+# Every service role that talks to Kafka. An outside application is not a role: each one
+# has its own principal and topics (`app_acls`), so none can act as another (ADR 0044).
+ROLES = ("edge", "ingest", "scheduler", "worker")
 
 
 # Kafka's wire codes (org.apache.kafka.common.resource / .acl); aiokafka has no enums for them.
@@ -67,8 +68,9 @@ class Acl:
 
 
 def reply_prefix(topics: Topics) -> str:
-    """Where outside applications' reply topics live under ACLs: `<prefix>.replies.<app>`."""
-    return f"{topics.prefix}.replies."
+    """Where outside applications' reply topics live: `<prefix>.replies.<app>`
+    (`Topics.app_replies`); services write results there, each application reads its own."""
+    return topics.app_replies("")
 
 
 def default_principals() -> dict[str, str]:
@@ -146,6 +148,8 @@ def grants(topics: Topics) -> dict[str, list[Grant]]:
         ],
         "ingest": [
             _topic(topics.requests, read),
+            # Every outside application's own requests topic (ADR 0044).
+            _topics_under(topics.app_requests_prefix, read),
             Grant(Resource.GROUP, f"{topics.prefix}.ingest", Pattern.LITERAL, (read,)),
             # read: what was handed on is remembered by reading the tails back (dedupe).
             *(_topic(t, read, write) for t in tiers),
@@ -179,11 +183,28 @@ def grants(topics: Topics) -> dict[str, list[Grant]]:
             *results_in,  # a take-over of a former process's batches skips what it answered
             _topic(topics.cache, write),  # complete deterministic answers (response cache)
         ],
-        "app": [
-            _topic(topics.requests, write),
-            _topics_under(reply_prefix(topics), read),
-        ],
     }
+
+
+def app_acls(topics: Topics, app: str, principal: str | None = None) -> list[Acl]:
+    """What one outside application may do: WRITE its own requests topic (which names it to
+    ingest), READ its own reply topic, and commit under its own consumer groups. Nothing on
+    the shared requests topic or another application's topics (ADR 0044)."""
+    if not re.fullmatch(APP_NAME, app):
+        raise ValueError(f"app name {app!r} does not match {APP_NAME}")
+    who = principal or f"User:{app}"
+    group = Grant(
+        Resource.GROUP, f"{topics.app_replies(app)}.", Pattern.PREFIXED, (Operation.READ,)
+    )
+    return [
+        Acl(who, g.resource, g.name, g.pattern, op, g.permission)
+        for g in (
+            _topic(topics.app_requests(app), Operation.WRITE),
+            _topic(topics.app_replies(app), Operation.READ),
+            group,
+        )
+        for op in g.operations
+    ]
 
 
 def service_acls(topics: Topics, principals: Mapping[str, str] | None = None) -> list[Acl]:
@@ -208,6 +229,19 @@ def parse_principals(pairs: Iterable[str]) -> dict[str, str]:
         if not sep or role not in ROLES or not principal:
             raise ValueError(f"--principal {pair!r}: expected ROLE=PRINCIPAL, ROLE one of {ROLES}")
         parsed[role] = principal if ":" in principal else f"User:{principal}"
+    return parsed
+
+
+def parse_apps(values: Iterable[str]) -> dict[str, str]:
+    """`NAME` or `NAME=PRINCIPAL` (`--app billing=User:billing-prod`) -> app: principal;
+    a bare name logs in as `User:<name>`."""
+    parsed: dict[str, str] = {}
+    for value in values:
+        app, sep, principal = value.partition("=")
+        if not re.fullmatch(APP_NAME, app) or (sep and not principal):
+            raise ValueError(f"--app {value!r}: expected NAME or NAME=PRINCIPAL, NAME {APP_NAME}")
+        principal = principal or app
+        parsed[app] = principal if ":" in principal else f"User:{principal}"
     return parsed
 
 

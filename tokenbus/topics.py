@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
 from aiokafka.errors import KafkaError
@@ -21,7 +21,15 @@ from shared.kafka import (
 )
 from shared.settings import TokenbusSettings
 from shared.topics import Topics
-from tokenbus.acls import ROLES, AclError, create_acls, parse_principals, service_acls
+from tokenbus.acls import (
+    ROLES,
+    AclError,
+    app_acls,
+    create_acls,
+    parse_apps,
+    parse_principals,
+    service_acls,
+)
 
 if TYPE_CHECKING:
     from tokenbus.commands import Subcommands
@@ -29,12 +37,18 @@ if TYPE_CHECKING:
 BROKER_TIMEOUT_S = 15.0
 
 
-async def ensure_topics(settings: TokenbusSettings, replication: int | None = None) -> None:
+async def ensure_topics(
+    settings: TokenbusSettings, replication: int | None = None, apps: Iterable[str] = ()
+) -> None:
     """Create the topics that are missing and print, per topic, what was done.
 
     `replication` defaults to min(3, brokers in the cluster), as for every topic made.
+    `apps`: outside applications whose own requests and reply topics are made too.
     """
-    wanted = Topics(settings.topic_prefix).partitions()
+    topics = Topics(settings.topic_prefix)
+    wanted = topics.partitions()
+    for app in apps:
+        wanted.update(topics.app_partitions(app))
     if replication is None:
         replication = await _cluster_replication(settings)
     created = set(
@@ -59,9 +73,17 @@ async def _cluster_replication(settings: TokenbusSettings) -> int:
         await admin.close()
 
 
-async def grant_acls(settings: TokenbusSettings, principals: Mapping[str, str]) -> None:
-    """Grant every role its least-privilege ACLs on this deployment's topics; print each."""
-    acls = service_acls(Topics(settings.topic_prefix), principals)
+async def grant_acls(
+    settings: TokenbusSettings,
+    principals: Mapping[str, str],
+    apps: Mapping[str, str] | None = None,
+) -> None:
+    """Grant every role its least-privilege ACLs on this deployment's topics, and each
+    application (`apps`: name -> principal) its own; print each."""
+    topics = Topics(settings.topic_prefix)
+    acls = service_acls(topics, principals)
+    for app, principal in (apps or {}).items():
+        acls += app_acls(topics, app, principal)
     await create_acls(settings, acls)
     for acl in acls:
         print(f"acl      {acl}", flush=True)
@@ -91,19 +113,32 @@ def register(commands: Subcommands) -> None:
         metavar="ROLE=PRINCIPAL",
         help=f"principal of a role ({', '.join(ROLES)}); default User:<role>; repeatable",
     )
+    create.add_argument(
+        "--app",
+        action="append",
+        default=[],
+        metavar="NAME[=PRINCIPAL]",
+        help="an outside application: create its requests topic (<prefix>.app-requests.NAME)"
+        " and reply topic (<prefix>.replies.NAME); with --acls, its principal (default"
+        " User:NAME) may write the one and read the other, nothing else; list it in ingest's"
+        " TOKENBUS_INGEST_APPS; repeatable",
+    )
     create.set_defaults(handler=_create)
 
 
 def _create(args: argparse.Namespace) -> int:
     try:
         principals = parse_principals(args.principal)
+        apps = parse_apps(args.app)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     settings = TokenbusSettings()
     try:
         asyncio.run(
-            _wait_and_create(settings, args.replication_factor, principals if args.acls else None)
+            _wait_and_create(
+                settings, args.replication_factor, principals if args.acls else None, apps
+            )
         )
     except (TimeoutError, KafkaError, KafkaLoginRefused, AclError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -112,9 +147,12 @@ def _create(args: argparse.Namespace) -> int:
 
 
 async def _wait_and_create(
-    settings: TokenbusSettings, replication: int | None, principals: Mapping[str, str] | None
+    settings: TokenbusSettings,
+    replication: int | None,
+    principals: Mapping[str, str] | None,
+    apps: Mapping[str, str],
 ) -> None:
     await wait_for_broker(settings, timeout_s=BROKER_TIMEOUT_S)
-    await ensure_topics(settings, replication)
+    await ensure_topics(settings, replication, apps)
     if principals is not None:
-        await grant_acls(settings, principals)
+        await grant_acls(settings, principals, apps)

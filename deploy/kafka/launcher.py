@@ -553,23 +553,31 @@ def _format_storage(cluster: Cluster, nodes: Sequence[Node], java: str, classpat
         return
     cluster_id = _existing_cluster_id(cluster) or _new_cluster_id()
     print(f"formatting storage of {len(blank)} node(s) in {cluster.state_dir}…", flush=True)
-    scram_users = secured.format_arguments(cluster.secure_files) if cluster.secure else []
-    # No log4j config here: log4j's default prints errors only, so stdout is the answer.
-    runs = [
-        (node, subprocess.Popen(
-            [java, "-cp", classpath, "kafka.tools.StorageTool",
-             "format", "-t", cluster_id, "-c", str(node.config_file), *scram_users],
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        ))
-        for node in blank
-    ]  # fmt: skip
-    for node, run in runs:
-        output, _ = run.communicate()
-        if run.returncode != 0:
-            raise LauncherError(
-                f"kafka-storage format of node {node.node_id} failed (exit {run.returncode}):\n"
-                + _tail(output)
-            )
+    scram_users: list[str] = []
+    argfile = cluster.secure_files.directory / "format.args"
+    if cluster.secure:  # the SCRAM users' passwords: in a private file, not on the command line
+        secured.write_format_argfile(cluster.secure_files, argfile)
+        scram_users = [f"@{argfile}"]
+    try:
+        # No log4j config here: log4j's default prints errors only, so stdout is the answer.
+        runs = [
+            (node, subprocess.Popen(
+                [java, "-cp", classpath, "kafka.tools.StorageTool",
+                 "format", "-t", cluster_id, "-c", str(node.config_file), *scram_users],
+                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                text=True,
+            ))
+            for node in blank
+        ]  # fmt: skip
+        for node, run in runs:
+            output, _ = run.communicate()
+            if run.returncode != 0:
+                raise LauncherError(
+                    f"kafka-storage format of node {node.node_id} failed "
+                    f"(exit {run.returncode}):\n" + _tail(output)
+                )
+    finally:
+        argfile.unlink(missing_ok=True)
 
 
 def _existing_cluster_id(cluster: Cluster) -> str | None:

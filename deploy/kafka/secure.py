@@ -20,7 +20,10 @@ from pathlib import Path
 # Who logs in: `admin` is the super user (ACLs, topics, the brokers' own links), the
 # others get only what `tokenbus topics create --acls` grants their role.
 ADMIN = "admin"
-USERS = (ADMIN, "edge", "ingest", "scheduler", "worker", "app")
+# Two outside applications' logins, each its own principal (`tokenbus topics create --acls
+# --app app --app app2` grants each its own topics only; ADR 0044).
+APPS = ("app", "app2")
+USERS = (ADMIN, "edge", "ingest", "scheduler", "worker", *APPS)
 MECHANISM = "SCRAM-SHA-512"
 # The same users and passwords also log in with PLAIN (over TLS): librdkafka before 2.6.1
 # (kcat 1.7 on Debian 12 has 2.0.2) fails SCRAM against Kafka 4 (librdkafka#4895).
@@ -153,6 +156,13 @@ def format_arguments(files: SecureFiles) -> list[str]:
     ]
 
 
+def write_format_argfile(files: SecureFiles, path: Path) -> None:
+    """`format_arguments` in a private file passed as `@path`, which kafka-storage reads as
+    one argument a line (its parser's `@file` arguments): the passwords stay off the
+    command line, which every local user may read (`ps`, /proc/<pid>/cmdline)."""
+    _write_private(path, "".join(f"{arg}\n" for arg in format_arguments(files)))
+
+
 def client_env(
     files: SecureFiles, user: str, bootstrap_servers: str, mechanism: str = MECHANISM
 ) -> dict[str, str]:
@@ -198,7 +208,7 @@ def usage(files: SecureFiles) -> str:
         f"  each user's client settings: {files.directory}/<user>.env "
         f"(users: {', '.join(USERS)})\n"
         f"  grant the services' ACLs:   (set -a; . {files.env_file(ADMIN)}; "
-        "tokenbus topics create --acls)\n"
+        f"tokenbus topics create --acls {' '.join(f'--app {a}' for a in APPS)})\n"
         f"  run a service as its user:  (set -a; . {files.env_file('edge')}; "
         "python -m services.edge)"
     )

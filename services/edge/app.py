@@ -1,8 +1,9 @@
-"""The edge process: WebSocket chat, chat page, health, metrics; one producer, one consumer.
+"""The edge process: WebSocket chat, chat page, health; one producer, one consumer.
 
 A wiring of its parts: Kafka clients and the broker link (`broker_link.py`), the result
 reader (`results.py`), the result topology (`topology.py`), the request path every client
-uses (`gateway.py`), the WebSocket client (`chat_socket.py`), and background loops.
+uses (`gateway.py`), the WebSocket client (`chat_socket.py`), and background loops. Its
+/metrics is not on the public app: `__main__.py` serves it on the metrics port.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from pathlib import Path
 import structlog
 from aiokafka import TopicPartition
 from aiokafka.errors import KafkaError
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import FileResponse, PlainTextResponse, Response
 from starlette.routing import Mount, Route, WebSocketRoute
@@ -37,6 +38,8 @@ from services.edge.metrics import EdgeMetrics
 from services.edge.openai.edge_streams import EdgeStreams
 from services.edge.openai.models import ModelDirectory
 from services.edge.openai.routes import OpenAIApi
+from services.edge.page import SecurityHeaders
+from services.edge.replay import REPLAY_FETCH_WAIT_MS, Replays
 from services.edge.results import ResultReader
 from services.edge.settings import EdgeSettings
 from services.edge.sweeper import TopicSweeper
@@ -72,6 +75,7 @@ class Edge:
         self.telemetry = EdgeTelemetry(
             metrics=EdgeRequestMetrics.build(self.metrics.registry),
             results_topic=self.topics.results,
+            trust_traceparent=settings.edge_trust_traceparent,
         )
         self.resume_keys = settings.resume_keys()
         # Keys, origins, quotas (auth.py); tenant ids are keyed by the resume keys.
@@ -153,6 +157,17 @@ class Edge:
                 metrics=self.metrics,
                 resume_keys=self.resume_keys,
                 models=self.openai.models,
+                replays=Replays(
+                    lambda: make_consumer(
+                        s,
+                        group_id=None,
+                        client_id=f"{self.edge_id}-replay",
+                        fetch_max_wait_ms=REPLAY_FETCH_WAIT_MS,
+                    ),
+                    timeout_s=s.edge_resume_timeout_s,
+                    max_records=s.edge_resume_max_records,
+                    concurrency=s.edge_resume_replays,
+                ),
             )
             sweeper = TopicSweeper(
                 admin,
@@ -169,6 +184,7 @@ class Edge:
                 "edge-housekeeping": gateway.housekeeping,
                 "edge-broker-probe": link.probe,
                 "edge-sweeper": sweeper.run,
+                "edge-revocations": self.guard.watch_revocations,
             }
             for name, loop in loops.items():
                 tasks.append(asyncio.create_task(self._supervised(name, loop), name=name))
@@ -268,9 +284,6 @@ class Edge:
             return Readiness.not_ready("kafka unreachable")
         return Readiness(ready=True, reason="ok")
 
-    async def metrics_page(self, request: Request) -> Response:
-        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
     async def index(self, request: Request) -> Response:
         return FileResponse(STATIC / "index.html")
 
@@ -288,19 +301,20 @@ class Edge:
         await ChatSocket(gateway, self.metrics, ws, upgrade).serve()
 
 
-def build_app(settings: EdgeSettings) -> Starlette:
-    edge = Edge(settings)
-    openai = OpenAIApi(edge.openai, settings.edge_max_frame_bytes)
+def build_app(edge: Edge) -> Starlette:
+    """The public app: what clients and load balancers reach; no /metrics (docs/security.md)."""
+    settings = edge.settings
+    openai = OpenAIApi(edge.openai, settings.edge_max_frame_bytes, settings.edge_outbox_frames)
     return Starlette(
         routes=[
             Route("/", edge.index),
             Mount("/static", StaticFiles(directory=STATIC), name="static"),  # the page's files
             *health_routes(edge.readiness),
-            Route("/metrics", edge.metrics_page),
             WebSocketRoute("/v1/chat", edge.chat),
             Route("/v1/chat/completions", openai.chat_completions, methods=["POST"]),
             Route("/v1/completions", openai.completions, methods=["POST"]),
             Route("/v1/models", openai.models),
         ],
+        middleware=[Middleware(SecurityHeaders)],  # the chat page's CSP (page.py)
         lifespan=edge.lifespan,
     )

@@ -7,13 +7,14 @@ of each request, and when it closes.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import hashlib
 import hmac
 import ipaddress
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -28,15 +29,17 @@ from services.edge.protocol import (
     ProtocolError,
 )
 from services.edge.quotas import Quotas, Refusal
-from services.edge.resume import ResumeKeys, token_kid
+from services.edge.resume import ResumeKeys
 from services.edge.settings import EdgeSettings
-from shared.messages import ErrorCode
-from shared.tokens import estimate_tokens
+from shared.messages import ErrorCode, Usage
 
 log = structlog.get_logger()
 
 # RFC 6455 close codes
 POLICY_VIOLATION = 1008
+# How often open sockets are checked against the keys file: a revoked key's socket closes
+# within this (`Guard.watch_revocations`).
+REVOCATION_CHECK_S = 0.5
 TRY_AGAIN_LATER = 1013
 LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")
 ANY_ORIGIN = "*"
@@ -165,8 +168,10 @@ def tenant_id(secret: bytes, tenant: str) -> str:
 
 
 def request_tokens(frame: ChatRequestFrame) -> int:
-    """What a request is charged against tokens-per-minute: prompt estimate + max_tokens."""
-    return estimate_tokens(frame.prompt_text()) + frame.effective_max_tokens
+    """What a request is charged against tokens-per-minute when it is admitted: the prompt's
+    token bound (never below its real count, shared/tokens.py) + max_tokens. Settled with
+    the real `usage` when it ends (`Quotas.settle`)."""
+    return frame.prompt_token_bound() + frame.effective_max_tokens
 
 
 def rate_limited(refusal: Refusal, client_id: str | None = None) -> ErrorFrame:
@@ -203,6 +208,8 @@ class Guard:
         self.max_pending = settings.edge_max_unauthenticated_sockets
         self.pending = 0  # sockets open without a key yet (`auth` frame awaited)
         self._resume_keys = resume_keys
+        # Sockets open with a key -> how to close one whose key is revoked.
+        self._open: dict[SocketAuth, Callable[[], None]] = {}
         if not len(self.keys):
             log.warning(
                 "keys.none",
@@ -271,8 +278,62 @@ class Guard:
         log.info("quota.refused", limit=refusal.limit, key_id=principal.key_id)
         return rate_limited(refusal, frame.client_id)
 
+    def charge(self, principal: Principal, what: str) -> ErrorFrame | None:
+        """Decide a frame that opens no stream (`what`: stream.resume, chat.cancel): the key
+        is still valid, and the tenant's request rate has room (each is charged as one)."""
+        current = self.keys.current(principal)
+        if current is None:
+            log.info("auth.revoked_key_used", key_id=principal.key_id, frame=what)
+            return unauthorized(f"{what}: the socket's API key was revoked")
+        refusal = self.quotas.charge(current.tenant, current.limits)
+        if refusal is None:
+            return None
+        log.info("quota.refused", limit=refusal.limit, key_id=principal.key_id, frame=what)
+        return rate_limited(refusal)
+
+    def hold(self, principal: Principal, request_id: str) -> ErrorFrame | None:
+        """A concurrency slot for a stream resumed on this edge, until `release`."""
+        current = self.keys.current(principal)
+        if current is None:
+            return unauthorized("stream.resume: the socket's API key was revoked")
+        refusal = self.quotas.hold(current.tenant, current.limits, request_id)
+        if refusal is None:
+            return None
+        log.info("quota.refused", limit=refusal.limit, key_id=principal.key_id)
+        return rate_limited(refusal)
+
+    def settle(self, request_id: str, usage: Usage) -> None:
+        """A request ended with its real usage: its tokens charge is corrected to it."""
+        self.quotas.settle(request_id, usage.prompt_tokens + usage.completion_tokens)
+
     def release(self, request_id: str) -> None:
         self.quotas.release(request_id)
+
+    def watch(self, auth: SocketAuth, on_revoked: Callable[[], None]) -> None:
+        self._open[auth] = on_revoked
+
+    def unwatch(self, auth: SocketAuth) -> None:
+        self._open.pop(auth, None)
+
+    def revoked(self) -> list[Callable[[], None]]:
+        """The close callbacks of open sockets whose key the keys file no longer has."""
+        gone = [
+            (auth, principal, close)
+            for auth, close in self._open.items()
+            if (principal := auth.principal) is not None and self.keys.current(principal) is None
+        ]
+        for auth, principal, _ in gone:
+            del self._open[auth]
+            log.info("auth.revoked_socket_closed", key_id=principal.key_id)
+        return [close for _, _, close in gone]
+
+    async def watch_revocations(self) -> None:
+        """Close the sockets of revoked keys within `REVOCATION_CHECK_S` (one `stat` a turn:
+        the keys file is read again only when it changed)."""
+        while True:
+            await asyncio.sleep(REVOCATION_CHECK_S)
+            for close in self.revoked():
+                close()
 
 
 class SocketAuth:
@@ -283,8 +344,15 @@ class SocketAuth:
     back whatever the socket holds.
     """
 
-    def __init__(self, guard: Guard, upgrade: Upgrade, now: float) -> None:
+    def __init__(
+        self,
+        guard: Guard,
+        upgrade: Upgrade,
+        now: float,
+        on_revoked: Callable[[], None] = lambda: None,
+    ) -> None:
         self._guard = guard
+        self._on_revoked = on_revoked  # the socket's key was revoked: close it
         self._presented = upgrade.principal  # a key in the upgrade's Authorization header
         self._pending = upgrade.principal is None  # holds a `pending` place (Guard.upgrade)
         self._frames = 0  # frames answered `unauthorized`
@@ -334,10 +402,10 @@ class SocketAuth:
             return unauthorized("auth: this socket is authenticated as another tenant")
         return None
 
-    def tenant_for_token(self, resume_token: str) -> str:
-        """This socket's tenant id under the key `resume_token` was signed with."""
-        assert self.principal is not None  # the socket reads no resume before its key
-        return self._guard.tenant_id(self.principal, token_kid(resume_token))
+    def charge(self, what: str) -> ErrorFrame | None:
+        """A resume or cancel from this socket, charged to its tenant (`Guard.charge`)."""
+        assert self.principal is not None  # the socket reads no such frame before its key
+        return self._guard.charge(self.principal, what)
 
     def admit(self, frame: ChatRequestFrame, request_id: str) -> ErrorFrame | None:
         assert self.principal is not None  # the socket reads no request before its key
@@ -346,6 +414,7 @@ class SocketAuth:
     def end(self) -> None:
         """The socket closed: give back its socket place or its pending place."""
         if self.principal is not None:
+            self._guard.unwatch(self)
             self._guard.close_socket(self.principal)
             self.principal = None
         if self._pending:
@@ -360,4 +429,5 @@ class SocketAuth:
             self._pending = False
         self.principal = principal
         self.tenant = self._guard.tenant_id(principal)
+        self._guard.watch(self, self._on_revoked)
         return None

@@ -14,7 +14,7 @@ import structlog
 from starlette.types import Message
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from services.edge.auth import Close, SocketAuth, Upgrade
+from services.edge.auth import POLICY_VIOLATION, Close, SocketAuth, Upgrade
 from services.edge.gateway import Gateway
 from services.edge.metrics import EdgeMetrics
 from services.edge.protocol import (
@@ -35,6 +35,8 @@ log = structlog.get_logger()
 # WebSocket close code 1013 "try again later": the client read too slowly; it may resume.
 CLOSE_TRY_AGAIN_LATER = 1013
 CLOSE_TIMEOUT_S = 5.0
+# RFC 6455 close code 1009 "message too big": a frame above the limit before the key.
+CLOSE_MESSAGE_TOO_BIG = 1009
 
 
 class ChatSocket:
@@ -49,13 +51,17 @@ class ChatSocket:
         settings = gateway.settings
         self.limits = gateway.limits
         self.max_frame_bytes = settings.edge_max_frame_bytes
+        self.max_unauthenticated_frame_bytes = settings.edge_max_unauthenticated_frame_bytes
         # Bounded: a client that stops reading must not grow the edge's memory.
         self.outbox: asyncio.Queue[tuple[ServerFrame, ResultStream | None]] = asyncio.Queue(
             settings.edge_outbox_frames
         )
         self._too_slow = asyncio.Event()
+        self._revoked = asyncio.Event()  # its key was revoked: closed at once (1008)
         # Who the socket speaks for; nothing but `auth` is read before that is known.
-        self.auth = SocketAuth(gateway.guard, upgrade, time.monotonic())
+        self.auth = SocketAuth(
+            gateway.guard, upgrade, time.monotonic(), on_revoked=self._revoked.set
+        )
 
     @property
     def tenant(self) -> str:
@@ -88,10 +94,13 @@ class ChatSocket:
                 writer = tg.create_task(self._write())
                 reader = tg.create_task(self._read(tg))
                 too_slow = tg.create_task(self._too_slow.wait())
-                await asyncio.wait({reader, too_slow}, return_when=asyncio.FIRST_COMPLETED)
-                for task in (writer, reader, too_slow):
+                revoked = tg.create_task(self._revoked.wait())
+                await asyncio.wait({reader, too_slow, revoked}, return_when=asyncio.FIRST_COMPLETED)
+                for task in (writer, reader, too_slow, revoked):
                     task.cancel()
-            if self._too_slow.is_set():
+            if self._revoked.is_set():
+                await self.ws.close(POLICY_VIOLATION, "the socket's API key was revoked")
+            elif self._too_slow.is_set():
                 await self._close_too_slow()
             elif (close := reader.result()) is not None:
                 await self.ws.close(close.code, close.reason)
@@ -155,10 +164,19 @@ class ChatSocket:
             elif isinstance(frame, ChatRequestFrame):
                 tg.create_task(self._submit(frame))
             elif isinstance(frame, ChatCancelFrame):
-                tg.create_task(self.gateway.cancel_stream(frame.request_id, self))
+                if denied := self.auth.charge("chat.cancel"):
+                    self.send(denied.model_copy(update={"request_id": frame.request_id}))
+                else:
+                    tg.create_task(self.gateway.cancel_stream(frame.request_id, self))
             elif isinstance(frame, StreamResumeFrame):
-                tenant = self.auth.tenant_for_token(frame.resume_token)
-                tg.create_task(self.gateway.resume_stream(frame, tenant=tenant, client=self))
+                if denied := self.auth.charge("stream.resume"):
+                    self.send(denied)
+                else:
+                    principal = self.auth.principal
+                    assert principal is not None  # authenticated above
+                    tg.create_task(
+                        self.gateway.resume_stream(frame, principal=principal, client=self)
+                    )
 
     # -- auth hooks: the decisions are SocketAuth's (auth.py) -------------------------------
 
@@ -173,6 +191,11 @@ class ChatSocket:
             return None
 
     def _before_key(self, data: str | bytes) -> Close | None:
+        # Nothing big is parsed for a client not known yet: one such frame closes the socket.
+        size = len(data.encode()) if isinstance(data, str) else len(data)
+        if size > self.max_unauthenticated_frame_bytes:
+            log.info("auth.frame_too_big", size=size)
+            return Close(CLOSE_MESSAGE_TOO_BIG, "frame too big before authentication")
         try:
             frame = parse_client_frame(data, self.limits, self.max_frame_bytes)
         except ProtocolError as exc:

@@ -30,11 +30,20 @@ from pydantic import TypeAdapter, ValidationError
 from services.edge.auth import Guard
 from services.edge.broker_health import BrokerUnavailable
 from services.edge.broker_link import BrokerLink
+from services.edge.keys import Principal
 from services.edge.metrics import EdgeMetrics
 from services.edge.openai.models import ModelDirectory
 from services.edge.protocol import AcceptedFrame, ErrorFrame, ServerFrame, StreamResumeFrame
+from services.edge.replay import Replayed, ReplayRefused, Replays
 from services.edge.results import ResultReader
-from services.edge.resume import ResumeClaims, ResumeKeys, ResumeRefused, check_resume, sign
+from services.edge.resume import (
+    ResumeClaims,
+    ResumeKeys,
+    ResumeRefused,
+    check_resume,
+    sign,
+    token_kid,
+)
 from services.edge.settings import EdgeSettings
 from services.edge.stalls import StallGuard
 from services.edge.streams import Client, ResultStream, ResumePoint, StreamRouter
@@ -54,7 +63,6 @@ from shared.messages import (
     Tier,
     over_budget,
 )
-from shared.tokens import estimate_tokens
 from shared.topics import Topics
 
 log = structlog.get_logger()
@@ -105,8 +113,10 @@ class Gateway:
         metrics: EdgeMetrics,
         resume_keys: ResumeKeys,
         models: ModelDirectory,
+        replays: Replays,
     ) -> None:
         self.settings = settings
+        self.replays = replays  # resumes read their streams' past with readers of their own
         self.models = models  # the models live workers serve: a request naming another is refused
         self.topics = topics
         self.edge_id = edge_id
@@ -148,7 +158,7 @@ class Gateway:
         flight = self.telemetry.begin(
             request_id, tier=tier.value, max_tokens=request.max_tokens, parent=parent
         )
-        prompt_tokens = estimate_tokens(request.prompt_text())
+        prompt_tokens = request.prompt_token_bound()  # never below the real count
         refusal = over_budget(prompt_tokens, request.effective_max_tokens, self.token_budget)
         if refusal is not None:
             # No batch could ever hold it: refused before anything is written.
@@ -205,7 +215,11 @@ class Gateway:
         return stream
 
     async def cancel_stream(self, request_id: str, client: Client) -> None:
-        """The client cancels one of its streams; answered with an ErrorFrame if it cannot."""
+        """The client cancels one of its streams; answered with an ErrorFrame if it cannot.
+
+        A stream already cancelled is a no-op: one cancel record per stream, however many
+        frames ask for it.
+        """
         stream = self.router.get(request_id)
         if stream is None or stream.client is not client:
             client.send(
@@ -216,19 +230,32 @@ class Gateway:
                 )
             )
             return
+        if stream.cancelled:
+            return
+        stream.cancelled = True
         try:
             await self.link.bounded(self.link.send_cancel(request_id, "client"))
         except (KafkaError, BrokerUnavailable) as exc:
             # Buffered if the broker is away; the client is told, so it may cancel again.
+            stream.cancelled = False
             log.error("cancel.produce_failed", request_id=request_id, error=repr(exc))
             client.send(
                 self.link.overloaded("chat.cancel: not sent yet, try again", request_id=request_id)
             )
 
-    async def resume_stream(self, frame: StreamResumeFrame, *, tenant: str, client: Client) -> None:
+    async def resume_stream(
+        self, frame: StreamResumeFrame, *, principal: Principal, client: Client
+    ) -> None:
         """Serve a resume: replay from the token's offset, then go on live; refusals are
-        answered with an ErrorFrame."""
+        answered with an ErrorFrame.
+
+        The client handler charged the resume to the tenant's request rate; a stream resumed
+        here holds one of the tenant's concurrency slots (`Guard.hold`) until it ends, on
+        whichever edge it was opened. A resume of a stream this client already reads is a
+        no-op.
+        """
         request_id: str | None = None
+        tenant = self.guard.tenant_id(principal, token_kid(frame.resume_token))
         try:
             claims = check_resume(
                 frame.resume_token,
@@ -238,9 +265,19 @@ class Gateway:
                 now=time.time(),
             )
             request_id = claims.request_id
-            # A few Kafka round trips; none changes state before the last one.
-            await self.link.bounded(self._resume(claims, frame, client), RESUME_TIMEOUT_S)
-        except ResumeRefused as exc:
+            previous = self.router.get(request_id)
+            if previous is not None and previous.client is client:
+                return  # already attached to this client: nothing to replay
+            if refused := self.guard.hold(principal, request_id):
+                client.send(refused.model_copy(update={"request_id": request_id}))
+                return
+            try:
+                await self._resume(claims, frame, client)
+            except BaseException:
+                if self.router.get(request_id) is None:
+                    self.guard.release(request_id)  # nothing of it is kept here
+                raise
+        except (ResumeRefused, ReplayRefused) as exc:
             self.metrics.resumes.labels(exc.code.value).inc()
             log.info("stream.resume_refused", request_id=request_id, code=exc.code.value)
             client.send(ErrorFrame(code=exc.code, message=exc.message, request_id=request_id))
@@ -308,8 +345,13 @@ class Gateway:
         return True
 
     async def _resume(self, claims: ResumeClaims, frame: StreamResumeFrame, client: Client) -> None:
+        """Replay the stream with a reader of its own (`replay.py`), then attach it live.
+
+        The shared reader is never rewound: the replay reads up to where that one stands,
+        and the stream is attached to it in the same turn (`attach`).
+        """
         tp = TopicPartition(claims.topic, claims.partition or 0)
-        begin, end = await self._offsets(tp)
+        begin, end = await self.link.bounded(self._offsets(tp), RESUME_TIMEOUT_S)
         if claims.offset < begin:
             raise ResumeRefused(
                 ErrorCode.not_found,
@@ -319,23 +361,40 @@ class Gateway:
             raise ResumeRefused(ErrorCode.not_found, "stream.resume: no such stream here")
         rid = claims.request_id
         # Tell the edge that had it (if alive) before reading, so it does not cancel it.
-        await self.link.send_control(
-            rid, encode(StreamResumed(request_id=rid, edge_id=self.edge_id))
+        await self.link.bounded(
+            self.link.send_control(
+                rid, encode(StreamResumed(request_id=rid, edge_id=self.edge_id))
+            ),
+            RESUME_TIMEOUT_S,
         )
-        previous = self.router.get(rid)
-        self.topology.resumed(claims.topic)
         point = ResumePoint(frame.attempt, frame.after_seq)
-        # A stream resumed on the edge that had it keeps its trace.
-        flight = previous.flight if previous is not None else None
-        stream = self.router.resume(rid, client, point, followed=tp, flight=flight)
-        self.reader.follow(tp, claims.offset, end, lambda: self._caught_up(stream))
-        if previous is not None and previous.followed is not None:
-            self.reader.unfollow(previous.followed)
-        self.metrics.streams_open.set(len(self.router))
+
+        def attach(replayed: Replayed) -> None:
+            # No await here: the shared reader's next records of `tp` go to this stream.
+            self.metrics.replayed.inc(replayed.scanned)
+            previous = self.router.get(rid)  # now: it may have ended during the replay
+            self.topology.resumed(claims.topic)
+            # A stream resumed on the edge that had it keeps its trace.
+            flight = previous.flight if previous is not None else None
+            stream = self.router.resume(rid, client, point, followed=tp, flight=flight)
+            for result in replayed.records:
+                self.router.route(result)
+            self.reader.join(tp, replayed.position)
+            if previous is not None and previous.followed is not None:
+                self.reader.unfollow(previous.followed)
+            self.metrics.streams_open.set(len(self.router))
+            self._caught_up(stream)
+
+        await self.replays.read(
+            tp,
+            rid,
+            start=claims.offset,
+            end=end,
+            live=lambda: self.reader.position(tp),
+            attach=attach,
+        )
 
     def _caught_up(self, stream: ResultStream) -> None:
-        if self.router.get(stream.request_id) is not stream:
-            return  # resumed again, or closed, meanwhile: that one decides
         ok = self.router.caught_up(stream.request_id)
         self.metrics.resumes.labels("resumed" if ok else "ahead_of_log").inc()
         if not ok:
@@ -358,6 +417,7 @@ class Gateway:
     ) -> None:
         """Result records, in order: each stream's progress and trace, then its frames."""
         now = time.monotonic()
+        self.metrics.results_read.inc(len(results))
         for record, result in results:
             stream = self.router.get(result.request_id)
             if stream is not None:
@@ -386,7 +446,11 @@ class Gateway:
                 self._let_go(stream, ended=False)
 
     def on_stream_ended(self, stream: ResultStream) -> None:
-        """A stream's final record was shown (or swallowed while detached): let go of it."""
+        """A stream's final record was shown (or swallowed while detached): settle its
+        tokens charge with the real usage of its `done` (an error has none: the charge
+        stands), then let go of it."""
+        if stream.usage is not None:
+            self.guard.settle(stream.request_id, stream.usage)
         self._let_go(stream, ended=True)
 
     def on_reachable(self) -> None:

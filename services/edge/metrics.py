@@ -66,6 +66,17 @@ class EdgeMetrics:
         self.resumes = Counter(
             "tokenbus_edge_resumes", "stream.resume outcomes", ["outcome"], registry=r
         )
+        self.results_read = Counter(
+            "tokenbus_edge_results_read",
+            "Result records the edge's shared reader handed on (a resume's replay reads its"
+            " own: this grows with new records only, never by a rewind)",
+            registry=r,
+        )
+        self.replayed = Counter(
+            "tokenbus_edge_resume_replay_records",
+            "Records resume replays read, with readers of their own",
+            registry=r,
+        )
         self.disconnect_cancels = Counter(
             "tokenbus_edge_disconnect_cancels",
             "Requests cancelled because their socket dropped and no resume came",

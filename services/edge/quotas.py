@@ -16,6 +16,7 @@ from typing import Literal
 from pydantic import Field
 
 from shared.messages import Model
+from shared.quotas import TokenBucket  # the one bucket rule, shared with ingest's app quotas
 
 Limit = Literal["rps", "concurrency", "tokens_per_min", "sockets"]
 
@@ -32,7 +33,9 @@ class TenantLimits(Model):
     )
     concurrency: int = Field(default=32, ge=1, description="Streams in flight at once.")
     tokens_per_min: int = Field(
-        default=200_000, ge=1, description="Prompt estimate + max_tokens, charged at admission."
+        default=200_000,
+        ge=1,
+        description="Prompt token bound + max_tokens at admission; settled to the real usage.",
     )
     sockets: int = Field(default=32, ge=1, description="WebSockets open at once.")
 
@@ -48,37 +51,6 @@ class Refusal:
     limit: Limit
     message: str
     retry_after_ms: int | None
-
-
-class TokenBucket:
-    """`capacity` units, refilled at `rate` per second; the caller's clock."""
-
-    def __init__(self, rate: float, capacity: float, now: float) -> None:
-        self.rate = rate
-        self.capacity = capacity
-        self.level = capacity
-        self._at = now
-
-    def resize(self, rate: float, capacity: float) -> None:
-        """New limits (the keys file changed): keep what was used, not more than fits."""
-        self.rate = rate
-        self.capacity = capacity
-        self.level = min(self.level, capacity)
-
-    def wait_s(self, cost: float, now: float) -> float | None:
-        """Seconds until `cost` units are there (0: now); None if they never can be."""
-        if cost > self.capacity:
-            return None
-        self._fill(now)
-        return max(0.0, (cost - self.level) / self.rate)
-
-    def take(self, cost: float, now: float) -> None:
-        self._fill(now)
-        self.level -= cost
-
-    def _fill(self, now: float) -> None:
-        self.level = min(self.capacity, self.level + (now - self._at) * self.rate)
-        self._at = max(self._at, now)
 
 
 @dataclass
@@ -100,6 +72,7 @@ class Quotas:
         self._clock = clock
         self._tenants: dict[str, _TenantUse] = {}
         self._stream_tenant: dict[str, str] = {}
+        self._charged: dict[str, int] = {}  # request_id -> tokens charged at `admit`
 
     def open_socket(self, tenant: str, limits: TenantLimits) -> Refusal | None:
         use = self._use(tenant, limits)
@@ -120,7 +93,8 @@ class Quotas:
     def admit(
         self, tenant: str, limits: TenantLimits, request_id: str, tokens: int
     ) -> Refusal | None:
-        """Charge one request of `tokens` (prompt estimate + max_tokens), or refuse it whole."""
+        """Charge one request of `tokens` (prompt bound + max_tokens), or refuse it whole;
+        `settle` corrects the charge to the real usage once the request ends."""
         now = self._clock()
         use = self._use(tenant, limits)
         if len(use.streams) >= limits.concurrency:
@@ -156,13 +130,57 @@ class Quotas:
         use.tokens.take(tokens, now)
         use.streams.add(request_id)
         self._stream_tenant[request_id] = tenant
+        self._charged[request_id] = tokens
+        return None
+
+    def charge(self, tenant: str, limits: TenantLimits) -> Refusal | None:
+        """Charge one request's worth of the rate for a frame that opens no stream (a resume,
+        a cancel): each writes to Kafka or reads the log, so none is free."""
+        now = self._clock()
+        use = self._use(tenant, limits)
+        wait = use.requests.wait_s(1, now)
+        if wait is None or wait > 0:
+            return Refusal(
+                "rps", f"above the tenant's {limits.rps:g} requests per second", _ms(wait)
+            )
+        use.requests.take(1, now)
+        return None
+
+    def hold(self, tenant: str, limits: TenantLimits, request_id: str) -> Refusal | None:
+        """A concurrency slot for a stream that came here by a resume (no tokens: they were
+        charged where it was opened); a stream already counted here keeps its slot."""
+        use = self._use(tenant, limits)
+        if request_id in use.streams:
+            return None
+        if len(use.streams) >= limits.concurrency:
+            return Refusal(
+                "concurrency",
+                f"{len(use.streams)} requests in flight, the tenant's limit is "
+                f"{limits.concurrency}",
+                SLOT_RETRY_AFTER_MS,
+            )
+        use.streams.add(request_id)
+        self._stream_tenant[request_id] = tenant
         return None
 
     def release(self, request_id: str) -> None:
         """The stream ended (or was never opened): its concurrency slot is free."""
+        self._charged.pop(request_id, None)
         tenant = self._stream_tenant.pop(request_id, None)
         if tenant is not None:
             self._tenants[tenant].streams.discard(request_id)
+
+    def settle(self, request_id: str, used_tokens: int) -> None:
+        """The request ended with its real usage (prompt + completion tokens of its final
+        `done`): its tenant gets back what `admit` charged above that, or pays what it used
+        beyond it. Once per request, and only for one admitted here (a stream resumed from
+        another edge was charged there); `release` still frees its slot."""
+        charged = self._charged.pop(request_id, None)
+        tenant = self._stream_tenant.get(request_id)
+        if charged is None or tenant is None:
+            return
+        # A negative take gives back; the bucket's next fill caps it at its capacity.
+        self._tenants[tenant].tokens.take(used_tokens - charged, self._clock())
 
     def in_flight(self, tenant: str) -> int:
         use = self._tenants.get(tenant)

@@ -140,6 +140,21 @@ class ResultReader:
         self._ops.append(_Follow(tp, offset, target, on_caught_up))
         self._poke()
 
+    def join(self, tp: TopicPartition, offset: int) -> None:
+        """Read `tp` on from where this reader stands on it, or from `offset` if it does not
+        read it yet: never rewound (a resume's replay read the past: `replay.py`).
+
+        Takes effect now, not between fetches: `position(tp)` is this reader's from this
+        call on, so the replay that called it leaves no record between the two. Ends with
+        `unfollow`, as `follow` does.
+        """
+        tail = self._tails.get(tp)
+        if tail is not None:
+            tail.refs += 1
+            return
+        self._tails[tp] = _Tail(position=offset)
+        self._poke()  # `run` assigns it and seeks to `offset` before its next fetch
+
     def unfollow(self, tp: TopicPartition) -> None:
         self._ops.append(_Unfollow(tp))
         self._poke()

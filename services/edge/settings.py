@@ -129,6 +129,20 @@ class EdgeSettings(KeysSettings):
     edge_resume_ttl_s: float = Field(
         default=600.0, gt=0, description="How long a resume token stays valid."
     )
+    # A resume replays its stream with a consumer of its own (services/edge/replay.py); the
+    # edge's shared reader is never rewound for it.
+    edge_resume_timeout_s: float = Field(
+        default=10.0, gt=0, description="A resume's replay of its stream ends within this."
+    )
+    edge_resume_max_records: int = Field(
+        default=200_000,
+        ge=1,
+        description="Records a resume's replay may read (its own and other streams') at most;"
+        " a stream further back is refused `not_found`.",
+    )
+    edge_resume_replays: int = Field(
+        default=16, ge=1, description="Resume replays running at once on this edge; more wait."
+    )
     edge_models_stale_s: float = Field(
         default=10.0,
         gt=0,
@@ -164,4 +178,48 @@ class EdgeSettings(KeysSettings):
     )
     edge_max_unauthenticated_frames: int = Field(
         default=8, ge=1, description="Frames answered `unauthorized` before the socket is closed."
+    )
+
+    # -- security: the listener's limits (services/edge/listener.py, openai/routes.py) ------
+    edge_header_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description=(
+            "A connection's request head (a WebSocket handshake's too) must arrive whole within"
+            " this, from the connection or the end of its previous answer; else it is closed."
+        ),
+    )
+    edge_keep_alive_timeout_s: int = Field(
+        default=5, ge=1, description="An idle keep-alive connection is closed after this long."
+    )
+    edge_max_connections: int = Field(
+        default=4096,
+        ge=1,
+        description="Connections (and requests) at once; above it a request gets HTTP 503.",
+    )
+    edge_max_header_bytes: int = Field(
+        default=16384,
+        ge=1024,
+        description="Largest request head (request line and headers); above it: HTTP 400.",
+    )
+    edge_max_unauthenticated_frame_bytes: int = Field(
+        default=4096,
+        ge=256,
+        description="Largest frame on a socket before its key is accepted; above it: close 1009.",
+    )
+    edge_http_write_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description=(
+            "An HTTP client (an SSE stream's) that takes nothing written to it for this long,"
+            " its write buffer full, is dropped: its stream is detached and waits out the"
+            " disconnect grace for a resume."
+        ),
+    )
+    edge_trust_traceparent: bool = Field(
+        default=False,
+        description=(
+            "Continue the trace of a client's `traceparent`; off: a request starts a trace of"
+            " its own and keeps the client's only as a span link."
+        ),
     )

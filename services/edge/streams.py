@@ -25,7 +25,7 @@ from services.edge.protocol import (
     ServerFrame,
     StreamResumedFrame,
 )
-from shared.messages import DeltaResult, DoneResult, ErrorCode, ErrorResult, ResetResult
+from shared.messages import DeltaResult, DoneResult, ErrorCode, ErrorResult, ResetResult, Usage
 
 if TYPE_CHECKING:
     from services.edge.telemetry import InFlight
@@ -93,6 +93,8 @@ class ResultStream:
     flight: InFlight | None = None  # its trace and latency clocks (telemetry.py)
     progress_at: float | None = None  # last record seen (None: not watched for stalls)
     grace_until: float | None = None  # detached: cancelled at this time unless resumed
+    usage: Usage | None = None  # its final `done`'s real usage: the quota is settled with it
+    cancelled: bool = False  # the client's cancel was sent: another one is a no-op
 
     @property
     def detached(self) -> bool:
@@ -257,6 +259,7 @@ class StreamRouter:
             stream.emit(DeltaFrame(request_id=record.request_id, seq=record.seq, text=record.text))
             return True
         if isinstance(record, DoneResult):
+            stream.usage = record.usage
             stream.emit(
                 DoneFrame(
                     request_id=record.request_id,

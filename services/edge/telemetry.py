@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 from opentelemetry import trace
 from opentelemetry.context import Context
-from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
+from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode, Tracer
 
 from services.edge.protocol import DeltaFrame, DoneFrame, ErrorFrame, ServerFrame
 from shared import semconv
@@ -73,6 +73,10 @@ class EdgeTelemetry:
     # Lag is measured on the shared results topic only: per-request topics would each make
     # a label value of their own.
     results_topic: str | None = None
+    # Continue a client's `traceparent` (TOKENBUS_EDGE_TRUST_TRACEPARENT). Off: any client
+    # could pick the trace id (and its sampling decision) of what the edge records and
+    # sends on, so its trace is kept only as a link of a trace the edge starts.
+    trust_traceparent: bool = False
 
     def begin(
         self,
@@ -82,9 +86,10 @@ class EdgeTelemetry:
         max_tokens: int | None,
         parent: Mapping[str, str] | None = None,
     ) -> InFlight:
-        """A request frame was read: open its root span (continuing `parent`'s trace, if any)."""
+        """A request frame was read: open its root span (continuing `parent`'s trace, if any,
+        and if trusted; else linked to it)."""
         now = self.clock()
-        parent_ctx = extract(parent) if parent else Context()
+        parent_ctx, links = self._parent(parent)
         attributes: dict[str, Any] = {
             semconv.GEN_AI_OPERATION_NAME: "chat",
             semconv.REQUEST_ID: request_id,
@@ -97,11 +102,20 @@ class EdgeTelemetry:
             context=parent_ctx,
             kind=SpanKind.SERVER,
             attributes=attributes,
+            links=links,
             start_time=int(now * 1e9),
         )
         context = trace.set_span_in_context(root, parent_ctx)
         self.metrics.in_flight.inc()
         return InFlight(request_id, root, context, tier, now)
+
+    def _parent(self, carrier: Mapping[str, str] | None) -> tuple[Context, list[Link]]:
+        """The context a request's root span starts in, and the links it carries."""
+        client = extract(carrier) if carrier else Context()
+        if self.trust_traceparent:
+            return client, []
+        span_context = trace.get_current_span(client).get_span_context()
+        return Context(), [Link(span_context)] if span_context.is_valid else []
 
     def sending(
         self, flight: InFlight, topic: str, record: RequestRecord, queued: QueuedRequest | None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from collections import OrderedDict
 from collections.abc import Container
@@ -12,6 +13,7 @@ from typing import Generic, TypeVar
 from pydantic import ValidationError
 from pydantic_core import from_json
 
+from services.ingest.apps import App
 from services.ingest.response_cache import cache_key
 from shared.kafka import encode
 from shared.messages import (
@@ -47,7 +49,10 @@ class Reason(StrEnum):
     reply_to_reserved = "reply_to_reserved"  # names a topic of tokenbus's own pipeline
     reply_to_missing = "reply_to_missing"
     reply_to_partition = "reply_to_partition"  # partition out of range
-    reply_to_forbidden = "reply_to_forbidden"  # invalid name, internal, or not authorised
+    reply_to_forbidden = "reply_to_forbidden"  # invalid name, internal, not authorised, or
+    # (an application's record) not the application's own reply topic
+    tenant_forbidden = "tenant_forbidden"  # an application's record claims another tenant
+    rate_limited = "rate_limited"  # an application over its quota (ingest_app_rps)
     not_forwarded = "not_forwarded"  # the tier topic refused it for good
     internal = "internal"  # ingest failed on it (a defect): dead-lettered, not retried
 
@@ -70,12 +75,15 @@ class Rejected:
     message: str
     request_id: str | None
     reply_to: ReplyTo | None
+    retry_after_ms: int | None = None  # with `rate_limited`
 
     def error_result(self) -> ErrorResult | None:
         """The error the requester gets, when it named (or defaulted) a usable reply_to."""
         if self.request_id is None or self.reply_to is None:
             return None
-        return ErrorResult.for_request(self.request_id, self.code, self.message)
+        return ErrorResult.for_request(
+            self.request_id, self.code, self.message, retry_after_ms=self.retry_after_ms
+        )
 
 
 @dataclass(frozen=True)
@@ -123,22 +131,37 @@ def admit(
     recent: Container[str],
     max_record_bytes: int = 1_000_000,
     cache: bool = False,
+    app: App | None = None,
 ) -> Decision:
     """Parse and validate one `tokenbus.requests` record; never raises, whatever `raw` holds.
 
     `recent` holds the ids already handed on (a request seen again is a `Duplicate`);
     `max_record_bytes` bounds the tier record it would forward (the broker refuses larger).
     `cache`: the response cache is on; a cacheable request gets its `cache_key`.
+    `app`: the outside application whose own topic the record was read from (None: the
+    shared requests topic, written by the edge or a trusted local producer). Its tenant,
+    reply topic and request-id scope are the application's, whatever the record claims.
     Whether `reply_to` exists is the shell's question (it needs the broker's metadata).
     """
     key_id = _request_id(key)
+    if app is not None and key_id is not None:
+        key_id = _request_id(app.scoped(key_id))
     try:
         # pydantic-core's parser: strict UTF-8, no lone surrogates, a bounded nesting depth.
         body = from_json(raw)
     except ValueError as exc:
-        return _rejected(Reason.not_json, f"record is not valid JSON in UTF-8: {exc}", key_id)
+        # Still answered where the record can be read well enough to say where (ADR 0044).
+        request_id, reply_to = _addressee(_tolerant(raw), key_id, topics, app)
+        message = f"record is not valid JSON in UTF-8: {exc}"
+        return _rejected(Reason.not_json, message, request_id, reply_to)
     if not isinstance(body, dict):
-        return _rejected(Reason.not_object, "record is not a JSON object", key_id)
+        return _rejected(Reason.not_object, "record is not a JSON object", key_id, _own(app))
+    if app is not None:
+        claimed = _claims_of(body, app)
+        if claimed is not None:
+            request_id, reply_to = _addressee(body, key_id, topics, app)
+            return Rejected(claimed[0], ErrorCode.unauthorized, claimed[1], request_id, reply_to)
+        body = _as_written_by(body, app)
     if "request_id" not in body and key_id is not None:
         body["request_id"] = key_id
     request_id = _request_id(body.get("request_id")) or key_id
@@ -146,7 +169,7 @@ def admit(
         record = RequestRecord.model_validate(body, context={"limits": limits})
     except ValidationError as exc:
         return _rejected(
-            Reason.invalid_field, error_message(exc), request_id, _reply_to(body, topics)
+            Reason.invalid_field, error_message(exc), request_id, _reply_to(body, topics, app)
         )
     reply_to = record.reply_to or ReplyTo(topic=topics.results)
     if reply_to.topic in reserved_topics(topics):
@@ -197,6 +220,78 @@ def without_reply(rejected: Rejected) -> Rejected:
     return replace(rejected, reply_to=None)
 
 
+def rate_limited(decision: Admitted, app: App, retry_after_ms: int) -> Rejected:
+    """An application's request over its quota: refused, with when to send it again."""
+    request = decision.request
+    message = f"app {app.name} is over its request quota; retry after {retry_after_ms} ms"
+    return Rejected(
+        Reason.rate_limited,
+        ErrorCode.rate_limited,
+        message,
+        request.request_id,
+        request.reply_to,
+        retry_after_ms,
+    )
+
+
+def _claims_of(body: dict[str, object], app: App) -> tuple[Reason, str] | None:
+    """Why an application's record claims what is not its own (tenant, reply topic), if so.
+
+    Refused rather than overwritten: a claim of another identity is an attack or a
+    misconfiguration, and either deserves a dead letter saying which.
+    """
+    tenant = body.get("tenant")
+    if tenant is not None and tenant != app.tenant:
+        return Reason.tenant_forbidden, f"tenant: app {app.name} may write as {app.tenant} only"
+    raw = body.get("reply_to")
+    if raw is not None:
+        try:
+            reply_to = ReplyTo.model_validate(raw)
+        except ValidationError:
+            return None  # refused as an invalid field, the error to its own reply topic
+        if reply_to.topic != app.replies:
+            return (
+                Reason.reply_to_forbidden,
+                f"reply_to.topic: app {app.name} receives results on {app.replies} only",
+            )
+    return None
+
+
+def _as_written_by(body: dict[str, object], app: App) -> dict[str, object]:
+    """The record with the application's identity: its tenant, its reply topic by default,
+    and its request id in its own scope (App.scoped)."""
+    owned = {**body, "tenant": app.tenant}
+    if owned.get("reply_to") is None:
+        owned["reply_to"] = {"topic": app.replies}
+    request_id = body.get("request_id")
+    if isinstance(request_id, str):
+        owned["request_id"] = app.scoped(request_id)
+    return owned
+
+
+def _tolerant(raw: bytes) -> object:
+    """A second, lenient reading of a record the strict parser refused: the stdlib's JSON
+    takes escaped lone surrogates, so a record that has only those still names its
+    addressee. Only `request_id` and `reply_to` are read from it; None if unreadable."""
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError):  # not UTF-8 / not JSON at all / nested too deep
+        return None
+
+
+def _addressee(
+    body: object, key_id: str | None, topics: Topics, app: App | None
+) -> tuple[str | None, ReplyTo | None]:
+    """Who to tell about a refused record, and where, from what of it could be read."""
+    if not isinstance(body, dict):
+        return key_id, _own(app)
+    raw_id = body.get("request_id")
+    if app is not None and isinstance(raw_id, str):
+        raw_id = app.scoped(raw_id)
+    request_id = _request_id(raw_id) or key_id
+    return request_id, _reply_to(body, topics, app)
+
+
 def reserved_topics(topics: Topics) -> frozenset[str]:
     """Topics a result may never be written to: each is read by a tokenbus service."""
     return frozenset(
@@ -225,8 +320,15 @@ def _bounded(message: str) -> str:
     return message[: MAX_MESSAGE_CHARS - 1] + "…"
 
 
-def _reply_to(body: dict[str, object], topics: Topics) -> ReplyTo | None:
+def _own(app: App | None) -> ReplyTo | None:
+    """An application's own reply topic: where each of its refused records is answered."""
+    return ReplyTo(topic=app.replies) if app is not None else None
+
+
+def _reply_to(body: dict[str, object], topics: Topics, app: App | None = None) -> ReplyTo | None:
     """Best effort: where to tell the requester about its bad request."""
+    if app is not None:
+        return _own(app)
     raw = body.get("reply_to")
     if raw is None:
         return ReplyTo(topic=topics.results)

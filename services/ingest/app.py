@@ -70,10 +70,11 @@ async def serve(
         telemetry = IngestTelemetry(topics.requests)
         ingest = Ingest(settings, producer, admin, telemetry, cache, tails=tails)
         reader = RequestReader(consumer, ingest, settings.ingest_commit_interval_ms / 1000)
-        consumer.subscribe([topics.requests], listener=reader.listener())
+        # The shared topic and each configured application's own (ADR 0044).
+        consumer.subscribe([topics.requests, *ingest.apps.topics], listener=reader.listener())
         await consumer.start()
         stack.push_async_callback(consumer.stop)
-        log.info("ingest.started", cache=cache is not None)
+        log.info("ingest.started", cache=cache is not None, apps=list(settings.apps))
         async with asyncio.TaskGroup() as tasks:
             if follower is not None:
                 tasks.create_task(for_life("cache follower", follower.follow()))

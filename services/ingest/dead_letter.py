@@ -45,6 +45,11 @@ class Source:
     def __str__(self) -> str:
         return f"{self.topic}/{self.partition}/{self.offset}"
 
+    @property
+    def position(self) -> tuple[str, int, int]:
+        """What dedupes its DLQ copy: the shared and every application's topic apart."""
+        return (self.topic, self.partition, self.offset)
+
     @classmethod
     def parse(cls, text: str) -> Source | None:
         topic, _, rest = text.rpartition("/")

@@ -38,9 +38,11 @@ from services.ingest.admission import (
     Rejected,
     admit,
     not_forwarded,
+    rate_limited,
     undeliverable,
     without_reply,
 )
+from services.ingest.apps import AppQuotas, Apps
 from services.ingest.dead_letter import ReplyStatus, Source, dead_letter
 from services.ingest.destinations import MetadataUnavailable, ReplyDestinations
 from services.ingest.memory import Memory, RecallRefused, recall
@@ -106,12 +108,16 @@ class Ingest:
         cache: ResponseCache | None = None,
         *,
         tails: AIOKafkaConsumer,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`tails` is the started group-less consumer that reads the tier topics' and the
         DLQ's tails back at each assignment (memory.py); the caller owns and stops it."""
         self.settings = settings
         self.cache = cache  # None: the response cache is off
         self.topics = Topics(settings.topic_prefix)
+        self.apps = Apps(self.topics, settings.apps)
+        self.quotas = AppQuotas(settings.ingest_app_rps, settings.ingest_app_burst)
+        self._clock = clock
         self.limits = settings.limits()
         self.memory = Memory.of_size(settings.ingest_dedupe_window)
         self.producer = producer
@@ -179,7 +185,7 @@ class Ingest:
         # 1) Decide each record and queue its write; rejections are settled one by one.
         for i, record in enumerate(records):
             source = Source(record.topic, record.partition, record.offset)
-            if (source.partition, source.offset) in self.memory.dead_lettered:
+            if source.position in self.memory.dead_lettered:
                 log.info("record.already_dead_lettered", source=str(source))
                 continue
             try:
@@ -203,7 +209,8 @@ class Ingest:
     async def _decide(self, record: Record, source: Source, in_batch: set[str]) -> Decision:
         """Admit the record, or reject it (answered and dead-lettered here)."""
         value = record.value or b""
-        # 1) Decide from the record alone.
+        app = self.apps.of_topic(record.topic)
+        # 1) Decide from the record alone (and, from an application's topic, who wrote it).
         decision = admit(
             value,
             record.key,
@@ -212,10 +219,15 @@ class Ingest:
             _Seen(self.memory, in_batch),
             max_record_bytes=self.settings.ingest_max_record_bytes,
             cache=self.cache is not None,
+            app=app,
         )
         if isinstance(decision, Duplicate):
             log.info("request.duplicate", request_id=decision.request_id, source=str(source))
             return decision
+        if isinstance(decision, Admitted) and app is not None:
+            retry_after_ms = self.quotas.charge(app.name, self._clock())
+            if retry_after_ms is not None:
+                decision = rate_limited(decision, app, retry_after_ms)
         # 2) Nothing is forwarded or answered whose results could not be delivered.
         reply_problem = None
         reply_to = _reply_to(decision)
@@ -418,7 +430,7 @@ class Ingest:
                 # has to fix the DLQ topic (its permissions or size limit); keep trying.
                 log.error("dlq.refused", source=str(source), error=_describe(exc))
                 await asyncio.sleep(self.backoff.max_s)
-        self.memory.dead_lettered.remember((source.partition, source.offset))
+        self.memory.dead_lettered.remember(source.position)
         log.info(
             "request.rejected",
             request_id=rejected.request_id,

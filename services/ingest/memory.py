@@ -56,7 +56,8 @@ class Memory:
     """What ingest has handed on. Owner: the ingest shell; `recall` refills it."""
 
     forwarded: RecentIds
-    dead_lettered: Recent[tuple[int, int]] = field(default_factory=Recent)  # (partition, offset)
+    # Source.position: (topic, partition, offset) of each record read from a requests topic.
+    dead_lettered: Recent[tuple[str, int, int]] = field(default_factory=Recent)
 
     @classmethod
     def of_size(cls, size: int) -> Memory:
@@ -156,5 +157,5 @@ def _remember(memory: Memory, topics: Topics, record: ConsumerRecord[bytes, byte
     for name, data in record.headers:
         if name == SOURCE and data is not None:
             source = Source.parse(data.decode(errors="replace"))
-            if source is not None and source.topic == topics.requests:
-                memory.dead_lettered.remember((source.partition, source.offset))
+            if source is not None:
+                memory.dead_lettered.remember(source.position)

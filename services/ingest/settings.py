@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+import re
+
+from pydantic import Field, field_validator
 
 from shared.messages import RequestLimits
 from shared.settings import TokenbusSettings
+from shared.topics import APP_NAME
 
 
 class IngestSettings(TokenbusSettings):
@@ -69,6 +72,31 @@ class IngestSettings(TokenbusSettings):
         description="Response cache: most memory one ingest's answers take (bytes, estimated).",
     )
 
+    ingest_apps: str = Field(
+        default="",
+        description="Outside applications, comma-separated: ingest also reads each one's own"
+        " requests topic (`<prefix>.app-requests.<app>`), and takes its tenant, reply topic"
+        " and request-id scope from that topic, not from the record (ADR 0044).",
+    )
+    ingest_app_rps: float = Field(
+        default=50.0, gt=0, description="Requests per second each outside application may send."
+    )
+    ingest_app_burst: int = Field(
+        default=100, ge=1, description="Requests an outside application may send at once."
+    )
+
+    @field_validator("ingest_apps")
+    @classmethod
+    def _app_names(cls, value: str) -> str:
+        for name in _names(value):
+            if not re.fullmatch(APP_NAME, name):
+                raise ValueError(f"app name {name!r} does not match {APP_NAME}")
+        return value
+
+    @property
+    def apps(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(_names(self.ingest_apps)))
+
     @property
     def reply_timeout_s(self) -> float:
         return self.ingest_reply_timeout_ms / 1000
@@ -76,3 +104,7 @@ class IngestSettings(TokenbusSettings):
     def limits(self) -> RequestLimits:
         # Ingest also refuses a request no tier's batch could ever carry.
         return super().limits().model_copy(update={"max_request_tokens": self.largest_token_budget})
+
+
+def _names(value: str) -> list[str]:
+    return [name.strip() for name in value.split(",") if name.strip()]

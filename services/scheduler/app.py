@@ -294,7 +294,9 @@ class Scheduler:
             tenant=request.tenant,
             model=request.model or s.scheduler_default_model,
             fallback=request.fallback_model or s.fallback_model(request.tier),
-            prefix=prefix_key(request) if self.policy.router.mode == "prefix" else None,
+            prefix=(
+                prefix_key(request, request.tenant) if self.policy.router.mode == "prefix" else None
+            ),
         )
 
     def _owned(self, consumer: AIOKafkaConsumer, fetched: Fetched) -> Fetched:

@@ -2,6 +2,10 @@
 
 Each tenant of a lane has its own queue (arrival order) and a virtual token counter: the
 tokens (`Passenger.cost`, prompt + max_tokens) dispatched for it, divided by its weight.
+The prompt's tokens are its bound (shared/tokens.py: never below the model's count), so no
+prompt is charged less than it costs; the counters are not settled with the real usage,
+which the scheduler never sees (results go to the edges): a tenant is overcharged by its
+unused max_tokens and the bound's slack, never undercharged (ADR 0046).
 A batch takes requests from the tenant with the lowest counter first, so over any stretch
 in which two tenants both wait, the tokens each gets divided by its weight differ by at
 most one request's cost divided by the weight. A tenant that arrives at an empty queue

@@ -31,6 +31,7 @@ from services.worker.replies import Fenced, ReplyFailed, ReplyWriter
 from services.worker.request_state import RequestState, RunningRequests
 from services.worker.telemetry import RunTrace, WorkerTelemetry
 from shared.messages import DoneResult, ErrorCode, ErrorResult, QueuedRequest, Tier
+from shared.prefixes import cache_salt
 from shared.telemetry import carrier
 
 log = structlog.get_logger()
@@ -62,6 +63,7 @@ def engine_request(
         priority=0 if request.tier is Tier.interactive else 1,
         messages=messages,
         trace_headers=dict(trace_headers or {}),
+        cache_salt=cache_salt(request.tenant),  # one tenant's prompts never hit another's
     )
 
 

@@ -69,9 +69,17 @@ class WorkerSettings(TokenbusSettings):
     worker_result_write_timeout_s: float = Field(
         default=10.0,
         gt=0,
-        description="How long queueing a result record may keep failing (retried with backoff)"
-        " before its run is handed back to be run again; a record already sent is waited for"
-        " until Kafka stores or refuses it.",
+        description="How long writing an error answer or a dead letter may keep failing"
+        " (retried with backoff); a run waiting longer for its result records logs"
+        " `results.slow` and goes on waiting.",
+    )
+    worker_result_resend_s: float = Field(
+        default=120.0,
+        gt=0,
+        description="How long a batch of result records Kafka did not take (a broker away,"
+        " hung, or failing over) is sent again, in order, before its runs are handed back to"
+        " be run again as the next attempt; no later record of those runs is sent meanwhile"
+        " (ADR 0048).",
     )
 
     # sim engine
@@ -96,6 +104,12 @@ class WorkerSettings(TokenbusSettings):
         min_length=1,
         description="sim fault injection (tests): a request whose prompt contains this text"
         " fails inside the engine after its first token.",
+    )
+    worker_sim_echo_marker: str | None = Field(
+        default=None,
+        min_length=8,
+        description="sim scripted answers (tests only; unset in production): a request whose"
+        " prompt contains this text is answered with the prompt's text after it, verbatim.",
     )
 
     # vllm and transformers engines

@@ -21,6 +21,7 @@ from services.worker.engines.vllm import (
     load_vllm,
     prompt_token_ids,
 )
+from shared.prefixes import cache_salt
 from tokenbus.local_engine import DTYPE, KV_CACHE_GIB, MAX_MODEL_LEN, LocalEngine
 
 pytestmark = [
@@ -105,6 +106,31 @@ async def test_priority_and_abort_inside_vllm(one_slot: VllmEngine) -> None:
     cap = engine.capacity()
     assert (cap.free_slots, cap.running, cap.queued) == (1, 0, 0)
     assert cap.kv_cache_usage is not None  # from vLLM's scheduler stats
+
+
+async def test_a_tenant_never_hits_another_tenants_prefix_cache(one_slot: VllmEngine) -> None:
+    """The same prompt from another tenant (another `cache_salt`) finds none of the blocks the
+    first tenant's left in vLLM's prefix cache; the first tenant's next request finds them."""
+    engine = one_slot
+    window = engine.scheduler.prefix_cache
+    prompt = " ".join(f"Item {i}: the payroll of ACME for month {i} is sealed." for i in range(60))
+    hits: list[int] = []
+    for n, tenant in enumerate(("t-victim", "t-attacker", "t-victim"), start=1):
+        request = EngineRequest(
+            f"salt-{n}",
+            prompt,
+            1,
+            temperature=0.0,
+            messages=(ChatTurn("user", prompt),),
+            cache_salt=cache_salt(tenant),
+        )
+        before = window.totals[2]
+        _ = [out async for out in engine.generate(request)]
+        await until(lambda n=n: window.totals[0] >= n, f"vLLM's stats of request {n}")
+        hits.append(window.totals[2] - before)
+    assert hits[0] == 0, hits  # nothing cached yet
+    assert hits[1] == 0, hits  # another tenant's probe: none of the victim's blocks
+    assert hits[2] > 256, hits  # the same tenant: its prompt's full blocks
 
 
 async def waiting_in_vllm(engine: VllmEngine, count: int) -> None:

@@ -17,7 +17,6 @@ from services.edge.openai.models import ModelDirectory
 from services.edge.openai.routes import HttpClient
 from services.edge.openai.sse import EventId
 from services.edge.protocol import ChatRequestFrame, ErrorFrame, ServerFrame, StreamResumeFrame
-from services.edge.resume import token_kid
 from services.edge.streams import ResultStream
 from shared.messages import ChatRequest, ErrorCode, Heartbeat, RequestLimits
 
@@ -123,11 +122,13 @@ class EdgeStreams:
         if gateway is None:
             client.send(NOT_READY)
             return
+        if refused := self._guard.charge(principal, "stream.resume"):
+            client.send(refused)
+            return
         frame = StreamResumeFrame(
             type="stream.resume", resume_token=token, after_seq=after.seq, attempt=after.attempt
         )
-        tenant = self._guard.tenant_id(principal, token_kid(token))
-        await gateway.resume_stream(frame, tenant=tenant, client=client)
+        await gateway.resume_stream(frame, principal=principal, client=client)
 
     def detach(self, client: HttpClient) -> None:
         if (gateway := self._gateway()) is not None:
@@ -136,6 +137,20 @@ class EdgeStreams:
     async def cancel(self, request_id: str, client: HttpClient) -> None:
         if (gateway := self._gateway()) is not None:
             await gateway.cancel_stream(request_id, client)
+
+    def open_socket(self, principal: Principal) -> HttpError | None:
+        refusal = self._guard.quotas.open_socket(principal.tenant, principal.limits)
+        if refusal is None:
+            return None
+        log.info("quota.refused", limit=refusal.limit, key_id=principal.key_id, via="http")
+        return http_error(
+            ErrorCode.rate_limited,
+            f"rate_limited ({refusal.limit}): {refusal.message}",
+            retry_after_ms=refusal.retry_after_ms,
+        )
+
+    def close_socket(self, principal: Principal) -> None:
+        self._guard.close_socket(principal)
 
     def written(self, frame: ServerFrame, stream: object) -> None:
         gateway = self._gateway()

@@ -67,3 +67,14 @@ def invalid(message: str, param: str | None = None) -> HttpError:
 def unknown_model(message: str, param: str = "model") -> HttpError:
     """OpenAI's answer to a model it does not serve: 404, `invalid_request_error`."""
     return http_error(ErrorCode.not_found, message, param=param, openai_code="model_not_found")
+
+
+def too_large(limit: int) -> HttpError:
+    """A body above `limit` bytes: 413, and the connection closed (the rest is never read)."""
+    detail = ErrorDetail(
+        message=f"body: above the limit of {limit} bytes",
+        type="invalid_request_error",
+        param=None,
+        code="request_too_large",
+    )
+    return HttpError(413, ErrorBody(error=detail), {"Connection": "close"})

@@ -27,7 +27,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from services.edge.keys import Principal
-from services.edge.openai.errors import HttpError, invalid, unknown_model
+from services.edge.openai.errors import HttpError, invalid, too_large, unknown_model
 from services.edge.openai.schema import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -58,15 +58,22 @@ KEEPALIVE_S = 15.0
 class HttpClient:
     """One HTTP request's end of its stream: the owner the router delivers frames to.
 
-    Unbounded: one request per connection, so what can queue is one answer at most.
+    Bounded, as a WebSocket's outbox: a client that lets `max_frames` pile up (it stopped
+    reading, so its writes wait) has fallen `behind`; its answer lets go of its stream.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_frames: int = 0) -> None:
         # (frame, the stream it belongs to: reported back with `Streams.written`)
-        self.frames: asyncio.Queue[tuple[ServerFrame, object]] = asyncio.Queue()
+        self.frames: asyncio.Queue[tuple[ServerFrame, object]] = asyncio.Queue(max_frames)
+        self.behind = asyncio.Event()
 
     def send(self, frame: ServerFrame, stream: object = None) -> None:
-        self.frames.put_nowait((frame, stream))
+        if self.behind.is_set():
+            return  # let go of: its stream is detached, and resumed from where it was read
+        try:
+            self.frames.put_nowait((frame, stream))
+        except asyncio.QueueFull:
+            self.behind.set()
 
 
 class Streams(Protocol):
@@ -111,6 +118,13 @@ class Streams(Protocol):
         """A frame's content reached the client (telemetry)."""
         ...
 
+    def open_socket(self, principal: Principal) -> HttpError | None:
+        """A streaming answer takes one of its tenant's `sockets` places, as a WebSocket
+        does, until `close_socket`; `rate_limited` if none is free."""
+        ...
+
+    def close_socket(self, principal: Principal) -> None: ...
+
 
 class Disconnect:
     """Watches a request's `receive` (its body already read) for the client going away."""
@@ -131,14 +145,18 @@ class Disconnect:
 async def next_frame(
     client: HttpClient, disconnect: Disconnect, quiet_s: float
 ) -> tuple[ServerFrame, object] | None:
-    """The client's next frame and its stream; None if the client left or nothing came
-    within `quiet_s`."""
+    """The client's next frame and its stream; None if the client left, fell behind, or
+    nothing came within `quiet_s`."""
     get = asyncio.ensure_future(client.frames.get())
     gone = asyncio.ensure_future(disconnect.gone.wait())
+    behind = asyncio.ensure_future(client.behind.wait())
     try:
-        await asyncio.wait({get, gone}, timeout=quiet_s, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait(
+            {get, gone, behind}, timeout=quiet_s, return_when=asyncio.FIRST_COMPLETED
+        )
     finally:
         gone.cancel()
+        behind.cancel()
         if not get.done():
             get.cancel()
     if get.done() and not get.cancelled():
@@ -150,11 +168,25 @@ def error_response(error: HttpError) -> Response:
     return JSONResponse(error.body.model_dump(), status_code=error.status, headers=error.headers)
 
 
+async def read_body(request: Request, limit: int) -> bytes | None:
+    """The request's body as it streams in (chunked or not); None once it passes `limit`
+    bytes: the rest is never read, and the connection is closed with the answer."""
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 class SseResponse(Response):
     """An SSE answer: writes what `stream` makes of the client's frames until it ends.
 
-    Owns the stream from here: when the client goes away first, the stream is detached;
-    when the stream asks for it (a new attempt after text), the request is cancelled.
+    Owns the stream from here: when the client goes away first (or falls behind), the
+    stream is detached; when the stream asks for it (a new attempt after text), the request
+    is cancelled; when it ends, whatever the reason, `on_end` gives back its socket place.
     """
 
     media_type = "text/event-stream"
@@ -167,6 +199,7 @@ class SseResponse(Response):
         sse: SseStream,
         first: list[bytes],
         headers: Mapping[str, str],
+        on_end: Callable[[], None],
     ) -> None:
         # As StreamingResponse: no body, so no Content-Length; the events follow in `__call__`.
         self.status_code = 200
@@ -177,15 +210,16 @@ class SseResponse(Response):
         self._disconnect = disconnect
         self._sse = sse
         self._first = first
+        self._on_end = on_end
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
             await self._write(send, self._first)
-            while not self._sse.ended and not self._disconnect.gone.is_set():
+            while not self._sse.ended and not self._left():
                 got = await next_frame(self._client, self._disconnect, KEEPALIVE_S)
                 if got is None:
-                    if not self._disconnect.gone.is_set():
+                    if not self._left():
                         await send(
                             {"type": "http.response.body", "body": KEEPALIVE, "more_body": True}
                         )
@@ -200,27 +234,40 @@ class SseResponse(Response):
         finally:
             await self._let_go()
 
+    def _left(self) -> bool:
+        """The client went away, or fell behind (its frames piled up unread)."""
+        return self._disconnect.gone.is_set() or self._client.behind.is_set()
+
     async def _write(self, send: Send, chunks: list[bytes]) -> None:
         if chunks:
             await send({"type": "http.response.body", "body": b"".join(chunks), "more_body": True})
 
     async def _let_go(self) -> None:
         self._disconnect.stop()
-        if self._sse.cancel:
-            await self._streams.cancel(self._sse.ident.request_id, self._client)
-        if not self._sse.ended:
-            log.info("openai.client_left", request_id=self._sse.ident.request_id)
-            self._streams.detach(self._client)  # cancelled after the grace unless resumed
+        try:
+            if self._sse.cancel:
+                await self._streams.cancel(self._sse.ident.request_id, self._client)
+            if not self._sse.ended:
+                behind = self._client.behind.is_set()
+                log.info("openai.client_left", request_id=self._sse.ident.request_id, behind=behind)
+                self._streams.detach(self._client)  # cancelled after the grace unless resumed
+        finally:
+            self._on_end()
 
 
 class OpenAIApi:
     """The handlers; `clock` stamps `created` (Unix seconds)."""
 
     def __init__(
-        self, streams: Streams, max_body_bytes: int, clock: Callable[[], float] = time.time
+        self,
+        streams: Streams,
+        max_body_bytes: int,
+        max_frames: int = 4096,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self._streams = streams
         self._max_body_bytes = max_body_bytes
+        self._max_frames = max_frames  # frames queued for one client (HttpClient)
         self._clock = clock
 
     async def models(self, request: Request) -> Response:
@@ -248,11 +295,40 @@ class OpenAIApi:
         body = await self._body(request, kind)
         if isinstance(body, HttpError):
             return error_response(body)
+        if not body.stream:
+            return await self._serve(request, principal, body, kind, lambda: None)
+        # 2) A stream holds a socket place while it streams, as a WebSocket does.
+        if refused := self._streams.open_socket(principal):
+            return error_response(refused)
+        given_back = False
+
+        def give_back() -> None:
+            nonlocal given_back
+            if not given_back:
+                given_back = True
+                self._streams.close_socket(principal)
+
+        response: Response | None = None
+        try:
+            response = await self._serve(request, principal, body, kind, give_back)
+        finally:
+            if not isinstance(response, SseResponse):
+                give_back()  # the SSE answer gives it back when it ends
+        return response
+
+    async def _serve(
+        self,
+        request: Request,
+        principal: Principal,
+        body: OpenAIRequest,
+        kind: Kind,
+        on_end: Callable[[], None],
+    ) -> Response:
         served = self._streams.served_models()
         token = request.headers.get(RESUME_TOKEN_HEADER)
         model = body.model or next(iter(served), "tokenbus")
-        client = HttpClient()
-        # 2) Open (or resume) the stream; its first frame says whether it was accepted.
+        client = HttpClient(self._max_frames)
+        # 3) Open (or resume) the stream; its first frame says whether it was accepted.
         if token is not None:
             after = self._after(request.headers)
             if isinstance(after, HttpError):
@@ -269,10 +345,12 @@ class OpenAIApi:
                 return error_response(unknown_model(message, field))
             after = None
             await self._streams.open(principal, chat, client, request.headers)
-        # 3) Answer: whole, or as events once the first one is known.
+        # 4) Answer: whole, or as events once the first one is known.
         disconnect = Disconnect(request.receive)
         try:
-            response = await self._answer(body, kind, model, client, disconnect, after, token)
+            response = await self._answer(
+                body, kind, model, client, disconnect, after, token, on_end
+            )
         except BaseException:
             disconnect.stop()
             self._streams.detach(client)
@@ -290,6 +368,7 @@ class OpenAIApi:
         disconnect: Disconnect,
         after: EventId | None,
         token: str | None,
+        on_end: Callable[[], None],
     ) -> Response:
         head: dict[str, str] = {}
         answer: Answer | None = None
@@ -297,7 +376,7 @@ class OpenAIApi:
         while True:
             got = await next_frame(client, disconnect, KEEPALIVE_S)
             if got is None:
-                if disconnect.gone.is_set():
+                if disconnect.gone.is_set() or client.behind.is_set():
                     self._streams.detach(client)  # cancelled after the grace
                     return Response(status_code=499)
                 continue
@@ -328,17 +407,19 @@ class OpenAIApi:
             chunks = sse.take(frame)
             self._streams.written(frame, stream)
             if chunks:
-                return SseResponse(self._streams, client, disconnect, sse, chunks, head)
+                return SseResponse(self._streams, client, disconnect, sse, chunks, head, on_end)
 
     async def _body(self, request: Request, kind: Kind) -> OpenAIRequest | HttpError:
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > self._max_body_bytes:
-            return invalid(f"body: {declared} bytes, above the limit of {self._max_body_bytes}")
-        raw = await request.body()
-        if len(raw) > self._max_body_bytes:
-            return invalid(f"body: {len(raw)} bytes, above the limit of {self._max_body_bytes}")
+            return too_large(self._max_body_bytes)
+        raw = await read_body(request, self._max_body_bytes)
+        if raw is None:
+            return too_large(self._max_body_bytes)
         try:
             data = json.loads(raw)
+        except RecursionError:  # arrays in arrays... past the interpreter's stack
+            return invalid("body: JSON nested too deeply")
         except ValueError:
             return invalid("body: not valid JSON")
         model = ChatCompletionRequest if kind == "chat" else CompletionRequest

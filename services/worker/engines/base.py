@@ -37,6 +37,9 @@ class EngineRequest:
     priority: int = 0  # lower runs first, as in vLLM's priority scheduling
     messages: tuple[ChatTurn, ...] | None = None
     trace_headers: Mapping[str, str] = field(default_factory=dict)
+    # The prefix cache's salt (shared/prefixes.py `cache_salt`, one per tenant): a prompt
+    # reuses cached blocks only of prompts with the same salt. None: unsalted.
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,12 @@ def build_engine(settings: WorkerSettings) -> Engine:
         )
         # A static worker's batches run as the sim's static batches, whatever its own mode.
         mode = "static" if settings.worker_batch_mode == "static" else settings.worker_sim_mode
-        return SimEngine(profile, mode, fail_marker=settings.worker_sim_fail_marker)
+        return SimEngine(
+            profile,
+            mode,
+            fail_marker=settings.worker_sim_fail_marker,
+            echo_marker=settings.worker_sim_echo_marker,
+        )
     if settings.worker_engine == "vllm":
         from services.worker.engines.vllm import VllmEngine, engine_args_from_settings, load_vllm
 

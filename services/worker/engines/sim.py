@@ -16,7 +16,9 @@ costs its reader a call rather than a task wakeup.
 
 Fault injection (tests only): with `fail_marker` set, a request whose prompt contains it
 fails inside the engine after its first token, as a real engine's request can (a CUDA
-error, an OOM): its stream raises `SimulatedFault`.
+error, an OOM): its stream raises `SimulatedFault`. A scripted answer (tests only): with
+`echo_marker` set, a request whose prompt contains it is answered with the prompt's text
+after the marker, verbatim (`sim_text.echo`; the chat page's XSS tests).
 """
 
 from __future__ import annotations
@@ -44,8 +46,8 @@ from services.worker.engines.base import (
 )
 from services.worker.engines.sim_cache import ANSWER_HEADER, PrefixCache
 from services.worker.engines.sim_profiles import SimProfile
-from services.worker.engines.sim_text import Completion, complete
-from shared.tokens import estimate_tokens, split_tokens
+from services.worker.engines.sim_text import Completion, complete, echo
+from shared.tokens import sim_split, sim_tokens
 
 SimMode = Literal["continuous", "static"]
 
@@ -143,11 +145,13 @@ class SimEngine:
         mode: SimMode = "continuous",
         *,
         fail_marker: str | None = None,
+        echo_marker: str | None = None,
     ) -> None:
         self.profile = profile or SimProfile()
         self.mode = mode
         self.context_length: int | None = self.profile.context_length
         self.fail_marker = fail_marker or None
+        self.echo_marker = echo_marker or None
         self._waiting: list[tuple[int, int, _Sequence]] = []
         self._running: dict[str, _Sequence] = {}
         self._batch: _StaticBatch | None = None
@@ -222,10 +226,15 @@ class SimEngine:
     def _sequence(self, request: EngineRequest) -> _Sequence:
         # Planning the text is the engine's own work (a real one's model): counted as its time.
         cpu_at = time.thread_time()
-        plan = complete(
+        scripted = (
+            echo(request.prompt, self.echo_marker, request.max_tokens)
+            if self.echo_marker is not None
+            else None
+        )
+        plan = scripted or complete(
             request.prompt, request.max_tokens, request.stop, request.temperature, request.top_p
         )
-        seq = _Sequence(request, plan, estimate_tokens(request.prompt))
+        seq = _Sequence(request, plan, sim_tokens(request.prompt))
         seq.fails = self.fail_marker is not None and self.fail_marker in request.prompt
         self.cpu_seconds += time.thread_time() - cpu_at
         return seq
@@ -343,8 +352,8 @@ class SimEngine:
         # with vLLM's automatic prefix caching and SGLang's RadixAttention.
         prefill = 0
         for s in joined:
-            s.tokens = split_tokens(s.request.prompt)
-            prefill += s.prompt_tokens - self.prefix_cache.admit(s.tokens)
+            s.tokens = sim_split(s.request.prompt)
+            prefill += s.prompt_tokens - self.prefix_cache.admit(s.tokens, s.request.cache_salt)
         kv = sum(s.prompt_tokens + s.position for s in self._running.values())
         decoding = len(self._running) - len(joined)
         return self.profile.step_seconds(decoding, kv, prefill)
@@ -387,8 +396,10 @@ class SimEngine:
             seq.position = seq.plan.completion_tokens
             self._running.pop(seq.request.request_id, None)
             if seq.tokens is not None:
-                answer = split_tokens(seq.plan.text)
-                self.prefix_cache.store([*seq.tokens, *ANSWER_HEADER, *answer])
+                answer = sim_split(seq.plan.text)
+                self.prefix_cache.store(
+                    [*seq.tokens, *ANSWER_HEADER, *answer], seq.request.cache_salt
+                )
             seq.finish()
 
 

@@ -16,6 +16,12 @@ repeats it (`ChatRequest.prompt_text` joins `role: content` lines; a chat templa
 the assistant header in the generation prompt the same way). So a conversation's next turn
 finds all of the previous turn but the last partial block.
 
+Salted as vLLM's `cache_salt` is (`vllm/v1/core/kv_cache_utils.py`: the salt is an extra
+key of a prompt's first block only, so every later block, chained to it, differs too): a
+prompt's blocks match only blocks cached under the same salt, i.e. the same tenant's
+(`shared/prefixes.py` `cache_salt`). Another tenant's prompt never hits them, so it cannot
+learn from its own timing whether a prefix was cached.
+
 The hit rate is tokens found / prompt tokens looked up over the last `window` requests, as
 vLLM's `CachingMetrics` computes it (`vllm/v1/metrics/stats.py`, default 1000 requests).
 """
@@ -56,9 +62,10 @@ class PrefixCache:
         """Blocks held."""
         return len(self._blocks)
 
-    def admit(self, tokens: list[str]) -> int:
-        """Look a prompt's tokens up and cache its blocks; the tokens found cached."""
-        hashes = self._hashes(tokens)
+    def admit(self, tokens: list[str], salt: str | None = None) -> int:
+        """Look a prompt's tokens up and cache its blocks under `salt`; the tokens found
+        cached (under the same salt)."""
+        hashes = self._hashes(tokens, salt)
         found = 0
         for h in hashes:
             if h not in self._blocks:
@@ -69,14 +76,14 @@ class PrefixCache:
         self._insert(hashes)
         return cached
 
-    def store(self, tokens: list[str]) -> None:
+    def store(self, tokens: list[str], salt: str | None = None) -> None:
         """Cache the full blocks of a finished sequence (prompt and answer); no lookup."""
-        self._insert(self._hashes(tokens))
+        self._insert(self._hashes(tokens, salt))
 
-    def _hashes(self, tokens: list[str]) -> list[int]:
+    def _hashes(self, tokens: list[str], salt: str | None) -> list[int]:
         b = self.block_tokens
         hashes: list[int] = []
-        parent = 0
+        parent = 0 if salt is None else hash(("cache_salt", salt))
         for start in range(0, len(tokens) - b + 1, b):
             parent = hash((parent, *tokens[start : start + b]))
             hashes.append(parent)

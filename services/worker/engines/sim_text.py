@@ -83,3 +83,23 @@ def complete(
 def _first_stop(text: str, stop: tuple[str, ...]) -> int | None:
     hits = [i for s in stop if (i := text.find(s)) >= 0]
     return min(hits) if hits else None
+
+
+# Echoed text is emitted this many characters per token: lossless, whatever it holds.
+ECHO_PIECE_CHARS = 4
+
+
+def echo(prompt: str, marker: str, max_tokens: int) -> Completion | None:
+    """Test-only scripted answer: the prompt's text after the last `marker`, verbatim.
+
+    None if the prompt has no marker. Lets a test make the model "say" a given text (the
+    chat page's XSS tests); reachable only with `worker_sim_echo_marker` set, unset by default.
+    """
+    at = prompt.rfind(marker)
+    if at < 0:
+        return None
+    text = prompt[at + len(marker) :]
+    pieces = [text[i : i + ECHO_PIECE_CHARS] for i in range(0, len(text), ECHO_PIECE_CHARS)]
+    if len(pieces) > max_tokens:
+        return Completion(tuple(pieces[:max_tokens]), max_tokens, "length")
+    return Completion(tuple(pieces), len(pieces), "stop")

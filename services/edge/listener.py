@@ -1,0 +1,118 @@
+"""The edge's HTTP/WebSocket listener: uvicorn with limits on what a connection may hold.
+
+uvicorn (0.54) bounds a connection's request head in size (`h11_max_incomplete_event_size`)
+and an idle keep-alive connection in time, and the number of connections and requests
+(`limit_concurrency`, answered 503); it bounds no head in time: a client that trickles its
+head a byte at a time (slowloris) held its connection for ever; nor a write in time: a
+client that stops reading an SSE stream held it, its buffers and its place among the
+connections for ever. `TimedProtocol` adds both timeouts to uvicorn's h11 protocol (ADR 0045).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import h11
+import structlog
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from services.edge.settings import EdgeSettings
+
+log = structlog.get_logger()
+
+
+class TimedProtocol(H11Protocol):
+    """uvicorn's h11 protocol, dropping a connection whose request head is not whole in time,
+    or whose client does not take what is written to it in time.
+
+    The head's clock runs while the connection waits for a head: from its start, and from
+    the end of each answer (a keep-alive connection's next request); it stops when h11 has
+    read a whole head (the request's body, an upgrade's WebSocket, have their own limits).
+    The write's clock runs while the transport's buffer is above its high-water mark (the
+    client reads nothing, its TCP window is shut); past it the connection is aborted, not
+    closed (a close waits for the buffer to drain, which a non-reader never lets happen),
+    and the app's `receive` says `http.disconnect`: the SSE answer lets go of its stream.
+    """
+
+    header_timeout_s: float = 10.0  # set by `protocol_class`
+    write_timeout_s: float = 10.0
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)  # type: ignore[arg-type]
+        self._header_deadline: asyncio.TimerHandle | None = None
+        self._write_deadline: asyncio.TimerHandle | None = None
+        self._await_head()
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._write_deadline is None:
+            self._write_deadline = self.loop.call_later(self.write_timeout_s, self._not_reading)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._write_deadline is not None:
+            self._write_deadline.cancel()
+            self._write_deadline = None
+
+    def _not_reading(self) -> None:
+        self._write_deadline = None
+        if self.flow.write_paused:  # nothing taken since it filled up
+            log.info("listener.write_timeout", timeout_s=self.write_timeout_s)
+            self.transport.abort()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self._head_read():
+            self._stop_clock()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._await_head()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_clock()
+        if self._write_deadline is not None:
+            self._write_deadline.cancel()
+            self._write_deadline = None
+        super().connection_lost(exc)
+
+    def _head_read(self) -> bool:
+        return self.conn.their_state is not h11.IDLE
+
+    def _await_head(self) -> None:
+        self._stop_clock()
+        if not self.transport.is_closing() and not self._head_read():
+            self._header_deadline = self.loop.call_later(self.header_timeout_s, self._too_slow)
+
+    def _stop_clock(self) -> None:
+        if self._header_deadline is not None:
+            self._header_deadline.cancel()
+            self._header_deadline = None
+
+    def _too_slow(self) -> None:
+        self._header_deadline = None
+        if not self._head_read() and not self.transport.is_closing():
+            self.transport.close()
+
+
+def protocol_class(header_timeout_s: float, write_timeout_s: float) -> type[TimedProtocol]:
+    """`TimedProtocol` with these timeouts (uvicorn builds its protocol from a class)."""
+    timeouts = {"header_timeout_s": header_timeout_s, "write_timeout_s": write_timeout_s}
+    return type("TimedProtocol", (TimedProtocol,), timeouts)
+
+
+def uvicorn_options(settings: EdgeSettings) -> dict[str, Any]:
+    """What `uvicorn.Config` takes from the edge's settings: where it listens, its limits."""
+    return {
+        "host": settings.edge_host,
+        "port": settings.edge_port,
+        "http": protocol_class(settings.edge_header_timeout_s, settings.edge_http_write_timeout_s),
+        "h11_max_incomplete_event_size": settings.edge_max_header_bytes,
+        "timeout_keep_alive": settings.edge_keep_alive_timeout_s,
+        "limit_concurrency": settings.edge_max_connections,
+        # Read frames up to 4x the answered limit, so an oversized frame of an authenticated
+        # socket gets a polite invalid_request instead of a closed socket; before the key,
+        # a frame above edge_max_unauthenticated_frame_bytes closes it (chat_socket.py).
+        "ws_max_size": settings.edge_max_frame_bytes * 4,
+    }

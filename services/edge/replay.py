@@ -1,0 +1,172 @@
+"""A resume's replay: one stream's past records, read by a consumer of its own.
+
+The edge's one reader (`results.py`) only moves forward on the partitions its streams share:
+rewinding it for one resume would hold back every other stream on it, and a tenant could
+freeze an edge with a resume a second. A resume reads its stream's records from the resume
+token's offset with a short-lived consumer instead, bounded in time and in records read, and
+hands over to the shared reader where that one stands:
+
+    await replays.read(tp, request_id, start=offset, end=log_end, live=..., attach=...)
+
+Once it has read to the log end of the resume's moment (a client cannot have seen more) and
+to the shared reader's position on `tp` (so nothing falls between the two), `read` calls
+`attach(replayed)` in that same turn: the caller attaches the stream there, and what the
+shared reader reads next goes to it. What both read is dropped by the stream's `seq`
+(streams.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
+
+import structlog
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from pydantic import TypeAdapter, ValidationError
+
+from shared.kafka import key_of
+from shared.messages import ErrorCode, ResultRecord
+
+log = structlog.get_logger()
+
+_results: TypeAdapter[ResultRecord] = TypeAdapter(ResultRecord)
+
+# Records per fetch of a replay; a replay reads at most `max_records` in all.
+FETCH_RECORDS = 2000
+FETCH_WAIT_MS = 200
+# The broker's wait on a fetch that finds nothing (the consumer's setting): a replay reads
+# what is there, so it never waits on an empty one for long.
+REPLAY_FETCH_WAIT_MS = 100
+
+
+class ReplayRefused(Exception):
+    """The replay cannot be served: too far back, or too slow; `code` is the client's."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True)
+class Replayed:
+    """The stream's records in `[start, position)`, in order; `scanned`: records read."""
+
+    records: list[ResultRecord]
+    position: int
+    scanned: int
+
+
+class Replays:
+    """Every replay of this edge: at most `concurrency` at once, each bounded.
+
+    Caller: `Gateway._resume`.
+    Affects: nothing shared; each replay's consumer is its own and stopped when it ends.
+    """
+
+    def __init__(
+        self,
+        consumer: Callable[[], AIOKafkaConsumer],
+        *,
+        timeout_s: float,
+        max_records: int,
+        concurrency: int,
+    ) -> None:
+        self._consumer = consumer
+        self.timeout_s = timeout_s
+        self.max_records = max_records
+        self._slots = asyncio.Semaphore(concurrency)
+
+    async def read(
+        self,
+        tp: TopicPartition,
+        request_id: str,
+        *,
+        start: int,
+        end: int,
+        live: Callable[[], int | None],
+        attach: Callable[[Replayed], None],
+    ) -> Replayed:
+        """Read `request_id`'s records on `tp` from `start` until the log end `end` and the
+        shared reader's position `live()` (None: it does not read `tp`) are both reached,
+        then call `attach` with them, before anything else runs on the loop.
+
+        ReplayRefused if that takes more than `max_records` records or `timeout_s`.
+        """
+        try:
+            async with asyncio.timeout(self.timeout_s), self._slots:
+                return await self._read(tp, request_id, start, end, live, attach)
+        except TimeoutError:
+            raise ReplayRefused(
+                ErrorCode.overloaded,
+                f"stream.resume: the replay did not finish in {self.timeout_s:g} s, try again",
+            ) from None
+
+    async def _read(
+        self,
+        tp: TopicPartition,
+        request_id: str,
+        start: int,
+        end: int,
+        live: Callable[[], int | None],
+        attach: Callable[[Replayed], None],
+    ) -> Replayed:
+        key = key_of(request_id)
+        records: list[ResultRecord] = []
+        position, scanned = start, 0
+        async with AsyncExitStack() as stack:
+            consumer: AIOKafkaConsumer | None = None
+            while not _caught_up(position, end, live()):
+                if scanned >= self.max_records:
+                    raise ReplayRefused(
+                        ErrorCode.not_found,
+                        f"stream.resume: the stream is more than {self.max_records} records"
+                        " back; it cannot be replayed",
+                    )
+                if consumer is None:
+                    started: AIOKafkaConsumer = await stack.enter_async_context(
+                        _started(self._consumer(), tp)
+                    )
+                    started.seek(tp, start)
+                    consumer = started
+                fetched = await consumer.getmany(
+                    tp,
+                    timeout_ms=FETCH_WAIT_MS,
+                    max_records=min(FETCH_RECORDS, self.max_records - scanned),
+                )
+                for record in fetched.get(tp, []):
+                    scanned += 1
+                    if record.key != key:
+                        continue
+                    try:
+                        records.append(_results.validate_json(record.value or b""))
+                    except ValidationError as exc:
+                        log.error(
+                            "result.invalid", topic=tp.topic, offset=record.offset, error=str(exc)
+                        )
+                # Past transaction markers too, which no record shows.
+                position = await consumer.position(tp)
+            # Caught up, and nothing awaited since the check: hand over now (the consumer
+            # stops after).
+            replayed = Replayed(records, position, scanned)
+            attach(replayed)
+        return replayed
+
+
+def _caught_up(position: int, end: int, live: int | None) -> bool:
+    return position >= end and (live is None or position >= live)
+
+
+@asynccontextmanager
+async def _started(
+    consumer: AIOKafkaConsumer, tp: TopicPartition
+) -> AsyncIterator[AIOKafkaConsumer]:
+    """`consumer` started and assigned `tp` alone; stopped on exit."""
+    await consumer.start()
+    try:
+        consumer.assign([tp])
+        yield consumer
+    finally:
+        await consumer.stop()

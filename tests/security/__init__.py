@@ -1,0 +1,1 @@
+"""Attack tests: each sends what an attacker would and asserts the attack fails."""

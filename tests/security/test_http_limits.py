@@ -1,0 +1,190 @@
+"""Attacks on the OpenAI-compatible HTTP API: a body without end, JSON nested past the
+interpreter's stack, more streams than the tenant's `sockets`. Each is sent as an attacker
+would, over a real socket to a real edge. (A client that stops reading its stream:
+test_listener_limits.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.stack import UNLIMITED, Stack, new_prefix, wait_until
+
+MODEL = "sim-8b"
+ECHO = "ECHO-51c0de::"
+BODY_LIMIT = 1 << 20  # TOKENBUS_EDGE_MAX_FRAME_BYTES's default: the body limit
+TOKEN_RATE = 400
+TENANTS: dict[str, dict[str, object]] = {
+    "two_streams": {**UNLIMITED, "sockets": 2},
+    "one_stream": {**UNLIMITED, "sockets": 1},
+}
+
+
+@pytest.fixture(scope="module")
+def api(bootstrap: str, log_dir: Path) -> Iterator[Stack]:
+    stack = Stack(
+        bootstrap=bootstrap,
+        prefix=new_prefix(),
+        log_dir=log_dir,
+        tenant_limits=TENANTS,
+        env_overrides={
+            "TOKENBUS_WORKER_SIM_ECHO_MARKER": ECHO,
+            "TOKENBUS_WORKER_SIM_TOKEN_RATE": str(TOKEN_RATE),
+            "TOKENBUS_EDGE_DISCONNECT_GRACE_S": "2",
+        },
+    )
+    try:
+        stack.start()
+        wait_until(lambda: MODEL in models(stack), 30, "the worker's model on /v1/models")
+        yield stack
+    finally:
+        stack.stop()
+
+
+def auth(stack: Stack, tenant: str = "default") -> dict[str, str]:
+    return {"Authorization": f"Bearer {stack.keys[tenant]}"}
+
+
+def models(stack: Stack) -> list[str]:
+    got = httpx.get(f"{stack.http_url}/v1/models", headers=auth(stack))
+    return [m["id"] for m in got.json().get("data", [])] if got.status_code == 200 else []
+
+
+def echo_request(text: str, max_tokens: int) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": ECHO + text}],
+        "max_tokens": max_tokens,
+        "stream": True,
+    }
+
+
+def long_text(tokens: int) -> str:
+    """Echoed 4 characters a token: `tokens` tokens of it (sim_text.ECHO_PIECE_CHARS)."""
+    return ("abcd" * tokens)[: tokens * 4]
+
+
+async def raw_exchange(port: int, head: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(head)
+    await writer.drain()
+    return reader, writer
+
+
+# -- a body without end -------------------------------------------------------------------------
+
+
+async def test_a_chunked_body_without_end_gets_413_before_it_is_read(api: Stack) -> None:
+    """The attacker streams chunks for ever; the edge answers 413 once past its limit and
+    closes the connection, having read about the limit, not what was sent."""
+    head = (
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: edge\r\nContent-Type: application/json\r\n"
+        f"Authorization: Bearer {api.keys['default']}\r\nTransfer-Encoding: chunked\r\n\r\n"
+    ).encode()
+    reader, writer = await raw_exchange(api.edge_port, head)
+    chunk = b"[" * 65536
+    framed = b"%x\r\n%s\r\n" % (len(chunk), chunk)
+    sent = 0
+    answer = asyncio.ensure_future(reader.read(65536))
+    try:
+        # Up to 64 MiB: the old edge read it all (and would read more) before answering.
+        while sent < 64 * BODY_LIMIT and not answer.done():
+            writer.write(framed)
+            try:
+                await asyncio.wait_for(writer.drain(), 5)
+            except (ConnectionError, TimeoutError):
+                break
+            sent += len(chunk)
+        data = await asyncio.wait_for(answer, 10)
+    finally:
+        writer.close()
+    status_line, _, rest = data.partition(b"\r\n")
+    assert status_line.startswith(b"HTTP/1.1 413"), data[:200]
+    assert sent <= 8 * BODY_LIMIT, f"the edge read {sent} bytes before answering"
+    body = json.loads(rest.partition(b"\r\n\r\n")[2])
+    assert body["error"]["code"] == "request_too_large"
+    assert body["error"]["type"] == "invalid_request_error"
+    assert b"connection: close" in rest.lower()
+
+
+def test_a_declared_oversized_body_gets_413_unread(api: Stack) -> None:
+    got = httpx.post(
+        f"{api.http_url}/v1/completions",
+        headers=auth(api),
+        content=b"{" + b" " * (BODY_LIMIT + 1) + b"}",
+    )
+    assert got.status_code == 413
+    assert got.json()["error"]["code"] == "request_too_large"
+
+
+# -- JSON nested past the stack ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("opener", ["[", '{"a":'])
+def test_json_nested_past_the_stack_gets_a_typed_400(api: Stack, opener: str) -> None:
+    depth = 100_000  # under the body limit; far past Python's recursion limit
+    got = httpx.post(
+        f"{api.http_url}/v1/chat/completions",
+        headers={**auth(api), "Content-Type": "application/json"},
+        content=(opener * depth).encode(),
+    )
+    assert got.status_code == 400, got.text[:200]
+    error = got.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["code"] == "invalid_request"
+    assert "nested" in error["message"]
+    assert "Traceback" not in got.text
+
+
+# -- streams against the tenant's `sockets` ------------------------------------------------------
+
+
+async def open_stream(
+    client: httpx.AsyncClient, stack: Stack, tenant: str, tokens: int
+) -> httpx.Response:
+    request = client.build_request(
+        "POST",
+        f"{stack.http_url}/v1/chat/completions",
+        headers=auth(stack, tenant),
+        json=echo_request(long_text(tokens), tokens),
+    )
+    return await client.send(request, stream=True)
+
+
+async def test_the_streams_past_the_tenants_sockets_are_refused(api: Stack) -> None:
+    async with httpx.AsyncClient(timeout=60) as client:
+        held = [await open_stream(client, api, "two_streams", 4000) for _ in range(2)]
+        try:
+            assert [r.status_code for r in held] == [200, 200]
+            third = await open_stream(client, api, "two_streams", 8)
+            await third.aread()
+            assert third.status_code == 429, third.text[:200]
+            error = third.json()["error"]
+            assert error["code"] == "rate_limit_exceeded"
+            assert "sockets" in error["message"]
+            assert third.headers.get("retry-after")
+            # Another tenant is not held back by this one's streams.
+            other = await open_stream(client, api, "default", 8)
+            await other.aread()
+            assert other.status_code == 200
+        finally:
+            for r in held:
+                await r.aclose()
+
+        # The ended streams gave their places back.
+        async def admitted() -> bool:
+            r = await open_stream(client, api, "two_streams", 4)
+            await r.aread()
+            return r.status_code == 200
+
+        deadline = time.monotonic() + 10
+        while not await admitted():
+            assert time.monotonic() < deadline, "the closed streams' places were not given back"
+            await asyncio.sleep(0.1)

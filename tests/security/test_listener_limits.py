@@ -1,0 +1,227 @@
+"""Attacks on the edge's listener: a request head trickled for ever (slowloris), a silent
+connection, a flood of connections, a big WebSocket frame before authentication, and a
+client that stops reading what it is sent. Real sockets against a real edge (the write
+timeout: against uvicorn running the edge's protocol, `listener.TimedProtocol`)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+import uvicorn
+import websockets
+from starlette.types import Receive, Scope, Send
+
+from services.edge.listener import protocol_class
+from tests.stack import Stack, free_port, new_prefix, wait_until
+
+HEADER_TIMEOUT_S = 2.0
+MAX_CONNECTIONS = 8
+
+
+@pytest.fixture(scope="module")
+def edge(bootstrap: str, log_dir: Path) -> Iterator[Stack]:
+    s = Stack(
+        bootstrap=bootstrap,
+        prefix=new_prefix(),
+        log_dir=log_dir,
+        env_overrides={
+            "TOKENBUS_EDGE_HEADER_TIMEOUT_S": str(HEADER_TIMEOUT_S),
+            "TOKENBUS_EDGE_MAX_CONNECTIONS": str(MAX_CONNECTIONS),
+        },
+    )
+    try:
+        yield s.start()
+    finally:
+        s.stop()
+
+
+async def closed_within(reader: asyncio.StreamReader, timeout_s: float) -> float:
+    """Seconds until the server closed the connection (EOF or reset); fails past `timeout_s`."""
+    started = time.monotonic()
+    try:
+        while await asyncio.wait_for(reader.read(65536), timeout_s):
+            pass
+    except ConnectionResetError:
+        pass
+    except TimeoutError:
+        raise AssertionError(f"the server held the connection past {timeout_s} s") from None
+    return time.monotonic() - started
+
+
+# -- slowloris -----------------------------------------------------------------------------------
+
+
+async def test_a_head_trickled_a_byte_at_a_time_is_cut_off(edge: Stack) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", edge.edge_port)
+    writer.write(b"GET /healthz HTTP/1.1\r\nHost: edge\r\n")
+
+    async def trickle() -> None:
+        for _ in range(200):
+            await asyncio.sleep(0.25)
+            writer.write(b"X")
+            await writer.drain()
+
+    drip = asyncio.create_task(trickle())
+    try:
+        took = await closed_within(reader, HEADER_TIMEOUT_S + 5)
+    finally:
+        drip.cancel()
+        await asyncio.gather(drip, return_exceptions=True)
+        writer.close()
+    assert took < HEADER_TIMEOUT_S + 2
+
+
+async def test_a_silent_connection_is_closed(edge: Stack) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", edge.edge_port)
+    try:
+        took = await closed_within(reader, HEADER_TIMEOUT_S + 5)
+    finally:
+        writer.close()
+    assert took < HEADER_TIMEOUT_S + 2
+
+
+async def test_a_kept_alive_connection_trickling_its_next_head_is_cut_off(edge: Stack) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", edge.edge_port)
+    try:
+        writer.write(b"GET /healthz HTTP/1.1\r\nHost: edge\r\n\r\n")
+        first = await asyncio.wait_for(reader.readuntil(b"}"), 5)  # the whole small answer
+        assert first.startswith(b"HTTP/1.1 200")
+        writer.write(b"GET /healthz HTTP/1.1\r\n")  # the next head, never finished
+        for _ in range(3):
+            await asyncio.sleep(0.5)
+            writer.write(b"X-Slow: 1\r\n")  # bytes keep coming: no keep-alive timeout applies
+        took = await closed_within(reader, HEADER_TIMEOUT_S + 5)
+    finally:
+        writer.close()
+    assert took < HEADER_TIMEOUT_S + 2
+
+
+async def test_connections_past_the_limit_are_answered_503(edge: Stack) -> None:
+    held = [
+        await asyncio.open_connection("127.0.0.1", edge.edge_port) for _ in range(MAX_CONNECTIONS)
+    ]
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", edge.edge_port)
+        writer.write(b"GET /healthz HTTP/1.1\r\nHost: edge\r\n\r\n")
+        answer = await asyncio.wait_for(reader.read(4096), 5)
+        writer.close()
+        assert answer.startswith(b"HTTP/1.1 503"), answer[:100]
+    finally:
+        for _, w in held:
+            w.close()
+    # Once the flood is gone, the edge answers again.
+    wait_until(edge.edge_ready, 10, "the edge answering again")
+
+
+# -- WebSocket frames before the key -------------------------------------------------------------
+
+
+async def test_a_big_frame_before_the_key_closes_the_socket(edge: Stack) -> None:
+    async with websockets.connect(edge.ws_url_as(None), max_size=None) as ws:
+        await ws.send(json.dumps({"type": "auth", "api_key": "x" * 65536}))
+        with pytest.raises(websockets.ConnectionClosed) as closed:
+            await asyncio.wait_for(ws.recv(), 5)
+    assert closed.value.rcvd is not None
+    assert closed.value.rcvd.code == 1009
+
+
+async def test_after_the_key_a_large_frame_is_answered_as_before(edge: Stack) -> None:
+    """The small limit holds only until the `auth` frame is accepted."""
+    async with websockets.connect(edge.ws_url_as(None), max_size=None) as ws:
+        await ws.send(json.dumps({"type": "auth", "api_key": edge.keys["default"]}))
+        big = "x" * 60_000  # 60 kB: above the pre-auth limit, under the frame limit
+        await ws.send(
+            json.dumps(
+                {
+                    "type": "chat.request",
+                    "client_id": "c1",
+                    "messages": [{"role": "user", "content": big}],
+                    "max_tokens": 4,
+                }
+            )
+        )
+        while True:
+            frame = json.loads(await asyncio.wait_for(ws.recv(), 30))
+            if frame["type"] in ("chat.done", "error"):
+                break
+    assert frame["type"] == "chat.done", frame
+
+
+# -- a client that stops reading -----------------------------------------------------------------
+
+WRITE_TIMEOUT_S = 1.0
+
+
+class EndlessStream:
+    """An ASGI app that streams for ever, as an SSE answer does while tokens come; it
+    records whether it was told the client is gone."""
+
+    def __init__(self) -> None:
+        self.disconnected = asyncio.Event()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        watch = asyncio.create_task(self._watch(receive))
+        chunk = b"data: " + b"x" * 16384 + b"\n\n"
+        try:
+            while not self.disconnected.is_set():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        finally:
+            watch.cancel()
+
+    async def _watch(self, receive: Receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self.disconnected.set()
+
+
+@pytest.fixture
+async def endless() -> AsyncIterator[tuple[EndlessStream, int]]:
+    app = EndlessStream()
+    port = free_port()
+    config = uvicorn.Config(
+        app,
+        host="127.0.0.1",
+        port=port,
+        http=protocol_class(HEADER_TIMEOUT_S, WRITE_TIMEOUT_S),
+        lifespan="off",
+        log_level="warning",
+    )
+    server = uvicorn.Server(config)
+    serving = asyncio.create_task(server.serve())
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline, "uvicorn did not start"
+        await asyncio.sleep(0.01)
+    try:
+        yield app, port
+    finally:
+        server.should_exit = True
+        await serving
+
+
+async def test_a_client_that_stops_reading_is_dropped_within_the_write_timeout(
+    endless: tuple[EndlessStream, int],
+) -> None:
+    app, port = endless
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
+    try:
+        sock.send(b"GET /stream HTTP/1.1\r\nHost: edge\r\n\r\n")
+        started = time.monotonic()
+        # The client reads nothing; the server fills its buffers, waits, and lets it go.
+        await asyncio.wait_for(app.disconnected.wait(), WRITE_TIMEOUT_S + 20)
+        took = time.monotonic() - started
+    finally:
+        sock.close()
+    assert took < WRITE_TIMEOUT_S + 10

@@ -1,0 +1,219 @@
+"""Resume and cancel are not free (issue 24, finding "resume and cancel are free").
+
+The attacker holds one valid key and sends what a script would: the same `stream.resume`
+or `chat.cancel` frame over and over on a real WebSocket to a real edge. On main (456a15c)
+every resume wrote a record to `tokenbus.control` (read by every edge and worker) and
+rewound the edge's shared results partition, and a resume of a stream the socket already
+read replayed it from the start, so the client was shown every delta twice; every cancel
+wrote another control record. Now each is charged to the tenant's request rate, a resume of
+an attached stream and a second cancel are no-ops, and a replay reads with a consumer of its
+own (the shared reader's count of records read does not grow by what a resume replays).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import websockets
+
+from tests.chat_client import recv_json
+from tests.stack import Stack, free_port, new_prefix, wait_until
+
+ATTACKER_RPS = 4.0  # burst 4: ceil(rps)
+FLOOD = 40
+SLOW_TOKEN_RATE = 40  # tokens/s: a 120-token answer streams for 3 s
+EDGE_B_PORT = free_port()
+
+
+@pytest.fixture(scope="module")
+def stack(bootstrap: str, log_dir: Path) -> Iterator[Stack]:
+    s = Stack(
+        bootstrap=bootstrap,
+        prefix=new_prefix(),
+        log_dir=log_dir,
+        tenant_limits={
+            "mallory": {"rps": ATTACKER_RPS, "concurrency": 8},
+            "trudy": {"rps": 100.0, "concurrency": 1},
+        },
+        env_overrides={"TOKENBUS_WORKER_SIM_TOKEN_RATE": str(SLOW_TOKEN_RATE)},
+    )
+    try:
+        s.start()
+        s.start_service("edge", key="edge-b", TOKENBUS_EDGE_PORT=str(EDGE_B_PORT))
+        wait_until(lambda: s.edge_ready(EDGE_B_PORT), 60, "edge B's /readyz")
+        yield s
+    finally:
+        s.stop()
+
+
+async def _control_records(stack: Stack, request_id: str) -> list[dict[str, Any]]:
+    records = [json.loads(v) for v in await stack.read_async(stack.topics.control)]
+    return [r for r in records if r.get("request_id") == request_id]
+
+
+async def _open(ws: websockets.ClientConnection, max_tokens: int) -> dict[str, Any]:
+    await ws.send(
+        json.dumps(
+            {
+                "type": "chat.request",
+                "client_id": "c",
+                "prompt": f"resume flood {time.monotonic_ns()}",
+                "max_tokens": max_tokens,
+            }
+        )
+    )
+    accepted = await recv_json(ws)
+    assert accepted["type"] == "chat.accepted", accepted
+    return accepted
+
+
+async def _until_final(ws: websockets.ClientConnection, frames: list[dict[str, Any]]) -> None:
+    """Frames until the stream's final one: `chat.done`, or an error that ends it (a
+    `rate_limited` answer to a flood frame does not)."""
+    while True:
+        frame = await recv_json(ws)
+        frames.append(frame)
+        if frame["type"] == "chat.done":
+            return
+        if frame["type"] == "error" and frame.get("code") not in ("rate_limited", None):
+            return
+
+
+async def _drain(ws: websockets.ClientConnection, frames: list[dict[str, Any]], s: float) -> None:
+    """Whatever else the edge sends within `s` seconds (the answers to a flood)."""
+    deadline = time.monotonic() + s
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            frames.append(await recv_json(ws, timeout=left))
+        except TimeoutError:
+            return
+
+
+def test_a_resume_flood_is_rate_limited_and_writes_no_more_than_the_burst(stack: Stack) -> None:
+    async def attack() -> None:
+        async with websockets.connect(stack.ws_url_as("mallory")) as ws:
+            accepted = await _open(ws, max_tokens=4)
+            frames: list[dict[str, Any]] = []
+            await _until_final(ws, frames)
+            resume = {"type": "stream.resume", "resume_token": accepted["resume_token"]}
+            for _ in range(FLOOD):
+                await ws.send(json.dumps(resume))
+            await _drain(ws, frames, 4.0)
+        limited = [f for f in frames if f.get("code") == "rate_limited"]
+        assert len(limited) >= FLOOD - 2 * ATTACKER_RPS, [f["type"] for f in frames]
+        assert all(f.get("retry_after_ms") for f in limited)
+        resumed = await _control_records(stack, accepted["request_id"])
+        resumed = [r for r in resumed if r.get("kind") == "resumed"]
+        # The request took one unit of the burst; what is left, plus the refill in the
+        # drain window, is all a flood of 40 gets written.
+        assert len(resumed) <= 2 * ATTACKER_RPS, len(resumed)
+
+    asyncio.run(attack())
+
+
+def test_resuming_a_stream_the_socket_already_reads_shows_nothing_twice(stack: Stack) -> None:
+    async def attack() -> None:
+        async with websockets.connect(stack.ws_url_as("default")) as ws:
+            accepted = await _open(ws, max_tokens=120)
+            resume = {"type": "stream.resume", "resume_token": accepted["resume_token"]}
+            frames: list[dict[str, Any]] = []
+            first = await recv_json(ws)
+            frames.append(first)
+            for _ in range(3):
+                await ws.send(json.dumps(resume))
+            await _until_final(ws, frames)
+        deltas = [f["seq"] for f in frames if f["type"] == "chat.delta"]
+        assert deltas == sorted(set(deltas)), "a delta was shown twice"
+        assert not [f for f in frames if f["type"] == "stream.resumed"]
+        control = await _control_records(stack, accepted["request_id"])
+        assert not [r for r in control if r.get("kind") == "resumed"], control
+
+    asyncio.run(attack())
+
+
+def test_a_cancel_flood_writes_one_cancel_record(stack: Stack) -> None:
+    async def attack() -> None:
+        async with websockets.connect(stack.ws_url_as("default")) as ws:
+            accepted = await _open(ws, max_tokens=120)
+            cancel = {"type": "chat.cancel", "request_id": accepted["request_id"]}
+            for _ in range(FLOOD):
+                await ws.send(json.dumps(cancel))
+            frames: list[dict[str, Any]] = []
+            await _until_final(ws, frames)
+        request_id = accepted["request_id"]
+        cancels = [r for r in await _control_records(stack, request_id) if r["kind"] == "cancel"]
+        assert len(cancels) == 1, cancels
+
+    asyncio.run(attack())
+
+
+def _metric(stack: Stack, name: str) -> float:
+    text = stack.edge_metrics()
+    values = [line.split()[-1] for line in text.splitlines() if line.startswith(name + " ")]
+    assert values, f"{name} not on the edge's /metrics"
+    return float(values[0])
+
+
+def test_a_resume_replays_with_its_own_reader_and_never_rewinds_the_shared_one(
+    stack: Stack,
+) -> None:
+    async def attack() -> tuple[int, list[int]]:
+        async with websockets.connect(stack.ws_url_as("alice")) as ws:
+            accepted = await _open(ws, max_tokens=4)
+            await _until_final(ws, [])
+        # Others' streams fill the edge's shared partition after the token's offset.
+        behind = 0
+        async with websockets.connect(stack.ws_url_as("default")) as ws:
+            for _ in range(4):
+                await _open(ws, max_tokens=60)
+                frames: list[dict[str, Any]] = []
+                await _until_final(ws, frames)
+                behind += len(frames)
+        replays = []
+        for _ in range(3):
+            async with websockets.connect(stack.ws_url_as("alice")) as ws:
+                resume = {"type": "stream.resume", "resume_token": accepted["resume_token"]}
+                await ws.send(json.dumps(resume))
+                frames = []
+                await _until_final(ws, frames)
+                replays.append(len([f for f in frames if f["type"] == "chat.delta"]))
+        return behind, replays
+
+    read_before = _metric(stack, "tokenbus_edge_results_read_total")
+    replayed_before = _metric(stack, "tokenbus_edge_resume_replay_records_total")
+    behind, replays = asyncio.run(attack())
+    assert replays == [4, 4, 4]  # each resume showed the whole stream again
+    read = _metric(stack, "tokenbus_edge_results_read_total") - read_before
+    replayed = _metric(stack, "tokenbus_edge_resume_replay_records_total") - replayed_before
+    # The shared reader read the new records once (the five streams: ~250); three rewinds to
+    # the first stream's offset would have read them three more times.
+    assert read < 2 * behind, (read, behind)
+    assert replayed >= 3 * behind, (replayed, behind)
+
+
+def test_a_stream_resumed_on_another_edge_takes_a_concurrency_slot_there(stack: Stack) -> None:
+    """trudy may run one stream at once; resuming a second one on another edge is refused."""
+
+    async def attack() -> list[dict[str, Any]]:
+        async with websockets.connect(stack.ws_url_as("trudy")) as ws:
+            first = await _open(ws, max_tokens=120)  # edge A's one slot; the socket drops
+        async with websockets.connect(stack.ws_url_as("trudy", EDGE_B_PORT)) as ws:
+            await _open(ws, max_tokens=120)  # edge B's one slot
+            resume = {"type": "stream.resume", "resume_token": first["resume_token"]}
+            await ws.send(json.dumps(resume))
+            frames: list[dict[str, Any]] = []
+            while not [f for f in frames if f["type"] in ("error", "stream.resumed")]:
+                frames.append(await recv_json(ws))
+            return frames
+
+    frames = asyncio.run(attack())
+    refused = [f for f in frames if f["type"] == "error"]
+    assert refused, frames
+    assert refused[0]["code"] == "rate_limited", frames
+    assert "concurrency" in refused[0]["message"]
