@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from aiokafka import TopicPartition
+from aiokafka import ConsumerRecord, TopicPartition
 from pydantic import SecretStr
 
 from services.edge import keys as keyfile
@@ -266,20 +266,28 @@ async def _delete_all(settings: TokenbusSettings, topics: Topics) -> None:
 
 async def read_topic(settings: TokenbusSettings, topic: str, partitions: int) -> list[bytes]:
     """Every record value on `topic` now, all partitions, oldest first per partition."""
-    consumer = make_consumer(settings, group_id=None, client_id="stack-reader")
+    return [r.value or b"" for r in await read_records(settings, topic, partitions)]
+
+
+async def read_records(
+    settings: TokenbusSettings, topic: str, partitions: int, client_id: str = "stack-reader"
+) -> list[ConsumerRecord[bytes, bytes]]:
+    """Every record on `topic` now, all partitions, oldest first per partition, read under
+    `settings`' login (no group: READ only)."""
+    consumer = make_consumer(settings, group_id=None, client_id=client_id)
     await consumer.start()
     try:
         parts = [TopicPartition(topic, p) for p in range(partitions)]
         consumer.assign(parts)
         await consumer.seek_to_beginning(*parts)
         ends = await consumer.end_offsets(parts)
-        values: list[bytes] = []
+        out: list[ConsumerRecord[bytes, bytes]] = []
         todo = {tp for tp in parts if ends[tp] > 0}
         while todo:
             for records in (await consumer.getmany(timeout_ms=500)).values():
-                values.extend(r.value or b"" for r in records)
+                out.extend(records)
             todo = {tp for tp in todo if await consumer.position(tp) < ends[tp]}
-        return values
+        return out
     finally:
         await consumer.stop()
 

@@ -97,13 +97,8 @@ class Quotas:
         `settle` corrects the charge to the real usage once the request ends."""
         now = self._clock()
         use = self._use(tenant, limits)
-        if len(use.streams) >= limits.concurrency:
-            return Refusal(
-                "concurrency",
-                f"{len(use.streams)} requests in flight, the tenant's limit is "
-                f"{limits.concurrency}",
-                SLOT_RETRY_AFTER_MS,
-            )
+        if full := _no_stream_slot(use, limits):
+            return full
         rate_wait = use.requests.wait_s(1, now)
         if rate_wait is None or rate_wait > 0:
             return Refusal(
@@ -152,13 +147,8 @@ class Quotas:
         use = self._use(tenant, limits)
         if request_id in use.streams:
             return None
-        if len(use.streams) >= limits.concurrency:
-            return Refusal(
-                "concurrency",
-                f"{len(use.streams)} requests in flight, the tenant's limit is "
-                f"{limits.concurrency}",
-                SLOT_RETRY_AFTER_MS,
-            )
+        if full := _no_stream_slot(use, limits):
+            return full
         use.streams.add(request_id)
         self._stream_tenant[request_id] = tenant
         return None
@@ -198,6 +188,16 @@ class Quotas:
             use.requests.resize(rate, burst)
             use.tokens.resize(per_s, per_min)
         return use
+
+
+def _no_stream_slot(use: _TenantUse, limits: TenantLimits) -> Refusal | None:
+    if len(use.streams) < limits.concurrency:
+        return None
+    return Refusal(
+        "concurrency",
+        f"{len(use.streams)} requests in flight, the tenant's limit is {limits.concurrency}",
+        SLOT_RETRY_AFTER_MS,
+    )
 
 
 def _ms(seconds: float | None) -> int | None:

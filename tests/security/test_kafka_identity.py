@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aiokafka import TopicPartition
 from aiokafka.errors import TopicAuthorizationFailedError
 
 from deploy.kafka import launcher
@@ -29,7 +28,7 @@ from services.worker.engines.sim_text import complete
 from shared.kafka import key_of, make_admin, make_consumer, make_producer
 from shared.settings import TokenbusSettings
 from shared.topics import Topics
-from tests.stack import SERVICES, Stack, new_prefix
+from tests.stack import SERVICES, Stack, new_prefix, read_records
 from tests.test_kafka_security import cluster, settings_of  # noqa: F401 (the module's broker)
 from tokenbus.topics import ensure_topics, grant_acls
 
@@ -94,25 +93,11 @@ async def write(settings: TokenbusSettings, topic: str, *records: tuple[str, byt
 
 async def read(settings: TokenbusSettings, topic: str, partitions: int) -> list[Letter]:
     """Every record of `topic` now, read under `settings`' login (no group: READ only)."""
-    consumer = make_consumer(settings, group_id=None, client_id="identity-reader")
-    await consumer.start()
-    try:
-        parts = [TopicPartition(topic, p) for p in range(partitions)]
-        consumer.assign(parts)
-        await consumer.seek_to_beginning(*parts)
-        ends = await consumer.end_offsets(parts)
-        out: list[Letter] = []
-        todo = {tp for tp in parts if ends[tp] > 0}
-        while todo:
-            for records in (await consumer.getmany(timeout_ms=500)).values():
-                out.extend(
-                    Letter(r.key, r.value or b"", {k: (v or b"").decode() for k, v in r.headers})
-                    for r in records
-                )
-            todo = {tp for tp in todo if await consumer.position(tp) < ends[tp]}
-        return out
-    finally:
-        await consumer.stop()
+    records = await read_records(settings, topic, partitions, client_id="identity-reader")
+    return [
+        Letter(r.key, r.value or b"", {k: (v or b"").decode() for k, v in r.headers})
+        for r in records
+    ]
 
 
 async def until(
