@@ -1,7 +1,8 @@
 """Streams that stopped getting records: ended with an error instead of left open forever.
 
-A worker whose records were lost in a broker outage (an idempotent producer cannot resend a
-failed batch in order) may never write a stream's final record; without this the client
+A backstop: a worker resends a batch Kafka did not take, in order, for a bounded time
+(ADR 0048), and past it re-runs the request; a worker that dies in an outage, or a request
+lost with it, may still never write a stream's final record, and without this the client
 would wait forever on an open socket. Pure, with the caller's clock:
 
 - a stream is watched once a record of it arrived, or once a broker outage it was open
