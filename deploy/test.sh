@@ -27,8 +27,8 @@ if [ ${#missing[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
-# The manifest and monitoring checks run real tools (kustomize, kube-apiserver, etcd,
-# promtool, KEDA's CRDs): built from the Go module proxy once, then cached by version.
+# The manifest, monitoring and chaos checks run real tools (kustomize, kube-apiserver, etcd,
+# promtool, KEDA's CRDs, Toxiproxy): built from the Go module proxy once, then cached by version.
 deploy/tools/build.sh >/dev/null
 
 # Jaeger for tests/test_jaeger.py: built from the Go module proxy the first time (minutes,

@@ -68,21 +68,48 @@ def min_insync_replicas(replication_factor: int) -> int:
     return 2 if replication_factor >= 3 else 1
 
 
+# The inter-broker listener of a proxied cluster: replication and the brokers' own links
+# bypass the clients' proxies, so a fault played on a proxy reaches clients only.
+BROKER_LISTENER = "BROKER"
+
+
+def ports_per_node(proxied: bool = False) -> int:
+    """How many adjacent ports a node uses from its first: `free_port_run(size * this)`."""
+    return 4 if proxied else 2
+
+
 @dataclass(frozen=True)
 class Node:
-    """One KRaft node of a local cluster: a broker and a controller in one JVM."""
+    """One KRaft node of a local cluster: a broker and a controller in one JVM.
+
+    The broker serves clients on `port` and its controller on `port + 1`. In a proxied
+    cluster it also serves the other brokers on `broker_port` (`port + 2`), and tells
+    clients to reach it at `client_port` (`port + 3`), where a proxy (tests/chaos/
+    toxiproxy.py) forwards to `port`; otherwise `client_port` is `port`.
+    """
 
     node_id: int
     port: int
     state_dir: Path
+    proxied: bool = False
 
     @property
     def controller_port(self) -> int:
         return self.port + 1
 
     @property
+    def broker_port(self) -> int:
+        """The inter-broker listener of a proxied cluster (unused otherwise)."""
+        return self.port + 2
+
+    @property
+    def client_port(self) -> int:
+        """Where clients are told to reach this node: the proxy's port in a proxied cluster."""
+        return self.port + 3 if self.proxied else self.port
+
+    @property
     def bootstrap_server(self) -> str:
-        return f"{HOST}:{self.port}"
+        return f"{HOST}:{self.client_port}"
 
     @property
     def config_file(self) -> Path:
@@ -108,6 +135,12 @@ class Cluster:
     Node i (1-based) listens on `port + 2(i-1)` and its controller one port above. A
     one-node cluster keeps its files directly in `state_dir` (the layout of every earlier
     version); a larger one gives each node `state_dir/node-<i>`.
+
+    A proxied cluster (`proxied=True`) gives each node four ports from `port + 4(i-1)`
+    (see `Node`): clients are told to reach node i at its `client_port`, where a proxy
+    must forward to its `port`, while the brokers replicate and the controllers vote
+    directly. `bootstrap_servers` then names the proxies' ports: nothing answers there
+    until the proxies run. Not with `secure`.
     """
 
     port: int
@@ -115,6 +148,8 @@ class Cluster:
     size: int = 1
     # Clients on SASL_SSL with ACLs instead of PLAINTEXT (deploy/kafka/secure.py).
     secure: bool = False
+    # Clients reach each node through a proxy of its own (fault injection, tests/chaos/).
+    proxied: bool = False
 
     @classmethod
     def resolve(
@@ -123,12 +158,13 @@ class Cluster:
         state_dir: str | Path | None = None,
         nodes: int | None = None,
         secure: bool | None = None,
+        proxied: bool | None = None,
     ) -> Cluster:
         """Fill what the caller left out: argument, then environment, then defaults.
 
-        Port, size and security also fall back to what this state dir last ran with, so
-        `stop` and `status` find a cluster started with `--port`/`--nodes`/`--secure`
-        without being told again.
+        Port, size, security and proxying also fall back to what this state dir last ran
+        with, so `stop` and `status` find a cluster started with `--port`/`--nodes`/
+        `--secure` (or `proxied=True`) without being told again.
         """
         directory = Path(
             state_dir or os.environ.get("TOKENBUS_KAFKA_STATE_DIR") or DEFAULT_STATE_DIR
@@ -143,7 +179,11 @@ class Cluster:
             raise LauncherError(f"a cluster needs at least one node, not {nodes}")
         if secure is None:
             secure = bool(_recorded_secure(directory))
-        return cls(port=port, state_dir=directory, size=nodes, secure=secure)
+        if proxied is None:
+            proxied = bool(_recorded_proxied(directory))
+        if secure and proxied:
+            raise LauncherError("a proxied cluster serves PLAINTEXT only: drop secure or proxied")
+        return cls(port=port, state_dir=directory, size=nodes, secure=secure, proxied=proxied)
 
     def node(self, node_id: int) -> Node:
         if not 1 <= node_id <= self.size:
@@ -151,7 +191,8 @@ class Cluster:
                 f"node ids of this cluster run from 1 to {self.size}, not {node_id}"
             )
         directory = self.state_dir if self.size == 1 else self.state_dir / f"node-{node_id}"
-        return Node(node_id=node_id, port=self.port + 2 * (node_id - 1), state_dir=directory)
+        first = self.port + ports_per_node(self.proxied) * (node_id - 1)
+        return Node(node_id=node_id, port=first, state_dir=directory, proxied=self.proxied)
 
     @property
     def nodes(self) -> tuple[Node, ...]:
@@ -205,10 +246,11 @@ def start_cluster(
     state_dir: str | Path | None = None,
     timeout_s: float = START_TIMEOUT_S,
     secure: bool = False,
+    proxied: bool = False,
 ) -> tuple[Cluster, Running]:
     """The Python API of `start --nodes N [--secure]`: the cluster (its `bootstrap_servers`,
-    `client_env(user)`) and pids."""
-    cluster = Cluster.resolve(port, state_dir, nodes, secure)
+    `client_env(user)`) and pids. `proxied`: see `Cluster`."""
+    cluster = Cluster.resolve(port, state_dir, nodes, secure, proxied)
     return cluster, start(cluster, timeout_s)
 
 
@@ -356,29 +398,34 @@ def _cache_dir() -> Path:
     return Path(base) / "tokenbus" / "kafka"
 
 
-def _recorded_port(state_dir: Path) -> int | None:
+def _recorded_listeners(state_dir: Path) -> str | None:
+    """The `listeners=` value this state dir's cluster was last configured with (node 1's
+    in a larger cluster); None if it was never configured."""
     for config_file in (
         state_dir / "server.properties",
         state_dir / "node-1" / "server.properties",
     ):
         with contextlib.suppress(FileNotFoundError):
-            found = re.search(
-                r"^listeners=\w+://[^:]+:(\d+)", config_file.read_text(), re.MULTILINE
-            )
-            return int(found.group(1)) if found else None
+            found = re.search(r"^listeners=(\S*)", config_file.read_text(), re.MULTILINE)
+            return found.group(1) if found else ""
     return None
+
+
+def _recorded_port(state_dir: Path) -> int | None:
+    found = re.match(r"\w+://[^:]+:(\d+)", _recorded_listeners(state_dir) or "")
+    return int(found.group(1)) if found else None
 
 
 def _recorded_secure(state_dir: Path) -> bool | None:
     """Whether this state dir's cluster was last configured secured, if it was configured."""
-    for config_file in (
-        state_dir / "server.properties",
-        state_dir / "node-1" / "server.properties",
-    ):
-        with contextlib.suppress(FileNotFoundError):
-            found = re.search(r"^listeners=(\w+)://", config_file.read_text(), re.MULTILINE)
-            return found is not None and found.group(1) == secured.CLIENT_LISTENER
-    return None
+    listeners = _recorded_listeners(state_dir)
+    return None if listeners is None else listeners.startswith(f"{secured.CLIENT_LISTENER}://")
+
+
+def _recorded_proxied(state_dir: Path) -> bool | None:
+    """Whether this state dir's cluster was last configured proxied, if it was configured."""
+    listeners = _recorded_listeners(state_dir)
+    return None if listeners is None else f"{BROKER_LISTENER}://" in listeners
 
 
 def _recorded_size(state_dir: Path) -> int | None:
@@ -425,6 +472,12 @@ def _start_nodes(cluster: Cluster, wanted: Sequence[Node], timeout_s: float) -> 
             raise LauncherError(
                 f"the cluster of {cluster.state_dir} already runs on port {running_port} "
                 f"(pids {_pid_list(pids)}); stop it first to move it to {cluster.port}"
+            )
+        if pids and _recorded_proxied(cluster.state_dir) != cluster.proxied:
+            raise LauncherError(
+                f"the cluster of {cluster.state_dir} runs "
+                f"{'' if cluster.proxied else 'proxied '}(pids {_pid_list(pids)}); "
+                f"stop it first to start it {'proxied' if cluster.proxied else 'unproxied'}"
             )
         missing = [n for n in wanted if n.node_id not in pids]
         if not missing:
@@ -491,7 +544,9 @@ def _pid_list(pids: dict[int, int]) -> str:
 
 
 def _check_ports_free(node: Node) -> None:
-    for port in (node.port, node.controller_port):
+    # Not the client port of a proxied node: its proxy may listen there already.
+    bound = (node.port, node.controller_port, *((node.broker_port,) if node.proxied else ()))
+    for port in bound:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
             # SO_REUSEADDR as the JVM sets it: a port in TIME_WAIT after a stop is free.
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -500,7 +555,7 @@ def _check_ports_free(node: Node) -> None:
             except OSError as exc:
                 raise LauncherError(
                     f"port {HOST}:{port} is in use by another process ({exc.strerror}); "
-                    f"node {node.node_id} needs {node.port} and {node.controller_port}: "
+                    f"node {node.node_id} needs {' and '.join(map(str, bound))}: "
                     "stop that process or choose another --port"
                 ) from exc
 
@@ -522,16 +577,23 @@ def render_config(cluster: Cluster, node: Node) -> str:
     Listeners are named here (name -> port, name -> protocol): a further listener, such
     as SASL_SSL for clients, is one more entry in each map. A secured cluster serves
     clients (and its brokers' links) on SASL_SSL instead of PLAINTEXT, on the same port.
+    A proxied one advertises its proxy's port to clients, and links its brokers on a
+    listener of their own, advertised directly.
     """
     client = secured.CLIENT_LISTENER if cluster.secure else "PLAINTEXT"
     controller = secured.CONTROLLER_PROTOCOL if cluster.secure else "PLAINTEXT"
     listeners = {client: node.port, "CONTROLLER": node.controller_port}
-    advertised = {client: node.port}
+    advertised = {client: node.client_port}
     protocols = {client: client, "CONTROLLER": controller}
+    inter_broker = client
+    if cluster.proxied:
+        inter_broker = BROKER_LISTENER
+        listeners[inter_broker] = advertised[inter_broker] = node.broker_port
+        protocols[inter_broker] = "PLAINTEXT"
     template = string.Template(SERVER_TEMPLATE.read_text())
     extra = secured.server_properties(cluster.secure_files) if cluster.secure else ""
     rendered = template.substitute(
-        inter_broker_listener=client,
+        inter_broker_listener=inter_broker,
         node_id=node.node_id,
         voters=",".join(f"{n.node_id}@{HOST}:{n.controller_port}" for n in cluster.nodes),
         listeners=",".join(f"{name}://{HOST}:{port}" for name, port in listeners.items()),
@@ -645,7 +707,7 @@ def _wait_until_ready(cluster: Cluster, pids: dict[int, int], deadline: float) -
             node = cluster.node(min(waiting))
             raise LauncherError(
                 f"Kafka node {node.node_id} (pid {waiting[node.node_id]}) did not list nodes "
-                f"{sorted(expected)} on {node.bootstrap_server} in time; "
+                f"{sorted(expected)} on {HOST}:{node.port} in time; "
                 f"last lines of {node.log_file}:\n" + _tail(_read(node.log_file))
             )
         if waiting:

@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# The real tools the manifest and monitoring checks run (tests/test_k8s*.py,
-# tests/test_monitoring*.py), built from the Go module proxy once and cached by version:
+# The real tools the manifest, monitoring and chaos checks run (tests/test_k8s*.py,
+# tests/test_monitoring*.py, tests/chaos/), built from the Go module proxy once and cached by
+# version:
 #
 #   kube-apiserver  k8s.io/kubernetes/cmd/kube-apiserver   (kube-apiserver/go.mod)
 #   etcd            go.etcd.io/etcd/server/v3/etcdmain      (etcd/go.mod, main.go)
 #   promtool        github.com/prometheus/prometheus/cmd/promtool (promtool/go.mod)
 #   kustomize       sigs.k8s.io/kustomize/kustomize/v5      (kustomize/go.mod)
+#   toxiproxy       github.com/Shopify/toxiproxy/v2/cmd/server (toxiproxy/go.mod; the chaos
+#                   check's network faults, tests/chaos/toxiproxy.py)
 #   keda-crds       github.com/kedacore/keda/v2 config/crd/bases/ (downloaded, not built)
 #
 # Each lands in $TOKENBUS_TOOLS_DIR (default ~/.cache/tokenbus/tools)/<tool>/<key>/, where the
@@ -69,6 +72,8 @@ tool kustomize sigs.k8s.io/kustomize/kustomize/v5 sigs.k8s.io/kustomize/kustomiz
 tool promtool github.com/prometheus/prometheus github.com/prometheus/prometheus/cmd/promtool \
   "" remove_all_sd,enable_kubernetes_sd,enable_dns_sd
 tool etcd go.etcd.io/etcd/server/v3 .
+tool toxiproxy github.com/Shopify/toxiproxy/v2 github.com/Shopify/toxiproxy/v2/cmd/server \
+  "-X github.com/Shopify/toxiproxy/v2.Version=$(pinned toxiproxy github.com/Shopify/toxiproxy/v2)"
 tool kube-apiserver k8s.io/kubernetes k8s.io/kubernetes/cmd/kube-apiserver \
   "-X k8s.io/component-base/version.gitVersion=$k8s -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=$minor"
 

@@ -46,7 +46,7 @@ from services.edge.sweeper import TopicSweeper
 from services.edge.telemetry import EdgeTelemetry
 from services.edge.topology import PartitionTopology, ResultTopology, TopicTopology, reply_tp
 from shared.health import Readiness, health_routes
-from shared.kafka import LONG_POLL_MS, make_admin, make_consumer, make_producer
+from shared.kafka import LONG_POLL_MS, client_security, make_admin, make_consumer, make_producer
 from shared.messages import ReplyTo
 from shared.metrics import EdgeRequestMetrics
 from shared.process import for_life
@@ -117,6 +117,8 @@ class Edge:
                 admin,
                 self.topics,
                 produce_timeout_s=s.edge_produce_timeout_s,
+                produce_wait_s=s.edge_produce_wait_s,
+                security=client_security(s),
                 retry_after_ms=s.edge_retry_after_ms,
                 metrics=self.metrics,
                 edge_id=self.edge_id,

@@ -4,21 +4,30 @@ Every Kafka call made for a client is bounded (`bounded`), and how it went keeps
 current. After a failed write the producer may be broken beyond what aiokafka notices (an
 expired batch leaves its sequence numbers out of order), so the link stays unreachable until
 the probe has renewed the producer and every partition of the requests topic has a leader.
+
+A failed call says the broker is away only when no other call landed meanwhile: with one
+node of several away, the calls that its partitions' leaders do not answer fail while the
+rest land, and the edge stays up. A new request goes to a partition whose leader answers,
+and one already written to a leader that went away waits for the new leader (or the node's
+return) up to `produce_wait_s`, as long as other calls keep landing (ADR 0049).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
-from typing import Literal, TypeVar
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, Literal, TypeVar
 
 import structlog
 from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.conn import create_conn
 from aiokafka.errors import KafkaError
-from aiokafka.structs import RecordMetadata
+from aiokafka.protocol.metadata import MetadataRequest
+from aiokafka.structs import RecordMetadata, TopicPartition
 
 from services.edge.broker_health import BrokerHealth, BrokerUnavailable
+from services.edge.leaders import Leaders, keyed_partition
 from services.edge.metrics import EdgeMetrics
 from services.edge.protocol import ErrorFrame
 from services.edge.topology import UNKNOWN_TOPIC
@@ -29,8 +38,11 @@ from shared.topics import Topics
 
 log = structlog.get_logger()
 T = TypeVar("T")
+R = TypeVar("R")
 
 PROBE_INTERVAL_S = 1.0
+# How long the broker nodes are given to answer a metadata request when writes stall.
+PROBE_TIMEOUT_S = 1.5
 
 
 class BrokerLink:
@@ -50,11 +62,18 @@ class BrokerLink:
         retry_after_ms: int,
         metrics: EdgeMetrics,
         edge_id: str,
+        produce_wait_s: float | None = None,
+        security: Mapping[str, Any] | None = None,
     ) -> None:
         self.producer = producer
         self.admin = admin
         self.topics = topics
         self.produce_timeout_s = produce_timeout_s
+        # How long a written request may wait for its partition's leader while the rest of
+        # the cluster answers (a node away: an election, or its return).
+        self.produce_wait_s = max(produce_timeout_s, produce_wait_s or produce_timeout_s)
+        self.leaders = Leaders(avoid_s=self.produce_wait_s)
+        self._security = dict(security or {})  # `shared.kafka.client_security`, for probes
         self.retry_after_ms = retry_after_ms
         self.health = BrokerHealth(retry_after_ms=retry_after_ms)
         self._metrics = metrics
@@ -66,6 +85,8 @@ class BrokerLink:
         # Requests whose write timed out and whose cancel could not be buffered either:
         # cancelled once the broker answers again (`probe`).
         self._unwithdrawn: set[str] = set()
+        self._judging: asyncio.Task[None] | None = None  # a failure being judged (`sent`)
+        self._asking: asyncio.Task[bool] | None = None  # a round of `cluster_answers`
 
     async def bounded(self, call: Awaitable[T], timeout_s: float | None = None) -> T:
         """One Kafka call on a client's behalf, bounded; keeps `health` current.
@@ -74,26 +95,95 @@ class BrokerLink:
         be in the producer's buffer and be sent once the broker is back).
         """
         timeout = self.produce_timeout_s if timeout_s is None else timeout_s
+        started = time.monotonic()
         try:
             result = await asyncio.wait_for(call, timeout)
         except TimeoutError as exc:
-            self.sent(exc)
+            self.sent(exc, started)
             raise BrokerUnavailable(f"no answer from Kafka in {timeout:.1f} s") from exc
         except KafkaError as exc:
-            self.sent(exc)
+            self.sent(exc, started)
             raise BrokerUnavailable(repr(exc)) from exc
         self.sent(None)
         return result
 
-    def sent(self, error: BaseException | None) -> None:
-        """How a bounded Kafka call went (None: it succeeded).
+    def sent(self, error: BaseException | None, started: float | None = None) -> None:
+        """How a bounded Kafka call begun at `started` went (None: it succeeded).
 
-        After a failure the edge stays unreachable until the probe has renewed the
-        producer: one write that went through says nothing of the other partitions.
+        A failure while other calls landed is one leader away, not the broker: health is
+        kept. Otherwise the broker nodes are asked (`cluster_answers`); if none answers,
+        the edge stays unreachable until the probe has renewed the producer: one write
+        that went through says nothing of the other partitions. `started` unknown: the
+        produce timeout before now.
         """
-        if error is not None:
-            self._stale = True
-        self._seen(error is None and not self._stale)
+        now = time.monotonic()
+        if error is None:
+            self.leaders.landed(None, now)
+            self._seen(not self._stale)
+            return
+        since = now - self.produce_timeout_s if started is None else started
+        if self.health.reachable and self.leaders.answered_since(since):
+            log.info("broker.call_failed_leader_away", edge_id=self._edge_id, error=repr(error))
+            return
+        if self._judging is None or self._judging.done():
+            self._judging = asyncio.get_running_loop().create_task(self._judge(since))
+
+    async def _judge(self, since: float) -> None:
+        """A call failed with nothing else landing since `since`: unreachable unless a node
+        answers now (a node away stalls every acks=all write until the controller fences it)."""
+        if self.health.reachable and await self.cluster_answers():
+            log.info("broker.calls_stalled_cluster_answers", edge_id=self._edge_id)
+            return
+        if self.leaders.answered_since(since):
+            return  # a call landed meanwhile
+        self._stale = True
+        self._seen(False)
+
+    async def cluster_answers(self) -> bool:
+        """Whether some broker node answers a metadata request within PROBE_TIMEOUT_S;
+        callers at the same time share one round of asks. An answer counts as a landing."""
+        if self._asking is None or self._asking.done():
+            self._asking = asyncio.get_running_loop().create_task(self._ask_nodes())
+        return await asyncio.shield(self._asking)
+
+    async def _ask_nodes(self) -> bool:
+        brokers = self.producer.client.cluster.brokers()
+        asks = [asyncio.create_task(self._ask(b.host, b.port)) for b in brokers]
+        errors: list[str] = []
+        try:
+            for ask in asyncio.as_completed(asks, timeout=PROBE_TIMEOUT_S):
+                try:
+                    await ask
+                except (KafkaError, OSError) as exc:
+                    errors.append(repr(exc))
+                    continue
+                self.leaders.landed(None, time.monotonic())
+                return True
+        except TimeoutError:
+            errors.append(f"no answer in {PROBE_TIMEOUT_S:g} s")
+        finally:
+            for ask in asks:
+                ask.cancel()
+            await asyncio.gather(*asks, return_exceptions=True)
+        log.info("broker.no_node_answers", edge_id=self._edge_id, nodes=len(asks), errors=errors)
+        return False
+
+    async def _ask(self, host: str, port: int) -> None:
+        """One metadata request to one node, on a connection of its own: the producer's
+        are held behind writes waiting for a fenced follower's ack (a broker answers a
+        connection's requests in order), and its client connects one node at a time, so a
+        node that accepts and never answers would hold every other ask up."""
+        conn = await create_conn(
+            host,
+            port,
+            client_id=f"{self._edge_id}-probe",
+            request_timeout_ms=int(PROBE_TIMEOUT_S * 1000),
+            **self._security,
+        )
+        try:
+            await conn.send(MetadataRequest(None))
+        finally:
+            conn.close()
 
     def overloaded(
         self, message: str, *, request_id: str | None = None, client_id: str | None = None
@@ -156,13 +246,75 @@ class BrokerLink:
                 return len(entry["partitions"])
         return None
 
-    async def send_request(
+    async def write_request(
         self, topic: str, request_id: str, value: bytes, headers: Headers
     ) -> RecordMetadata:
-        """A new request, to `tokenbus.requests` or straight to its tier topic (ADR 0041)."""
-        return await self.producer.send_and_wait(
-            topic, value, key=key_of(request_id), headers=headers
-        )
+        """Write a new request to `tokenbus.requests` or its tier topic (ADR 0041), bounded.
+
+        To a partition whose leader answers. Raises BrokerUnavailable if it did not land in
+        the produce timeout while nothing else landed either (the broker is away), or in
+        `produce_wait_s` (its leader stayed away); the record may still be in the
+        producer's buffer then (`withdraw`).
+        """
+        key = key_of(request_id)
+        partition, leader = self._place(topic, key)
+        started = time.monotonic()
+        try:
+            # Buffered first (a partition whose batches do not drain holds this up too),
+            # then delivered: one patience for both.
+            buffering = asyncio.ensure_future(
+                self.producer.send(topic, value, key=key, partition=partition, headers=headers)
+            )
+            delivery = await self._patiently(buffering, leader, started)
+            result = await self._patiently(delivery, leader, started)
+        except TimeoutError as exc:
+            self.sent(exc, started)
+            waited = time.monotonic() - started
+            raise BrokerUnavailable(f"no answer from Kafka in {waited:.1f} s") from exc
+        except KafkaError as exc:
+            self.sent(exc, started)
+            raise BrokerUnavailable(repr(exc)) from exc
+        self.leaders.landed(leader, time.monotonic())
+        self.sent(None)
+        return result
+
+    def _place(self, topic: str, key: bytes) -> tuple[int | None, int | None]:
+        """The partition for a new request (None: the producer's keyed choice) and the node
+        that leads it now, as far as the producer's metadata knows."""
+        cluster = self.producer.client.cluster
+        partitions = cluster.partitions_for_topic(topic)
+        if not partitions:
+            return None, None  # no metadata yet: the send fetches it
+        leaders: dict[int, int | None] = {
+            p: cluster.leader_for_partition(TopicPartition(topic, p)) for p in partitions
+        }
+        chosen = self.leaders.choose(key, leaders, time.monotonic())
+        keyed = sorted(partitions)[keyed_partition(key, len(partitions))]
+        if chosen is not None and chosen != keyed:
+            self._metrics.requests_moved.inc()
+        return chosen, leaders[keyed if chosen is None else chosen]
+
+    async def _patiently(self, pending: asyncio.Future[R], leader: int | None, started: float) -> R:
+        """`pending`'s result (a write begun at `started` to a partition `leader` leads):
+        within the produce timeout, or later while other calls land or some broker node
+        answers (its leader is away, or every acks=all write waits for the controller to
+        fence a node that is), up to `produce_wait_s`. Raises TimeoutError past those bounds,
+        `pending` cancelled (a record handed to the producer is given up, not undone)."""
+        timeout = self.produce_timeout_s - (time.monotonic() - started)
+        done, _ = await asyncio.wait({pending}, timeout=max(0.0, timeout))
+        if not done and self.leaders.waited(leader, time.monotonic()):
+            log.warning("broker.leader_avoided", edge_id=self._edge_id, node=leader)
+        deadline = started + self.produce_wait_s
+        while not done:
+            now = time.monotonic()
+            answers = self.leaders.answered_since(now - PROBE_INTERVAL_S)
+            if not answers and now < deadline and self.health.reachable:
+                answers = await self.cluster_answers()
+            if now >= deadline or not answers or not self.health.reachable:
+                pending.cancel()
+                raise TimeoutError
+            done, _ = await asyncio.wait({pending}, timeout=min(0.25, deadline - now))
+        return pending.result()
 
     async def send_control(self, request_id: str, value: bytes) -> RecordMetadata:
         return await self.producer.send_and_wait(self.topics.control, value, key=key_of(request_id))

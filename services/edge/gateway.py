@@ -334,9 +334,7 @@ class Gateway:
             topic, value = self.topics.requests, encode(record)
         sending = self.telemetry.sending(flight, topic, record, queued)
         try:
-            await self.link.bounded(
-                self.link.send_request(topic, record.request_id, value, sending.headers)
-            )
+            await self.link.write_request(topic, record.request_id, value, sending.headers)
         except (KafkaError, BrokerUnavailable) as exc:
             log.error("request.produce_failed", request_id=record.request_id, error=repr(exc))
             self.telemetry.sent(flight, sending, exc)

@@ -35,6 +35,12 @@ class EdgeMetrics:
             "1 while this edge's bounded Kafka calls succeed; 0 while it refuses new requests",
             registry=r,
         )
+        self.requests_moved = Counter(
+            "tokenbus_edge_requests_moved",
+            "New requests written to another partition than their keyed one, whose leader"
+            " did not answer (a broker node away)",
+            registry=r,
+        )
         self.slow_client_closes = Counter(
             "tokenbus_edge_slow_client_closes",
             "Sockets closed with 1013 because their outbox was full (client not reading)",

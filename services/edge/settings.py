@@ -111,6 +111,15 @@ class EdgeSettings(KeysSettings):
             " the client gets `overloaded` with `retry_after_ms`."
         ),
     )
+    edge_produce_wait_s: float = Field(
+        default=25.0,
+        gt=0,
+        description=(
+            "Longest a written request waits for its partition's leader while the rest of the"
+            " cluster answers (one node of several away: an election, or the node's return);"
+            " new requests meanwhile go to partitions whose leaders answer (ADR 0049)."
+        ),
+    )
     edge_retry_after_ms: int = Field(
         default=2000,
         ge=0,

@@ -1,8 +1,10 @@
 """Open-loop chaos load: WebSocket users that resume on the other edge, and Kafka producers.
 
-Every requester keeps what it saw of each request (`tests/chaos/checker.py` judges it). A
-WebSocket user whose socket drops opens one on the other edge and sends `stream.resume`
-for each accepted request without a final, naming the attempt and `seq` it last showed.
+Every requester keeps what it saw of each request (`tests/chaos/checker.py` judges it) and
+when (monotonic clock: sent, accepted, first token, final; `tests/chaos/availability.py`
+turns them into availability and TTFT figures). A WebSocket user whose socket drops opens
+one on the other edge and sends `stream.resume` for each accepted request without a final,
+naming the attempt and `seq` it last showed.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import urllib.parse
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import websockets
 from aiokafka import AIOKafkaConsumer, TopicPartition
@@ -25,7 +27,8 @@ from aiokafka.errors import KafkaError
 from services.worker.engines.sim_text import complete
 from shared.kafka import make_producer
 from shared.settings import TokenbusSettings
-from tests.chaos.checker import History
+from tests.chaos.availability import Sample
+from tests.chaos.checker import Channel, History
 
 Frame = dict[str, Any]
 # A refused resume (`overloaded`) is tried again after 0.5 s, doubling to 4 s, as a client
@@ -86,12 +89,18 @@ class WsRequest:
     resuming: bool = False
     resume_refusals: int = 0  # in a row; reset when a resume is answered
     refused: str | None = None  # an error before `chat.accepted`: never acknowledged
-    orphaned: bool = False  # its socket dropped before `chat.accepted`: never acknowledged
+    resent: int = 0  # times its socket dropped before `chat.accepted` and it was sent again
+    # time.monotonic() when `chat.request` was sent, `chat.accepted` came, the first
+    # `chat.delta` ever shown came (a `chat.reset` does not restart it), the final came.
+    sent_at: float | None = None
+    accepted_at: float | None = None
+    first_token_at: float | None = None
+    final_at: float | None = None
 
     @property
     def settled(self) -> bool:
         """Nothing more is owed to the client about it."""
-        return self.final or self.refused is not None or self.orphaned or not self.sent
+        return self.final or self.refused is not None or not self.sent
 
 
 class WsUser:
@@ -141,14 +150,17 @@ class WsUser:
                 await asyncio.sleep(0.2)  # that edge is down: try the other one
             except websockets.ConnectionClosed:
                 pass
-            self._orphan_unaccepted()
+            self._send_unaccepted_again()
             self.edge = (self.edge + 1) % len(self.urls)
             self.reconnects += 1
 
-    def _orphan_unaccepted(self) -> None:
+    def _send_unaccepted_again(self) -> None:
+        """As the chat page does: a request its socket dropped before `chat.accepted` is
+        sent again on the next socket (a new request to the edge; one answer shown)."""
         for r in self.requests.values():
             if r.sent and r.request_id is None and r.refused is None and not r.final:
-                r.orphaned = True
+                r.sent, r.resent = False, r.resent + 1
+                self._outbox.put_nowait(r)
             r.resuming = False
 
     async def _serve(self, ws: websockets.ClientConnection) -> None:
@@ -189,6 +201,8 @@ class WsUser:
                 "priority": p.priority,
             }
             r.sent = True
+            if r.sent_at is None:  # a request sent again keeps its first time: TTFT from it
+                r.sent_at = time.monotonic()
             await ws.send(json.dumps(body))
 
     def _on_frame(self, ws: websockets.ClientConnection, frame: Frame) -> None:
@@ -196,6 +210,7 @@ class WsUser:
         if kind == "chat.accepted":
             sent = self.requests[frame["client_id"]]
             sent.request_id, sent.resume_token = frame["request_id"], frame["resume_token"]
+            sent.accepted_at = time.monotonic()
             self._by_request[frame["request_id"]] = sent
             sent.frames.append(frame)
             return
@@ -224,9 +239,13 @@ class WsUser:
             r.resuming, r.resume_refusals = False, 0
         elif kind == "chat.delta":
             r.last_seq = int(frame["seq"])
+            if r.first_token_at is None:
+                r.first_token_at = time.monotonic()
         elif kind == "chat.reset":
             r.attempt, r.last_seq = int(frame["attempt"]), -1
         elif kind in ("chat.done", "error"):
+            if not r.final:
+                r.final_at = time.monotonic()
             r.final, r.resuming = True, False
 
     async def _resume_later(self, ws: websockets.ClientConnection, r: WsRequest) -> None:
@@ -244,10 +263,29 @@ class KafkaRequest:
     request_id: str
     acked: bool | None = None  # None: the produce has not answered yet
     records: list[Frame] = field(default_factory=list)
+    # time.monotonic() when the app called send, the broker acknowledged the write, the first
+    # `delta` record was read from the reply topic, the first final record was read.
+    sent_at: float | None = None
+    acked_at: float | None = None
+    first_token_at: float | None = None
+    final_at: float | None = None
 
     @property
     def final(self) -> bool:
-        return any(r["kind"] in ("done", "error") for r in self.records)
+        return self.final_record is not None
+
+    @property
+    def final_record(self) -> Frame | None:
+        """The first `done` or `error` record read: the request's outcome."""
+        return next((r for r in self.records if r["kind"] in ("done", "error")), None)
+
+    def read(self, record: Frame, at: float) -> None:
+        """File one reply record, read at `at` (monotonic), in offset order."""
+        if record.get("kind") == "delta" and self.first_token_at is None:
+            self.first_token_at = at
+        if record.get("kind") in ("done", "error") and self.final_at is None:
+            self.final_at = at
+        self.records.append(record)
 
 
 class KafkaRequester:
@@ -311,6 +349,7 @@ class KafkaRequester:
             "priority": p.priority,
             "reply_to": {"topic": self.reply_topic},
         }
+        request.sent_at = time.monotonic()
         try:
             await self.producer.send_and_wait(
                 self.requests_topic, json.dumps(value).encode(), key=request.request_id.encode()
@@ -319,12 +358,13 @@ class KafkaRequester:
             request.acked = False
             self.produce_errors.append(f"{request.request_id}: {exc!r}")
         else:
-            request.acked = True
+            request.acked, request.acked_at = True, time.monotonic()
 
     async def read(self) -> None:
         """File every reply record under its request, in offset order, until cancelled."""
         while True:
             batches = await self.consumer.getmany(timeout_ms=200)
+            at = time.monotonic()
             for records in batches.values():
                 for record in records:
                     value: Frame = json.loads(record.value or b"{}")
@@ -332,7 +372,7 @@ class KafkaRequester:
                     if request is None:
                         self.foreign.append(str(value)[:200])
                     else:
-                        request.records.append(value)
+                        request.read(value, at)
 
     def settled(self) -> bool:
         return all(r.acked is False or (r.acked and r.final) for r in self.requests.values())
@@ -353,9 +393,11 @@ class LoadRun:
     users: list[WsUser]
     app: KafkaRequester
     planned: list[Planned]
+    zero: float | None = None  # time.monotonic() of the load's t=0, once send_all began
 
     async def send_all(self, zero: float) -> None:
         """Hand each planned request to its requester at its time (open loop: never waits)."""
+        self.zero = zero
         ws_i = 0
         for p in self.planned:
             delay = zero + p.at_s - time.monotonic()
@@ -386,10 +428,30 @@ class LoadRun:
                 f"ws_refused_{code}": n
                 for code, n in sorted(Counter(r.refused for r in ws if r.refused).items())
             },
-            "ws_orphaned": sum(r.orphaned for r in ws),
+            "ws_resent": sum(r.resent for r in ws),
             "ws_unsent": sum(not r.sent for r in ws),
             "kafka_unacked": sum(r.acked is False for r in self.app.requests.values()),
         }
+
+    def samples(self) -> list[Sample]:
+        """One per planned request, in time from the load's zero (tests/chaos/availability.py).
+
+        A request never sent (or never handed to a requester) counts as offered at its
+        planned time, not accepted.
+        """
+        if self.zero is None:
+            raise RuntimeError("no samples before send_all has begun: the load has no zero")
+        zero = self.zero
+        samples = [_ws_sample(r, zero) for u in self.users for r in u.requests.values()]
+        samples += [_kafka_sample(r, zero) for r in self.app.requests.values()]
+        handed = {r.planned for u in self.users for r in u.requests.values()}
+        handed |= {r.planned for r in self.app.requests.values()}
+        samples += [
+            Sample(cast(Channel, p.channel), p.at_s, None, accepted=False, answered=False)
+            for p in self.planned
+            if p not in handed
+        ]
+        return sorted(samples, key=lambda s: s.sent_at_s)
 
     def seen(self) -> dict[str, int]:
         """How often the faults showed: resets, resumes, re-run attempts on the reply topic."""
@@ -402,6 +464,43 @@ class LoadRun:
             "ws_resume_retries": sum(u.resume_retries for u in self.users),
             "kafka_later_attempt_records": sum(int(x["attempt"]) > 0 for x in records),
         }
+
+
+def _ws_sample(r: WsRequest, zero: float) -> Sample:
+    final = next((f for f in r.frames if f["type"] in ("chat.done", "error")), None)
+    code = None if final is None else "done" if final["type"] == "chat.done" else final.get("code")
+    timed = (r.planned, r.sent_at, r.first_token_at)
+    return _sample("websocket", timed, zero, r.request_id is not None, code, r.refused)
+
+
+def _kafka_sample(r: KafkaRequest, zero: float) -> Sample:
+    final = r.final_record
+    code = None if final is None else "done" if final["kind"] == "done" else final.get("code")
+    return _sample("kafka", (r.planned, r.sent_at, r.first_token_at), zero, bool(r.acked), code)
+
+
+def _sample(
+    channel: Channel,
+    timed: tuple[Planned, float | None, float | None],
+    zero: float,
+    accepted: bool,
+    code: object,
+    refused: str | None = None,
+) -> Sample:
+    """`timed`: the request's plan, when it was sent and when its first token came."""
+    planned, sent_at, first_token_at = timed
+    return Sample(
+        channel,
+        sent_at_s=planned.at_s if sent_at is None else sent_at - zero,
+        ttft_s=_elapsed(sent_at, first_token_at),
+        accepted=accepted,
+        answered=accepted and code == "done",
+        final_code=refused if code is None else str(code),
+    )
+
+
+def _elapsed(start: float | None, end: float | None) -> float | None:
+    return None if start is None or end is None else end - start
 
 
 async def cancel_all(tasks: list[asyncio.Task[None]]) -> None:

@@ -1,13 +1,17 @@
 """The system under chaos: every service as a process (two workers, two edges) and the injector.
 
 The injector plays a fault plan: it kills a process with SIGKILL at the planned time and, as a
-supervisor would, starts it again after the planned pause. A broker fault kills the node that
-leads the planned partition at that moment (`Brokers`, present when the run has a cluster).
+supervisor would, starts it again after the planned pause. A node fault strikes the node that
+leads the planned partition at that moment (`Brokers`, present when the run has a cluster):
+kill -9 and a restart, SIGSTOP and SIGCONT, or a network fault on the services' link to it
+(`Network`: Toxiproxy between the services and each node). Each fault played leaves a
+window (from its strike to its end) for the availability figures.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import time
 import urllib.request
@@ -19,7 +23,9 @@ from deploy.kafka import launcher
 from shared.kafka import create_topics, make_admin, wait_for_broker
 from shared.messages import Heartbeat
 from shared.settings import TokenbusSettings
-from tests.chaos.faults import BROKER_KINDS, Fault
+from tests.chaos.availability import FaultWindow
+from tests.chaos.faults import BROKER_KINDS, HANG_KINDS, Fault
+from tests.chaos.toxiproxy import Toxiproxy
 from tests.stack import Stack, free_port
 
 WORKERS = ("worker-a", "worker-b")
@@ -47,6 +53,18 @@ class Brokers(Protocol):
 
     def restart(self, node: int) -> None: ...
 
+    def pause(self, node: int) -> None: ...
+
+    def resume(self, node: int) -> None: ...
+
+
+class Network(Protocol):
+    """What the injector needs of the links between the services and each node."""
+
+    def apply(self, kind: str, node: int) -> None: ...
+
+    def clear(self, node: int) -> None: ...
+
 
 def _healthy(port: int) -> bool:
     try:
@@ -62,10 +80,36 @@ async def _create_topics(stack: Stack) -> None:
 
 
 @dataclass(frozen=True)
+class ProxiedLinks:
+    """`Network` over Toxiproxy: each network fault kind as the toxic that plays it."""
+
+    proxy: Toxiproxy
+
+    def apply(self, kind: str, node: int) -> None:
+        if kind == "net-latency":
+            self.proxy.latency(node, ms=100, jitter_ms=30)
+        elif kind == "net-bandwidth":
+            self.proxy.bandwidth(node, kb_per_s=32)
+        elif kind == "net-black-hole":
+            self.proxy.black_hole(node)
+        elif kind == "net-reset":
+            self.proxy.reset_peer(node)
+        elif kind == "net-slow-close":
+            self.proxy.slow_close(node, delay_ms=2000)
+        else:
+            raise ValueError(f"no network fault {kind!r}")
+
+    def clear(self, node: int) -> None:
+        self.proxy.clear(node)
+
+
+@dataclass(frozen=True)
 class LocalCluster:
-    """`Brokers` of a local KRaft cluster started by the project's launcher."""
+    """`Brokers` of a local KRaft cluster started by the project's launcher; `network`:
+    its proxies, when the services reach it through Toxiproxy."""
 
     cluster: launcher.Cluster
+    network: Network | None = None
 
     def leader(self, topic: str, partition: int) -> int:
         return asyncio.run(_leader(self.cluster.bootstrap_servers, topic, partition))
@@ -75,6 +119,18 @@ class LocalCluster:
 
     def restart(self, node: int) -> None:
         launcher.start_node(self.cluster, node)
+
+    def pause(self, node: int) -> None:
+        self._signal(node, signal.SIGSTOP)
+
+    def resume(self, node: int) -> None:
+        self._signal(node, signal.SIGCONT)
+
+    def _signal(self, node: int, sig: signal.Signals) -> None:
+        pid = launcher.running_pid(self.cluster.node(node))
+        if pid is None:
+            raise RuntimeError(f"node {node} is not running: cannot send it {sig.name}")
+        os.kill(pid, sig)
 
 
 async def _leader(bootstrap: str, topic: str, partition: int) -> int:
@@ -182,12 +238,14 @@ class Injector:
     system: ChaosSystem
     brokers: Brokers | None
     log: Callable[[str], None]
+    network: Network | None = None
     done: list[str] = field(default_factory=list)
+    windows: list[FaultWindow] = field(default_factory=list)  # one per fault played
     self_exits: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)  # not begun when the load ended
     closed: bool = False  # the load has ended: no fault begins any more
     _down: set[str] = field(default_factory=set)  # killed by a fault, not yet restarted
-    _one_broker: asyncio.Lock = field(default_factory=asyncio.Lock)
+    _one_node: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     async def run(self, faults: list[Fault], zero: float) -> None:
         """Each fault strikes at its own time; broker faults one after another (see below)."""
@@ -199,10 +257,10 @@ class Injector:
         delay = zero + fault.at_s - time.monotonic()
         if delay > 0:
             await asyncio.sleep(delay)
-        if fault.kind in BROKER_KINDS:
-            async with self._one_broker:
+        if fault.node_fault:
+            async with self._one_node:
                 if not self._skip(fault, zero):
-                    await self._kill_broker(fault, zero)
+                    await self._strike_node(fault, zero)
         elif not self._skip(fault, zero):
             await self._kill_service(fault, zero)
 
@@ -246,32 +304,52 @@ class Injector:
             self.system.launch(fault.target)
         finally:
             self._down.discard(fault.target)
-        self._played(f"t={struck:5.1f}s kill -9 {fault.target}", zero)
+        label = f"kill -9 {fault.target}"
+        self._played(f"t={struck:5.1f}s {label}", zero, label, struck)
 
-    async def _kill_broker(self, fault: Fault, zero: float) -> None:
-        """Kill the node leading the fault's partition; start it again; wait until it is up.
+    async def _strike_node(self, fault: Fault, zero: float) -> None:
+        """Strike the node leading the fault's partition; undo it; wait until it is back.
 
-        Called under `_one_broker`: a JVM takes from seconds to a minute to start on a busy
-        machine, and the next broker fault waits until every node is back, so at most one
-        node of three is ever down (the cluster's min.insync.replicas=2 holds). Service
+        Called under `_one_node`: a JVM takes from seconds to a minute to start on a busy
+        machine, and the next node fault waits until every node is back, so at most one
+        node of three is ever away (the cluster's min.insync.replicas=2 holds). Service
         faults do not wait for it.
         """
         if self.brokers is None:
-            raise RuntimeError(f"{fault.describe()}: this run has no cluster to kill nodes of")
+            raise RuntimeError(f"{fault.describe()}: this run has no cluster to strike")
         brokers = self.brokers
-        struck = time.monotonic() - zero
         topic_kind, partition = fault.target.split("/")
         topics = self.system.stack.topics
         topic = topics.requests if topic_kind == "requests" else topics.results
         node = await asyncio.to_thread(brokers.leader, topic, int(partition))
-        await asyncio.to_thread(brokers.kill, node)
-        await asyncio.sleep(fault.down_s)
-        await asyncio.to_thread(brokers.restart, node)
-        self._played(
-            f"t={struck:5.1f}s kill -9 broker node {node} (leader of {fault.target})", zero
-        )
+        struck = time.monotonic() - zero
+        if fault.kind in BROKER_KINDS:
+            await asyncio.to_thread(brokers.kill, node)
+            await asyncio.sleep(fault.down_s)
+            await asyncio.to_thread(brokers.restart, node)
+            what = f"kill -9 broker node {node}"
+        elif fault.kind in HANG_KINDS:
+            await asyncio.to_thread(brokers.pause, node)
+            try:
+                await asyncio.sleep(fault.down_s)
+            finally:
+                await asyncio.to_thread(brokers.resume, node)
+            what = f"SIGSTOP broker node {node} for {fault.down_s:.1f}s"
+        else:
+            if self.network is None:
+                raise RuntimeError(f"{fault.describe()}: this run has no proxies to fault")
+            await asyncio.to_thread(self.network.apply, fault.kind, node)
+            try:
+                await asyncio.sleep(fault.down_s)
+            finally:
+                await asyncio.to_thread(self.network.clear, node)
+            what = f"{fault.kind} on node {node} for {fault.down_s:.1f}s"
+        label = f"{fault.kind} (node {node})"
+        self._played(f"t={struck:5.1f}s {what} (leader of {fault.target})", zero, label, struck)
 
-    def _played(self, what: str, zero: float) -> None:
-        line = f"{what}; started again at t={time.monotonic() - zero:5.1f}s"
+    def _played(self, what: str, zero: float, label: str, struck: float) -> None:
+        ended = time.monotonic() - zero
+        line = f"{what}; over at t={ended:5.1f}s"
         self.done.append(line)
+        self.windows.append(FaultWindow(label, struck, ended))
         self.log(line)

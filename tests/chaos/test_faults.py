@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import itertools
 
-from tests.chaos.faults import BROKER_KINDS, SERVICE_KINDS, plan
+from tests.chaos.faults import (
+    BROKER_KINDS,
+    NET_KINDS,
+    NODE_KINDS,
+    NODE_SETTLE_S,
+    SERVICE_KINDS,
+    last_end_s,
+    plan,
+)
 
 
 def test_the_same_seed_plays_the_same_plan() -> None:
@@ -39,3 +47,18 @@ def test_broker_faults_name_a_partition() -> None:
     assert "the leader of requests/" in next(
         f.describe() for f in faults if f.kind == "broker-requests-leader"
     )
+
+
+def test_node_faults_never_overlap_and_leave_the_last_node_time_to_come_back() -> None:
+    kinds = (*SERVICE_KINDS, "worker", "edge", *NODE_KINDS)
+    for seed in range(50):
+        faults = plan(seed, kinds, 5, 100)
+        nodes = [f for f in faults if f.node_fault]
+        assert sorted(f.kind for f in nodes) == sorted(NODE_KINDS)
+        for a, b in itertools.pairwise(nodes):
+            assert b.at_s >= a.ends_s + NODE_SETTLE_S - 0.01, (a, b)
+        assert last_end_s(faults) == max(f.ends_s for f in faults)
+    black_hole = next(f for f in plan(1, NET_KINDS, 0, 10) if f.kind == "net-black-hole")
+    assert black_hole.down_s == 20.0
+    assert "black hole" in black_hole.describe()
+    assert "the leader of" in black_hole.describe()
