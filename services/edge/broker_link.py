@@ -188,14 +188,14 @@ class BrokerLink:
     def overloaded(
         self, message: str, *, request_id: str | None = None, client_id: str | None = None
     ) -> ErrorFrame:
-        """The `overloaded` answer; names when to retry while the broker is unreachable."""
-        retry = None if self.health.reachable else self.retry_after_ms
+        """The `overloaded` answer, with when to retry: the broker is unreachable, or a write
+        did not land in the edge's bounds while it answered (a leader away too long)."""
         return ErrorFrame(
             code=ErrorCode.overloaded,
             message=message,
             request_id=request_id,
             client_id=client_id,
-            retry_after_ms=retry,
+            retry_after_ms=self.retry_after_ms,
         )
 
     def _seen(self, ok: bool) -> None:

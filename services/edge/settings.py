@@ -123,7 +123,8 @@ class EdgeSettings(KeysSettings):
     edge_retry_after_ms: int = Field(
         default=2000,
         ge=0,
-        description="`retry_after_ms` of the `overloaded` answer while the broker is unreachable.",
+        description="`retry_after_ms` of an `overloaded` answer (the broker unreachable, or a"
+        " write that did not land in the edge's bounds).",
     )
     resume_secret: SecretStr | None = Field(
         default=None,
