@@ -153,8 +153,12 @@ def test_up_restarts_the_broker_it_started_and_sigterm_stops_everything(tmp_path
         )
 
         def new_broker() -> bool:
-            pid_file = state / "kafka.pid"
-            return pid_file.exists() and int(pid_file.read_text()) not in (broker,)
+            # Read once: the launcher may remove the file between a check and a read.
+            try:
+                pid = int((state / "kafka.pid").read_text())
+            except (FileNotFoundError, ValueError):
+                return False
+            return pid != broker
 
         wait_until(new_broker, 180, "a restarted broker")
         assert int((state / "kafka.pid").read_text()) in descendants(up.pid)
