@@ -256,15 +256,13 @@ def check(
     max_recovery_s: float | None = None,
     *,
     ttft_scopes: Sequence[Scope] = SCOPES,
-    ttft_exempt: Sequence[str] = (),
 ) -> list[str]:
     """The criteria `result` fails, one readable line each; empty when it passes all.
 
     Per scope that was offered anything: accepted/offered and answered/accepted at least
     `min_availability`; per fault window, the p99 TTFT after settle at most `max_p99_ratio`
     times the steady p99 (a window with no request sent after settle is not judged; nor a
-    scope outside `ttft_scopes`, nor a fault whose label starts with one of `ttft_exempt`
-    for TTFT and recovery); and,
+    scope outside `ttft_scopes`, for TTFT and recovery); and,
     if `max_recovery_s` is given, each recovery at most that. No steady TTFT to compare with,
     or nothing offered at all, fails too: the figures could not be judged.
     """
@@ -291,10 +289,7 @@ def check(
             continue
         if result.steady(scope).ttft_p99_s is None:
             failed.append(f"{scope}: no steady-state TTFT to compare the fault windows with")
-    judged = [
-        r for r in windows if r.scope in ttft_scopes and not r.label.startswith(tuple(ttft_exempt))
-    ]
-    for r in judged:
+    for r in (r for r in windows if r.scope in ttft_scopes):
         if r.after_settle_ratio is not None and r.after_settle_ratio > max_p99_ratio:
             failed.append(
                 f"{r.scope} {r.label}: p99 TTFT after settle {_s(r.p99_after_settle_s)} s is"
