@@ -29,6 +29,9 @@ log = structlog.get_logger()
 
 FINAL_KINDS = frozenset({"done", "error"})
 FETCH_MS = 200
+# Each call's own bound: a hung node (SIGSTOP, a black hole) then costs this much before
+# the next node is asked, not aiokafka's 40 s, which would spend the caller's whole budget.
+REQUEST_TIMEOUT_MS = 1500
 
 
 async def answered(
@@ -58,7 +61,13 @@ async def _read(
     settings: TokenbusSettings, requests: Sequence[QueuedRequest], since_ms: int, client_id: str
 ) -> set[str]:
     wanted = {r.request_id for r in requests}
-    consumer = make_consumer(settings, group_id=None, client_id=client_id)
+    consumer = make_consumer(
+        settings,
+        group_id=None,
+        client_id=client_id,
+        fetch_max_wait_ms=FETCH_MS,
+        request_timeout_ms=REQUEST_TIMEOUT_MS,
+    )
     await consumer.start()
     try:
         # One metadata request for just these topics (as shared/results.py does).

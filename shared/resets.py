@@ -5,6 +5,14 @@ own next process: shared/handover.py) announces the next attempt on each `reply_
 the hand-back, and waits (bounded) for the announcements to be stored: the worker that
 left them may only have been paused, and whatever it writes when it wakes belongs to an
 attempt every reader now drops (ADR 0014, "attempt-superseding records").
+
+Before it asks which requests are answered already (shared/finals.py), it settles their
+`reply_to` partitions (`settle`): a `reset` of the attempt that is running, which no
+reader acts on, written with acks=all. A record is readable only once every in-sync
+replica holds it, so while a replica is away (a hung or partitioned broker, until the
+controller fences it) a final the worker already wrote can be in the leader's log yet
+invisible; once the settle record is stored, everything before it is readable, and a
+`done` there is found before the next attempt is announced after it (ADR 0050).
 """
 
 from __future__ import annotations
@@ -22,6 +30,10 @@ from shared.results import WRITE_ERRORS, cluster_metadata, send_result, target_p
 log = structlog.get_logger()
 
 RESET_TIMEOUT_S = 5.0  # longest the reset records of one hand-back may take to be stored
+# Longest the settle records may take: past broker.session.timeout.ms (6 s), after which
+# the controller fences an away node and the partitions' writes flow again.
+SETTLE_TIMEOUT_S = 15.0
+SETTLE_REASON = "settling the stream before a hand-back: nothing changes for a reader"
 
 
 async def announce_next_attempts(
@@ -33,8 +45,43 @@ async def announce_next_attempts(
     skipped: the hand-back must not wait on one bad `reply_to`, and the worker's own
     fencing still stops a woken zombie.
     """
+    resets = [ResetResult.before_retry(r, reason) for r in requests]
+    failed = await _write(producer, requests, resets, RESET_TIMEOUT_S)
+    if failed:
+        log.warning("reset.failed", count=failed, of=len(requests))
+
+
+async def settle(producer: AIOKafkaProducer, requests: Sequence[QueuedRequest]) -> bool:
+    """Make every record already in each request's `reply_to` partition readable.
+
+    Writes a `reset` of the request's own attempt (readers drop a reset of an attempt they
+    have: README, "Writing requests straight to Kafka") and waits until it is stored, up to
+    `SETTLE_TIMEOUT_S`: longer than the controller takes to fence an away replica, so a
+    partition whose writes stall on one comes through. Returns False if some were not
+    stored (the caller's answer then rests on what was readable: at least once).
+    """
+    barriers = [
+        ResetResult(request_id=r.request_id, attempt=r.attempt, reason=SETTLE_REASON)
+        for r in requests
+    ]
+    failed = await _write(producer, requests, barriers, SETTLE_TIMEOUT_S)
+    if failed:
+        log.warning("reset.settle_failed", count=failed, of=len(requests))
+    return failed == 0
+
+
+async def _write(
+    producer: AIOKafkaProducer,
+    requests: Sequence[QueuedRequest],
+    records: Sequence[ResetResult],
+    timeout_s: float,
+) -> int:
+    """Write `records[i]` to `requests[i].reply_to`, wait up to `timeout_s`; count failures.
+
+    A `reply_to` that cannot be written (gone, no such partition) is skipped and logged.
+    """
     if not requests:
-        return
+        return 0
     known = producer.client.cluster
     cluster = None
     unknown = {r.reply_to.topic for r in requests} - set(known.topics())
@@ -42,7 +89,8 @@ async def announce_next_attempts(
         # One look-up for all unknown topics (per-request result topics), not one each.
         cluster = await cluster_metadata(producer, RESET_TIMEOUT_S, unknown)
     futures: list[asyncio.Future[RecordMetadata]] = []
-    for request in requests:
+    failed = 0
+    for request, record in zip(requests, records, strict=True):
         topic = request.reply_to.topic
         partitions = known.partitions_for_topic(topic)
         if partitions is None and cluster is not None:
@@ -51,14 +99,13 @@ async def announce_next_attempts(
         if problem is not None:
             log.warning("reset.skipped", request_id=request.request_id, reason=problem)
             continue
-        reset = ResetResult.before_retry(request, reason)
         try:
-            async with asyncio.timeout(RESET_TIMEOUT_S):
-                futures.append(await send_result(producer, request.reply_to, reset))
+            async with asyncio.timeout(timeout_s):
+                futures.append(await send_result(producer, request.reply_to, record))
         except WRITE_ERRORS as exc:
             log.warning("reset.failed", request_id=request.request_id, error=repr(exc))
+            failed += 1
     if futures:
-        done, pending = await asyncio.wait(futures, timeout=RESET_TIMEOUT_S)
-        failed = len(pending) + sum(1 for f in done if f.exception() is not None)
-        if failed:
-            log.warning("reset.failed", count=failed, of=len(futures))
+        done, pending = await asyncio.wait(futures, timeout=timeout_s)
+        failed += len(pending) + sum(1 for f in done if f.exception() is not None)
+    return failed

@@ -26,6 +26,7 @@ from services.edge import keys as keyfile
 from services.edge.resume import ResumeKeys
 from shared.kafka import create_topics, delete_topics, make_admin, make_consumer, wait_for_broker
 from shared.messages import Tier
+from shared.resets import SETTLE_REASON
 from shared.settings import TokenbusSettings
 from shared.topics import Topics
 
@@ -262,6 +263,17 @@ async def _delete_all(settings: TokenbusSettings, topics: Topics) -> None:
     finally:
         await admin.close()
     await delete_topics(settings, [*topics.partitions(), *mine])
+
+
+def settles(record: Mapping[str, Any]) -> bool:
+    """A hand-back's settle record: a `reset` of the attempt already running, which readers
+    drop (shared/resets.py)."""
+    return record.get("kind") == "reset" and record.get("reason") == SETTLE_REASON
+
+
+def announces(record: Mapping[str, Any]) -> bool:
+    """A `reset` result record that announces a new attempt (not a settle record)."""
+    return record.get("kind") == "reset" and not settles(record)
 
 
 async def read_topic(settings: TokenbusSettings, topic: str, partitions: int) -> list[bytes]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -22,7 +23,10 @@ from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.errors import KafkaError
 
 from deploy.kafka import launcher
+from shared import finals, resets
 from shared.kafka import create_topics, make_admin, make_consumer, make_producer
+from shared.messages import DoneResult, QueuedRequest, ReplyTo, Tier, Timings, Usage
+from shared.results import send_result
 from shared.settings import TokenbusSettings
 from shared.topics import Topics
 from tests.processes import free_port_run, running
@@ -193,6 +197,68 @@ async def test_writes_survive_the_leaders_kill_and_its_restart(whole: launcher.C
 
     # Every write once, in order: acks=all lost none, idempotence duplicated none.
     assert await read_all(settings, TopicPartition(topic, 0), len(sent)) == sent
+
+
+async def test_a_final_behind_a_hung_replica_is_found_once_its_partition_is_settled(
+    whole: launcher.Cluster,
+) -> None:
+    """Finding 11 (ADR 0050). While a follower is hung, a record the leader holds is not
+    readable (acks=all: the high watermark waits for every in-sync replica), so a hand-back
+    that asked for finals then missed a `done` the worker had written, and announced the
+    next attempt after it: the request was answered twice. Settled first (a reset of the
+    running attempt, stored), the partition shows the `done`."""
+    settings = settings_for(whole)
+    topic = f"{settings.topic_prefix}.replies"
+    await create_topics(settings, {topic: 1})
+    request = QueuedRequest(
+        request_id="settle-1",
+        prompt="p",
+        tier=Tier.interactive,
+        prompt_tokens=1,
+        reply_to=ReplyTo(topic=topic, partition=0),
+    )
+    done = DoneResult(
+        request_id=request.request_id,
+        seq=1,
+        finish_reason="stop",
+        usage=Usage(prompt_tokens=1, completion_tokens=1),
+        timings=Timings(queue_ms=1.0, batch_size=1, ttft_ms=1.0, total_ms=2.0),
+    )
+    since_ms = int(time.time() * 1000) - 1000
+    worker = make_producer(settings, client_id="settle-worker")
+    scheduler = make_producer(settings, client_id="settle-scheduler")
+    await worker.start()
+    await scheduler.start()
+    async with admin_of(settings) as admin:
+
+        async def all_in_sync() -> dict[str, Any] | None:
+            [p] = await partitions_of(admin, topic)
+            return p if sorted(p["isr"]) == [1, 2, 3] else None
+
+        partition = await wait_for("three replicas in sync", 60, all_in_sync)
+        follower = next(n for n in partition["replicas"] if n != partition["leader"])
+        for producer in (worker, scheduler):  # each knows the leader before a node hangs
+            await producer.partitions_for(topic)
+        pid = launcher.running_pids(whole)[follower]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            stored = await send_result(worker, request.reply_to, done)
+            # In the leader's log, not yet readable: what the recovery read before.
+            unsettled = await finals.answered(
+                settings, [request], since_ms, 3.0, client_id="settle-unsettled"
+            )
+            assert unsettled == set()
+            assert not stored.done()
+            assert await resets.settle(scheduler, [request])
+            assert await finals.answered(
+                settings, [request], since_ms, 10.0, client_id="settle-settled"
+            ) == {request.request_id}
+            await asyncio.wait_for(stored, 30)  # the worker's write is acknowledged too
+        finally:
+            os.kill(pid, signal.SIGCONT)
+            await worker.stop()
+            await scheduler.stop()
+        await wait_for(f"node {follower} back in sync", 90, all_in_sync)
 
 
 async def read_all(settings: TokenbusSettings, tp: TopicPartition, count: int) -> list[bytes]:

@@ -27,7 +27,7 @@ from shared.kafka import create_topics, encode, make_admin, make_consumer, make_
 from shared.messages import Batch, Heartbeat, QueuedRequest, ReplyTo, Tier
 from shared.settings import TokenbusSettings
 from shared.topics import Topics
-from tests.stack import new_prefix, read_topic, settings_from_env
+from tests.stack import announces, new_prefix, read_topic, settings_from_env
 
 WORKER = "w-restarted"
 
@@ -197,7 +197,7 @@ async def test_a_restart_during_a_recovery_leaves_one_copy_of_each_next_attempt(
         assert committed[TopicPartition(topics.batches, 0)].offset == end
         # Each request's reply_to announces the next attempt before it runs.
         records = [json.loads(v) for v in await read_topic(settings, requests[0].reply_to.topic, 1)]
-        assert {r["request_id"] for r in records if r["kind"] == "reset"} == {
+        assert {r["request_id"] for r in records if announces(r)} == {
             r.request_id for r in requests
         }
     finally:

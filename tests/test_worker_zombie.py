@@ -24,7 +24,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from shared.messages import Heartbeat
 from tests.chat_client import ChatSession
-from tests.stack import Stack, new_prefix, wait_until
+from tests.stack import Stack, announces, new_prefix, wait_until
 from tests.test_scheduler_failover import check_complete, long_prompts, resets
 from tests.worker_logs import events
 
@@ -244,7 +244,7 @@ async def test_without_self_fencing_the_reset_records_alone_hide_what_a_zombie_w
         if t.request_id not in moved:
             continue
         records = log[t.request_id]
-        resets_at = [i for i, r in enumerate(records) if r["kind"] == "reset"]
+        resets_at = [i for i, r in enumerate(records) if announces(r)]
         assert len(resets_at) == 1, records
         before, after = records[: resets_at[0]], records[resets_at[0] :]
         stale_after_reset += sum(1 for r in after if r["attempt"] == 0)

@@ -17,9 +17,10 @@ is dead-lettered by the worker that takes it next).
 
 A request whose `reply_to` already holds a final record (`done` or `error`, any attempt)
 written since its batch was dispatched is not handed back: the worker finished it and was
-killed before it said so (its next heartbeat or offset commit). That read is bounded
-(FINAL_CHECK_TIMEOUT_S, shared/finals.py); when it fails, every request is handed back
-(at least once).
+killed, or went unheard, before it said so (its next heartbeat or offset commit). Each
+`reply_to` is settled first (shared/resets.py, ADR 0050), so a final stored but not yet
+readable while a replica is away is found too. That read is bounded (FINAL_CHECK_TIMEOUT_S,
+shared/finals.py); when it fails, every request is handed back (at least once).
 """
 
 from __future__ import annotations
@@ -34,11 +35,11 @@ from services.scheduler.batch_log import BatchLog, LoggedBatch
 from shared import finals, handover
 from shared.kafka import make_producer
 from shared.messages import Heartbeat, QueuedRequest
-from shared.resets import announce_next_attempts
+from shared.resets import announce_next_attempts, settle
 from shared.settings import TokenbusSettings
 from shared.topics import Topics
 
-FINAL_CHECK_TIMEOUT_S = 5.0  # longest the read of the reply topics for finals may take
+FINAL_CHECK_TIMEOUT_S = 10.0  # longest the read of the reply topics for finals may take
 
 log = structlog.get_logger()
 
@@ -137,6 +138,9 @@ class Recovery:
         requests = unfinished(batches, last, exclude)
         if requests:
             since_ms = min(b.timestamp_ms for b in batches)
+            # A final the worker wrote may be stored but not yet readable (an away replica):
+            # settled first, it is found here, not after the next attempt's reset.
+            await settle(self._producer, requests)
             answered = await finals.answered(
                 self._settings,
                 requests,

@@ -37,14 +37,14 @@ from shared.dead_letters import Addressed, address_of
 from shared.kafka import LONG_POLL_MS, make_consumer, make_producer
 from shared.messages import Batch, QueuedRequest, error_message
 from shared.offsets import OffsetTracker
-from shared.resets import announce_next_attempts
+from shared.resets import announce_next_attempts, settle
 from shared.retry import retrying
 from shared.topics import Topics
 
 log = structlog.get_logger()
 
 FETCH_MS = 1000
-REPLAY_CHECK_TIMEOUT_S = 5.0  # longest the check of a former process's finals may take
+REPLAY_CHECK_TIMEOUT_S = 10.0  # longest the check of a former process's finals may take
 
 
 @dataclass(frozen=True)
@@ -179,7 +179,7 @@ class BatchIntake:
             # A new id starts at the live end: nothing was addressed to it before its first
             # heartbeat, which comes after this commit.
             start = end if committed is None else min(committed, end)
-            requests = await self._left_unfinished(consumer, start, end)
+            requests = await self._left_unfinished(consumer, producer, start, end)
             await announce_next_attempts(producer, requests, "the worker running it was restarted")
             await handover.commit_hand_backs(
                 txn, self._topics, requests, {self.tp: end}, self.group
@@ -197,7 +197,7 @@ class BatchIntake:
         return end
 
     async def _left_unfinished(
-        self, consumer: AIOKafkaConsumer, start: int, end: int
+        self, consumer: AIOKafkaConsumer, producer: AIOKafkaProducer, start: int, end: int
     ) -> list[QueuedRequest]:
         """The requests of our batches in [start, end), less those already answered."""
         if end <= start:
@@ -215,6 +215,8 @@ class BatchIntake:
         requests = handover.distinct(r for _, b in batches for r in b.requests)
         if not requests:
             return []
+        # The former process's last finals may be stored but not yet readable: settle first.
+        await settle(producer, requests)
         done = await finals.answered(
             self.settings,
             requests,
