@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from enum import StrEnum
-from typing import Annotated, Any, Literal, Protocol
+from typing import Annotated, Any, Literal, Protocol, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
@@ -72,15 +72,75 @@ def _limits(info: ValidationInfo) -> RequestLimits:
     return limits if isinstance(limits, RequestLimits) else DEFAULT_LIMITS
 
 
+# vLLM's sampling fields beyond temperature, top_p and stop, by vLLM's names: an engine
+# honours some of them (its `sampling_fields`), advertises those in its heartbeat, and is
+# never given a request that sets one it does not honour (README, "Sampling fields").
+SamplingField = Literal[
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "min_tokens",
+    "ignore_eos",
+    "stop_token_ids",
+    "seed",
+]
+SAMPLING_FIELDS: frozenset[str] = frozenset(get_args(SamplingField))
+# What a heartbeat without `capabilities` means (a worker from before they were advertised):
+# the one field of these that every engine took then.
+BASE_SAMPLING: frozenset[str] = frozenset({"seed"})
+# Each field's neutral value: set to it (or unset), a field asks nothing of the engine, as
+# clients that send `presence_penalty: 0` by default expect.
+_NEUTRAL: dict[str, tuple[object, ...]] = {
+    "top_k": (None, 0, -1),
+    "min_p": (None, 0.0),
+    "repetition_penalty": (None, 1.0),
+    "presence_penalty": (None, 0.0),
+    "frequency_penalty": (None, 0.0),
+    "logit_bias": (None, {}),
+    "min_tokens": (None, 0),
+    "ignore_eos": (None, False),
+    "stop_token_ids": (None, [], ()),
+    "seed": (None,),
+}
+
+
+def sampling_needs(values: Callable[[str], object]) -> frozenset[str]:
+    """The sampling fields a request sets to other than their neutral value: what its engine
+    must honour. `values` reads a field by name (a request's, an engine request's)."""
+    return frozenset(name for name, neutral in _NEUTRAL.items() if values(name) not in neutral)
+
+
+def not_honoured_message(field: str, engines: Iterable[str], model: str | None) -> str:
+    """Why a request is refused for a sampling field: the one wording of edge and worker."""
+    names = ", ".join(sorted(set(engines))) or "unknown"
+    where = f"model {model!r}" if model is not None else "this deployment"
+    return (
+        f"{field}: not supported by the engine serving {where} ({names}); leave it unset"
+        " or send it to a model served by an engine that supports it (vllm)"
+    )
+
+
+TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+Bias = Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
+
+
 class ChatRequest(Model):
-    """What a client asks for; the body of a `chat.request` frame."""
+    """What a client asks for; the body of a `chat.request` frame.
+
+    Sampling fields left unset stay unset (None) on the wire: the engine applies the
+    model's own defaults (vLLM: its `generation_config.json`), as vLLM's server does.
+    """
 
     client_id: str | None = Field(default=None, max_length=128)
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     prompt: str | None = None
     max_tokens: int | None = Field(default=None, validate_default=True)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
     stop: list[Annotated[str, Field(min_length=1, max_length=64)]] = Field(
         default_factory=list, max_length=4
     )
@@ -88,8 +148,27 @@ class ChatRequest(Model):
         default=None,
         ge=-(2**63),
         le=2**63 - 1,
-        description="Sampling seed, for engines that take one (vllm, transformers).",
+        description="Sampling seed: the same seed and request give the same answer.",
     )
+    top_k: int | None = Field(
+        default=None, ge=-1, le=2**31 - 1, description="0 or -1: off (all tokens)."
+    )
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0, allow_inf_nan=False)
+    repetition_penalty: float | None = Field(
+        default=None, gt=0.0, le=100.0, allow_inf_nan=False, description="1: off."
+    )
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: dict[TokenId, Bias] | None = Field(
+        default=None, max_length=1024, description="Token id -> bias added to its logit."
+    )
+    min_tokens: int | None = Field(
+        default=None, ge=0, le=2**31 - 1, description="No end (EOS, stop) before this many."
+    )
+    ignore_eos: bool | None = Field(
+        default=None, description="true: generate on past the end-of-sequence token."
+    )
+    stop_token_ids: list[TokenId] | None = Field(default=None, max_length=64)
     priority: Tier | None = None
     model: str | None = Field(
         default=None,
@@ -149,6 +228,19 @@ class ChatRequest(Model):
             field = "prompt" if self.prompt is not None else "messages"
             raise ValueError(f"{field} is {size} characters, above the limit of {limit}")
         return self
+
+    @model_validator(mode="after")
+    def _min_tokens_in_range(self) -> ChatRequest:
+        if self.min_tokens is not None and self.min_tokens > self.effective_max_tokens:
+            raise ValueError(
+                f"min_tokens: {self.min_tokens} is above max_tokens ({self.effective_max_tokens})"
+            )
+        return self
+
+    def sampling_needs(self) -> frozenset[str]:
+        """The sampling fields this request sets (to other than neutral): what the engine
+        that runs it must honour."""
+        return sampling_needs(lambda name: getattr(self, name))
 
     def prompt_text(self) -> str:
         """The prompt as one string: the engine's input for the `sim` engine."""
@@ -454,6 +546,14 @@ class CancelRecord(Model):
     sent_at: float = Field(default_factory=time.time)
 
 
+class Capabilities(Model):
+    """What a worker's engine can do, as its heartbeat advertises it."""
+
+    engine: str = Field(min_length=1, max_length=64)
+    # Names, not `SamplingField`s: a newer worker's field must not make its beat unreadable.
+    sampling: frozenset[Annotated[str, Field(max_length=64)]] = Field(max_length=64)
+
+
 class Heartbeat(Model):
     """On `tokenbus.workers`: what a worker can take now."""
 
@@ -515,6 +615,11 @@ class Heartbeat(Model):
         default=None,
         ge=1,
         description="Tokens of context the model takes, prompt and answer (None: unknown).",
+    )
+    capabilities: Capabilities | None = Field(
+        default=None,
+        description="The worker's engine and the sampling fields it honours (None: a worker"
+        " from before they were advertised: `BASE_SAMPLING`, engine unknown).",
     )
 
 

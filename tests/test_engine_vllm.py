@@ -31,6 +31,7 @@ from services.worker.engines.vllm import (
     finish_reason,
 )
 from services.worker.settings import WorkerSettings
+from shared.messages import SAMPLING_FIELDS
 
 DELTA = "RequestOutputKind.DELTA(fake)"
 
@@ -91,12 +92,17 @@ class FakeTokenizer:
 @dataclass
 class FakeModelConfig:
     max_model_len: int
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
+
+    def get_diff_sampling_param(self) -> dict[str, Any]:
+        return dict(self.sampling_defaults)
 
 
 class FakeAsyncLLM:
     """Records every call; streams scripted outputs, waits forever where told to."""
 
     instances: ClassVar[list[FakeAsyncLLM]] = []
+    sampling_defaults: ClassVar[dict[str, Any]] = {}  # the next instance's model's
 
     def __init__(self, args: FakeEngineArgs) -> None:
         self.args = args
@@ -106,7 +112,7 @@ class FakeAsyncLLM:
         self.tokenizer = FakeTokenizer()
         self.script: dict[str, list[FakeRequestOutput]] = {}
         self.hang_after_script: set[str] = set()
-        self.model_config = FakeModelConfig(max_model_len=64)
+        self.model_config = FakeModelConfig(64, dict(FakeAsyncLLM.sampling_defaults))
         self.stat_loggers: list[Any] = []
         FakeAsyncLLM.instances.append(self)
 
@@ -173,9 +179,16 @@ def fake_engine_args(**kwargs: Any) -> FakeEngineArgs:
 API = VllmApi(FakeAsyncLLM, fake_engine_args, fake_sampling_params, DELTA)
 
 
-async def started_engine(max_num_seqs: int = 4) -> tuple[VllmEngine, FakeAsyncLLM]:
+async def started_engine(
+    max_num_seqs: int = 4, defaults: dict[str, Any] | None = None
+) -> tuple[VllmEngine, FakeAsyncLLM]:
+    """`defaults`: the model's generation config, as `get_diff_sampling_param` reports it."""
     engine = VllmEngine(API, engine_args(API, model="/models/x", max_num_seqs=max_num_seqs))
-    await engine.start()
+    FakeAsyncLLM.sampling_defaults = defaults or {}
+    try:
+        await engine.start()
+    finally:
+        FakeAsyncLLM.sampling_defaults = {}
     return engine, FakeAsyncLLM.instances[-1]
 
 
@@ -296,8 +309,68 @@ async def test_generate_forwards_sampling_priority_and_trace_headers() -> None:
         stop=["END"],
         seed=42,
         output_kind=DELTA,
+        # Unset: vLLM's neutral values (the fake model has no generation defaults).
+        top_k=0,
+        min_p=0.0,
+        repetition_penalty=1.0,
+        presence_penalty=0.0,
+        frequency_penalty=0.0,
+        min_tokens=0,
+        ignore_eos=False,
+        stop_token_ids=None,
+        logit_bias=None,
     )
     assert engine.capacity().free_slots == 4
+
+
+async def test_every_sampling_field_reaches_sampling_params() -> None:
+    engine, llm = await started_engine()
+    llm.script["r1-0"] = [out("r1-0", "x", [7], "length")]
+    request = EngineRequest(
+        request_id="r1",
+        prompt="hi",
+        max_tokens=3,
+        top_k=5,
+        min_p=0.1,
+        repetition_penalty=1.3,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        logit_bias={11: -100.0},
+        min_tokens=2,
+        ignore_eos=True,
+        stop_token_ids=(2, 9),
+        seed=4,
+    )
+    assert engine.sampling_fields == SAMPLING_FIELDS
+    _ = [o async for o in engine.generate(request)]
+    params = llm.generate_calls[0]["sampling_params"]
+    assert {k: params[k] for k in SAMPLING_FIELDS} == dict(
+        top_k=5,
+        min_p=0.1,
+        repetition_penalty=1.3,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        logit_bias={11: -100.0},
+        min_tokens=2,
+        ignore_eos=True,
+        stop_token_ids=[2, 9],
+        seed=4,
+    )
+    await engine.stop()
+
+
+async def test_unset_sampling_takes_the_models_generation_defaults() -> None:
+    engine, llm = await started_engine(defaults={"temperature": 0.6, "top_k": 20, "max_tokens": 9})
+    assert engine.sampling_defaults == {"temperature": 0.6, "top_k": 20}
+    llm.script["r1-0"] = [out("r1-0", "x", [7], "length")]
+    llm.script["r2-1"] = [out("r2-1", "x", [7], "length")]
+    _ = [o async for o in engine.generate(EngineRequest("r1", "hi", 3))]
+    _ = [o async for o in engine.generate(EngineRequest("r2", "hi", 3, temperature=0.0, top_k=3))]
+    unset, given = (c["sampling_params"] for c in llm.generate_calls)
+    assert (unset["temperature"], unset["top_k"], unset["top_p"]) == (0.6, 20, 1.0)
+    assert (given["temperature"], given["top_k"]) == (0.0, 3)
+    assert unset["max_tokens"] == given["max_tokens"] == 3  # the request's, never the config's
+    await engine.stop()
     await engine.stop()
     assert llm.shut_down
 

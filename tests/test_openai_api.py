@@ -1,14 +1,17 @@
 """The OpenAI-compatible API on a real stack, driven by the official `openai` SDK.
 
 The answers equal the WebSocket's for the same prompt, usage is counted, each error status
-is produced by the condition it stands for, a dropped stream resumes with `Last-Event-ID`,
-and a client that goes away is cancelled after the disconnect grace.
+is produced by the condition it stands for (with `X-Request-Id` and the retry hint), a
+stream's headers and keep-alives go out before a slow first token, a dropped stream resumes
+with `Last-Event-ID`, and a client that goes away is cancelled after the disconnect grace.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
+import re
 import time
 import uuid
 from collections.abc import Iterator
@@ -32,6 +35,11 @@ GRACE_S = 3.0
 # Slow enough that a long answer (100+ tokens, `long_prompt`) runs past the grace.
 TOKEN_RATE = 10
 MODEL = "sim-8b"  # the worker's default `worker_model`
+MODEL_LEN = 8192  # the `constant` sim profile's context
+# A second worker's model whose first token takes 1 / SLOW_RATE s; its context is set.
+SLOW_MODEL, SLOW_RATE, SLOW_LEN = "sim-slow", 0.4, 4096
+KEEPALIVE_S = 0.3
+REQUEST_ID = re.compile(r"^[0-9a-f]{32}$")
 TENANTS: dict[str, dict[str, object]] = {
     # Two requests, then one per 100 s: the third is refused however slow the test.
     "slow": {**UNLIMITED, "rps": 0.01, "burst": 2},
@@ -50,11 +58,23 @@ def api(bootstrap: str, log_dir: Path) -> Iterator[Stack]:
             "TOKENBUS_WORKER_SIM_TOKEN_RATE": str(TOKEN_RATE),
             # test_a_callers_traceparent_is_continued_on_kafka: the configured trust.
             "TOKENBUS_EDGE_TRUST_TRACEPARENT": "true",
+            "TOKENBUS_EDGE_SSE_KEEPALIVE_S": str(KEEPALIVE_S),
+            # A request naming no model (the WebSocket's) runs on MODEL, never SLOW_MODEL.
+            "TOKENBUS_SCHEDULER_DEFAULT_MODEL": MODEL,
+        },
+        workers={
+            "worker": {},
+            "worker-slow": {
+                "TOKENBUS_WORKER_ID": "worker-slow",
+                "TOKENBUS_WORKER_MODEL": SLOW_MODEL,
+                "TOKENBUS_WORKER_SIM_TOKEN_RATE": str(SLOW_RATE),
+                "TOKENBUS_WORKER_MAX_MODEL_LEN": str(SLOW_LEN),
+            },
         },
     )
     try:
         stack.start()
-        wait_until(lambda: MODEL in served(stack), 30, "the worker's model on /v1/models")
+        wait_until(lambda: served(stack) == [MODEL, SLOW_MODEL], 30, "both models on /v1/models")
         yield stack
     finally:
         stack.stop()
@@ -111,10 +131,84 @@ def check_usage(usage: Any, expected: dict[str, int]) -> None:
 
 
 async def test_models_lists_what_live_workers_advertise(api: Stack) -> None:
-    assert served(api) == [MODEL]
+    assert served(api) == [MODEL, SLOW_MODEL]
     async with async_sdk(api) as client:
         listed = await client.models.list()
-    assert [(m.id, m.object, m.owned_by) for m in listed.data] == [(MODEL, "model", "tokenbus")]
+    assert [(m.id, m.object, m.owned_by) for m in listed.data] == [
+        (MODEL, "model", "tokenbus"),
+        (SLOW_MODEL, "model", "tokenbus"),
+    ]
+    # Each card's context, as its workers' heartbeats report it (vLLM's field).
+    assert [(m.model_extra or {}).get("max_model_len") for m in listed.data] == [
+        MODEL_LEN,
+        SLOW_LEN,
+    ]
+
+
+def test_models_retrieve_gives_one_card_or_a_json_404(api: Stack) -> None:
+    card = sdk(api).models.retrieve(SLOW_MODEL)
+    assert (card.id, card.object, card.owned_by) == (SLOW_MODEL, "model", "tokenbus")
+    assert (card.model_extra or {}).get("max_model_len") == SLOW_LEN
+    listed = {m.id: m for m in sdk(api).models.list()}
+    assert card == listed[SLOW_MODEL]
+    with sdk(api) as client:  # closed here: see test_504_...
+        for unknown in ("gpt-4o", "HuggingFaceTB/SmolLM2-135M-Instruct"):  # `/` sent as %2F
+            with pytest.raises(openai.NotFoundError) as caught:
+                client.models.retrieve(unknown)
+            check_error(caught.value, 404, "model_not_found")
+            assert caught.value.response.headers["content-type"] == "application/json"
+            assert unknown in caught.value.message
+            assert MODEL in caught.value.message
+    with (
+        openai.OpenAI(base_url=f"{api.http_url}/v1", api_key="sk-nope") as bad,
+        pytest.raises(openai.AuthenticationError),
+    ):
+        bad.models.retrieve(MODEL)
+
+
+def test_explicit_nulls_are_read_as_unset(api: Stack) -> None:
+    """What clients that serialise unset fields send (vLLM's server takes it)."""
+    nulls = {"n": None, "stream": None, "temperature": None, "stop": None, "user": None}
+    chat = post(
+        api,
+        "/v1/chat/completions",
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": prompt(), "name": None}],
+            "max_tokens": 4,
+            "stream_options": None,
+            "max_completion_tokens": None,
+            **nulls,
+        },
+    )
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["object"] == "chat.completion"  # `stream: null` is not streaming
+    text = post(
+        api,
+        "/v1/completions",
+        {"model": MODEL, "prompt": prompt(), "max_tokens": 4, "echo": None, **nulls},
+    )
+    assert text.status_code == 200, text.text
+    assert text.json()["choices"][0]["text"]
+    streamed = post(
+        api,
+        "/v1/chat/completions",
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": prompt()}],
+            "max_tokens": 4,
+            "stream": True,
+            "n": None,
+            "stream_options": {"include_usage": None, "continuous_usage_stats": None},
+        },
+    )
+    assert streamed.status_code == 200, streamed.text
+    assert streamed.text.endswith("data: [DONE]\n\n")
+
+
+def post(stack: Stack, path: str, body: object, tenant: str = "default") -> httpx.Response:
+    headers = {"Authorization": f"Bearer {stack.keys[tenant]}"}
+    return httpx.post(f"{stack.http_url}{path}", json=body, headers=headers, timeout=60)
 
 
 async def test_chat_sync_and_async_equal_the_websocket_answer(api: Stack) -> None:
@@ -126,6 +220,12 @@ async def test_chat_sync_and_async_equal_the_websocket_answer(api: Stack) -> Non
     whole = sdk(api).chat.completions.create(model=MODEL, messages=messages, max_tokens=24)  # type: ignore[arg-type]
     assert whole.object == "chat.completion"
     assert whole.model == MODEL
+    raw = sdk(api).chat.completions.with_raw_response.create(
+        model=MODEL,
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=24,
+    )
+    assert raw.parse().id == f"chatcmpl-{raw.headers['X-Request-Id']}"
     assert whole.choices[0].message.content == expected["text"]
     assert whole.choices[0].finish_reason == expected["finish"]
     check_usage(whole.usage, expected["usage"])
@@ -232,6 +332,33 @@ def check_error(exc: openai.APIStatusError, status: int, code: str) -> None:
     assert isinstance(body, dict), body
     assert body["code"] == code, body
     assert body["message"]
+    assert REQUEST_ID.match(exc.response.headers.get("X-Request-Id", "")), exc.response.headers
+
+
+def check_retry_hint(headers: httpx.Headers) -> None:
+    """The exact hint under the name the `openai` SDK reads, and tokenbus's; whole seconds,
+    rounded up, in `Retry-After`."""
+    ms = int(headers["retry-after-ms"])
+    assert ms > 0
+    assert int(headers["X-Tokenbus-Retry-After-Ms"]) == ms
+    assert int(headers["Retry-After"]) == max(1, math.ceil(ms / 1000))
+
+
+def test_every_error_carries_a_request_id_of_its_own(api: Stack) -> None:
+    auth = {"Authorization": f"Bearer {api.keys['default']}"}
+    answers = [
+        httpx.post(f"{api.http_url}/v1/chat/completions", content=b"{", headers=auth),
+        post(api, "/v1/chat/completions", {"messages": [], "n": "x"}),  # validation
+        post(api, "/v1/completions", {"model": MODEL, "prompt": "hi", "n": 2}),
+        httpx.get(f"{api.http_url}/v1/models"),  # no key
+        httpx.get(f"{api.http_url}/v1/models/nope", headers=auth),
+        post(api, "/v1/chat/completions", {"model": "nope", "messages": [{"role": "user"}]}),
+    ]
+    assert [a.status_code for a in answers] == [400, 400, 400, 401, 404, 404]
+    ids = [a.headers.get("X-Request-Id", "") for a in answers]
+    assert all(REQUEST_ID.match(i) for i in ids), ids
+    assert len(set(ids)) == len(ids)
+    assert all("error" in a.json() for a in answers)
 
 
 def test_400_for_n_above_one_and_bad_fields(api: Stack) -> None:
@@ -274,19 +401,37 @@ def test_429_with_retry_after_past_the_tenant_quota(api: Stack) -> None:
     with pytest.raises(openai.RateLimitError) as caught:
         client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
     check_error(caught.value, 429, "rate_limit_exceeded")
-    assert int(caught.value.response.headers["Retry-After"]) >= 1
+    check_retry_hint(caught.value.response.headers)
+    # Streaming too: refused before the stream starts, so a status, not a 200 stream.
+    with pytest.raises(openai.RateLimitError) as caught:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=2, stream=True)
+    check_error(caught.value, 429, "rate_limit_exceeded")
+    check_retry_hint(caught.value.response.headers)
 
 
 def test_504_when_the_deadline_passes_in_the_queue(api: Stack) -> None:
-    for stream in (False, True):
+    # Closed here: a client left to the garbage collector in an exception's cycle can warn
+    # of its pooled socket during a later test.
+    with sdk(api) as client:
         with pytest.raises(openai.APIStatusError) as caught:
-            sdk(api).chat.completions.create(
+            client.chat.completions.create(
                 model=MODEL,
                 messages=[{"role": "user", "content": prompt()}],
-                stream=stream,
                 extra_body={"deadline_ms": 1},
             )
         check_error(caught.value, 504, "deadline_exceeded")
+        # A stream was accepted, so its 200 went out at once: the failure is an error event.
+        with client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": prompt()}],
+            stream=True,
+            extra_body={"deadline_ms": 1},
+        ) as stream:
+            assert stream.response.status_code == 200
+            with pytest.raises(openai.APIError) as raised:
+                list(stream)
+    assert isinstance(raised.value.body, dict)
+    assert raised.value.body["code"] == "deadline_exceeded"
 
 
 def test_503_with_retry_after_when_kafka_does_not_take_the_request(api: Stack) -> None:
@@ -310,12 +455,44 @@ def test_503_with_retry_after_when_kafka_does_not_take_the_request(api: Stack) -
         with pytest.raises(openai.APIStatusError) as caught:
             sdk(api, port=port).completions.create(model=MODEL, prompt="hi", stream=True)
         check_error(caught.value, 503, "overloaded")
-        assert int(caught.value.response.headers["Retry-After"]) >= 1
+        check_retry_hint(caught.value.response.headers)
     finally:
         api.stop_service("edge-timeout")
 
 
-# -- streams: resume and disconnect -------------------------------------------------------------
+# -- streams: headers at once, keep-alives, resume and disconnect -------------------------------
+
+
+def test_a_stream_sends_its_headers_and_keep_alives_before_a_slow_first_token(
+    api: Stack,
+) -> None:
+    """A proxy with a read timeout sees bytes while the first token is on its way."""
+    body = {
+        "model": SLOW_MODEL,
+        "messages": [{"role": "user", "content": prompt()}],
+        "max_tokens": 2,
+        "stream": True,
+    }
+    headers = {"Authorization": f"Bearer {api.keys['default']}"}
+    started = time.monotonic()
+    lines: list[tuple[str, float]] = []
+    with httpx.stream(
+        "POST", f"{api.http_url}/v1/chat/completions", json=body, headers=headers, timeout=60
+    ) as response:
+        headers_at = time.monotonic() - started
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        assert REQUEST_ID.match(response.headers["X-Request-Id"])
+        lines += [(line, time.monotonic() - started) for line in response.iter_lines()]
+    first_data = next(at for line, at in lines if line.startswith("data: "))
+    keepalives = [at for line, at in lines if line == ": keep-alive"]
+    # The first token takes 1 / SLOW_RATE s (2.5 s): the headers did not wait for it...
+    assert first_data - headers_at > 1.0, (headers_at, lines)
+    # ...and comments kept the connection busy meanwhile.
+    assert keepalives, lines
+    assert keepalives[0] < first_data, lines
+    assert keepalives[0] - headers_at < KEEPALIVE_S + 1.0, (headers_at, lines)
+    assert [line for line, _ in lines if line][-1] == "data: [DONE]"
 
 
 def sse_events(response: httpx.Response, count: int) -> list[tuple[str, dict[str, Any]]]:

@@ -119,6 +119,34 @@ def test_content_parts_developer_role_and_null_content() -> None:
     ]
 
 
+def test_explicit_nulls_are_unset() -> None:
+    """As vLLM's server reads them: a null field takes its default."""
+    nulls: dict[str, object] = {
+        "n": None,
+        "stream": None,
+        "temperature": None,
+        "stop": None,
+        "seed": None,
+        "max_completion_tokens": None,
+    }
+    body = ChatCompletionRequest.model_validate(
+        {
+            "messages": [{"role": "user", "content": None, "name": None}],
+            "stream_options": {"include_usage": None, "continuous_usage_stats": None},
+            **nulls,
+        }
+    )
+    assert (body.n, body.stream, body.temperature) == (1, False, None)
+    assert body.stream_options is not None
+    assert not body.stream_options.include_usage
+    ok(chat(**nulls))
+    text = CompletionRequest.model_validate({"prompt": "x", "echo": None, **nulls})
+    assert (text.n, text.stream, text.echo) == (1, False, False)
+    ok(completion(echo=None, **nulls))
+    with pytest.raises(ValueError, match="messages"):  # a required field stays required
+        ChatCompletionRequest.model_validate({"messages": None})
+
+
 def test_n_above_one_is_a_clear_400() -> None:
     error = refused(chat(n=2), "n")
     assert "n=2" in error.body.error.message
@@ -133,7 +161,6 @@ def test_n_above_one_is_a_clear_400() -> None:
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"tool_choice": "auto"}, "tool_choice"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
-        ({"presence_penalty": 0.5}, "presence_penalty"),
         ({"stream_options": {"continuous_usage_stats": True}}, "stream_options"),
         (
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
@@ -143,6 +170,72 @@ def test_n_above_one_is_a_clear_400() -> None:
 )
 def test_what_tokenbus_cannot_honour_is_refused(fields: dict[str, object], param: str) -> None:
     refused(chat(**fields), param)
+
+
+def test_vllm_sampling_fields_pass_on_by_their_names() -> None:
+    fields = {
+        "top_k": 5,
+        "min_p": 0.1,
+        "repetition_penalty": 1.2,
+        "presence_penalty": 0.5,
+        "frequency_penalty": -0.5,
+        "logit_bias": {"50256": -100, "11": 2.5},
+        "min_tokens": 3,
+        "ignore_eos": True,
+        "stop_token_ids": [2, 7],
+        "seed": 9,
+    }
+    for req in (ok(chat(**fields)), ok(completion(**fields))):
+        assert req.logit_bias == {50256: -100.0, 11: 2.5}
+        assert (req.top_k, req.min_p, req.repetition_penalty) == (5, 0.1, 1.2)
+        assert (req.presence_penalty, req.frequency_penalty) == (0.5, -0.5)
+        assert (req.min_tokens, req.ignore_eos, req.stop_token_ids, req.seed) == (
+            3,
+            True,
+            [2, 7],
+            9,
+        )
+        assert req.sampling_needs() == frozenset(fields)
+
+
+def test_unset_sampling_stays_unset_for_the_models_defaults() -> None:
+    req = ok(chat())
+    assert (req.temperature, req.top_p, req.top_k, req.min_p, req.repetition_penalty) == (
+        None,
+        None,
+        None,
+        None,
+        None,
+    )
+    assert req.sampling_needs() == frozenset()
+    # Explicit nulls are unset too (vLLM's clients send them).
+    assert ok(chat(temperature=None, top_k=None, ignore_eos=None)).temperature is None
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "words"),
+    [
+        ({"top_k": -2}, "top_k", "greater than or equal to -1"),
+        ({"min_p": 1.5}, "min_p", "less than or equal to 1"),
+        ({"repetition_penalty": 0}, "repetition_penalty", "greater than 0"),
+        ({"presence_penalty": 2.5}, "presence_penalty", "less than or equal to 2"),
+        ({"frequency_penalty": -3}, "frequency_penalty", "greater than or equal to -2"),
+        ({"logit_bias": {"5": 101}}, "logit_bias", "less than or equal to 100"),
+        ({"logit_bias": {"x": 1}}, "logit_bias", "valid integer"),
+        ({"logit_bias": {"-1": 1}}, "logit_bias", "greater than or equal to 0"),
+        ({"min_tokens": -1}, "min_tokens", "greater than or equal to 0"),
+        ({"min_tokens": 17, "max_tokens": 16}, None, "min_tokens: 17 is above max_tokens (16)"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids", "greater than or equal to 0"),
+        ({"temperature": 2.5}, "temperature", "less than or equal to 2"),
+    ],
+)
+def test_sampling_fields_out_of_vllms_ranges_are_a_400_naming_them(
+    fields: dict[str, object], param: str | None, words: str
+) -> None:
+    error = refused(chat(**fields), param)
+    message = error.body.error.message
+    assert words in message
+    assert (param or "min_tokens") in message
 
 
 def test_zero_penalties_and_text_format_are_accepted() -> None:
@@ -196,6 +289,8 @@ def test_retry_after_rounds_up_to_whole_seconds() -> None:
     assert http_error(ErrorCode.rate_limited, "x", retry_after_ms=1).headers["Retry-After"] == "1"
     headers = http_error(ErrorCode.overloaded, "x", retry_after_ms=2500).headers
     assert headers["Retry-After"] == "3"
+    # The exact hint, under the name the `openai` SDK reads and under tokenbus's own.
+    assert headers["retry-after-ms"] == headers["X-Tokenbus-Retry-After-Ms"] == "2500"
     assert http_error(ErrorCode.overloaded, "x").headers == {}
 
 
@@ -420,6 +515,17 @@ def test_model_directory_lists_live_workers_models() -> None:
     assert models.served(now=117) == {}
     models.observe(beat("w1", "a", 120))
     assert models.served(now=121) == {"a": 120}
+
+
+def test_model_directory_reports_the_smallest_context_of_a_models_live_workers() -> None:
+    models = ModelDirectory(stale_s=10)
+    models.observe(beat("w1", "a", 100).model_copy(update={"max_model_len": 4096}))
+    models.observe(beat("w2", "a", 101).model_copy(update={"max_model_len": 2048}))
+    models.observe(beat("w3", "b", 101))  # an old worker: it does not say
+    assert models.max_model_len(now=102) == {"a": 2048}
+    assert models.max_model_len(now=111) == {"a": 2048}  # w1 stale; w2 still live
+    models.observe(beat("w2", "a", 112))  # no longer says
+    assert models.max_model_len(now=113) == {}
 
 
 def test_model_directory_ignores_a_late_older_beat() -> None:

@@ -37,6 +37,7 @@ from services.edge.lease_keeper import LeaseKeeper, LeaseLost, TopicNotReady, en
 from services.edge.metrics import EdgeMetrics
 from services.edge.openai.edge_streams import EdgeStreams
 from services.edge.openai.models import ModelDirectory
+from services.edge.openai.request_ids import RequestIds
 from services.edge.openai.routes import OpenAIApi
 from services.edge.page import SecurityHeaders
 from services.edge.replay import REPLAY_FETCH_WAIT_MS, Replays
@@ -306,7 +307,12 @@ class Edge:
 def build_app(edge: Edge) -> Starlette:
     """The public app: what clients and load balancers reach; no /metrics (docs/security.md)."""
     settings = edge.settings
-    openai = OpenAIApi(edge.openai, settings.edge_max_frame_bytes, settings.edge_outbox_frames)
+    openai = OpenAIApi(
+        edge.openai,
+        settings.edge_max_frame_bytes,
+        settings.edge_outbox_frames,
+        keepalive_s=settings.edge_sse_keepalive_s,
+    )
     return Starlette(
         routes=[
             Route("/", edge.index),
@@ -316,7 +322,11 @@ def build_app(edge: Edge) -> Starlette:
             Route("/v1/chat/completions", openai.chat_completions, methods=["POST"]),
             Route("/v1/completions", openai.completions, methods=["POST"]),
             Route("/v1/models", openai.models),
+            Route("/v1/models/{model:path}", openai.model),  # ids may hold `/` (org/name)
         ],
-        middleware=[Middleware(SecurityHeaders)],  # the chat page's CSP (page.py)
+        middleware=[
+            Middleware(SecurityHeaders),  # the chat page's CSP (page.py)
+            Middleware(RequestIds),  # `X-Request-Id` on every `/v1/` answer
+        ],
         lifespan=edge.lifespan,
     )

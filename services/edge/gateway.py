@@ -30,6 +30,7 @@ from pydantic import TypeAdapter, ValidationError
 from services.edge.auth import Guard
 from services.edge.broker_health import BrokerUnavailable
 from services.edge.broker_link import BrokerLink
+from services.edge.capabilities import unhonoured
 from services.edge.keys import Principal
 from services.edge.metrics import EdgeMetrics
 from services.edge.openai.models import ModelDirectory
@@ -160,9 +161,15 @@ class Gateway:
         )
         prompt_tokens = request.prompt_token_bound()  # never below the real count
         refusal = over_budget(prompt_tokens, request.effective_max_tokens, self.token_budget)
+        outcome = "over_budget"
+        if refusal is None:
+            # No live worker of its model honours a sampling field it sets.
+            refusal = unhonoured(request, self.models.capabilities(request.model, time.time()))
+            outcome = "not_honoured"
         if refusal is not None:
-            # No batch could ever hold it: refused before anything is written.
-            self.telemetry.end(flight, outcome="over_budget")
+            # No batch could ever hold it, or no worker run it: refused before anything is
+            # written.
+            self.telemetry.end(flight, outcome=outcome)
             self.guard.release(request_id)
             client.send(
                 ErrorFrame(

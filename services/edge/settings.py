@@ -161,6 +161,14 @@ class EdgeSettings(KeysSettings):
             " this; a request naming another model gets 404."
         ),
     )
+    edge_sse_keepalive_s: float = Field(
+        default=15.0,
+        gt=0,
+        description=(
+            "An OpenAI stream sends an SSE comment (`: keep-alive`) after this long without an"
+            " event, from its headers on, so proxies with a read timeout keep it open."
+        ),
+    )
 
     @model_validator(mode="after")
     def _resume_keys_configured(self) -> EdgeSettings:

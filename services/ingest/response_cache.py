@@ -23,6 +23,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 from pydantic import ValidationError
 
 from shared.messages import (
+    SAMPLING_FIELDS,
     CacheEntry,
     DeltaResult,
     DoneResult,
@@ -39,9 +40,10 @@ log = structlog.get_logger()
 # learning what another asked (a hit is visible in `cached` and in its latency): vLLM
 # salts its prefix cache per tenant (`cache_salt`) for the same reason.
 KEY_FIELDS = frozenset(
-    {"model", "messages", "prompt", "max_tokens", "temperature", "top_p", "stop", "seed", "tenant"}
+    {"model", "messages", "prompt", "max_tokens", "temperature", "top_p", "stop", "tenant"}
+    | SAMPLING_FIELDS
 )
-KEY_VERSION = 1  # bumped when the key's fields or encoding change: old entries stop matching
+KEY_VERSION = 2  # bumped when the key's fields or encoding change: old entries stop matching
 # Python's memory for an entry beyond its text (tracemalloc over 10,000 parsed entries of 16
 # chunks and 374 characters: ~3.2 kB each): the model, its key, its map slot; per chunk a
 # str object and a list slot.

@@ -16,7 +16,7 @@ from services.worker.liveness import Liveness
 from services.worker.settings import WorkerSettings
 from services.worker.telemetry import WorkerTelemetry
 from shared.kafka import encode
-from shared.messages import Heartbeat
+from shared.messages import Capabilities, Heartbeat
 from shared.producers import RenewingProducer
 from shared.results import WRITE_ERRORS
 from shared.topics import Topics
@@ -147,4 +147,5 @@ class Heartbeats:
             queued=cap.queued,
             kv_cache_usage=cap.kv_cache_usage,
             max_model_len=engine.context_length,
+            capabilities=Capabilities(engine=engine.name, sampling=engine.sampling_fields),
         )

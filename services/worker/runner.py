@@ -1,9 +1,10 @@
 """Runs one request on the engine and streams its coalesced chunks to `reply_to`.
 
 Every run ends in exactly one of: its final record stored (`done`, or `error` with a
-stable code: `cancelled`, `invalid_request` for a prompt longer than the model's context,
-`internal` when the engine fails the request), or no final record and the request handed
-back to be run again (a drain, a fenced worker, result records that could not be stored).
+stable code: `cancelled`, `invalid_request` for a prompt longer than the model's context or
+a sampling field its engine does not honour, `internal` when the engine fails the request),
+or no final record and the request handed back to be run again (a drain, a fenced worker,
+result records that could not be stored).
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from services.worker.engines.base import (
     EngineFinish,
     EngineOutput,
     EngineRequest,
-    PromptTooLong,
     PushEngine,
+    RequestRefused,
 )
 from services.worker.outbox import ResultOutbox
 from services.worker.replies import Fenced, ReplyFailed, ReplyWriter
@@ -60,6 +61,15 @@ def engine_request(
         top_p=request.top_p,
         stop=tuple(request.stop),
         seed=request.seed,
+        top_k=request.top_k,
+        min_p=request.min_p,
+        repetition_penalty=request.repetition_penalty,
+        presence_penalty=request.presence_penalty,
+        frequency_penalty=request.frequency_penalty,
+        logit_bias=request.logit_bias,
+        min_tokens=request.min_tokens,
+        ignore_eos=request.ignore_eos,
+        stop_token_ids=None if request.stop_token_ids is None else tuple(request.stop_token_ids),
         priority=0 if request.tier is Tier.interactive else 1,
         messages=messages,
         trace_headers=dict(trace_headers or {}),
@@ -170,7 +180,7 @@ class RequestRunner:
             finish = await self._stream(state, trace, stream)
         except (Fenced, ReplyFailed):
             raise  # closing the stream has aborted the request in the engine
-        except PromptTooLong as exc:
+        except RequestRefused as exc:  # too long a prompt, a sampling field not honoured
             failure = ErrorResult.for_request(
                 request, ErrorCode.invalid_request, str(exc), seq=state.seq
             )

@@ -48,6 +48,15 @@ from shared.telemetry import (
 RECEIVED_KEPT = 1024  # batch receive spans remembered for the requests' links
 
 
+def sampling_attributes(request: QueuedRequest) -> dict[str, float]:
+    """The request's temperature and top_p as span attributes, where it sets them."""
+    attributes = {
+        semconv.GEN_AI_REQUEST_TEMPERATURE: request.temperature,
+        semconv.GEN_AI_REQUEST_TOP_P: request.top_p,
+    }
+    return {k: v for k, v in attributes.items() if v is not None}
+
+
 def tracing_on() -> bool:
     """Whether this process records spans (a tracer provider was installed at start-up)."""
     provider = trace.get_tracer_provider()
@@ -137,8 +146,8 @@ class WorkerTelemetry:
                 semconv.BATCH_ID: batch.batch_id,
                 semconv.BATCH_SIZE: len(batch.requests),
                 semconv.GEN_AI_REQUEST_MAX_TOKENS: request.effective_max_tokens,
-                semconv.GEN_AI_REQUEST_TEMPERATURE: request.temperature,
-                semconv.GEN_AI_REQUEST_TOP_P: request.top_p,
+                # Unset (the model's default): left out, as OpenTelemetry takes no None.
+                **sampling_attributes(request),
             },
         ) as span:
             try:

@@ -20,6 +20,7 @@ from services.worker.engines.vllm import (
     engine_args,
     load_vllm,
     prompt_token_ids,
+    sampling_params,
 )
 from shared.prefixes import cache_salt
 from tokenbus.local_engine import DTYPE, KV_CACHE_GIB, MAX_MODEL_LEN, LocalEngine
@@ -170,3 +171,55 @@ def test_a_tokenizer_that_adds_a_bos_gets_one_bos(local_engine: LocalEngine) -> 
     )
     assert rendered.startswith("<|im_start|>")
     assert len(ids) == len(tokenizer.encode(rendered)) - 1  # one BOS fewer than doubled
+
+
+def test_sampling_params_carry_every_sampling_field() -> None:
+    """vLLM's own `SamplingParams` (this version's names and checks) from a request that
+    sets every field; unset ones take the model's defaults given, else vLLM's neutral."""
+    api = load_vllm()
+    request = EngineRequest(
+        "r",
+        "hi",
+        8,
+        top_k=5,
+        min_p=0.1,
+        repetition_penalty=1.3,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        logit_bias={11: -100.0, 12: 7.5},
+        min_tokens=2,
+        ignore_eos=True,
+        stop_token_ids=(2, 9),
+        seed=4,
+    )
+    params = sampling_params(api, request, {"temperature": 0.2, "top_p": 0.9, "top_k": 50})
+    assert (params.top_k, params.min_p, params.repetition_penalty) == (5, 0.1, 1.3)
+    assert (params.presence_penalty, params.frequency_penalty) == (0.5, -0.5)
+    assert params.logit_bias == {11: -100.0, 12: 7.5}
+    assert (params.min_tokens, params.ignore_eos, params.seed) == (2, True, 4)
+    assert list(params.stop_token_ids) == [2, 9]
+    assert (params.temperature, params.top_p, params.max_tokens) == (0.2, 0.9, 8)
+    plain = sampling_params(api, EngineRequest("r", "hi", 8))
+    assert (plain.temperature, plain.top_p, plain.top_k, plain.min_tokens) == (1.0, 1.0, 0, 0)
+    assert not plain.ignore_eos
+
+
+async def test_ignore_eos_reaches_the_engine(one_slot: VllmEngine) -> None:
+    """A short answer ("Paris.") runs on to max_tokens with ignore_eos; the model's
+    generation defaults were read at start."""
+    assert isinstance(one_slot.sampling_defaults, dict)
+    question = (ChatTurn("user", "What is the capital of France? One word."),)
+
+    async def finish(rid: str, ignore_eos: bool) -> EngineFinish:
+        request = EngineRequest(
+            rid, "q", 48, temperature=0.0, ignore_eos=ignore_eos, messages=question
+        )
+        outputs = [o async for o in one_slot.generate(request)]
+        assert isinstance(outputs[-1], EngineFinish)
+        return outputs[-1]
+
+    natural = await finish("natural", ignore_eos=False)
+    assert natural.finish_reason == "stop"
+    assert natural.completion_tokens < 48
+    forced = await finish("forced", ignore_eos=True)
+    assert (forced.finish_reason, forced.completion_tokens) == ("length", 48)

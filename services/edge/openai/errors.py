@@ -1,4 +1,4 @@
-"""Protocol error codes as OpenAI error responses: the HTTP status, the body, `Retry-After`."""
+"""Protocol error codes as OpenAI error responses: the HTTP status, the body, the retry hint."""
 
 from __future__ import annotations
 
@@ -56,6 +56,8 @@ def http_error(
     if retry_after_ms is not None:
         # Retry-After counts whole seconds (RFC 9110); never 0, which reads as "now".
         headers["Retry-After"] = str(max(1, math.ceil(retry_after_ms / 1000)))
+        # The exact hint: the `openai` SDK reads `retry-after-ms`; the tokenbus name stays.
+        headers["retry-after-ms"] = str(retry_after_ms)
         headers["X-Tokenbus-Retry-After-Ms"] = str(retry_after_ms)
     return HttpError(status, ErrorBody(error=detail), headers)
 

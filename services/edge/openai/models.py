@@ -10,11 +10,21 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from shared.messages import ChatRequest, Heartbeat, unknown_model_message
+from shared.messages import (
+    BASE_SAMPLING,
+    Capabilities,
+    ChatRequest,
+    Heartbeat,
+    unknown_model_message,
+)
 
 # A new edge refuses no model as unknown before it has listened this long: it reads the
 # heartbeats of the last `stale_s` back on start, and a worker beats every second or so.
 UNKNOWN_AFTER_S = 3.0
+
+
+# What a worker from before heartbeats carried capabilities is taken to honour.
+OLD_WORKER = Capabilities(engine="unknown", sampling=BASE_SAMPLING)
 
 
 @dataclass
@@ -22,6 +32,7 @@ class _Seen:
     model: str
     last_at: float  # when its latest heartbeat was sent (the worker's clock, Unix seconds)
     max_model_len: int | None = None
+    capabilities: Capabilities = OLD_WORKER
 
 
 class ModelDirectory:
@@ -45,7 +56,9 @@ class ModelDirectory:
         seen = self._workers.get(beat.worker_id)
         if seen is not None and seen.last_at > beat.sent_at:
             return  # an older beat, read late
-        self._workers[beat.worker_id] = _Seen(beat.model, beat.sent_at, beat.max_model_len)
+        self._workers[beat.worker_id] = _Seen(
+            beat.model, beat.sent_at, beat.max_model_len, beat.capabilities or OLD_WORKER
+        )
         self._first_seen.setdefault(beat.model, beat.sent_at)
 
     def served(self, now: float) -> dict[str, int]:
@@ -70,6 +83,12 @@ class ModelDirectory:
             if known:
                 lengths[model] = min(known)
         return lengths
+
+    def capabilities(self, model: str | None, now: float) -> list[Capabilities]:
+        """What each live worker that may run a request for `model` honours (None: the
+        deployment's default model, which the edge does not know: every live worker)."""
+        self.served(now)  # forgets the workers gone quiet
+        return [s.capabilities for s in self._workers.values() if model in (None, s.model)]
 
     def unknown(self, request: ChatRequest, now: float) -> tuple[str, str] | None:
         """(field, message) if the request names a model (or fallback) no live worker

@@ -1,4 +1,5 @@
-"""The OpenAI-compatible endpoints: `/v1/chat/completions`, `/v1/completions`, `/v1/models`.
+"""The OpenAI-compatible endpoints: `/v1/chat/completions`, `/v1/completions`, `/v1/models`
+and `/v1/models/{id}`.
 
 Each request rides the edge's own stream routing (`Streams`, the edge's side of it): the
 same bus, tiers, deadlines, quotas, cancels and traces as a WebSocket request. The HTTP
@@ -6,9 +7,12 @@ client is the stream's owner; when it goes away, the stream is detached and canc
 after the WebSocket's disconnect grace unless it is resumed (`Last-Event-ID` and the
 `X-Tokenbus-Resume-Token` response header, on a repeat of the request).
 
-A streaming answer's status is decided by its first event: an error before any text is
-an HTTP error (429, 503, 504...), as for a non-streaming request; after text it is an
-error event in the stream, as vLLM sends it.
+A streaming answer's status is decided by its acceptance: what is refused before the
+request is on the bus (invalid, unauthorized, unknown model, quota, overload, a bad resume)
+is an HTTP error (400, 401, 404, 429, 503...), as for a non-streaming request. Once it is
+accepted the 200 and its headers go out at once, and `: keep-alive` comments while no event
+flows, so a proxy's read timeout does not end a long queue; a later failure (a deadline
+passed in the queue, a re-run after text) is an error event in the stream, as vLLM sends it.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from starlette.types import Receive, Scope, Send
 
 from services.edge.keys import Principal
 from services.edge.openai.errors import HttpError, invalid, too_large, unknown_model
+from services.edge.openai.request_ids import note_request_id
 from services.edge.openai.schema import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -45,14 +50,11 @@ from services.edge.openai.translate import (
     to_chat_request,
 )
 from services.edge.protocol import AcceptedFrame, ErrorFrame, ServerFrame, StreamResumedFrame
-from shared.messages import ChatRequest, RequestLimits, error_message
+from shared.messages import ChatRequest, RequestLimits, error_message, unknown_model_message
 
 log = structlog.get_logger()
 
 RESUME_TOKEN_HEADER = "X-Tokenbus-Resume-Token"
-REQUEST_ID_HEADER = "X-Request-Id"
-# A comment line this often while a stream is quiet, so proxies keep it open.
-KEEPALIVE_S = 15.0
 
 
 class HttpClient:
@@ -197,9 +199,9 @@ class SseResponse(Response):
         client: HttpClient,
         disconnect: Disconnect,
         sse: SseStream,
-        first: list[bytes],
         headers: Mapping[str, str],
         on_end: Callable[[], None],
+        keepalive_s: float,
     ) -> None:
         # As StreamingResponse: no body, so no Content-Length; the events follow in `__call__`.
         self.status_code = 200
@@ -209,15 +211,15 @@ class SseResponse(Response):
         self._client = client
         self._disconnect = disconnect
         self._sse = sse
-        self._first = first
         self._on_end = on_end
+        self._keepalive_s = keepalive_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
+            # The headers at once (uvicorn writes them with this message), before any event.
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-            await self._write(send, self._first)
             while not self._sse.ended and not self._left():
-                got = await next_frame(self._client, self._disconnect, KEEPALIVE_S)
+                got = await next_frame(self._client, self._disconnect, self._keepalive_s)
                 if got is None:
                     if not self._left():
                         await send(
@@ -256,7 +258,8 @@ class SseResponse(Response):
 
 
 class OpenAIApi:
-    """The handlers; `clock` stamps `created` (Unix seconds)."""
+    """The handlers; `clock` stamps `created` (Unix seconds); a quiet stream gets a
+    `: keep-alive` comment every `keepalive_s`."""
 
     def __init__(
         self,
@@ -264,22 +267,39 @@ class OpenAIApi:
         max_body_bytes: int,
         max_frames: int = 4096,
         clock: Callable[[], float] = time.time,
+        *,
+        keepalive_s: float,  # TOKENBUS_EDGE_SSE_KEEPALIVE_S
     ) -> None:
         self._streams = streams
         self._max_body_bytes = max_body_bytes
         self._max_frames = max_frames  # frames queued for one client (HttpClient)
         self._clock = clock
+        self._keepalive_s = keepalive_s
 
     async def models(self, request: Request) -> Response:
         principal = self._streams.authenticate(request.headers)
         if isinstance(principal, HttpError):
             return error_response(principal)
+        return JSONResponse(ModelList(data=list(self._cards().values())).model_dump())
+
+    async def model(self, request: Request) -> Response:
+        """`/v1/models/{id}`: one served model's card, or OpenAI's 404 `model_not_found`."""
+        principal = self._streams.authenticate(request.headers)
+        if isinstance(principal, HttpError):
+            return error_response(principal)
+        name: str = request.path_params["model"]
+        cards = self._cards()
+        if (card := cards.get(name)) is None:
+            return error_response(unknown_model(unknown_model_message(name, cards)))
+        return JSONResponse(card.model_dump())
+
+    def _cards(self) -> dict[str, ModelCard]:
+        """Model name -> its card, for the models live workers serve."""
         lengths = self._streams.max_model_len()
-        cards = [
-            ModelCard(id=m, created=t, max_model_len=lengths.get(m))
+        return {
+            m: ModelCard(id=m, created=t, max_model_len=lengths.get(m))
             for m, t in self._streams.served_models().items()
-        ]
-        return JSONResponse(ModelList(data=cards).model_dump())
+        }
 
     async def chat_completions(self, request: Request) -> Response:
         return await self._complete(request, "chat")
@@ -349,7 +369,7 @@ class OpenAIApi:
         disconnect = Disconnect(request.receive)
         try:
             response = await self._answer(
-                body, kind, model, client, disconnect, after, token, on_end
+                request.scope, body, kind, model, client, disconnect, after, token, on_end
             )
         except BaseException:
             disconnect.stop()
@@ -361,6 +381,7 @@ class OpenAIApi:
 
     async def _answer(
         self,
+        scope: Scope,
         body: OpenAIRequest,
         kind: Kind,
         model: str,
@@ -372,42 +393,43 @@ class OpenAIApi:
     ) -> Response:
         head: dict[str, str] = {}
         answer: Answer | None = None
-        sse: SseStream | None = None
         while True:
-            got = await next_frame(client, disconnect, KEEPALIVE_S)
+            got = await next_frame(client, disconnect, self._keepalive_s)
             if got is None:
                 if disconnect.gone.is_set() or client.behind.is_set():
                     self._streams.detach(client)  # cancelled after the grace
                     return Response(status_code=499)
                 continue
             frame, stream = got
-            if isinstance(frame, ErrorFrame) and (sse is None or not sse.started):
-                # Refused (quota, overload, a bad resume) or failed before any event: the
-                # answer's status says so, streaming or not.
+            if isinstance(frame, ErrorFrame):
+                # Refused before acceptance (quota, overload, a bad resume), or a whole
+                # answer that failed: the answer's status says so.
+                if frame.request_id is not None:
+                    note_request_id(scope, frame.request_id)
                 self._streams.written(frame, stream)
                 return error_response(frame_error(frame))
             if isinstance(frame, AcceptedFrame | StreamResumedFrame):
+                note_request_id(scope, frame.request_id)
                 ident = Identity(kind, frame.request_id, model, int(self._clock()))
                 token = frame.resume_token if isinstance(frame, AcceptedFrame) else token
-                head = {REQUEST_ID_HEADER: frame.request_id, RESUME_TOKEN_HEADER: token or ""}
+                head = {RESUME_TOKEN_HEADER: token or ""}
+                if body.stream:  # on the bus: the headers go out now, the events follow
+                    options = body.stream_options
+                    sse = SseStream(ident, options is not None and options.include_usage, after)
+                    return SseResponse(
+                        self._streams, client, disconnect, sse, head, on_end, self._keepalive_s
+                    )
                 answer = Answer(ident)
-                options = body.stream_options
-                sse = SseStream(ident, options is not None and options.include_usage, after)
                 continue
-            if answer is None or sse is None:
+            if answer is None:
                 continue  # nothing else comes before acceptance
-            if not body.stream:
-                answer.take(frame)
-                if answer.result is None:
-                    continue
-                self._streams.written(frame, stream)
-                if isinstance(answer.result, HttpError):
-                    return error_response(answer.result)
-                return JSONResponse(answer.result.model_dump(), headers=head)
-            chunks = sse.take(frame)
+            answer.take(frame)
+            if answer.result is None:
+                continue
             self._streams.written(frame, stream)
-            if chunks:
-                return SseResponse(self._streams, client, disconnect, sse, chunks, head, on_end)
+            if isinstance(answer.result, HttpError):
+                return error_response(answer.result)
+            return JSONResponse(answer.result.model_dump(), headers=head)
 
     async def _body(self, request: Request, kind: Kind) -> OpenAIRequest | HttpError:
         declared = request.headers.get("content-length", "")

@@ -11,15 +11,31 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from shared.messages import Tier
 
 
 class OpenAIModel(BaseModel):
-    """Requests: unknown fields are kept (and ignored), as OpenAI's own server does."""
+    """Requests: unknown fields are kept (and ignored), as OpenAI's own server does.
+
+    An explicit `null` is the field left unset (its default), as vLLM's server reads
+    `"n": null`, `"stream": null`, `"echo": null`...: clients serialise unset fields so.
+    """
 
     model_config = ConfigDict(extra="allow", frozen=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {
+            k: v
+            for k, v in data.items()
+            if v is not None or k not in fields or fields[k].is_required()
+        }
 
 
 class TextPart(OpenAIModel):
@@ -67,6 +83,13 @@ class SamplingFields(OpenAIModel):
     frequency_penalty: float | None = None
     logprobs: Any = None
     logit_bias: dict[str, float] | None = None
+    # vLLM's sampling extensions, by its names (ranges checked by `ChatRequest`).
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
     # Extensions, as vLLM's `priority`: the tier, a deadline from acceptance, the model the
     # request may run on instead when its deadline cannot be met on `model`, and the
     # conversation whose turns share a prompt prefix (prefix-affinity routing).

@@ -6,8 +6,12 @@ plain values. The rules:
 - `priority`: a tier by name, or vLLM's integer (<= 0 interactive, > 0 background);
 - `model` names the model the request runs on (unset: the deployment's default), and the
   answer names the model that answered (`fallback_model`, an extension, if it ran there);
-- what tokenbus cannot honour (n > 1, logprobs, tools, penalties, images) is a 400 naming
-  the field, never silently dropped;
+- vLLM's sampling fields (`top_k`, `min_p`, penalties, `logit_bias`, `min_tokens`,
+  `ignore_eos`, `stop_token_ids`, `seed`) pass on by their names; unset, they stay unset
+  (the model's defaults apply), as `temperature` and `top_p` do; whether the model's engine
+  honours them is the gateway's check (`services/edge/capabilities.py`);
+- what tokenbus cannot honour (n > 1, logprobs, tools, images) is a 400 naming the field,
+  never silently dropped;
 - a new attempt (a worker died) is invisible if the client has seen no text of the old one;
   after text it cannot be taken back over OpenAI's protocol, so the stream ends with an error.
 """
@@ -46,7 +50,14 @@ from services.edge.protocol import (
     ServerFrame,
     StreamResumedFrame,
 )
-from shared.messages import ChatRequest, ErrorCode, RequestLimits, Tier, error_message
+from shared.messages import (
+    SAMPLING_FIELDS,
+    ChatRequest,
+    ErrorCode,
+    RequestLimits,
+    Tier,
+    error_message,
+)
 
 Kind = Literal["chat", "text"]
 OpenAIRequest = ChatCompletionRequest | CompletionRequest
@@ -59,17 +70,16 @@ def to_chat_request(body: OpenAIRequest, limits: RequestLimits) -> ChatRequest |
     fields: dict[str, object] = {
         "max_tokens": _max_tokens(body),
         "stop": body.stop if body.stop is not None else [],
-        "seed": body.seed,
         "priority": _tier(body.priority),
         "deadline_ms": body.deadline_ms,
         "model": body.model,
         "fallback_model": body.fallback_model,
         "conversation_id": body.conversation_id,
+        # Unset stays unset: the engine applies the model's defaults.
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        **{name: getattr(body, name) for name in SAMPLING_FIELDS},
     }
-    if body.temperature is not None:
-        fields["temperature"] = body.temperature
-    if body.top_p is not None:
-        fields["top_p"] = body.top_p
     if isinstance(body, ChatCompletionRequest):
         messages = [_message(m) for m in body.messages]
         if bad := next((m for m in messages if isinstance(m, HttpError)), None):
@@ -81,7 +91,13 @@ def to_chat_request(body: OpenAIRequest, limits: RequestLimits) -> ChatRequest |
     try:
         return ChatRequest.model_validate(fields, context={"limits": limits})
     except ValidationError as exc:
-        return invalid(error_message(exc))
+        return invalid(error_message(exc), _param(exc))
+
+
+def _param(exc: ValidationError) -> str | None:
+    """The field the first error is about (OpenAI's `param`); None for the whole request."""
+    loc = exc.errors(include_url=False)[0]["loc"]
+    return str(loc[0]) if loc else None
 
 
 def _max_tokens(body: OpenAIRequest) -> int | None:
@@ -125,9 +141,6 @@ def _unsupported(body: OpenAIRequest) -> HttpError | None:
         )
     checks: list[tuple[bool, str, str]] = [
         (bool(body.logprobs), "logprobs", "logprobs are not supported"),
-        (bool(body.presence_penalty), "presence_penalty", "only 0 is supported"),
-        (bool(body.frequency_penalty), "frequency_penalty", "only 0 is supported"),
-        (bool(body.logit_bias), "logit_bias", "not supported"),
         (
             body.stream_options is not None and body.stream_options.continuous_usage_stats,
             "stream_options",

@@ -6,6 +6,8 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
+from shared.messages import not_honoured_message, sampling_needs
+
 # "repetition": vLLM's repetition detector ended it (its FinishReason.REPETITION).
 FinishReason = Literal["stop", "length", "repetition", "cancelled"]
 
@@ -30,10 +32,22 @@ class EngineRequest:
     request_id: str
     prompt: str
     max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
+    # None: the model's default (vLLM: its generation config), as every sampling field.
+    temperature: float | None = None
+    top_p: float | None = None
     stop: tuple[str, ...] = ()
     seed: int | None = None  # None: the engine's own randomness
+    # vLLM's sampling fields (shared/messages.py SAMPLING_FIELDS); an engine is never given
+    # one set that it does not honour (`check_sampling`).
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: Mapping[int, float] | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: tuple[int, ...] | None = None
     priority: int = 0  # lower runs first, as in vLLM's priority scheduling
     messages: tuple[ChatTurn, ...] | None = None
     trace_headers: Mapping[str, str] = field(default_factory=dict)
@@ -82,7 +96,11 @@ class Capacity:
     kv_cache_usage: float | None = None
 
 
-class PromptTooLong(ValueError):
+class RequestRefused(ValueError):
+    """A request the engine cannot run as asked: the client's error (`invalid_request`)."""
+
+
+class PromptTooLong(RequestRefused):
     """The prompt does not fit the model's context: refused before the engine sees it."""
 
     def __init__(self, prompt_tokens: int, context_length: int) -> None:
@@ -92,6 +110,26 @@ class PromptTooLong(ValueError):
         )
         self.prompt_tokens = prompt_tokens
         self.context_length = context_length
+
+
+class FieldNotHonoured(RequestRefused):
+    """The request sets a sampling field the engine does not honour: refused, never dropped."""
+
+    def __init__(self, field: str, engine: str) -> None:
+        super().__init__(not_honoured_message(field, [engine], None))
+        self.field = field
+        self.engine = engine
+
+
+def check_sampling(request: EngineRequest, engine: str, honoured: frozenset[str]) -> None:
+    """Raise `FieldNotHonoured` for the first field `request` sets that is not `honoured`.
+
+    The edge refuses such a request when it knows the workers of its model; this is the
+    worker's side of it, for a request that reached an engine the edge did not see.
+    """
+    lacking = sampling_needs(lambda name: getattr(request, name)) - honoured
+    if lacking:
+        raise FieldNotHonoured(min(lacking), engine)
 
 
 def check_prompt(prompt_tokens: int, context_length: int | None) -> None:
@@ -109,13 +147,17 @@ class Engine(Protocol):
     `generate` submits the request and streams its `EngineDelta`s, always ending with one
     `EngineFinish` (finish_reason "cancelled" after `abort`). Closing the stream early
     aborts the request. A prompt longer than `context_length` raises `PromptTooLong` from
-    the stream's first step, before the request is submitted; any other exception from
+    the stream's first step, before the request is submitted, as does a request setting a
+    sampling field it does not honour (`FieldNotHonoured`); any other exception from
     the stream is the engine failing that request. `abort` returns whether the request was
     still in the engine; once it returns, the request's slot is counted free in
     `capacity()`.
     """
 
     name: str
+    # The sampling fields (shared/messages.py SAMPLING_FIELDS) it honours: advertised in the
+    # worker's heartbeat; a request setting another is refused (`check_sampling`).
+    sampling_fields: frozenset[str]
     # Tokens of context the model takes (prompt and generated); None: unknown, not checked.
     context_length: int | None
     # CPU seconds the engine's own steps have taken in the worker process so far, so the

@@ -41,8 +41,9 @@ from services.worker.engines.base import (
     EngineRequest,
     FinishReason,
     OutputSink,
-    PromptTooLong,
+    RequestRefused,
     check_prompt,
+    check_sampling,
 )
 from services.worker.engines.sim_cache import ANSWER_HEADER, PrefixCache
 from services.worker.engines.sim_profiles import SimProfile
@@ -138,6 +139,10 @@ class SimEngine:
     """Runs up to `max_num_seqs` sequences, one token each per step; others wait by priority."""
 
     name = "sim"
+    # What its text can honestly show: a seed picks another sample; min_tokens and
+    # ignore_eos hold off its natural end. It has no logits (penalties, top_k, min_p,
+    # logit_bias) nor token ids (stop_token_ids): those it refuses.
+    sampling_fields: frozenset[str] = frozenset({"seed", "min_tokens", "ignore_eos"})
 
     def __init__(
         self,
@@ -198,7 +203,7 @@ class SimEngine:
         self._enqueue(seq)
 
     def _enqueue(self, seq: _Sequence) -> None:
-        check_prompt(seq.prompt_tokens, self.context_length)
+        self._check(seq)
         heapq.heappush(self._waiting, (seq.request.priority, next(self._arrivals), seq))
         self._wakeup.set()
 
@@ -211,8 +216,8 @@ class SimEngine:
         for request in requests:
             seq = self._sequence(request)
             try:
-                check_prompt(seq.prompt_tokens, self.context_length)
-            except PromptTooLong as exc:
+                self._check(seq)
+            except RequestRefused as exc:
                 streams.append(_refused(exc))
                 continue
             group.append(seq)
@@ -223,6 +228,10 @@ class SimEngine:
         self._wakeup.set()
         return streams
 
+    def _check(self, seq: _Sequence) -> None:
+        check_sampling(seq.request, self.name, self.sampling_fields)
+        check_prompt(seq.prompt_tokens, self.context_length)
+
     def _sequence(self, request: EngineRequest) -> _Sequence:
         # Planning the text is the engine's own work (a real one's model): counted as its time.
         cpu_at = time.thread_time()
@@ -232,7 +241,14 @@ class SimEngine:
             else None
         )
         plan = scripted or complete(
-            request.prompt, request.max_tokens, request.stop, request.temperature, request.top_p
+            request.prompt,
+            request.max_tokens,
+            request.stop,
+            request.temperature,
+            request.top_p,
+            seed=request.seed,
+            min_tokens=request.min_tokens or 0,
+            ignore_eos=bool(request.ignore_eos),
         )
         seq = _Sequence(request, plan, sim_tokens(request.prompt))
         seq.fails = self.fail_marker is not None and self.fail_marker in request.prompt
@@ -403,7 +419,7 @@ class SimEngine:
             seq.finish()
 
 
-async def _refused(exc: PromptTooLong) -> AsyncIterator[EngineOutput]:
+async def _refused(exc: RequestRefused) -> AsyncIterator[EngineOutput]:
     """A row's stream that raises `exc` at its first step (the row never ran)."""
     raise exc
     yield  # an async generator all the same

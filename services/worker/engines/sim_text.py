@@ -34,11 +34,24 @@ class Completion:
         return "".join(self.pieces)
 
 
-def natural_tokens(prompt: str, temperature: float = 1.0, top_p: float = 1.0) -> list[str]:
-    """The full answer the model 'wants' to give, before max_tokens and stop apply."""
-    seed = hashlib.sha256(f"{prompt}\x00{temperature!r}\x00{top_p!r}".encode()).digest()
-    rng = random.Random(seed)
-    length = rng.randint(24, 120)
+def natural_tokens(
+    prompt: str,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    at_least: int = 0,
+) -> list[str]:
+    """The full answer the model 'wants' to give, before max_tokens and stop apply.
+
+    `seed` picks another sample of the same request (None: the one sample the request has
+    always had). `at_least`: the answer goes on past its natural end to this many tokens
+    (`min_tokens`, `ignore_eos`: the end-of-sequence is suppressed).
+    """
+    key = f"{prompt}\x00{temperature!r}\x00{top_p!r}"
+    if seed is not None:
+        key += f"\x00{seed}"
+    rng = random.Random(hashlib.sha256(key.encode()).digest())
+    length = max(rng.randint(24, 120), at_least)
     tokens: list[str] = []
     sentence = 0
     while len(tokens) < length:
@@ -60,15 +73,32 @@ def complete(
     prompt: str,
     max_tokens: int,
     stop: tuple[str, ...] = (),
-    temperature: float = 1.0,
-    top_p: float = 1.0,
+    temperature: float | None = 1.0,
+    top_p: float | None = 1.0,
+    *,
+    seed: int | None = None,
+    min_tokens: int = 0,
+    ignore_eos: bool = False,
 ) -> Completion:
-    """Apply `max_tokens` and `stop` to the natural answer, as a real engine would."""
+    """Apply `max_tokens` and `stop` to the natural answer, as a real engine would; no stop
+    string ends it before `min_tokens` (vLLM's rule), nor its natural end."""
     pieces: list[str] = []
     emitted = ""
-    for count, token in enumerate(natural_tokens(prompt, temperature, top_p), start=1):
+    at_least = max_tokens if ignore_eos else min_tokens
+    # Unset: the sim model's own defaults.
+    natural = natural_tokens(
+        prompt,
+        1.0 if temperature is None else temperature,
+        1.0 if top_p is None else top_p,
+        seed,
+        at_least,
+    )
+    for count, token in enumerate(natural, start=1):
         candidate = emitted + token
-        hit = _first_stop(candidate, stop)
+        # Only text new since the last check (and a stop string's length before it) is
+        # searched: a stop string held off by min_tokens does not end the answer later.
+        since = max(0, len(emitted) - max((len(s) for s in stop), default=0) + 1)
+        hit = _first_stop(candidate, stop, since) if count > min_tokens else None
         if hit is not None:
             # The stop string is not part of the output; the token that completed it counts.
             pieces.append(candidate[:hit][len(emitted) :])
@@ -80,8 +110,8 @@ def complete(
     return Completion(tuple(pieces), len(pieces), "stop")
 
 
-def _first_stop(text: str, stop: tuple[str, ...]) -> int | None:
-    hits = [i for s in stop if (i := text.find(s)) >= 0]
+def _first_stop(text: str, stop: tuple[str, ...], since: int = 0) -> int | None:
+    hits = [i for s in stop if (i := text.find(s, since)) >= 0]
     return min(hits) if hits else None
 
 

@@ -24,7 +24,7 @@ import inspect
 import itertools
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch  # type: ignore[import-not-found,unused-ignore]
@@ -46,8 +46,9 @@ from services.worker.engines.base import (
     EngineOutput,
     EngineRequest,
     FinishReason,
-    PromptTooLong,
+    RequestRefused,
     check_prompt,
+    check_sampling,
 )
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -84,6 +85,9 @@ class TransformersEngine:
     """Batched streaming generation on a Hugging Face causal LM."""
 
     name = "transformers"
+    # Applied per row by its own sampler (a static batch: its first sampled row's, as
+    # temperature); penalties, logit_bias, min_tokens and ignore_eos it refuses.
+    sampling_fields: frozenset[str] = frozenset({"seed", "top_k", "min_p", "stop_token_ids"})
     cpu_seconds = 0.0  # not measured: its steps run on a thread of their own
 
     def __init__(
@@ -98,6 +102,7 @@ class TransformersEngine:
             trained if isinstance(trained, int) else None
         )
         self.device = next(model.parameters()).device
+        self.defaults = SamplingDefaults.of(getattr(model, "generation_config", None))
         forward_params = inspect.signature(model.forward).parameters
         # transformers 5 renamed the cache argument; accept both.
         self._cache_kw = "cache" if "cache" in forward_params else "past_key_values"
@@ -157,6 +162,7 @@ class TransformersEngine:
         self._static_groups.clear()
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+        check_sampling(request, self.name, self.sampling_fields)
         seq = self._sequence(request)
         check_prompt(len(seq.prompt_ids), self.context_length)
         heapq.heappush(self._waiting, (request.priority, next(self._arrivals), seq))
@@ -172,10 +178,11 @@ class TransformersEngine:
         streams: list[AsyncIterator[EngineOutput]] = []
         group: list[_Sequence] = []
         for request in requests:
-            seq = self._sequence(request)
             try:
+                check_sampling(request, self.name, self.sampling_fields)
+                seq = self._sequence(request)
                 check_prompt(len(seq.prompt_ids), self.context_length)
-            except PromptTooLong as exc:
+            except RequestRefused as exc:
                 streams.append(_refused(exc))
                 continue
             group.append(seq)
@@ -186,8 +193,10 @@ class TransformersEngine:
         return streams
 
     def _sequence(self, request: EngineRequest) -> _Sequence:
+        # What the request leaves unset is the model's generation config's.
+        request = self.defaults.apply(request)
         seq = _Sequence(request, self._encode(request))
-        if request.temperature > 0:
+        if _temperature(request) > 0:
             seq.generator = torch.Generator(device=self.device)
             seed = request.seed if request.seed is not None else hash(request.request_id)
             seq.generator.manual_seed(seed & 0x7FFFFFFFFFFFFFFF)
@@ -308,11 +317,17 @@ class TransformersEngine:
         width = max(len(s.prompt_ids) for s in rows)
         ids = [[self._pad_id] * (width - len(s.prompt_ids)) + s.prompt_ids for s in rows]
         mask = [[0] * (width - len(s.prompt_ids)) + [1] * len(s.prompt_ids) for s in rows]
-        sampled = [s.request for s in rows if s.request.temperature > 0]
+        sampled = [s.request for s in rows if _temperature(s.request) > 0]
         sampling: dict[str, Any] = {"do_sample": False}
         if sampled:
             first = sampled[0]
-            sampling = {"do_sample": True, "temperature": first.temperature, "top_p": first.top_p}
+            sampling = {
+                "do_sample": True,
+                "temperature": _temperature(first),
+                "top_p": 1.0 if first.top_p is None else first.top_p,
+                "top_k": first.top_k or None,
+                "min_p": first.min_p or None,
+            }
             if first.seed is not None:
                 torch.manual_seed(first.seed)
         with torch.inference_mode():
@@ -389,13 +404,19 @@ class TransformersEngine:
         # One argmax for the whole cohort: a per-row argmax would sync the GPU per row.
         picked: list[int] = logits.argmax(dim=-1).tolist()
         for row, seq in enumerate(rows):
-            if seq.request.temperature <= 0:
+            request = seq.request
+            if _temperature(request) <= 0:
                 continue
             scores = logits[row]
-            probs = torch.softmax(scores / seq.request.temperature, dim=-1)
-            if seq.request.top_p < 1.0:
+            if request.top_k is not None and 0 < request.top_k < scores.shape[-1]:
+                kth = torch.topk(scores, request.top_k).values[-1]
+                scores = scores.masked_fill(scores < kth, float("-inf"))
+            probs = torch.softmax(scores / _temperature(request), dim=-1)
+            if request.min_p:
+                probs = probs.masked_fill(probs < request.min_p * probs.max(), 0.0)
+            if request.top_p is not None and request.top_p < 1.0:
                 sorted_probs, order = probs.sort(descending=True)
-                keep = sorted_probs.cumsum(-1) - sorted_probs < seq.request.top_p
+                keep = sorted_probs.cumsum(-1) - sorted_probs < request.top_p * sorted_probs.sum()
                 probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
             picked[row] = int(torch.multinomial(probs, 1, generator=seq.generator))
         return picked
@@ -423,7 +444,7 @@ class TransformersEngine:
 
     def _advance(self, seq: _Sequence, token: int) -> None:
         request = seq.request
-        if token == self.tokenizer.eos_token_id:
+        if token == self.tokenizer.eos_token_id or token in (request.stop_token_ids or ()):
             self._flush(seq, self._text(seq), tokens=1)
             seq.generated.append(token)
             return self._end(seq, "stop")
@@ -457,6 +478,49 @@ class TransformersEngine:
     def _text(self, seq: _Sequence) -> str:
         text: str = self.tokenizer.decode(seq.generated, skip_special_tokens=True)
         return text
+
+
+def _temperature(request: EngineRequest) -> float:
+    return 1.0 if request.temperature is None else request.temperature
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """The model's generation config, for the sampling fields a request leaves unset (as
+    vLLM applies `generation_config.json`): greedy where it does not sample."""
+
+    temperature: float = 1.0
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+
+    @classmethod
+    def of(cls, config: Any) -> SamplingDefaults:
+        if config is None:
+            return cls()
+        if not getattr(config, "do_sample", False):
+            return cls(temperature=0.0)
+
+        def number(name: str) -> Any:
+            value = getattr(config, name, None)
+            return value if isinstance(value, int | float) else None
+
+        temperature = number("temperature")
+        return cls(
+            temperature=1.0 if temperature is None else float(temperature),
+            top_p=number("top_p"),
+            top_k=number("top_k"),
+            min_p=number("min_p"),
+        )
+
+    def apply(self, request: EngineRequest) -> EngineRequest:
+        return replace(
+            request,
+            temperature=self.temperature if request.temperature is None else request.temperature,
+            top_p=self.top_p if request.top_p is None else request.top_p,
+            top_k=self.top_k if request.top_k is None else request.top_k,
+            min_p=self.min_p if request.min_p is None else request.min_p,
+        )
 
 
 def _new_cache(config: Any) -> Any:
@@ -497,7 +561,7 @@ class _AllEnded(StoppingCriteria):  # type: ignore[misc,unused-ignore]
         return torch.full((input_ids.shape[0],), ended, dtype=torch.bool, device=input_ids.device)
 
 
-async def _refused(exc: PromptTooLong) -> AsyncIterator[EngineOutput]:
+async def _refused(exc: RequestRefused) -> AsyncIterator[EngineOutput]:
     """A row's stream that raises `exc` at its first step (the row never ran)."""
     raise exc
     yield  # an async generator all the same

@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import itertools
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -32,8 +32,10 @@ from services.worker.engines.base import (
     EngineRequest,
     FinishReason,
     check_prompt,
+    check_sampling,
 )
 from services.worker.settings import WorkerSettings
+from shared.messages import SAMPLING_FIELDS
 
 log = structlog.get_logger()
 
@@ -132,16 +134,41 @@ def engine_args(
     )
 
 
-def sampling_params(api: VllmApi, request: EngineRequest) -> Any:
-    """`SamplingParams` streaming deltas, with the request's limits and stop strings."""
+# vLLM's neutral values of the fields a model's generation config may set, as its OpenAI
+# server has them (`ChatCompletionRequest._DEFAULT_SAMPLING_PARAMS`).
+NEUTRAL_SAMPLING: dict[str, float | int] = {
+    "repetition_penalty": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+}
+
+
+def sampling_params(
+    api: VllmApi, request: EngineRequest, defaults: Mapping[str, Any] | None = None
+) -> Any:
+    """`SamplingParams` streaming deltas, as vLLM's own server builds them: each field the
+    request sets, else the model's default (`defaults`: `get_diff_sampling_param()`, its
+    generation config), else vLLM's neutral value."""
+    defaults = defaults or {}
+    chosen: dict[str, Any] = {
+        name: value if (value := getattr(request, name)) is not None else defaults.get(name, base)
+        for name, base in NEUTRAL_SAMPLING.items()
+    }
     return api.sampling_params(
         n=1,
         max_tokens=request.max_tokens,
-        temperature=request.temperature,
-        top_p=request.top_p,
         stop=list(request.stop) or None,
         seed=request.seed,
+        min_tokens=request.min_tokens or 0,
+        ignore_eos=bool(request.ignore_eos),
+        stop_token_ids=list(request.stop_token_ids or ()) or None,
+        logit_bias=dict(request.logit_bias) if request.logit_bias else None,
         output_kind=api.delta_output_kind,
+        **chosen,
     )
 
 
@@ -285,6 +312,7 @@ class VllmEngine:
     """
 
     name = "vllm"
+    sampling_fields: frozenset[str] = SAMPLING_FIELDS  # all of them: vLLM's own names
     cpu_seconds = 0.0  # the engine core runs in its own process
 
     def __init__(self, api: VllmApi, args: Any) -> None:
@@ -297,6 +325,8 @@ class VllmEngine:
         self._submissions = itertools.count()
         self.context_length: int | None = getattr(args, "max_model_len", None)
         self.scheduler = SchedulerView()
+        # The model's sampling defaults (its generation config), read at start.
+        self.sampling_defaults: dict[str, Any] = {}
 
     async def start(self) -> None:
         if self._llm is not None:
@@ -311,7 +341,12 @@ class VllmEngine:
         self._llm = llm
         self._tokenizer = llm.get_tokenizer()
         self.context_length = _max_model_len(llm) or self.context_length
-        log.info("vllm.started", context_length=self.context_length)
+        self.sampling_defaults = generation_defaults(llm)
+        log.info(
+            "vllm.started",
+            context_length=self.context_length,
+            sampling_defaults=self.sampling_defaults,
+        )
 
     async def stop(self) -> None:
         for flight in list(self._inflight.values()):
@@ -322,6 +357,7 @@ class VllmEngine:
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
         llm = self._require_llm()
+        check_sampling(request, self.name, self.sampling_fields)
         prompt_ids = await asyncio.to_thread(prompt_token_ids, self._tokenizer, request)
         # vLLM would refuse it too, but as an engine error; refused here, it is the
         # client's: `invalid_request`, naming the limit.
@@ -331,7 +367,7 @@ class VllmEngine:
         self._inflight[request.request_id] = flight
         stream = llm.generate(
             tokens_prompt(prompt_ids, request),
-            sampling_params(self._api, request),
+            sampling_params(self._api, request, self.sampling_defaults),
             engine_id,
             trace_headers=dict(request.trace_headers) or None,
             priority=request.priority,
@@ -451,6 +487,15 @@ def tokens_prompt(prompt_ids: list[int], request: EngineRequest) -> dict[str, An
     if request.cache_salt is not None:
         prompt["cache_salt"] = request.cache_salt
     return prompt
+
+
+def generation_defaults(llm: Any) -> dict[str, Any]:
+    """The model's sampling defaults, as vLLM's server applies them to a request that leaves
+    a field unset (`model_config.get_diff_sampling_param()`: its generation config); only
+    the fields `sampling_params` fills from them."""
+    read = getattr(getattr(llm, "model_config", None), "get_diff_sampling_param", None)
+    found = read() if callable(read) else {}
+    return {k: v for k, v in dict(found or {}).items() if k in NEUTRAL_SAMPLING}
 
 
 def _max_model_len(llm: Any) -> int | None:
