@@ -180,8 +180,7 @@ class Scheduler:
         self.liveness = Liveness(
             s.scheduler_recovery_grace_ms / 1000.0,
             self.workers,
-            Recovery(s, clients.admin, self.batch_log, clients.producer),
-            self._log_lock,
+            Recovery(s, clients.admin, self.batch_log, clients.producer, self._log_lock),
             self.leads_recovery,
             self._wake,
         )

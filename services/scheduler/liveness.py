@@ -22,6 +22,8 @@ LIVENESS_TICK_S = 0.1
 RESWEEP_AFTER_S = 10.0  # a dead worker is swept once more, for batches sent in a race
 RECOVERY_MEMORY_S = 600.0  # a recovery not led here is forgotten after this
 FORGET_DEAD_AFTER_S = 120.0  # a dead worker not recovered here is forgotten after this
+# Longest one recovery may take: its settle (15 s) and finals read (10 s) with room to spare.
+RECOVERY_TIMEOUT_S = 45.0
 
 
 @dataclass
@@ -39,14 +41,12 @@ class Liveness:
         grace_s: float,
         workers: WorkerRegistry,
         recovery: Recovery,
-        log_lock: asyncio.Lock,
         leads_recovery: Callable[[], bool],
         wake: asyncio.Event,
     ) -> None:
         self._grace_s = grace_s
         self._workers = workers
         self._recovery = recovery
-        self._log_lock = log_lock  # the batch log consumer has one reader at a time
         self._leads_recovery = leads_recovery
         self._wake = wake
         self._recoveries: dict[str, PendingRecovery] = {}
@@ -87,7 +87,9 @@ class Liveness:
                 continue
             done = set() if state is None else state.handed_back
             try:
-                async with self._log_lock:
+                # Bounded: a step waiting on an away coordinator is cut and the whole recovery
+                # tried again (it is redone from the start, never half-counted: recovery.py).
+                async with asyncio.timeout(RECOVERY_TIMEOUT_S):
                     handed = await self._recovery.recover(
                         pending.beat, done, functools.partial(self._still_dead, pending.beat)
                     )

@@ -25,6 +25,7 @@ shared/finals.py); when it fails, every request is handed back (at least once).
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Set
 
 import structlog
@@ -77,12 +78,17 @@ class Recovery:
         admin: AIOKafkaAdminClient,
         batch_log: BatchLog,
         producer: AIOKafkaProducer,
+        log_lock: asyncio.Lock | None = None,
     ) -> None:
         self._settings = settings
         self._topics = Topics(settings.topic_prefix)
         self._admin = admin
         self._batch_log = batch_log
         self._producer = producer  # the scheduler's own, for the reset records
+        # The batch log's consumer has one reader at a time (a take-over reads it too). Held
+        # only while reading it: the rest of a recovery can wait on an away node for
+        # seconds, and a take-over waiting behind it holds up a rebalance (no dispatch).
+        self._log_lock = log_lock or asyncio.Lock()
 
     async def recover(
         self,
@@ -131,10 +137,11 @@ class Recovery:
         start = await handover.committed_offset(read_committed)
         if start is None:
             return []  # the worker commits its start position before its first heartbeat
-        end = (await self._batch_log.end_offsets([tp]))[tp]
-        if end <= start:
-            return []
-        batches = await self._batch_log.read({tp: start})
+        async with self._log_lock:
+            end = (await self._batch_log.end_offsets([tp]))[tp]
+            if end <= start:
+                return []
+            batches = await self._batch_log.read({tp: start})
         requests = unfinished(batches, last, exclude)
         if requests:
             since_ms = min(b.timestamp_ms for b in batches)
