@@ -1,0 +1,168 @@
+"""The clients people put in front of vLLM's OpenAI server, against tokenbus (issue 26).
+
+One stack with one vLLM worker serving SmolLM2-135M-Instruct on vLLM's CPU build. Each
+client is the real package, as its users call it: the `openai` SDK, LangChain's
+`ChatOpenAI` and LiteLLM (`hosted_vllm/` and `openai/` providers). They are installed into
+this suite's environment by `make test` (deploy/vllm/test-requirements.txt).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from tests.stack import Stack, new_prefix, wait_until
+from tokenbus.local_engine import MAX_MODEL_LEN, MODEL_NAME, LocalEngine
+
+# LiteLLM fetches a price list from GitHub at import unless told to use its own copy.
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+
+LOAD_TIMEOUT_S = 300.0
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module")
+def bus(bootstrap: str, log_dir: Path, local_engine: LocalEngine) -> Iterator[Stack]:
+    stack = Stack(
+        bootstrap=bootstrap,
+        prefix=new_prefix(),
+        log_dir=log_dir,
+        workers={"vllm": {**local_engine.worker_env("vllm"), "TOKENBUS_WORKER_ID": "vllm"}},
+        env_overrides={"TOKENBUS_LOG_FORMAT": "json"},
+    )
+    try:
+        stack.start()
+
+        def loaded() -> bool:
+            try:
+                return MODEL_NAME in {m.id for m in sdk(stack).models.list()}
+            except openai.APIConnectionError:
+                return False
+
+        wait_until(loaded, LOAD_TIMEOUT_S, "the vLLM worker's model loaded", interval=0.5)
+        yield stack
+    finally:
+        stack.stop()
+
+
+def base_url(stack: Stack) -> str:
+    return f"{stack.http_url}/v1"
+
+
+def sdk(stack: Stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base_url(stack), api_key=stack.keys["default"], max_retries=0)
+
+
+# -- the openai SDK ------------------------------------------------------------------------
+
+
+def test_openai_sdk_chat_completions_and_models(bus: Stack) -> None:
+    client = sdk(bus)
+    card = client.models.retrieve(MODEL_NAME)
+    assert card.id == MODEL_NAME
+    assert card.model_dump().get("max_model_len") == MAX_MODEL_LEN
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+
+    answer = client.chat.completions.create(
+        model=MODEL_NAME, messages=FRANCE, max_tokens=24, temperature=0
+    )
+    assert "Paris" in (answer.choices[0].message.content or "")
+    assert answer.usage is not None
+    assert answer.usage.completion_tokens > 0
+    assert answer.model == MODEL_NAME
+
+    text = client.completions.create(
+        model=MODEL_NAME, prompt="The capital of France is", max_tokens=8, temperature=0
+    )
+    assert text.choices[0].text.strip()
+    assert text.usage is not None
+    assert text.usage.completion_tokens > 0
+
+
+def test_openai_sdk_streams_with_usage_and_vllm_fields(bus: Stack) -> None:
+    client = sdk(bus)
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=FRANCE,
+            max_tokens=16,
+            stream=True,
+            stream_options={"include_usage": True},
+            # vLLM's extension fields, as `vllm bench serve --ignore-eos` sends them.
+            extra_body={"ignore_eos": True, "top_k": 1, "min_tokens": 16},
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text
+    usage = [c.usage for c in chunks if c.usage is not None]
+    assert len(usage) == 1
+    assert usage[0].completion_tokens == 16  # ignore_eos ran it to max_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+# -- LangChain -----------------------------------------------------------------------------
+
+
+def langchain(stack: Stack, **fields: Any) -> Any:
+    from langchain_openai import ChatOpenAI
+
+    return ChatOpenAI(
+        model=MODEL_NAME,
+        base_url=base_url(stack),
+        api_key=stack.keys["default"],
+        temperature=0,
+        max_retries=0,
+        **fields,
+    )
+
+
+def test_langchain_invoke_and_stream(bus: Stack) -> None:
+    llm = langchain(bus, max_tokens=24)
+    message = llm.invoke("What is the capital of France?")
+    assert "Paris" in str(message.content)
+    assert message.usage_metadata is not None
+    assert message.usage_metadata["output_tokens"] > 0
+
+    pieces = [str(chunk.content) for chunk in llm.stream("What is the capital of France?")]
+    assert len([p for p in pieces if p]) > 1  # streamed, not one block
+    assert "Paris" in "".join(pieces)
+
+
+def test_langchain_sends_no_max_tokens_by_default_and_is_answered(bus: Stack) -> None:
+    """LangChain sends no `max_tokens` unless asked: the answer must still come whole."""
+    message = langchain(bus).invoke("Say hello.")
+    assert str(message.content).strip()
+    assert message.response_metadata.get("finish_reason") in ("stop", "length")
+
+
+# -- LiteLLM -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("provider", ["hosted_vllm", "openai"])
+def test_litellm_completion_and_stream(bus: Stack, provider: str) -> None:
+    import litellm
+
+    common: dict[str, Any] = {
+        "model": f"{provider}/{MODEL_NAME}",
+        "api_base": base_url(bus),
+        "api_key": bus.keys["default"],
+        "messages": FRANCE,
+        "max_tokens": 24,
+        "temperature": 0,
+        "num_retries": 0,
+    }
+    answer = litellm.completion(**common)
+    assert "Paris" in (answer.choices[0].message.content or "")
+    assert answer.usage.completion_tokens > 0
+
+    chunks = list(litellm.completion(**common, stream=True))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert "Paris" in text
