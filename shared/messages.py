@@ -4,11 +4,19 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from enum import StrEnum
 from typing import Annotated, Any, Literal, Protocol, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from shared.tokens import prompt_token_bound
 
@@ -49,9 +57,115 @@ class Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+def _unset(value: object) -> bool:
+    """A field added to a record later is left out of it while unset, so a reader from
+    before it (its models forbid unknown fields) still reads the record."""
+    return value is None
+
+
+class FunctionCall(Model):
+    """What a tool call calls, as OpenAI shapes it: `arguments` is JSON text (an object)."""
+
+    name: str = Field(min_length=1, max_length=256)
+    arguments: str
+
+
+class ToolCall(Model):
+    """One call of a tool by the model, in OpenAI's shape (a chat message's `tool_calls`)."""
+
+    id: str = Field(min_length=1, max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(Model):
+    """A function the model may call: `parameters` is its arguments' JSON schema."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(Model):
+    """A tool offered to the model (OpenAI's `tools[]`; functions only)."""
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class FunctionName(Model):
+    name: str = Field(min_length=1, max_length=64)
+
+
+class NamedToolChoice(Model):
+    """`tool_choice` naming one function: the answer is one call of it."""
+
+    type: Literal["function"] = "function"
+    function: FunctionName
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class JsonSchemaFormat(Model):
+    """`response_format.json_schema`, as OpenAI shapes it (`schema` is the JSON schema)."""
+
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, validate_by_name=True, serialize_by_alias=True
+    )
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    # `schema` would shadow pydantic's own attribute: named so only in Python.
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(Model):
+    """The answer's format: free text, any JSON object, or JSON valid against a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type `json_schema`, and only then")
+        return self
+
+
+# The structured-output fields an engine may honour (as the sampling fields): `tools` with a
+# tool_choice other than "none", and a `response_format` other than text.
+StructuredField = Literal["tools", "response_format"]
+STRUCTURED_FIELDS: frozenset[str] = frozenset(get_args(StructuredField))
+
+
+def structured_needs(values: Callable[[str], object]) -> frozenset[str]:
+    """The structured-output fields a request (a `ChatRequest`, an engine request) asks
+    for; `values` reads a field by name."""
+    needs: set[str] = set()
+    if values("tools") and values("tool_choice") != "none":
+        needs.add("tools")
+    fmt = values("response_format")
+    if isinstance(fmt, ResponseFormat) and fmt.type != "text":
+        needs.add("response_format")
+    return frozenset(needs)
+
+
 class ChatMessage(Model):
     role: Literal["system", "user", "assistant", "tool"]
     content: str
+    # An assistant's calls (its content is then often ""), and the call a tool's message
+    # answers: templated by the model's chat template (vLLM engine), never flattened.
+    tool_calls: list[ToolCall] | None = Field(default=None, max_length=128, exclude_if=_unset)
+    tool_call_id: str | None = Field(default=None, min_length=1, max_length=256, exclude_if=_unset)
+
+    @model_validator(mode="after")
+    def _calls_by_the_assistant(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls: only an assistant message carries them")
+        return self
 
 
 class ReplyTo(Model):
@@ -88,6 +202,14 @@ SamplingField = Literal[
     "seed",
 ]
 SAMPLING_FIELDS: frozenset[str] = frozenset(get_args(SamplingField))
+# What an engine returns beyond text when asked (not sampling: it changes no token), honoured
+# and advertised as the sampling fields are: `logprobs`, the log-probabilities of each
+# generated token and its most likely alternatives.
+OutputField = Literal["logprobs"]
+OUTPUT_FIELDS: frozenset[str] = frozenset(get_args(OutputField))
+# At most this many alternatives per token: vLLM's default `max_logprobs`, OpenAI's cap for
+# chat's `top_logprobs`.
+MAX_TOP_LOGPROBS = 20
 # What a heartbeat without `capabilities` means (a worker from before they were advertised):
 # the one field of these that every engine took then.
 BASE_SAMPLING: frozenset[str] = frozenset({"seed"})
@@ -104,13 +226,19 @@ _NEUTRAL: dict[str, tuple[object, ...]] = {
     "ignore_eos": (None, False),
     "stop_token_ids": (None, [], ()),
     "seed": (None,),
+    "logprobs": (None,),  # 0 asks too: the chosen token's own logprob
 }
 
 
 def sampling_needs(values: Callable[[str], object]) -> frozenset[str]:
-    """The sampling fields a request sets to other than their neutral value: what its engine
-    must honour. `values` reads a field by name (a request's, an engine request's)."""
+    """The sampling (and output) fields a request sets to other than their neutral value:
+    what its engine must honour. `values` reads a field by name (a request's, an engine
+    request's)."""
     return frozenset(name for name, neutral in _NEUTRAL.items() if values(name) not in neutral)
+
+
+def _choice_name(choice: ToolChoice) -> str:
+    return f"function {choice.function.name!r}" if isinstance(choice, NamedToolChoice) else choice
 
 
 def not_honoured_message(field: str, engines: Iterable[str], model: str | None) -> str:
@@ -169,6 +297,38 @@ class ChatRequest(Model):
         default=None, description="true: generate on past the end-of-sequence token."
     )
     stop_token_ids: list[TokenId] | None = Field(default=None, max_length=64)
+    logprobs: int | None = Field(
+        default=None,
+        exclude_if=_unset,
+        ge=0,
+        le=MAX_TOP_LOGPROBS,
+        description="Return each generated token's logprob and this many most likely"
+        " alternatives (0: the token's own only); unset: no logprobs.",
+    )
+    tools: list[Tool] | None = Field(
+        default=None,
+        max_length=128,
+        exclude_if=_unset,
+        description="Functions the model may call (OpenAI's `tools`); engines with a chat"
+        " template render them into the prompt as the template does.",
+    )
+    tool_choice: ToolChoice | None = Field(
+        default=None,
+        exclude_if=_unset,
+        description="none, auto (the default with tools), required, or a named function;"
+        " required and a named function are guided by the tools' JSON schemas.",
+    )
+    parallel_tool_calls: bool | None = Field(
+        default=None,
+        exclude_if=_unset,
+        description="false: the answer calls one tool at most; unset: it may call several.",
+    )
+    response_format: ResponseFormat | None = Field(
+        default=None,
+        exclude_if=_unset,
+        description="text (the default), json_object or json_schema: the answer is guided to"
+        " be JSON (valid against the schema).",
+    )
     priority: Tier | None = None
     model: str | None = Field(
         default=None,
@@ -222,12 +382,52 @@ class ChatRequest(Model):
     def _one_prompt(self, info: ValidationInfo) -> ChatRequest:
         if (self.messages is None) == (self.prompt is None):
             raise ValueError("exactly one of messages or prompt is required")
-        size = len(self.prompt_text())
+        size = len(self.prompt_text()) + len(self.template_extras())
         limit = _limits(info).max_prompt_chars
         if size > limit:
             field = "prompt" if self.prompt is not None else "messages"
             raise ValueError(f"{field} is {size} characters, above the limit of {limit}")
         return self
+
+    # Field validators, so a refusal names its field (OpenAI's `param`); each reads the
+    # fields declared before it (`info.data`: messages, then tools, then tool_choice).
+    @field_validator("tools")
+    @classmethod
+    def _tools_in_a_chat(cls, tools: list[Tool] | None, info: ValidationInfo) -> list[Tool] | None:
+        if tools and info.data.get("messages") is None:
+            raise ValueError("only a chat (messages) can call tools, not a prompt")
+        return tools
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice_among_tools(
+        cls, choice: ToolChoice | None, info: ValidationInfo
+    ) -> ToolChoice | None:
+        if choice is None or choice == "none":
+            return choice
+        tools: list[Tool] | None = info.data.get("tools")
+        if not tools:
+            raise ValueError(f"{_choice_name(choice)} needs `tools`")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {
+            t.function.name for t in tools
+        }:
+            raise ValueError(f"function {choice.function.name!r} is not in `tools`")
+        return choice
+
+    @field_validator("response_format")
+    @classmethod
+    def _format_or_guided_call(
+        cls, fmt: ResponseFormat | None, info: ValidationInfo
+    ) -> ResponseFormat | None:
+        choice = info.data.get("tool_choice")
+        if fmt is None or fmt.type == "text" or not info.data.get("tools"):
+            return fmt
+        if choice == "required" or isinstance(choice, NamedToolChoice):
+            raise ValueError(
+                f"cannot be combined with tool_choice {_choice_name(choice)}, whose answer is"
+                " guided by the tool's schema"
+            )
+        return fmt
 
     @model_validator(mode="after")
     def _min_tokens_in_range(self) -> ChatRequest:
@@ -240,7 +440,25 @@ class ChatRequest(Model):
     def sampling_needs(self) -> frozenset[str]:
         """The sampling fields this request sets (to other than neutral): what the engine
         that runs it must honour."""
-        return sampling_needs(lambda name: getattr(self, name))
+        return sampling_needs(lambda name: getattr(self, name)) | structured_needs(
+            lambda name: getattr(self, name)
+        )
+
+    @property
+    def tool_choice_in_effect(self) -> ToolChoice:
+        """The tool choice as the engine applies it: unset means auto with tools, else none."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
+
+    def template_extras(self) -> str:
+        """What a chat template may render beyond `prompt_text`: the tools' definitions and
+        the assistants' tool calls, as JSON (counted in the prompt's bounds)."""
+        parts = [json.dumps(t.model_dump(mode="json")) for t in self.tools or ()]
+        for m in self.messages or ():
+            parts += [c.model_dump_json() for c in m.tool_calls or ()]
+            parts += [m.tool_call_id] if m.tool_call_id else []
+        return "\n".join(parts)
 
     def prompt_text(self) -> str:
         """The prompt as one string: the engine's input for the `sim` engine."""
@@ -251,7 +469,10 @@ class ChatRequest(Model):
     def prompt_token_bound(self) -> int:
         """At most how many tokens the prompt makes for the model (shared/tokens.py): what
         quotas, batch budgets and fair share charge before the request runs."""
-        return prompt_token_bound(self.prompt_text(), len(self.messages or ()))
+        text = self.prompt_text()
+        if extras := self.template_extras():
+            text = f"{text}\n{extras}"
+        return prompt_token_bound(text, len(self.messages or ()))
 
     @property
     def effective_max_tokens(self) -> int:
@@ -266,8 +487,16 @@ class ChatRequest(Model):
 
     @property
     def cacheable(self) -> bool:
-        """Whether the response cache may answer it and store its answer (it did not opt out)."""
-        return self.cache and self.deterministic
+        """Whether the response cache may answer it and store its answer (it did not opt out,
+        and asks for no logprobs, which the cache does not keep, nor tools or a response
+        format, which its key does not hold)."""
+        return (
+            self.cache
+            and self.deterministic
+            and self.logprobs is None
+            and not self.tools
+            and self.response_format is None
+        )
 
 
 class RequestRecord(ChatRequest):
@@ -375,9 +604,32 @@ class ResultBase(Model):
     seq: int = Field(ge=0)
 
 
+class TopLogprob(Model):
+    """One token and its log-probability at a position (an alternative the model weighed)."""
+
+    token: str = Field(max_length=1024, description="The token's text, as the engine decodes it.")
+    logprob: float = Field(allow_inf_nan=False, description="Clamped at -9999.0, as vLLM does.")
+
+
+class TokenLogprob(TopLogprob):
+    """A generated token's logprob and the most likely alternatives at its position, most
+    likely first (as many as the request's `logprobs` asked)."""
+
+    top: list[TopLogprob] = Field(default_factory=list, max_length=MAX_TOP_LOGPROBS)
+
+
 class DeltaResult(ResultBase):
     kind: Literal["delta"] = "delta"
     text: str
+    logprobs: list[TokenLogprob] | None = Field(
+        default=None,
+        exclude_if=_unset,
+        description="One per generated token of `text`, in order, when the request asked for"
+        " logprobs; absent otherwise (left out of the record, not null).",
+    )
+
+
+_LOGPROBS = TypeAdapter(Sequence[TokenLogprob])
 
 
 class DeltaFrames:
@@ -395,10 +647,11 @@ class DeltaFrames:
             f'{{"request_id":{_json_string(framing.request_id)},"attempt":{framing.attempt},"seq":'
         )
 
-    def encode(self, seq: int, text: str) -> bytes:
+    def encode(self, seq: int, text: str, logprobs: Sequence[TokenLogprob] | None = None) -> bytes:
         if seq < 0:
             raise ValueError(f"seq must be >= 0, not {seq}")
-        return f'{self._head}{seq},"kind":"delta","text":{_json_string(text)}}}'.encode()
+        tail = "" if logprobs is None else f',"logprobs":{_LOGPROBS.dump_json(logprobs).decode()}'
+        return f'{self._head}{seq},"kind":"delta","text":{_json_string(text)}{tail}}}'.encode()
 
 
 # A str as JSON the way pydantic writes it: UTF-8 as is, only quotes, backslashes and
@@ -415,6 +668,17 @@ class DoneResult(ResultBase):
     model: str | None = Field(default=None, description="The model that answered.")
     cached: bool = Field(
         default=False, description="Answered from the response cache, not by a worker."
+    )
+    tool_calls: list[ToolCall] | None = Field(
+        default=None,
+        exclude_if=_unset,
+        description="The tools the answer calls, parsed from its text (the deltas carry the"
+        " text as generated); absent when it calls none.",
+    )
+    content: str | None = Field(
+        default=None,
+        exclude_if=_unset,
+        description="With `tool_calls`: the answer's text besides the calls (absent: none).",
     )
 
 

@@ -31,9 +31,24 @@ from services.worker.engines.vllm import (
     finish_reason,
 )
 from services.worker.settings import WorkerSettings
-from shared.messages import SAMPLING_FIELDS
+from shared.messages import (
+    OUTPUT_FIELDS,
+    SAMPLING_FIELDS,
+    STRUCTURED_FIELDS,
+    TokenLogprob,
+    TopLogprob,
+)
 
 DELTA = "RequestOutputKind.DELTA(fake)"
+
+
+@dataclass
+class FakeLogprob:
+    """vLLM's `vllm.logprobs.Logprob`."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
 
 
 @dataclass
@@ -41,6 +56,7 @@ class FakeCompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
+    logprobs: list[dict[int, FakeLogprob] | None] | None = None
 
 
 @dataclass
@@ -87,6 +103,9 @@ class FakeTokenizer:
         if text.startswith("<s>"):
             ids, text = [*ids, BOS], text[3:]
         return ids + [ord(c) for c in text]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(i) for i in ids)
 
 
 @dataclass
@@ -319,6 +338,7 @@ async def test_generate_forwards_sampling_priority_and_trace_headers() -> None:
         ignore_eos=False,
         stop_token_ids=None,
         logit_bias=None,
+        logprobs=None,
     )
     assert engine.capacity().free_slots == 4
 
@@ -341,7 +361,7 @@ async def test_every_sampling_field_reaches_sampling_params() -> None:
         stop_token_ids=(2, 9),
         seed=4,
     )
-    assert engine.sampling_fields == SAMPLING_FIELDS
+    assert engine.sampling_fields == SAMPLING_FIELDS | OUTPUT_FIELDS | STRUCTURED_FIELDS
     _ = [o async for o in engine.generate(request)]
     params = llm.generate_calls[0]["sampling_params"]
     assert {k: params[k] for k in SAMPLING_FIELDS} == dict(
@@ -509,4 +529,70 @@ async def test_a_prompt_over_max_model_len_is_refused_before_vllm_sees_it() -> N
     outputs = [o async for o in engine.generate(EngineRequest("fits", "x" * 63, max_tokens=4))]
     assert isinstance(outputs[-1], EngineFinish)
     assert outputs[-1].finish_reason == "stop"  # exactly the context length: accepted
+    await engine.stop()
+
+
+async def test_logprobs_are_asked_of_vllm_and_read_per_new_token() -> None:
+    engine, llm = await started_engine()
+    # Two deltas: one token (sampled = rank 1), then two (the second sampled at rank 7,
+    # below the asked top 2; vLLM left one undecoded, and one -inf).
+    first = out("r1-0", "a", [97])
+    first.outputs[0].logprobs = [
+        {97: FakeLogprob(-0.1, 1, "a"), 98: FakeLogprob(-2.5, 2, "b")},
+    ]
+    second = out("r1-0", "cd", [99, 100], "length")
+    second.outputs[0].logprobs = [
+        {99: FakeLogprob(-0.2, 1, None), 101: FakeLogprob(-3.0, 2, "e")},
+        {
+            100: FakeLogprob(float("-inf"), 7, "d"),
+            102: FakeLogprob(-0.5, 1, "f"),
+            103: FakeLogprob(-1.5, 2, "g"),
+        },
+    ]
+    llm.script["r1-0"] = [first, second]
+    outputs = [o async for o in engine.generate(EngineRequest("r1", "hi", 3, logprobs=2))]
+    assert llm.generate_calls[0]["sampling_params"]["logprobs"] == 2
+    deltas = [o for o in outputs if isinstance(o, EngineDelta)]
+    assert [d.logprobs for d in deltas] == [
+        (
+            TokenLogprob(
+                token="a",
+                logprob=-0.1,
+                top=[TopLogprob(token="a", logprob=-0.1), TopLogprob(token="b", logprob=-2.5)],
+            ),
+        ),
+        (
+            TokenLogprob(
+                token="c",  # decoded by the tokenizer: vLLM gave no text
+                logprob=-0.2,
+                top=[TopLogprob(token="c", logprob=-0.2), TopLogprob(token="e", logprob=-3.0)],
+            ),
+            TokenLogprob(
+                token="d",
+                logprob=-9999.0,  # -inf, as vLLM's server writes it
+                top=[TopLogprob(token="f", logprob=-0.5), TopLogprob(token="g", logprob=-1.5)],
+            ),
+        ),
+    ]
+    await engine.stop()
+
+
+async def test_no_logprobs_asked_none_given() -> None:
+    engine, llm = await started_engine()
+    llm.script["r1-0"] = [out("r1-0", "a", [97], "length")]
+    outputs = [o async for o in engine.generate(EngineRequest("r1", "hi", 3))]
+    assert llm.generate_calls[0]["sampling_params"]["logprobs"] is None
+    assert [o.logprobs for o in outputs if isinstance(o, EngineDelta)] == [None]
+    await engine.stop()
+
+
+async def test_logprobs_zero_gives_the_chosen_tokens_own_only() -> None:
+    engine, llm = await started_engine()
+    done = out("r1-0", "a", [97], "length")
+    done.outputs[0].logprobs = [{97: FakeLogprob(-0.3, 4, "a")}]
+    llm.script["r1-0"] = [done]
+    outputs = [o async for o in engine.generate(EngineRequest("r1", "hi", 3, logprobs=0))]
+    assert [o.logprobs for o in outputs if isinstance(o, EngineDelta)] == [
+        (TokenLogprob(token="a", logprob=-0.3, top=[]),)
+    ]
     await engine.stop()

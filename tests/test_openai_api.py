@@ -512,6 +512,29 @@ def sse_events(response: httpx.Response, count: int) -> list[tuple[str, dict[str
     raise AssertionError(f"the stream ended after {len(out)} events")
 
 
+def test_a_stream_is_data_lines_only_unless_event_ids_are_asked_for(api: Stack) -> None:
+    """As OpenAI's and vLLM's servers send it: each event one `data:` line, which is how
+    `vllm bench serve` reads a stream (an `id:` line first failed every request there)."""
+    body = {"model": MODEL, "prompt": "Say hi", "max_tokens": 8, "stream": True}
+    auth = {"Authorization": f"Bearer {api.keys['default']}"}
+
+    def messages(headers: dict[str, str]) -> list[str]:
+        with httpx.stream(
+            "POST", f"{api.http_url}/v1/completions", json=body, headers=headers, timeout=60
+        ) as response:
+            assert response.status_code == 200
+            raw = "".join(response.iter_text())
+        return [m.strip() for m in raw.split("\n\n") if m.strip() and not m.startswith(":")]
+
+    plain = messages(auth)
+    assert plain[-1] == "data: [DONE]"
+    for message in plain[:-1]:  # what vLLM's benchmark client does with each
+        assert message.startswith("data: ")
+        assert json.loads(message.removeprefix("data: "))["object"] == "text_completion"
+    with_ids = messages({**auth, "X-Tokenbus-Event-Ids": "1"})
+    assert all(m.startswith("id: ") for m in with_ids[:-1])
+
+
 def test_a_dropped_stream_resumes_after_last_event_id_without_a_gap(api: Stack) -> None:
     text = long_prompt()
     messages = [{"role": "user", "content": text}]
@@ -537,7 +560,7 @@ def drop_and_resume(api: Stack, messages: list[dict[str, str]]) -> tuple[str, st
     """Read a stream's first events over raw SSE, drop it, resume with the SDK: the text
     before, the text after, the ids seen, and the resume token."""
     body = {"model": MODEL, "messages": messages, "max_tokens": 200, "stream": True}
-    headers = {"Authorization": f"Bearer {api.keys['default']}"}
+    headers = {"Authorization": f"Bearer {api.keys['default']}", "X-Tokenbus-Event-Ids": "1"}
     with httpx.stream(
         "POST", f"{api.http_url}/v1/chat/completions", json=body, headers=headers, timeout=60
     ) as response:

@@ -75,6 +75,25 @@ def test_a_field_the_sim_does_not_honour_is_a_400_naming_it_and_the_engine(
     assert f"{field}: not supported by the engine serving model '{MODEL}' (sim)" in message
 
 
+@pytest.mark.parametrize("extra", [{"logprobs": True}, {"logprobs": True, "top_logprobs": 2}])
+def test_logprobs_on_the_sim_are_a_400_naming_the_field_and_the_engine(
+    api: Stack, extra: dict[str, object]
+) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        ask(api, **extra)
+    assert caught.value.status_code == 400
+    assert f"logprobs: not supported by the engine serving model '{MODEL}' (sim)" in (
+        caught.value.message
+    )
+
+
+def test_completion_logprobs_on_the_sim_are_a_400_too(api: Stack) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        sdk(api).completions.create(model=MODEL, prompt="once", max_tokens=4, logprobs=2)
+    assert "logprobs: not supported by the engine" in caught.value.message
+    assert "(sim)" in caught.value.message
+
+
 def test_neutral_values_are_accepted(api: Stack) -> None:
     answer = ask(api, presence_penalty=0, extra_body={"top_k": -1, "repetition_penalty": 1})
     assert answer.choices[0].message.content
@@ -118,17 +137,18 @@ async def test_the_websocket_refuses_it_as_an_invalid_request(api: Stack) -> Non
     assert "(sim)" in frame["message"]
 
 
+@pytest.mark.parametrize(("field", "value"), [("top_k", 5), ("logprobs", 0)])
 async def test_a_worker_answers_a_field_its_engine_does_not_honour_invalid_request(
-    api: Stack,
+    api: Stack, field: str, value: object
 ) -> None:
-    reply_topic = f"{api.prefix}.sampling-replies"
+    reply_topic = f"{api.prefix}.sampling-replies-{field}"
     await create_topics(api.settings, {reply_topic: 1})
     request_id = "direct-" + uuid.uuid4().hex[:8]
     record = {
         "request_id": request_id,
         "prompt": "past the edge",
         "max_tokens": 12,
-        "top_k": 5,
+        field: value,
         "reply_to": {"topic": reply_topic},
     }
     producer = make_producer(api.settings, "sampling-test")
@@ -154,5 +174,5 @@ async def test_a_worker_answers_a_field_its_engine_does_not_honour_invalid_reque
     assert [r["kind"] for r in results] == ["error"], results
     (error,) = results
     assert error["code"] == "invalid_request"
-    assert str(error["message"]).startswith("top_k: not supported by the engine")
+    assert str(error["message"]).startswith(f"{field}: not supported by the engine")
     assert "(sim)" in str(error["message"])

@@ -8,6 +8,7 @@ import pytest
 
 from bench.coalescing import measure
 from services.worker.coalesce import Coalescer
+from shared.messages import TokenLogprob
 
 
 def test_coalescer_flushes_on_size_on_age_and_reports_the_wait() -> None:
@@ -43,6 +44,25 @@ def test_first_token_leaves_at_once_then_chunks_resume() -> None:
     assert c.add(" there", 1, now=1.002) is None
     assert c.add(" you", 1, now=1.003) is None
     assert c.add(".", 1, now=1.004) == " there you."
+
+
+def lp(token: str) -> TokenLogprob:
+    return TokenLogprob(token=token, logprob=-1.0)
+
+
+def test_coalesced_chunks_carry_their_deltas_logprobs_in_order() -> None:
+    c = Coalescer(flush_seconds=0.020, flush_tokens=3)
+    assert c.add("a", 1, now=1.000, logprobs=[lp("a")]) is None
+    assert c.add("", 1, now=1.001, logprobs=[lp("\ufffd")]) is None  # a part of a character
+    assert c.add("bc", 2, now=1.002, logprobs=[lp("b"), lp("c")]) == "abc"
+    assert c.last_logprobs == [lp("a"), lp("\ufffd"), lp("b"), lp("c")]
+    # An empty chunk still carries its tokens' logprobs (the caller sends it).
+    assert c.add("", 1, now=1.003, logprobs=[lp("x")]) is None
+    assert c.take(now=1.030) == ""
+    assert c.last_logprobs == [lp("x")]
+    # Deltas without logprobs (none asked) make chunks without them.
+    assert c.add("d", 3, now=1.040) == "d"
+    assert c.last_logprobs is None
 
 
 async def test_sixteen_streams_carry_at_most_one_record_per_three_tokens(

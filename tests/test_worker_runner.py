@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator
 from typing import Any
 
 from opentelemetry.context import Context
 from prometheus_client import CollectorRegistry
 from pydantic import TypeAdapter
 
+from services.worker.engines.base import EngineDelta, EngineFinish, EngineOutput
 from services.worker.engines.sim import SimEngine
 from services.worker.engines.sim_profiles import sim_profile
 from services.worker.engines.sim_text import complete
@@ -30,6 +32,7 @@ from shared.messages import (
     ReplyTo,
     ResultRecord,
     Tier,
+    TokenLogprob,
 )
 from shared.metrics import WorkerMetrics
 
@@ -209,3 +212,34 @@ async def test_a_later_attempt_of_a_request_running_here_supersedes_it_silently(
     records = producer.records()
     finals = [r for r in records if not isinstance(r, DeltaResult)]
     assert [(f.attempt, f.kind) for f in finals] == [(1, "done"), (1, "done")]
+
+
+async def test_logprobs_reach_the_records_in_order_a_chunk_without_text_included() -> None:
+    """A token that is half a character has no text yet: its chunk still carries its
+    logprob (dropped with the empty text, the answer would have fewer logprobs than tokens)."""
+    producer = FakeProducer()
+    logprobs = [TokenLogprob(token=t, logprob=-1.0) for t in ("\ufffd", "é", "!")]
+
+    async def outputs() -> AsyncIterator[EngineOutput]:
+        yield EngineDelta("", 1, (logprobs[0],))
+        yield EngineDelta("é", 1, (logprobs[1],))
+        yield EngineDelta("!", 1, (logprobs[2],))
+        yield EngineFinish("length", 1, 3)
+
+    profile = sim_profile("constant", max_num_seqs=4, token_rate=500.0)
+    engine = SimEngine(profile)
+    async with ResultOutbox(producer, resend_s=0.5) as outbox:
+        runner = RequestRunner(
+            engine,
+            outbox,
+            RunningRequests(engine),
+            flush_ms=1.0,
+            flush_tokens=1,
+            telemetry=_telemetry(),
+            write_timeout_s=0.5,
+        )
+        outcome = await runner.run(request("x"), 1, UNTRACED, stream=outputs())
+    assert outcome == "answered"
+    deltas = [r for r in producer.records() if isinstance(r, DeltaResult)]
+    assert [d.text for d in deltas] == ["", "é", "!"]
+    assert [t for d in deltas for t in d.logprobs or ()] == logprobs

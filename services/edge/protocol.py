@@ -14,6 +14,8 @@ from shared.messages import (
     RequestLimits,
     Tier,
     Timings,
+    TokenLogprob,
+    ToolCall,
     Usage,
     error_message,
 )
@@ -100,6 +102,9 @@ class DeltaFrame(Model):
     request_id: str
     seq: int
     text: str
+    # One per generated token of `text`, when the request asked for `logprobs`; absent
+    # from the frame otherwise.
+    logprobs: list[TokenLogprob] | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class ResetFrame(Model):
@@ -125,6 +130,10 @@ class DoneFrame(Model):
     timings: Timings
     model: str | None = None  # the model that answered (its fallback, if it ran there)
     cached: bool = False  # answered from the response cache, not by a worker
+    # The tools the answer calls (the deltas carried its text as generated), and its text
+    # besides the calls; absent from the frame when it calls none.
+    tool_calls: list[ToolCall] | None = Field(default=None, exclude_if=lambda v: v is None)
+    content: str | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class ErrorFrame(Model):

@@ -256,7 +256,14 @@ class StreamRouter:
             return False
         stream.next_seq = record.seq + 1
         if isinstance(record, DeltaResult):
-            stream.emit(DeltaFrame(request_id=record.request_id, seq=record.seq, text=record.text))
+            stream.emit(
+                DeltaFrame(
+                    request_id=record.request_id,
+                    seq=record.seq,
+                    text=record.text,
+                    logprobs=record.logprobs,
+                )
+            )
             return True
         if isinstance(record, DoneResult):
             stream.usage = record.usage
@@ -268,6 +275,8 @@ class StreamRouter:
                     timings=record.timings,
                     model=record.model,
                     cached=record.cached,
+                    tool_calls=record.tool_calls,
+                    content=record.content,
                 )
             )
         else:

@@ -5,10 +5,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from services.worker.engines.base import EngineOutput
+from shared.messages import TokenLogprob
 
 
 @dataclass
@@ -22,15 +23,28 @@ class Coalescer:
     first_at_once: bool = False
     _sent_any: bool = False
     _parts: list[str] = field(default_factory=list)
+    _logprobs: list[TokenLogprob] | None = None  # None: no buffered delta carried any
     _tokens: int = 0
     _since: float | None = None
     _last_token: float | None = None
     _step: float | None = None  # the engine's latest gap between tokens
     last_wait: float = 0.0  # how long the oldest token of the last chunk taken had waited
     last_overdue: float = 0.0  # how far past its flush time the last chunk left (loop lag)
+    # The logprobs of the last chunk taken: its deltas' in order, or None if none had any.
+    last_logprobs: list[TokenLogprob] | None = None
 
-    def add(self, text: str, tokens: int, now: float) -> str | None:
+    def add(
+        self,
+        text: str,
+        tokens: int,
+        now: float,
+        logprobs: Sequence[TokenLogprob] | None = None,
+    ) -> str | None:
         """Buffer a delta; return the chunk to send if the buffer is now due.
+
+        A chunk's logprobs (`last_logprobs` once taken) are its deltas', concatenated in
+        order. A chunk taken may be "" and still carry logprobs (a token whose text is not
+        whole yet): the caller sends it if it has either.
 
         A chunk also leaves when the next token, expected one engine step from now, would
         find it overdue: sent on a token's arrival instead of by a timer that fires late, the
@@ -43,6 +57,10 @@ class Coalescer:
             self._since = now
         self._parts.append(text)
         self._tokens += tokens
+        if logprobs is not None:
+            if self._logprobs is None:
+                self._logprobs = []
+            self._logprobs.extend(logprobs)
         age = now - self._since
         first = self.first_at_once and not self._sent_any and bool(text)
         next_late = self._step is not None and age + self._step > self.flush_seconds
@@ -62,6 +80,7 @@ class Coalescer:
         self.last_overdue = max(0.0, self.last_wait - self.flush_seconds)
         text = "".join(self._parts)
         self._sent_any = self._sent_any or bool(text)
+        self.last_logprobs, self._logprobs = self._logprobs, None
         self._parts.clear()
         self._tokens = 0
         self._since = None

@@ -106,10 +106,10 @@ class RequestState:
         if self.first_token_at is None and out.tokens:
             self.first_token_at = now
         self.gaps.token(time.monotonic())
-        chunk = self.coalescer.add(out.text, out.tokens, now)
-        if chunk:
+        chunk = self.coalescer.add(out.text, out.tokens, now, out.logprobs)
+        if chunk is not None and self._worth_sending(chunk):
             self._publish(chunk)
-        elif self._timer is None:
+        elif chunk is None and self._timer is None:
             self._arm()
 
     def pushed(self) -> asyncio.Future[EngineFinish]:
@@ -142,7 +142,7 @@ class RequestState:
     def flush_rest(self) -> None:
         """Send what is still buffered (the stream ended)."""
         rest = self.coalescer.take(time.time())
-        if rest:
+        if rest is not None and self._worth_sending(rest):
             self._publish(rest)
 
     def final(
@@ -165,6 +165,8 @@ class RequestState:
             seq=self.seq,
             finish_reason=finish.finish_reason,
             model=self.model,
+            tool_calls=None if finish.tool_calls is None else list(finish.tool_calls),
+            content=finish.content,
             usage=Usage(
                 prompt_tokens=finish.prompt_tokens, completion_tokens=finish.completion_tokens
             ),
@@ -200,10 +202,15 @@ class RequestState:
             self._timer = None
         self.exited.set()
 
+    def _worth_sending(self, chunk: str) -> bool:
+        """A chunk just taken goes out if it has text, or logprobs (of tokens whose text
+        is not whole yet): they are not lost with an empty chunk."""
+        return bool(chunk) or bool(self.coalescer.last_logprobs)
+
     def _publish(self, text: str) -> None:
         coalescer = self.coalescer
         self.gaps.chunk(time.monotonic(), coalescer.last_wait, coalescer.last_overdue)
-        self.writer.send_encoded(self._frames.encode(self.seq, text))
+        self.writer.send_encoded(self._frames.encode(self.seq, text, coalescer.last_logprobs))
         if self.request.cache_key is not None:
             self.chunks.append(text)
         self.seq += 1
@@ -226,7 +233,7 @@ class RequestState:
             self._arm()  # the buffer left meanwhile and filled again: wait for its own time
             return
         chunk = self.coalescer.take(now)
-        if not chunk:
+        if chunk is None or not self._worth_sending(chunk):
             return
         # A fenced or failed writer: the run sees it at its next chunk or its final record.
         with contextlib.suppress(Fenced, ReplyFailed):

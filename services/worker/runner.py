@@ -49,7 +49,15 @@ def engine_request(
     request: QueuedRequest, trace_headers: Mapping[str, str] | None = None
 ) -> EngineRequest:
     messages = (
-        tuple(ChatTurn(m.role, m.content) for m in request.messages)
+        tuple(
+            ChatTurn(
+                m.role,
+                m.content,
+                None if m.tool_calls is None else tuple(m.tool_calls),
+                m.tool_call_id,
+            )
+            for m in request.messages
+        )
         if request.messages is not None
         else None
     )
@@ -70,6 +78,11 @@ def engine_request(
         min_tokens=request.min_tokens,
         ignore_eos=request.ignore_eos,
         stop_token_ids=None if request.stop_token_ids is None else tuple(request.stop_token_ids),
+        logprobs=request.logprobs,
+        tools=None if request.tools is None else tuple(request.tools),
+        tool_choice=request.tool_choice,
+        parallel_tool_calls=request.parallel_tool_calls,
+        response_format=request.response_format,
         priority=0 if request.tier is Tier.interactive else 1,
         messages=messages,
         trace_headers=dict(trace_headers or {}),

@@ -135,6 +135,13 @@ class WorkerSettings(TokenbusSettings):
         description="vLLM: no CUDA graphs or torch.compile (starts faster; the CPU build and"
         " `make run ENGINE=vllm` set it).",
     )
+    worker_tool_call_parser: str = Field(
+        default="hermes",
+        min_length=1,
+        description="vLLM: the tool-call parser that reads tool calls from an answer to"
+        " `tool_choice: auto` (one of vLLM's `--tool-call-parser` names; hermes reads"
+        " `<tool_call>{json}</tool_call>`).",
+    )
     worker_device: str = Field(default="auto", description="transformers: auto|cpu|cuda[:n].")
 
     @property

@@ -224,6 +224,119 @@ def test_stop_max_tokens_and_seed_behave_as_vllm_defines_them(bus: Stack) -> Non
     assert len({runs[k].text for k in ("seed-a", "seed-8", "seed-9")}) >= 2
 
 
+def test_openai_sdk_gets_logprobs_from_the_vllm_worker(bus: Stack) -> None:
+    """`logprobs` through the bus, as the `openai` SDK reads them: one entry per completion
+    token, in the body and the stream; refused by name where the engine has none."""
+    client = sdk(bus)
+    asked: dict[str, Any] = dict(
+        model=MODEL_NAME, messages=FRANCE, max_tokens=8, temperature=0, logprobs=True
+    )
+    reply = client.chat.completions.create(**asked, top_logprobs=2)
+    logprobs = reply.choices[0].logprobs
+    assert logprobs is not None
+    assert logprobs.content is not None
+    assert reply.usage is not None
+    content = logprobs.content
+    assert len(content) == reply.usage.completion_tokens > 0
+    assert all(t.logprob <= 0 and len(t.top_logprobs) == 2 for t in content)
+    assert "".join(t.token for t in content).startswith(reply.choices[0].message.content or "-")
+    chunks = list(client.chat.completions.create(**asked, top_logprobs=2, stream=True))
+    streamed = [
+        t
+        for c in chunks
+        if c.choices and c.choices[0].logprobs is not None
+        for t in c.choices[0].logprobs.content or ()
+    ]
+    assert [t.token for t in streamed] == [t.token for t in content]  # greedy: the same answer
+    text = client.completions.create(
+        model=MODEL_NAME, prompt="The capital of France is", max_tokens=5, temperature=0, logprobs=2
+    )
+    legacy = text.choices[0].logprobs
+    assert legacy is not None
+    assert legacy.tokens is not None
+    assert text.usage is not None
+    assert len(legacy.tokens) == text.usage.completion_tokens
+    assert legacy.text_offset is not None
+    assert legacy.text_offset[0] == 0
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=HF, messages=FRANCE, max_tokens=4, logprobs=True)
+    assert f"logprobs: not supported by the engine serving model '{HF}' (transformers)" in (
+        caught.value.message
+    )
+
+
+CITY_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 24},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+WEATHER_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city.",
+        "parameters": CITY_SCHEMA,
+    },
+}
+WEATHER_Q = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+
+
+def test_openai_sdk_gets_tool_calls_and_json_from_the_vllm_worker(bus: Stack) -> None:
+    """Structured outputs through the bus, as the `openai` SDK reads them: a named
+    `tool_choice` gives one call whose arguments parse to an object valid against the tool's
+    schema, in the body and (whole, in one chunk) in the stream; `response_format`
+    json_schema gives valid JSON; the transformers engine refuses tools by name."""
+    import jsonschema
+
+    client = sdk(bus)
+    asked: dict[str, Any] = dict(
+        model=MODEL_NAME,
+        messages=WEATHER_Q,
+        tools=[WEATHER_TOOL],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=96,
+        temperature=0,
+    )
+    reply = client.chat.completions.create(**asked)
+    message = reply.choices[0].message
+    assert message.tool_calls, message
+    call = message.tool_calls[0]
+    assert call.type == "function"
+    assert call.function.name == "get_weather"
+    arguments = json.loads(call.function.arguments)
+    assert isinstance(arguments, dict)
+    jsonschema.validate(arguments, CITY_SCHEMA)
+    assert message.content is None
+    chunks = list(client.chat.completions.create(**asked, stream=True))
+    streamed = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or ()]
+    assert [tc.index for tc in streamed] == [0]
+    assert streamed[0].function is not None
+    assert streamed[0].function.name == "get_weather"
+    assert json.loads(streamed[0].function.arguments or "") == arguments  # greedy: the same
+    formatted = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=WEATHER_Q,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "weather", "schema": CITY_SCHEMA},
+        },
+        max_tokens=96,
+        temperature=0,
+    )
+    jsonschema.validate(json.loads(formatted.choices[0].message.content or ""), CITY_SCHEMA)
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model=HF, messages=FRANCE, max_tokens=4, tools=[WEATHER_TOOL], tool_choice="required"
+        )
+    assert f"tools: not supported by the engine serving model '{HF}' (transformers)" in (
+        caught.value.message
+    )
+
+
 def test_the_transformers_engine_serves_the_same_model_continuous_and_static(
     bus: Stack, local_engine: LocalEngine
 ) -> None:

@@ -11,10 +11,11 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import openai
 import pytest
+from pydantic import BaseModel, Field
 
 from tests.stack import Stack, new_prefix, wait_until
 from tokenbus.local_engine import MAX_MODEL_LEN, MODEL_NAME, LocalEngine
@@ -24,6 +25,24 @@ os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
 LOAD_TIMEOUT_S = 300.0
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+WEATHER_Q = "What is the weather like in Paris today? Answer in celsius."
+
+
+class Weather(BaseModel):
+    """What the structured-output tests ask for (bounded, so a small model ends it)."""
+
+    city: str = Field(max_length=24)
+    unit: Literal["celsius", "fahrenheit"]
+
+
+WEATHER_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city.",
+        "parameters": Weather.model_json_schema(),
+    },
+}
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -108,6 +127,20 @@ def test_openai_sdk_streams_with_usage_and_vllm_fields(bus: Stack) -> None:
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
 
 
+def test_openai_sdk_parses_structured_output_into_a_model(bus: Stack) -> None:
+    """`chat.completions.parse` sends a strict json_schema built from a pydantic model."""
+    parsed = sdk(bus).chat.completions.parse(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": WEATHER_Q}],
+        response_format=Weather,
+        max_tokens=96,
+        temperature=0,
+    )
+    weather = parsed.choices[0].message.parsed
+    assert isinstance(weather, Weather)
+    assert weather.city
+
+
 # -- LangChain -----------------------------------------------------------------------------
 
 
@@ -141,6 +174,19 @@ def test_langchain_sends_no_max_tokens_by_default_and_is_answered(bus: Stack) ->
     message = langchain(bus).invoke("Say hello.")
     assert str(message.content).strip()
     assert message.response_metadata.get("finish_reason") in ("stop", "length")
+
+
+def test_langchain_bind_tools_and_with_structured_output(bus: Stack) -> None:
+    llm = langchain(bus, max_tokens=96)
+    called = llm.bind_tools([WEATHER_TOOL], tool_choice="get_weather").invoke(WEATHER_Q)
+    assert len(called.tool_calls) == 1
+    call = called.tool_calls[0]
+    assert call["name"] == "get_weather"
+    Weather.model_validate(call["args"])  # an object valid against the tool's schema
+
+    # langchain-openai's default method: a json_schema response_format, guided by vLLM.
+    structured = llm.with_structured_output(Weather).invoke(WEATHER_Q)
+    assert isinstance(structured, Weather)
 
 
 # -- LiteLLM -------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from services.worker.engines.base import ChatTurn, EngineDelta, EngineFinish, EngineRequest
+from services.worker.engines.structured import required_schema
 from services.worker.engines.vllm import (
     VllmEngine,
     engine_args,
@@ -22,6 +24,8 @@ from services.worker.engines.vllm import (
     prompt_token_ids,
     sampling_params,
 )
+from services.worker.engines.vllm_tools import ToolCallReader, tool_parser
+from shared.messages import NamedToolChoice, ResponseFormat, Tool
 from shared.prefixes import cache_salt
 from tokenbus.local_engine import DTYPE, KV_CACHE_GIB, MAX_MODEL_LEN, LocalEngine
 
@@ -223,3 +227,205 @@ async def test_ignore_eos_reaches_the_engine(one_slot: VllmEngine) -> None:
     assert natural.completion_tokens < 48
     forced = await finish("forced", ignore_eos=True)
     assert (forced.finish_reason, forced.completion_tokens) == ("length", 48)
+
+
+async def test_logprobs_come_one_per_generated_token(one_slot: VllmEngine) -> None:
+    """Real vLLM's logprobs, read per delta: one per generated token, each <= 0, with as
+    many alternatives as asked, most likely first; greedy, the chosen token is a top one."""
+    assert "logprobs" in one_slot.sampling_fields
+    request = EngineRequest(
+        "logprobs",
+        "q",
+        12,
+        temperature=0.0,
+        logprobs=3,
+        messages=(ChatTurn("user", "Name three colours."),),
+    )
+    outputs = [o async for o in one_slot.generate(request)]
+    finish = outputs[-1]
+    assert isinstance(finish, EngineFinish)
+    deltas = [o for o in outputs if isinstance(o, EngineDelta)]
+    assert all(d.logprobs is not None and len(d.logprobs) == d.tokens for d in deltas)
+    tokens = [t for d in deltas for t in d.logprobs or ()]
+    assert len(tokens) == finish.completion_tokens > 0
+    for token in tokens:
+        assert token.logprob <= 0.0
+        assert len(token.top) == 3
+        assert [a.logprob for a in token.top] == sorted(
+            (a.logprob for a in token.top), reverse=True
+        )
+        # Greedy: the chosen token is a most likely one (bf16 ties are common: " This" and
+        # " The" at -2.0578 were seen here).
+        best = token.top[0].logprob
+        assert token.logprob == pytest.approx(best)
+        assert token.token in {a.token for a in token.top if a.logprob == best}
+    # The tokens spell the answer (and an end-of-sequence token, if it ended on one).
+    assert "".join(t.token for t in tokens).startswith("".join(d.text for d in deltas))
+    # Not asked, none given.
+    plain = EngineRequest("plain", "q", 4, temperature=0.0, messages=request.messages)
+    given = [o.logprobs async for o in one_slot.generate(plain) if isinstance(o, EngineDelta)]
+    assert given
+    assert all(lp is None for lp in given)
+
+
+# -- structured outputs and tool calls (issue 26, point 3) ------------------------------------
+
+CITY_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 24},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+WEATHER_TOOL = Tool.model_validate(
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The current weather in a city.",
+            "parameters": CITY_SCHEMA,
+        },
+    }
+)
+TIME_TOOL = Tool.model_validate(
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "parameters": {
+                "type": "object",
+                "properties": {"timezone": {"type": "string", "maxLength": 24}},
+                "required": ["timezone"],
+            },
+        },
+    }
+)
+ASK = (ChatTurn("user", "What is the weather like in Paris today?"),)
+
+
+async def answer_of(engine: VllmEngine, request: EngineRequest) -> tuple[str, EngineFinish]:
+    outputs = [o async for o in engine.generate(request)]
+    finish = outputs[-1]
+    assert isinstance(finish, EngineFinish)
+    return "".join(o.text for o in outputs if isinstance(o, EngineDelta)), finish
+
+
+async def test_json_schema_answers_valid_json(one_slot: VllmEngine) -> None:
+    """`response_format` json_schema: vLLM's structured outputs (xgrammar on CPU) make even
+    this small model's answer JSON valid against the schema; json_object gives an object."""
+    import jsonschema
+
+    fmt = ResponseFormat.model_validate(
+        {"type": "json_schema", "json_schema": {"name": "weather", "schema": CITY_SCHEMA}}
+    )
+    request = EngineRequest("fmt", "q", 96, temperature=0.0, messages=ASK, response_format=fmt)
+    text, finish = await answer_of(one_slot, request)
+    assert finish.finish_reason == "stop", text
+    assert finish.tool_calls is None
+    jsonschema.validate(json.loads(text), CITY_SCHEMA)
+    loose = EngineRequest(
+        "obj",
+        "q",
+        96,
+        temperature=0.0,
+        messages=(ChatTurn("user", "Describe Paris as a JSON object."),),
+        response_format=ResponseFormat(type="json_object"),
+    )
+    text, finish = await answer_of(one_slot, loose)
+    if finish.finish_reason == "stop":  # cut by max_tokens, it cannot be whole
+        assert isinstance(json.loads(text), dict), text
+
+
+async def test_a_named_tool_call_has_an_object_of_its_schema(one_slot: VllmEngine) -> None:
+    """A named tool_choice: one call of it, its arguments a JSON object valid against the
+    tool's parameters (vLLM's own server gave a JSON string here: issue 26)."""
+    import jsonschema
+
+    named = NamedToolChoice.model_validate({"function": {"name": "get_weather"}})
+    request = EngineRequest(
+        "named",
+        "q",
+        96,
+        temperature=0.0,
+        messages=ASK,
+        tools=(WEATHER_TOOL, TIME_TOOL),
+        tool_choice=named,
+    )
+    text, finish = await answer_of(one_slot, request)
+    assert finish.tool_calls is not None, text
+    (call,) = finish.tool_calls
+    assert call.function.name == "get_weather"
+    arguments = json.loads(call.function.arguments)
+    assert isinstance(arguments, dict)
+    assert {"city", "unit"} <= set(arguments)
+    jsonschema.validate(arguments, CITY_SCHEMA)
+
+
+async def test_required_gives_valid_calls(one_slot: VllmEngine) -> None:
+    """tool_choice required: at least one call, each of an offered tool, with arguments
+    valid against that tool's parameters. (Left to call in parallel, this model repeats its
+    call until max_tokens: `parallel_tool_calls` false bounds the array to one.)"""
+    import jsonschema
+
+    request = EngineRequest(
+        "required",
+        "q",
+        128,
+        temperature=0.0,
+        messages=ASK,
+        tools=(WEATHER_TOOL, TIME_TOOL),
+        tool_choice="required",
+        parallel_tool_calls=False,
+    )
+    text, finish = await answer_of(one_slot, request)
+    assert finish.tool_calls, text
+    schemas = {t.function.name: t.function.parameters for t in (WEATHER_TOOL, TIME_TOOL)}
+    for call in finish.tool_calls:
+        assert call.function.name in schemas
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+
+
+def test_the_required_schema_is_vllms() -> None:
+    """The `required` schema built here equals the one vLLM's server builds for the same
+    tools (`get_json_schema_from_tools`)."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionToolsParam
+    from vllm.tool_parsers.utils import get_json_schema_from_tools
+
+    tools = [WEATHER_TOOL, TIME_TOOL]
+    theirs = get_json_schema_from_tools(
+        "required",
+        [ChatCompletionToolsParam.model_validate(t.model_dump(exclude_none=True)) for t in tools],
+    )
+    assert required_schema(tools) == theirs
+    one = get_json_schema_from_tools(
+        "required",
+        [ChatCompletionToolsParam.model_validate(t.model_dump(exclude_none=True)) for t in tools],
+        parallel_tool_calls=False,
+    )
+    assert required_schema(tools, parallel=False) == one
+
+
+def test_the_hermes_parser_reads_an_auto_answer(local_engine: LocalEngine) -> None:
+    """An answer to `auto` in hermes' format is read by vLLM's own hermes parser into
+    calls and the text besides them; text without a call is no call."""
+    from transformers import AutoTokenizer
+
+    api = load_vllm()
+    assert api.tools is not None
+    tokenizer = AutoTokenizer.from_pretrained(Path(local_engine.model_path))
+    reader = ToolCallReader(api.tools, tool_parser(api.tools, "hermes"), tokenizer)
+    request = EngineRequest("auto", "q", 8, messages=ASK, tools=(WEATHER_TOOL,))
+    text = (
+        'Let me check.<tool_call>{"name": "get_weather", "arguments": {"city": "Paris",'
+        ' "unit": "celsius"}}</tool_call>'
+    )
+    parsed = reader.read(request, text)
+    assert parsed.tool_calls is not None
+    assert parsed.content == "Let me check."
+    assert json.loads(parsed.tool_calls[0].function.arguments) == {
+        "city": "Paris",
+        "unit": "celsius",
+    }
+    assert reader.read(request, "It is sunny.").tool_calls is None

@@ -32,6 +32,8 @@ from starlette.types import Receive, Scope, Send
 
 from services.edge.keys import Principal
 from services.edge.openai.errors import HttpError, invalid, too_large, unknown_model
+from services.edge.openai.ignored import ignored_fields
+from services.edge.openai.logprobs import wanted as logprobs_wanted
 from services.edge.openai.request_ids import note_request_id
 from services.edge.openai.schema import (
     ChatCompletionRequest,
@@ -40,6 +42,7 @@ from services.edge.openai.schema import (
     ModelList,
 )
 from services.edge.openai.sse import KEEPALIVE, EventId, parse_event_id
+from services.edge.openai.tool_calls import tool_answer
 from services.edge.openai.translate import (
     Answer,
     Identity,
@@ -55,6 +58,14 @@ from shared.messages import ChatRequest, RequestLimits, error_message, unknown_m
 log = structlog.get_logger()
 
 RESUME_TOKEN_HEADER = "X-Tokenbus-Resume-Token"
+# Asked for, each SSE event carries `id: <attempt>:<seq>` (what a resume's Last-Event-ID
+# names). Not by default: OpenAI's and vLLM's servers send `data:` lines only, and clients
+# that read an event as one `data:` line (`vllm bench serve`) fail on an `id:` line.
+EVENT_IDS_HEADER = "X-Tokenbus-Event-Ids"
+
+
+def wants_event_ids(headers: Headers) -> bool:
+    return headers.get(EVENT_IDS_HEADER, "").strip().lower() in ("1", "true", "yes")
 
 
 class HttpClient:
@@ -315,6 +326,8 @@ class OpenAIApi:
         body = await self._body(request, kind)
         if isinstance(body, HttpError):
             return error_response(body)
+        if ignored := ignored_fields(body):
+            log.info("openai.fields_ignored", fields=ignored, endpoint=request.url.path)
         if not body.stream:
             return await self._serve(request, principal, body, kind, lambda: None)
         # 2) A stream holds a socket place while it streams, as a WebSocket does.
@@ -393,6 +406,8 @@ class OpenAIApi:
     ) -> Response:
         head: dict[str, str] = {}
         answer: Answer | None = None
+        # A resume names its place by event id; a new stream has ids only when asked.
+        event_ids = token is not None or wants_event_ids(Headers(scope=scope))
         while True:
             got = await next_frame(client, disconnect, self._keepalive_s)
             if got is None:
@@ -410,12 +425,24 @@ class OpenAIApi:
                 return error_response(frame_error(frame))
             if isinstance(frame, AcceptedFrame | StreamResumedFrame):
                 note_request_id(scope, frame.request_id)
-                ident = Identity(kind, frame.request_id, model, int(self._clock()))
+                ident = Identity(
+                    kind,
+                    frame.request_id,
+                    model,
+                    int(self._clock()),
+                    logprobs_wanted(body),
+                    tool_answer(body),
+                )
                 token = frame.resume_token if isinstance(frame, AcceptedFrame) else token
                 head = {RESUME_TOKEN_HEADER: token or ""}
                 if body.stream:  # on the bus: the headers go out now, the events follow
                     options = body.stream_options
-                    sse = SseStream(ident, options is not None and options.include_usage, after)
+                    sse = SseStream(
+                        ident,
+                        options is not None and options.include_usage,
+                        after,
+                        event_ids=event_ids,
+                    )
                     return SseResponse(
                         self._streams, client, disconnect, sse, head, on_end, self._keepalive_s
                     )

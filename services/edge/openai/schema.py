@@ -53,6 +53,10 @@ class Message(OpenAIModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart | ContentPart] | None = None
     name: str | None = None
+    # An assistant's calls, and the call a tool's message answers (`translate.py` checks
+    # them into the request's `ChatMessage`s).
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
 
 class StreamOptions(OpenAIModel):
@@ -81,7 +85,6 @@ class SamplingFields(OpenAIModel):
     user: str | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logprobs: Any = None
     logit_bias: dict[str, float] | None = None
     # vLLM's sampling extensions, by its names (ranges checked by `ChatRequest`).
     top_k: int | None = None
@@ -102,14 +105,24 @@ class SamplingFields(OpenAIModel):
 class ChatCompletionRequest(SamplingFields):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    # Chat asks for logprobs with a flag, and for `top_logprobs` alternatives per token.
+    logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
+    # vLLM's extensions for a guided answer: `structured_outputs` ({"json": <schema>} or
+    # {"json_object": true}) and the older `guided_json` (a schema), read as a
+    # `response_format` (`tool_calls.py`).
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
 
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
+    # Completions ask with the number of alternatives per token (0: the token's own).
+    logprobs: int | None = None
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
@@ -130,15 +143,69 @@ class Usage(Body):
     total_tokens: int
 
 
+class FunctionCallBody(Body):
+    name: str
+    arguments: str  # JSON text of an object
+
+
+class ToolCallBody(Body):
+    """A tool the answer calls (the SDK's `ChatCompletionMessageToolCall`)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallBody
+
+
+class ChunkToolCall(ToolCallBody):
+    """A tool call in a stream's `delta.tool_calls` (the SDK's `ChoiceDeltaToolCall`): whole,
+    in one chunk, `index` its place among the answer's calls."""
+
+    index: int
+
+
 class AssistantMessage(Body):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    # Absent when the answer calls no tool.
+    tool_calls: list[ToolCallBody] | None = Field(default=None, exclude_if=lambda v: v is None)
+
+
+class ChatTopLogprob(Body):
+    """An alternative at a token's position (the `openai` SDK's `TopLogprob`)."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    """A generated token (the SDK's `ChatCompletionTokenLogprob`): its logprob and the most
+    likely tokens at its position, most likely first."""
+
+    top_logprobs: list[ChatTopLogprob]
+
+
+class ChatLogprobs(Body):
+    """A chat choice's `logprobs`: one entry per token of its content (in a chunk: of the
+    chunk's content)."""
+
+    content: list[ChatTokenLogprob] | None
+
+
+class CompletionLogprobs(Body):
+    """A completion choice's `logprobs`, in the legacy shape: four lists, one entry per
+    token; `top_logprobs` maps each position's token and its alternatives to their logprobs."""
+
+    text_offset: list[int]
+    token_logprobs: list[float | None]
+    tokens: list[str]
+    top_logprobs: list[dict[str, float] | None]
 
 
 class ChatChoice(Body):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str
 
 
@@ -154,12 +221,13 @@ class ChatCompletion(Body):
 class ChunkDelta(Body):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ChunkToolCall] | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class ChatChunkChoice(Body):
     index: int = 0
     delta: ChunkDelta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -175,7 +243,7 @@ class ChatCompletionChunk(Body):
 class CompletionChoice(Body):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
 
 

@@ -10,8 +10,12 @@ plain values. The rules:
   `ignore_eos`, `stop_token_ids`, `seed`) pass on by their names; unset, they stay unset
   (the model's defaults apply), as `temperature` and `top_p` do; whether the model's engine
   honours them is the gateway's check (`services/edge/capabilities.py`);
-- what tokenbus cannot honour (n > 1, logprobs, tools, images) is a 400 naming the field,
-  never silently dropped;
+- `logprobs` (chat: `logprobs` and `top_logprobs`) passes on as the request's `logprobs`,
+  checked as the sampling fields are, and comes back where OpenAI puts it (`logprobs.py`);
+- `tools`, `tool_choice` and `response_format` pass on by their names (`tool_calls.py`),
+  checked as the sampling fields are; an answer's tool calls come back in OpenAI's shapes;
+- what tokenbus cannot honour (n > 1, images) is a 400 naming the field, never silently
+  dropped;
 - a new attempt (a worker died) is invisible if the client has seen no text of the old one;
   after text it cannot be taken back over OpenAI's protocol, so the stream ends with an error.
 """
@@ -23,7 +27,10 @@ from typing import Literal
 
 from pydantic import ValidationError
 
+from services.edge.openai import tool_calls
 from services.edge.openai.errors import HttpError, http_error, invalid
+from services.edge.openai.logprobs import asked as asked_logprobs
+from services.edge.openai.logprobs import chat_logprobs, completion_logprobs
 from services.edge.openai.schema import (
     AssistantMessage,
     ChatChoice,
@@ -31,6 +38,7 @@ from services.edge.openai.schema import (
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
+    ChatLogprobs,
     ChunkDelta,
     Completion,
     CompletionChoice,
@@ -56,6 +64,7 @@ from shared.messages import (
     ErrorCode,
     RequestLimits,
     Tier,
+    TokenLogprob,
     error_message,
 )
 
@@ -67,6 +76,9 @@ def to_chat_request(body: OpenAIRequest, limits: RequestLimits) -> ChatRequest |
     """The tokenbus request an OpenAI body asks for, or the 400 that says why not."""
     if refused := _unsupported(body):
         return refused
+    logprobs = asked_logprobs(body)
+    if isinstance(logprobs, HttpError):
+        return logprobs
     fields: dict[str, object] = {
         "max_tokens": _max_tokens(body),
         "stop": body.stop if body.stop is not None else [],
@@ -79,12 +91,17 @@ def to_chat_request(body: OpenAIRequest, limits: RequestLimits) -> ChatRequest |
         "temperature": body.temperature,
         "top_p": body.top_p,
         **{name: getattr(body, name) for name in SAMPLING_FIELDS},
+        "logprobs": logprobs,
     }
     if isinstance(body, ChatCompletionRequest):
         messages = [_message(m) for m in body.messages]
         if bad := next((m for m in messages if isinstance(m, HttpError)), None):
             return bad
         fields["messages"] = messages
+        tool_fields = tool_calls.request_fields(body)
+        if isinstance(tool_fields, HttpError):
+            return tool_fields
+        fields.update(tool_fields)
     else:
         prompt = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
         fields["prompt"] = prompt
@@ -112,7 +129,7 @@ def _tier(priority: int | Tier | None) -> Tier | None:
     return Tier.interactive if priority <= 0 else Tier.background
 
 
-def _message(message: Message) -> dict[str, str] | HttpError:
+def _message(message: Message) -> dict[str, object] | HttpError:
     role = "system" if message.role == "developer" else message.role
     content = message.content
     if content is None:
@@ -128,7 +145,7 @@ def _message(message: Message) -> dict[str, str] | HttpError:
                 "messages",
             )
         text = "".join(p.text for p in content if isinstance(p, TextPart))
-    return {"role": role, "content": text}
+    return {"role": role, "content": text, **tool_calls.message_fields(message)}
 
 
 def _unsupported(body: OpenAIRequest) -> HttpError | None:
@@ -140,22 +157,13 @@ def _unsupported(body: OpenAIRequest) -> HttpError | None:
             "n",
         )
     checks: list[tuple[bool, str, str]] = [
-        (bool(body.logprobs), "logprobs", "logprobs are not supported"),
         (
             body.stream_options is not None and body.stream_options.continuous_usage_stats,
             "stream_options",
             "continuous_usage_stats is not supported; include_usage is",
         ),
     ]
-    if isinstance(body, ChatCompletionRequest):
-        fmt = (body.response_format or {}).get("type", "text")
-        checks += [
-            (bool(body.top_logprobs), "top_logprobs", "logprobs are not supported"),
-            (bool(body.tools), "tools", "tool calls are not supported"),
-            (body.tool_choice not in (None, "none"), "tool_choice", "tool calls are not supported"),
-            (fmt != "text", "response_format", f"type `{fmt}` is not supported (text only)"),
-        ]
-    else:
+    if not isinstance(body, ChatCompletionRequest):
         prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
         token_ids = any(not isinstance(p, str) for p in prompts)
         checks += [
@@ -199,6 +207,9 @@ class Identity:
     request_id: str
     model: str
     created: int
+    logprobs: bool = False  # asked for: each choice carries `logprobs` (else null)
+    # The tool answers it may get (`tool_calls.tool_answer`); None: it calls no tool.
+    tools: tool_calls.ToolAnswer | None = None
 
     @property
     def id(self) -> str:
@@ -219,31 +230,50 @@ class Answer:
 
     ident: Identity
     parts: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
     result: ChatCompletion | Completion | HttpError | None = None
 
     def take(self, frame: ServerFrame) -> None:
         if isinstance(frame, DeltaFrame):
             self.parts.append(frame.text)
+            self.logprobs += frame.logprobs or ()
         elif isinstance(frame, ResetFrame):
-            self.parts.clear()  # nothing was shown: the new attempt simply replaces it
+            # Nothing was shown: the new attempt simply replaces it.
+            self.parts.clear()
+            self.logprobs.clear()
         elif isinstance(frame, DoneFrame):
             self.ident = answered_by(self.ident, frame)
-            self.result = self._body("".join(self.parts), frame.finish_reason, usage_of(frame))
+            self.result = self._body(
+                "".join(self.parts), frame.finish_reason, usage_of(frame), frame
+            )
         elif isinstance(frame, ErrorFrame):
             self.result = frame_error(frame)
 
-    def _body(self, text: str, finish: str, usage: Usage) -> ChatCompletion | Completion:
+    def _body(
+        self, text: str, finish: str, usage: Usage, done: DoneFrame
+    ) -> ChatCompletion | Completion:
         i = self.ident
         if i.kind == "chat":
-            choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=finish)
+            calls = done.tool_calls or []
+            message = (
+                AssistantMessage(content=done.content, tool_calls=tool_calls.message_calls(calls))
+                if calls
+                else AssistantMessage(content=text)
+            )
+            choice = ChatChoice(
+                message=message,
+                logprobs=chat_logprobs(self.logprobs) if i.logprobs else None,
+                finish_reason=tool_calls.finish_reason(i.tools, finish, calls),
+            )
             return ChatCompletion(
                 id=i.id, created=i.created, model=i.model, choices=[choice], usage=usage
             )
+        logprobs = completion_logprobs(self.logprobs, 0) if i.logprobs else None
         return Completion(
             id=i.id,
             created=i.created,
             model=i.model,
-            choices=[CompletionChoice(text=text, finish_reason=finish)],
+            choices=[CompletionChoice(text=text, logprobs=logprobs, finish_reason=finish)],
             usage=usage,
         )
 
@@ -253,18 +283,23 @@ class SseStream:
     """A streaming answer: frames in, SSE bytes out; `ended` once the last event is made.
 
     `after`: where a resumed client stands (its `Last-Event-ID`); None for a new request.
+    `event_ids`: each event carries `id: <attempt>:<seq>` (asked for, or a resume).
     `cancel`: set when the request must be cancelled (a new attempt after text was sent).
     """
 
     ident: Identity
     include_usage: bool
     after: EventId | None = None
+    event_ids: bool = True
     ended: bool = False
     cancel: bool = False
     _attempt: int = 0
     _last_seq: int = -1
     _texted: bool = False  # the client holds text of attempt `_attempt`
     _opened: bool = False  # the role chunk is sent (or, resumed, was sent before)
+    _text_sent: int = 0  # characters of text sent: where a chunk's `text_offset`s start
+    # A request that may call tools: its deltas, held back until the answer is whole.
+    _held: list[DeltaFrame] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.after is not None:
@@ -287,25 +322,54 @@ class SseStream:
                 self.cancel = True
                 return self._error(http_error(ErrorCode.internal, RESET_AFTER_TEXT))
             self._attempt, self._last_seq = frame.attempt, -1
+            self._held.clear()
             return []
         if isinstance(frame, ErrorFrame):
             return self._error(frame_error(frame))
         out = self._opening()
+        if isinstance(frame, DeltaFrame) and self.ident.tools is not None:
+            self._held.append(frame)
+            return out
         if isinstance(frame, DeltaFrame):
             self._last_seq = frame.seq
             self._texted = self._texted or bool(frame.text)
-            out.append(event(self._chunk(frame.text, None), self._id()))
+            out.append(event(self._chunk(frame.text, None, frame.logprobs), self._id()))
+            self._text_sent += len(frame.text)
             return out
         self.ended = True
         self.ident = answered_by(self.ident, frame)
+        if self.ident.tools is not None:
+            return out + self._tool_answer(frame)
         out.append(event(self._chunk(None, frame.finish_reason), self._id()))
         if self.include_usage:
             out.append(event(self._usage_chunk(usage_of(frame)), self._id()))
         out.append(DONE)
         return out
 
-    def _id(self) -> EventId:
-        return EventId(self._attempt, self._last_seq)
+    def _id(self) -> EventId | None:
+        return EventId(self._attempt, self._last_seq) if self.event_ids else None
+
+    def _tool_answer(self, done: DoneFrame) -> list[bytes]:
+        """The end of a stream whose deltas were held: its content (the text, or the text
+        besides the calls) in one chunk, its calls whole in the next, then the finish."""
+        held, self._held = self._held, []
+        if held:
+            self._last_seq = held[-1].seq
+        calls = done.tool_calls or []
+        text = done.content if calls else "".join(f.text for f in held)
+        out: list[bytes] = []
+        if text:
+            logprobs = None if calls else [t for f in held for t in f.logprobs or ()]
+            out.append(event(self._chunk(text, None, logprobs), self._id()))
+        if calls:
+            delta = ChunkDelta(tool_calls=tool_calls.delta_calls(calls))
+            out.append(event(self._chat_chunk(delta, None), self._id()))
+        finish = tool_calls.finish_reason(self.ident.tools, done.finish_reason, calls)
+        out.append(event(self._chunk(None, finish), self._id()))
+        if self.include_usage:
+            out.append(event(self._usage_chunk(usage_of(done)), self._id()))
+        out.append(DONE)
+        return out
 
     def _opening(self) -> list[bytes]:
         """A chat stream opens with the assistant's role, as OpenAI's and vLLM's do."""
@@ -318,16 +382,24 @@ class SseStream:
         self.ended = True
         return [event(error.body, self._id()), DONE]
 
-    def _chunk(self, text: str | None, finish: str | None) -> ChatCompletionChunk | Completion:
+    def _chunk(
+        self, text: str | None, finish: str | None, logprobs: list[TokenLogprob] | None = None
+    ) -> ChatCompletionChunk | Completion:
+        """A chunk of text (or the finish); with logprobs asked, the text's tokens'."""
+        tokens = (logprobs or []) if self.ident.logprobs and text is not None else None
         if self.ident.kind == "chat":
-            return self._chat_chunk(ChunkDelta(content=text), finish)
+            chat = None if tokens is None else chat_logprobs(tokens)
+            return self._chat_chunk(ChunkDelta(content=text), finish, chat)
         i = self.ident
-        choice = CompletionChoice(text=text or "", finish_reason=finish)
+        legacy = None if tokens is None else completion_logprobs(tokens, self._text_sent)
+        choice = CompletionChoice(text=text or "", logprobs=legacy, finish_reason=finish)
         return Completion(id=i.id, created=i.created, model=i.model, choices=[choice])
 
-    def _chat_chunk(self, delta: ChunkDelta, finish: str | None) -> ChatCompletionChunk:
+    def _chat_chunk(
+        self, delta: ChunkDelta, finish: str | None, logprobs: ChatLogprobs | None = None
+    ) -> ChatCompletionChunk:
         i = self.ident
-        choice = ChatChunkChoice(delta=delta, finish_reason=finish)
+        choice = ChatChunkChoice(delta=delta, logprobs=logprobs, finish_reason=finish)
         return ChatCompletionChunk(id=i.id, created=i.created, model=i.model, choices=[choice])
 
     def _usage_chunk(self, usage: Usage) -> ChatCompletionChunk | Completion:

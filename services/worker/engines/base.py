@@ -6,7 +6,16 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
-from shared.messages import not_honoured_message, sampling_needs
+from shared.messages import (
+    ResponseFormat,
+    TokenLogprob,
+    Tool,
+    ToolCall,
+    ToolChoice,
+    not_honoured_message,
+    sampling_needs,
+    structured_needs,
+)
 
 # "repetition": vLLM's repetition detector ended it (its FinishReason.REPETITION).
 FinishReason = Literal["stop", "length", "repetition", "cancelled"]
@@ -18,6 +27,8 @@ class ChatTurn:
 
     role: str
     content: str
+    tool_calls: tuple[ToolCall, ...] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # the call a tool's message answers
 
 
 @dataclass(frozen=True)
@@ -48,6 +59,15 @@ class EngineRequest:
     min_tokens: int | None = None
     ignore_eos: bool | None = None
     stop_token_ids: tuple[int, ...] | None = None
+    # Alternatives per token to return with each token's logprob (0: its own only); None:
+    # no logprobs. An output field, checked as the sampling fields are.
+    logprobs: int | None = None
+    # Structured outputs (shared/messages.py STRUCTURED_FIELDS), checked as the sampling
+    # fields are: the tools offered, which the answer may call, and the answer's format.
+    tools: tuple[Tool, ...] | None = None
+    tool_choice: ToolChoice | None = None  # None: auto with tools, else none
+    parallel_tool_calls: bool | None = None  # False: one call at most
+    response_format: ResponseFormat | None = None
     priority: int = 0  # lower runs first, as in vLLM's priority scheduling
     messages: tuple[ChatTurn, ...] | None = None
     trace_headers: Mapping[str, str] = field(default_factory=dict)
@@ -58,10 +78,12 @@ class EngineRequest:
 
 @dataclass(frozen=True)
 class EngineDelta:
-    """New text, and how many generated tokens it covers."""
+    """New text, and how many generated tokens it covers; with `logprobs` asked, one
+    `TokenLogprob` per token, in order."""
 
     text: str
     tokens: int
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -71,6 +93,10 @@ class EngineFinish:
     finish_reason: FinishReason
     prompt_tokens: int
     completion_tokens: int
+    # The tools the answer calls, parsed from its text (None: it calls none); `content`
+    # is then the text besides the calls (None: none).
+    tool_calls: tuple[ToolCall, ...] | None = None
+    content: str | None = None
 
 
 EngineOutput = EngineDelta | EngineFinish
@@ -127,7 +153,10 @@ def check_sampling(request: EngineRequest, engine: str, honoured: frozenset[str]
     The edge refuses such a request when it knows the workers of its model; this is the
     worker's side of it, for a request that reached an engine the edge did not see.
     """
-    lacking = sampling_needs(lambda name: getattr(request, name)) - honoured
+    asked = sampling_needs(lambda name: getattr(request, name)) | structured_needs(
+        lambda name: getattr(request, name)
+    )
+    lacking = asked - honoured
     if lacking:
         raise FieldNotHonoured(min(lacking), engine)
 
@@ -155,8 +184,9 @@ class Engine(Protocol):
     """
 
     name: str
-    # The sampling fields (shared/messages.py SAMPLING_FIELDS) it honours: advertised in the
-    # worker's heartbeat; a request setting another is refused (`check_sampling`).
+    # The sampling and output fields (shared/messages.py SAMPLING_FIELDS, OUTPUT_FIELDS) it
+    # honours: advertised in the worker's heartbeat; a request setting another is refused
+    # (`check_sampling`).
     sampling_fields: frozenset[str]
     # Tokens of context the model takes (prompt and generated); None: unknown, not checked.
     context_length: int | None

@@ -29,7 +29,11 @@ def build_engine(settings: WorkerSettings) -> Engine:
         from services.worker.engines.vllm import VllmEngine, engine_args_from_settings, load_vllm
 
         api = load_vllm()
-        return VllmEngine(api, engine_args_from_settings(api, settings))
+        return VllmEngine(
+            api,
+            engine_args_from_settings(api, settings),
+            tool_call_parser=settings.worker_tool_call_parser,
+        )
     if settings.worker_engine == "transformers":
         from services.worker.engines.transformers import TransformersEngine
 

