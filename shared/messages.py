@@ -12,6 +12,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     TypeAdapter,
     ValidationInfo,
     field_validator,
@@ -22,6 +23,8 @@ from shared.tokens import prompt_token_bound
 
 TOPIC_NAME = r"^[A-Za-z0-9._-]{1,249}$"
 REQUEST_ID = r"^[A-Za-z0-9._:-]{1,128}$"
+# The largest max_tokens any service takes (a signed 32-bit count, as engines keep them).
+MAX_TOKENS_LIMIT = 2**31 - 1
 
 
 class Tier(StrEnum):
@@ -45,9 +48,15 @@ class ErrorCode(StrEnum):
 
 
 class RequestLimits(BaseModel):
-    """Configured bounds a request is checked against (passed as validation context)."""
+    """Configured bounds a request is checked against (passed as validation context).
 
-    max_tokens_cap: int = 4096
+    `max_tokens_cap`: the operator's cap on `max_tokens` (None: none; the model's context
+    caps it, at the edge and the worker). `default_max_tokens`: the output estimate that
+    budgets and quota charges use for a request that sets no `max_tokens` (its answer runs
+    to the end of the context or a stop, and may be longer: ADR 0051).
+    """
+
+    max_tokens_cap: int | None = None
     default_max_tokens: int = 256
     max_prompt_chars: int = 65536
     max_request_tokens: int | None = None  # prompt tokens + max_tokens; None: no bound
@@ -260,13 +269,22 @@ class ChatRequest(Model):
     """What a client asks for; the body of a `chat.request` frame.
 
     Sampling fields left unset stay unset (None) on the wire: the engine applies the
-    model's own defaults (vLLM: its `generation_config.json`), as vLLM's server does.
+    model's own defaults (vLLM: its `generation_config.json`), as vLLM's server does; so
+    does `max_tokens`: unset, the answer runs to the end of the context or a stop.
     """
+
+    # The output estimate of a request without max_tokens (`effective_max_tokens`): from
+    # the limits it was validated under; never on the wire.
+    _output_estimate: int = PrivateAttr(default=DEFAULT_LIMITS.default_max_tokens)
 
     client_id: str | None = Field(default=None, max_length=128)
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     prompt: str | None = None
-    max_tokens: int | None = Field(default=None, validate_default=True)
+    max_tokens: int | None = Field(
+        default=None,
+        description="Most tokens to generate; unset: the rest of the model's context (its"
+        " max_model_len minus the prompt), as vLLM has it. Above the context: refused.",
+    )
     temperature: float | None = Field(default=None, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
     stop: list[Annotated[str, Field(min_length=1, max_length=64)]] = Field(
@@ -368,15 +386,23 @@ class ChatRequest(Model):
 
     @field_validator("max_tokens")
     @classmethod
-    def _max_tokens_in_range(cls, value: int | None, info: ValidationInfo) -> int:
-        limits = _limits(info)
+    def _max_tokens_in_range(cls, value: int | None, info: ValidationInfo) -> int | None:
+        # Unset stays unset: the engine generates to the end of the context or a stop.
         if value is None:
-            return min(limits.default_max_tokens, limits.max_tokens_cap)
+            return None
+        cap = _limits(info).max_tokens_cap
         if value < 1:
             raise ValueError("must be at least 1")
-        if value > limits.max_tokens_cap:
-            raise ValueError(f"must be at most {limits.max_tokens_cap} (the configured cap)")
+        if value > MAX_TOKENS_LIMIT:
+            raise ValueError(f"must be at most {MAX_TOKENS_LIMIT}")
+        if cap is not None and value > cap:
+            raise ValueError(f"must be at most {cap} (the configured cap)")
         return value
+
+    @model_validator(mode="after")
+    def _output_estimate_from_limits(self, info: ValidationInfo) -> ChatRequest:
+        self._output_estimate = _limits(info).default_max_tokens
+        return self
 
     @model_validator(mode="after")
     def _one_prompt(self, info: ValidationInfo) -> ChatRequest:
@@ -431,9 +457,14 @@ class ChatRequest(Model):
 
     @model_validator(mode="after")
     def _min_tokens_in_range(self) -> ChatRequest:
-        if self.min_tokens is not None and self.min_tokens > self.effective_max_tokens:
+        # With max_tokens unset, the engine checks it against the rest of the context.
+        if (
+            self.min_tokens is not None
+            and self.max_tokens is not None
+            and self.min_tokens > self.max_tokens
+        ):
             raise ValueError(
-                f"min_tokens: {self.min_tokens} is above max_tokens ({self.effective_max_tokens})"
+                f"min_tokens: {self.min_tokens} is above max_tokens ({self.max_tokens})"
             )
         return self
 
@@ -476,8 +507,16 @@ class ChatRequest(Model):
 
     @property
     def effective_max_tokens(self) -> int:
-        # Always set by the validator; the fallback keeps the type honest.
-        return self.max_tokens if self.max_tokens is not None else DEFAULT_LIMITS.default_max_tokens
+        """`max_tokens`, or where it is unset the output estimate that batch budgets, fair
+        share and quota charges use (`RequestLimits.default_max_tokens` of the limits it was
+        validated under, TOKENBUS_DEFAULT_MAX_TOKENS): the answer itself may be longer, up
+        to the end of the context (ADR 0051)."""
+        return self.max_tokens if self.max_tokens is not None else self._output_estimate
+
+    def carry_estimate(self, source: ChatRequest) -> None:
+        """Take `source`'s output estimate: for a record built from it without validating
+        under its limits (`model_construct`, `from_record`)."""
+        self._output_estimate = source._output_estimate
 
     @property
     def deterministic(self) -> bool:
@@ -570,7 +609,9 @@ class QueuedRequest(RequestRecord):
             reply_to=reply_to,
             prompt_tokens=record.prompt_token_bound(),
         )
-        return cls.model_validate(data)
+        queued = cls.model_validate(data)
+        queued.carry_estimate(record)
+        return queued
 
 
 class Batch(Model):

@@ -65,9 +65,18 @@ class TokenbusSettings(BaseSettings):
     fetch_max_wait_ms: int = Field(
         default=10, ge=1, le=500, description="Longest a consumer fetch waits at the broker."
     )
-    max_tokens_cap: int = Field(default=4096, ge=1, description="Largest max_tokens accepted.")
+    max_tokens_cap: int | None = Field(
+        default=None,
+        ge=1,
+        description="Largest max_tokens accepted; unset: no cap but the model's context"
+        " (a max_tokens above the smallest context of its model's live workers is refused).",
+    )
     default_max_tokens: int = Field(
-        default=256, ge=1, description="max_tokens of a request that names none."
+        default=256,
+        ge=1,
+        description="The output estimate that batch budgets and quota charges use for a"
+        " request that sets no max_tokens; the answer itself may be longer (it runs to the"
+        " end of the context or a stop).",
     )
     max_prompt_chars: int = Field(
         default=65536, ge=1, description="Largest prompt (all message contents together)."

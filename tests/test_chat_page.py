@@ -15,14 +15,16 @@ from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webelement import WebElement
 
+from services.worker.engines.sim_profiles import SimProfile
 from services.worker.engines.sim_text import complete
 from shared.messages import ChatMessage, ChatRequest
-from shared.settings import TokenbusSettings
+from shared.tokens import sim_tokens
 from tests.stack import Stack, new_prefix, wait_until
 
 # Slow enough that "mid-answer" lasts seconds: an answer of 80 tokens takes about 5 s.
 TOKEN_RATE = 15
-MAX_TOKENS = TokenbusSettings().default_max_tokens  # the page sends no max_tokens
+# The page sends no max_tokens: the sim's answer runs to its end, or its context's.
+CONTEXT = SimProfile().context_length
 
 
 @pytest.fixture(scope="module")
@@ -73,12 +75,14 @@ def browser() -> Iterator[webdriver.Chrome]:
 def expected(turns: list[tuple[str, str]]) -> str:
     """The sim's answer to a conversation: it depends on every turn's role and text."""
     messages = [ChatMessage(role=role, content=text) for role, text in turns]  # type: ignore[arg-type]
-    return complete(ChatRequest(messages=messages).prompt_text(), MAX_TOKENS).text
+    prompt = ChatRequest(messages=messages).prompt_text()
+    return complete(prompt, CONTEXT - sim_tokens(prompt)).text
 
 
 def tokens(turns: list[tuple[str, str]]) -> int:
     messages = [ChatMessage(role=role, content=text) for role, text in turns]  # type: ignore[arg-type]
-    return complete(ChatRequest(messages=messages).prompt_text(), MAX_TOKENS).completion_tokens
+    prompt = ChatRequest(messages=messages).prompt_text()
+    return complete(prompt, CONTEXT - sim_tokens(prompt)).completion_tokens
 
 
 def open_page(browser: webdriver.Chrome, stack: Stack) -> None:

@@ -37,7 +37,7 @@ async def collect(engine: Engine, request: EngineRequest) -> list[EngineOutput]:
 
 
 def req(
-    rid: str, prompt: str, max_tokens: int, stop: tuple[str, ...] = (), priority: int = 0
+    rid: str, prompt: str, max_tokens: int | None, stop: tuple[str, ...] = (), priority: int = 0
 ) -> EngineRequest:
     """Greedy (temperature 0), so real models give the same text on every run."""
     return EngineRequest(rid, prompt, max_tokens, temperature=0.0, stop=stop, priority=priority)
@@ -115,7 +115,7 @@ async def test_abort_ends_the_stream_and_frees_the_slot(case: EngineCase) -> Non
     engine = await started(case, max_num_seqs=2)
     try:
         before = engine.capacity().free_slots
-        stream = engine.generate(req("long", "a very long story", 2000))
+        stream = engine.generate(req("long", "a very long story", None))  # to the context's end
         first = await anext(stream)
         assert isinstance(first, EngineDelta)
         assert engine.capacity().free_slots == before - 1
@@ -139,7 +139,7 @@ async def test_priority_orders_the_queue_when_slots_are_short(case: EngineCase) 
                 order.append(name)
 
     try:
-        filler = engine.generate(req("filler", "keep the only slot busy", 2000))
+        filler = engine.generate(req("filler", "keep the only slot busy", None))
         assert isinstance(await anext(filler), EngineDelta)
         async with asyncio.TaskGroup() as tg:
             tg.create_task(run(engine.generate(req("low", "background job", 4, priority=1)), "low"))

@@ -158,7 +158,7 @@ async def test_abort_pushes_a_cancelled_finish_and_frees_the_slot() -> None:
     await engine.start()
     try:
         sink = RecordingSink()
-        engine.submit(EngineRequest("r1", "a long one", max_tokens=10_000), sink)
+        engine.submit(EngineRequest("r1", "a long one", max_tokens=None), sink)  # the context
         await asyncio.wait_for(sink.first.wait(), 10)
         assert await engine.abort("r1")
         assert sink.ended.is_set()  # pushed at once, by the abort itself

@@ -20,6 +20,7 @@ from services.worker.engines.base import (
     EngineDelta,
     EngineFinish,
     EngineRequest,
+    MaxTokensOverContext,
     PromptTooLong,
 )
 from services.worker.engines.vllm import (
@@ -424,10 +425,12 @@ async def test_abort_calls_vllm_ends_the_stream_and_frees_capacity() -> None:
     engine, llm = await started_engine(max_num_seqs=2)
     llm.script["a-0"] = [out("a-0", "x", [1])]
     llm.hang_after_script.add("a-0")
-    stream = engine.generate(EngineRequest("a", "p", 100))
+    stream = engine.generate(EngineRequest("a", "p", None))  # unset: to the context's end
     assert await anext(stream) == EngineDelta("x", 1)
     cap = engine.capacity()
     assert (cap.free_slots, cap.running, cap.queued) == (1, 1, 0)
+    # Its prompt (2) and the rest of the context (64 - 2), less the one token generated.
+    assert cap.queued_tokens == 2 + 62 - 1
     assert await engine.abort("a") is True
     assert engine.capacity().free_slots == 2
     assert "a-0" in llm.aborted
@@ -525,10 +528,27 @@ async def test_a_prompt_over_max_model_len_is_refused_before_vllm_sees_it() -> N
     assert "context length of 64 tokens" in str(refused.value)
     assert llm.generate_calls == []  # vLLM never got it
     assert engine.capacity().free_slots == 4
+    # The whole context: no room for an output token, as vLLM 0.32 refuses it (ADR 0051).
+    with pytest.raises(PromptTooLong, match="64 tokens, all of the model's context"):
+        _ = [o async for o in engine.generate(EngineRequest("whole", "x" * 63, max_tokens=4))]
+    # A max_tokens above the whole context, as vLLM's server refuses it.
+    with pytest.raises(MaxTokensOverContext, match="maximum context length is 64 tokens"):
+        _ = [o async for o in engine.generate(EngineRequest("over", "x", max_tokens=65))]
+    assert llm.generate_calls == []
     llm.script["fits-0"] = [out("fits-0", "ok", [1], "stop")]
-    outputs = [o async for o in engine.generate(EngineRequest("fits", "x" * 63, max_tokens=4))]
+    outputs = [o async for o in engine.generate(EngineRequest("fits", "x" * 62, max_tokens=4))]
     assert isinstance(outputs[-1], EngineFinish)
-    assert outputs[-1].finish_reason == "stop"  # exactly the context length: accepted
+    assert outputs[-1].finish_reason == "stop"  # one token short of the context: accepted
+    await engine.stop()
+
+
+async def test_an_unset_max_tokens_reaches_vllm_unset() -> None:
+    engine, llm = await started_engine()
+    llm.script["r1-0"] = [out("r1-0", "x", [7], "stop")]
+    _ = [o async for o in engine.generate(EngineRequest("r1", "hi", None))]
+    [call] = llm.generate_calls
+    # vLLM fills in max_model_len - prompt length itself (InputProcessor, 0.32).
+    assert call["sampling_params"]["max_tokens"] is None
     await engine.stop()
 
 

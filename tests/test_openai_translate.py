@@ -84,10 +84,14 @@ def test_chat_maps_sampling_fields_and_extensions() -> None:
     )
 
 
-def test_max_completion_tokens_wins_and_default_applies() -> None:
+def test_max_completion_tokens_wins_and_unset_stays_unset() -> None:
     assert ok(chat(max_tokens=7, max_completion_tokens=9)).max_tokens == 9
-    assert ok(chat()).max_tokens == LIMITS.default_max_tokens
     assert ok(completion(max_tokens=3)).max_tokens == 3
+    # Unset: the rest of the context at the engine; budgets charge the configured estimate.
+    unset = ok(chat())
+    assert unset.max_tokens is None
+    assert unset.effective_max_tokens == LIMITS.default_max_tokens == 16
+    assert ok(completion()).max_tokens is None
 
 
 @pytest.mark.parametrize(

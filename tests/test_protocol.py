@@ -23,10 +23,11 @@ def parse(frame: object) -> object:
     return parse_client_frame(json.dumps(frame), LIMITS, max_bytes=4096)
 
 
-def test_chat_request_gets_defaults_from_the_limits() -> None:
+def test_chat_request_gets_its_output_estimate_from_the_limits() -> None:
     frame = parse({"type": "chat.request", "prompt": "hi", "stop": "\n"})
     assert isinstance(frame, ChatRequestFrame)
-    assert frame.max_tokens == 10
+    assert frame.max_tokens is None  # unset: the rest of the context (ADR 0051)
+    assert frame.effective_max_tokens == frame.request().effective_max_tokens == 10
     assert frame.stop == ["\n"]
     assert frame.request().prompt_text() == "hi"
 

@@ -119,12 +119,17 @@ def test_the_key_ignores_who_asked_where_and_when(
     assert cache_key(other) == cache_key(record())
 
 
-def test_naming_the_default_max_tokens_is_naming_none() -> None:
+def test_an_unset_max_tokens_is_a_key_of_its_own() -> None:
+    # Unset, the answer runs to the end of the context: not the answer of the estimate's
+    # number of tokens (ADR 0051).
     limits = RequestLimits(default_max_tokens=64)
     named = RequestRecord.model_validate({**BASE, "max_tokens": 64}, context={"limits": limits})
     unnamed = {k: v for k, v in BASE.items() if k != "max_tokens"}
-    default = RequestRecord.model_validate(unnamed, context={"limits": limits})
-    assert cache_key(named) == cache_key(default)
+    unset = RequestRecord.model_validate(unnamed, context={"limits": limits})
+    assert unset.max_tokens is None
+    assert cache_key(named) != cache_key(unset)
+    again = RequestRecord.model_validate(unnamed, context={"limits": RequestLimits()})
+    assert cache_key(again) == cache_key(unset)  # the estimate is no part of it
 
 
 def test_only_deterministic_requests_that_did_not_opt_out_are_cacheable() -> None:

@@ -10,6 +10,7 @@ import pytest
 from services.ingest.admission import Admitted, RecentIds, Rejected, admit
 from services.ingest.settings import IngestSettings
 from services.scheduler.settings import SchedulerSettings
+from services.worker.engines.sim_profiles import SimProfile
 from shared.messages import ErrorCode
 from shared.tokens import prompt_token_bound
 from shared.topics import Topics
@@ -49,6 +50,8 @@ def test_by_default_every_valid_ascii_request_fits_a_batch() -> None:
     # A request is charged its prompt's UTF-8 bytes plus a template allowance (ADR 0046): the
     # longest ASCII prompt fits; one of multi-byte characters that long may not, and is
     # refused where it enters rather than left waiting.
-    largest = prompt_token_bound("a" * settings.max_prompt_chars) + settings.max_tokens_cap
+    # No max_tokens cap by default: the model's context is the cap (ADR 0051); the default
+    # sim's context (8192) stands for it.
+    largest = prompt_token_bound("a" * settings.max_prompt_chars) + SimProfile().context_length
     assert limits.max_request_tokens is not None
     assert largest <= limits.max_request_tokens

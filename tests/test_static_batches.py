@@ -124,7 +124,7 @@ async def test_a_too_long_row_is_refused_alone_and_a_closed_row_frees_its_stream
             [
                 EngineRequest("ok", "hi", 5),
                 EngineRequest("big", "far too long a prompt " * 20, 5),
-                EngineRequest("gone", "bye", 30),
+                EngineRequest("gone", "bye", None),  # to the end of the context
             ]
         )
         with pytest.raises(PromptTooLong):

@@ -158,11 +158,22 @@ async def test_a_prompt_over_the_context_is_refused_before_the_engine_runs_it() 
     assert engine.steps == 0  # the engine never ran a step for it
 
 
-async def test_a_prompt_at_the_context_length_runs() -> None:
+async def test_a_prompt_of_the_whole_context_is_refused_one_token_less_runs_to_its_end() -> None:
+    # As vLLM 0.32 counts it: a prompt must leave room for one output token (ADR 0051).
     producer = FakeProducer()
     outcome, _ = await run("word " * 32, producer, context=32)
     assert outcome == "answered"
-    assert isinstance(producer.records()[-1], DoneResult)
+    [final] = producer.records()
+    assert isinstance(final, ErrorResult)
+    assert final.code == "invalid_request"
+    assert "no room for an output token" in final.message
+    producer = FakeProducer()
+    outcome, _ = await run("word " * 31, producer, context=32)
+    assert outcome == "answered"
+    done = producer.records()[-1]
+    assert isinstance(done, DoneResult)
+    # max_tokens 30 asked, but the answer stops at the end of the context.
+    assert (done.finish_reason, done.usage.completion_tokens) == ("length", 1)
 
 
 async def test_a_result_that_cannot_be_stored_stops_the_run_for_a_rerun_without_a_final() -> None:

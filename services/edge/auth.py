@@ -169,8 +169,9 @@ def tenant_id(secret: bytes, tenant: str) -> str:
 
 def request_tokens(frame: ChatRequestFrame) -> int:
     """What a request is charged against tokens-per-minute when it is admitted: the prompt's
-    token bound (never below its real count, shared/tokens.py) + max_tokens. Settled with
-    the real `usage` when it ends (`Quotas.settle`)."""
+    token bound (never below its real count, shared/tokens.py) + max_tokens (unset: the
+    output estimate, TOKENBUS_DEFAULT_MAX_TOKENS). Settled with the real `usage` when it
+    ends (`Quotas.settle`), both ways: an answer longer than the estimate pays the rest."""
     return frame.prompt_token_bound() + frame.effective_max_tokens
 
 

@@ -50,6 +50,7 @@ from services.edge.stalls import StallGuard
 from services.edge.streams import Client, ResultStream, ResumePoint, StreamRouter
 from services.edge.telemetry import EdgeTelemetry, InFlight
 from services.edge.topology import ResultTopology, TopicTopology, TopologyError, reply_tp
+from shared.context_limits import max_tokens_over_context
 from shared.kafka import encode
 from shared.messages import (
     ChatRequest,
@@ -78,18 +79,22 @@ def request_record(
 ) -> RequestRecord:
     """The request record of a validated request, built without validating it again."""
     fields = {name: getattr(request, name) for name in ChatRequest.model_fields}
-    return RequestRecord.model_construct(
+    record = RequestRecord.model_construct(
         **fields, request_id=request_id, tenant=tenant, reply_to=reply_to, created_at=time.time()
     )
+    record.carry_estimate(request)
+    return record
 
 
 def tier_record(record: RequestRecord, *, tier: Tier, prompt_tokens: int) -> QueuedRequest:
     """What ingest would forward for a validated request (`QueuedRequest.from_record`),
     built without validating it again: the edge's direct path to the tier topic (ADR 0041)."""
     fields = {name: getattr(record, name) for name in RequestRecord.model_fields}
-    return QueuedRequest.model_construct(
+    queued = QueuedRequest.model_construct(
         **fields, tier=tier, prompt_tokens=prompt_tokens, accepted_at=time.time()
     )
+    queued.carry_estimate(record)
+    return queued
 
 
 class Gateway:
@@ -166,6 +171,11 @@ class Gateway:
             # No live worker of its model honours a sampling field it sets.
             refusal = unhonoured(request, self.models.capabilities(request.model, time.time()))
             outcome = "not_honoured"
+        if refusal is None:
+            # A max_tokens above its model's context, as vLLM's server refuses it.
+            context = self.models.context_length(request.model, time.time())
+            refusal = max_tokens_over_context(request.max_tokens, context)
+            outcome = "over_context"
         if refusal is not None:
             # No batch could ever hold it, or no worker run it: refused before anything is
             # written.

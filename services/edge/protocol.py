@@ -30,7 +30,9 @@ class ChatRequestFrame(ChatRequest):
     type: Literal["chat.request"]
 
     def request(self) -> ChatRequest:
-        return ChatRequest.model_validate(self.model_dump(exclude={"type"}))
+        request = ChatRequest.model_validate(self.model_dump(exclude={"type"}))
+        request.carry_estimate(self)  # validated under the edge's limits
+        return request
 
 
 class ChatCancelFrame(Model):

@@ -54,7 +54,8 @@ CHUNK_OVERHEAD_BYTES = 60
 def cache_key(request: RequestRecord) -> str:
     """SHA-256 of a canonical JSON of the fields that decide the answer (`KEY_FIELDS`).
 
-    `max_tokens` is the validated value, so naming the default equals naming none.
+    An unset `max_tokens` (null: the answer runs to the end of the context) is a key of its
+    own, apart from every number.
     """
     fields: dict[str, Any] = request.model_dump(mode="json", include=set(KEY_FIELDS))
     fields["v"] = KEY_VERSION

@@ -18,7 +18,7 @@ from pydantic import ValidationError
 
 from services.scheduler.limits import PolicyConfig
 from shared.dead_letters import Addressed, read_address
-from shared.messages import ErrorCode, ErrorResult, QueuedRequest, error_message
+from shared.messages import ErrorCode, ErrorResult, QueuedRequest, RequestLimits, error_message
 
 SEEN_MEMORY = 200_000  # (request_id, attempt) remembered per partition to drop a second copy
 DISPATCHED_MEMORY_S = 600.0  # how long restart-scan findings are kept
@@ -83,8 +83,15 @@ class Admission:
     `dispatched_before`). Affects: only its own memory.
     """
 
-    def __init__(self, config: PolicyConfig) -> None:
+    def __init__(self, config: PolicyConfig, output_estimate: int | None = None) -> None:
         self.config = config
+        # Records are read with the output estimate of an unset max_tokens
+        # (TOKENBUS_DEFAULT_MAX_TOKENS): what their batch budgets and fair share charge
+        # (ADR 0051); None: the default's.
+        limits = RequestLimits()
+        if output_estimate is not None:
+            limits = RequestLimits(default_max_tokens=output_estimate)
+        self._context = {"limits": limits}
         # Per tier partition we own, the (request_id, attempt) read from it.
         self._seen: dict[TopicPartition, OrderedDict[Attempt, None]] = {}
         self._dispatched_before: dict[Attempt, float] = {}  # found by restart scans
@@ -95,7 +102,7 @@ class Admission:
         """The decision for one record, read at `now` (Unix seconds)."""
         value = record.value or b""
         try:
-            request = QueuedRequest.model_validate_json(value)
+            request = QueuedRequest.model_validate_json(value, context=self._context)
         except ValidationError as exc:
             # Ingest and recovery write tier topics, but so can anyone with access.
             return Poison(tp, record, error_message(exc), read_address(value))

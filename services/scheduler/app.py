@@ -141,7 +141,7 @@ class Scheduler:
         self.topics = Topics(s.topic_prefix)
         self.group = f"{s.topic_prefix}.scheduler"
         self.policy: Policy[Waiting] = Policy(s.policy_config(), s.departure_rule(), s.router())
-        self.admission = Admission(self.policy.config)
+        self.admission = Admission(self.policy.config, s.default_max_tokens)
         self.ledger = Ledger()
         self.workers = WorkerRegistry(s.scheduler_worker_missed_beats)
         # Refuses nothing as unknown until heartbeats have been read a while (set at start).

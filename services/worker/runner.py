@@ -64,7 +64,7 @@ def engine_request(
     return EngineRequest(
         request_id=request.request_id,
         prompt=request.prompt_text(),
-        max_tokens=request.effective_max_tokens,
+        max_tokens=request.max_tokens,  # unset: the rest of the context
         temperature=request.temperature,
         top_p=request.top_p,
         stop=tuple(request.stop),

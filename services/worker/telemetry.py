@@ -49,8 +49,10 @@ RECEIVED_KEPT = 1024  # batch receive spans remembered for the requests' links
 
 
 def sampling_attributes(request: QueuedRequest) -> dict[str, float]:
-    """The request's temperature and top_p as span attributes, where it sets them."""
+    """The request's max_tokens, temperature and top_p as span attributes, where it sets
+    them."""
     attributes = {
+        semconv.GEN_AI_REQUEST_MAX_TOKENS: request.max_tokens,
         semconv.GEN_AI_REQUEST_TEMPERATURE: request.temperature,
         semconv.GEN_AI_REQUEST_TOP_P: request.top_p,
     }
@@ -145,8 +147,8 @@ class WorkerTelemetry:
                 semconv.TIER: request.tier.value,
                 semconv.BATCH_ID: batch.batch_id,
                 semconv.BATCH_SIZE: len(batch.requests),
-                semconv.GEN_AI_REQUEST_MAX_TOKENS: request.effective_max_tokens,
-                # Unset (the model's default): left out, as OpenTelemetry takes no None.
+                # Unset (the model's default; max_tokens: the rest of the context): left
+                # out, as OpenTelemetry takes no None.
                 **sampling_attributes(request),
             },
         ) as span:

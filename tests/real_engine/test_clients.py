@@ -176,6 +176,36 @@ def test_langchain_sends_no_max_tokens_by_default_and_is_answered(bus: Stack) ->
     assert message.response_metadata.get("finish_reason") in ("stop", "length")
 
 
+def test_langchain_without_max_tokens_gets_an_answer_longer_than_256_tokens(bus: Stack) -> None:
+    """Unset max_tokens is the rest of the context, as vLLM has it (ADR 0051): before, the
+    answer was cut at 256 tokens (and min_tokens above 256 was a 400)."""
+    # The story goes on to 300 tokens at least, then ends at its next stop string (vLLM
+    # checks them only past min_tokens). Left alone at temperature 0, SmolLM2 loops to the end
+    # of the context (2,005 tokens, ~100 s on the CPU build); the penalty breaks the loop.
+    llm = langchain(
+        bus, stop=[".", "\n"], extra_body={"min_tokens": 300, "repetition_penalty": 1.2}
+    )
+    message = llm.invoke("Write a long story about a bus that travels across the country.")
+    usage = message.usage_metadata
+    assert usage is not None
+    assert usage["output_tokens"] >= 300 > 256
+    finish = message.response_metadata.get("finish_reason")
+    assert finish in ("stop", "length")
+    if finish == "length":  # only at the end of the context
+        assert usage["input_tokens"] + usage["output_tokens"] == MAX_MODEL_LEN
+
+
+def test_max_tokens_above_the_context_is_a_400_as_vllm_answers_it(bus: Stack) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        sdk(bus).chat.completions.create(
+            model=MODEL_NAME,
+            messages=FRANCE,
+            max_tokens=MAX_MODEL_LEN + 1,  # type: ignore[arg-type]
+        )
+    assert f"maximum context length is {MAX_MODEL_LEN} tokens" in caught.value.message
+    assert "max_tokens" in caught.value.message
+
+
 def test_langchain_bind_tools_and_with_structured_output(bus: Stack) -> None:
     llm = langchain(bus, max_tokens=96)
     called = llm.bind_tools([WEATHER_TOOL], tool_choice="get_weather").invoke(WEATHER_Q)

@@ -84,6 +84,17 @@ class ModelDirectory:
                 lengths[model] = min(known)
         return lengths
 
+    def context_length(self, model: str | None, now: float) -> int | None:
+        """The smallest context of the live workers that may run a request for `model`
+        (None: every live worker, as `capabilities`); None where none says."""
+        self.served(now)  # forgets the workers gone quiet
+        known = [
+            s.max_model_len
+            for s in self._workers.values()
+            if model in (None, s.model) and s.max_model_len is not None
+        ]
+        return min(known, default=None)
+
     def capabilities(self, model: str | None, now: float) -> list[Capabilities]:
         """What each live worker that may run a request for `model` honours (None: the
         deployment's default model, which the edge does not know: every live worker)."""

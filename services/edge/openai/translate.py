@@ -2,7 +2,8 @@
 
 Pure: no I/O and no clock (times are passed in), so each mapping rule is tested with
 plain values. The rules:
-- `max_completion_tokens` wins over `max_tokens` (as in vLLM); unset, the edge's default;
+- `max_completion_tokens` wins over `max_tokens` (as in vLLM); unset, it stays unset: the
+  answer runs to the end of the context or a stop (ADR 0051);
 - `priority`: a tier by name, or vLLM's integer (<= 0 interactive, > 0 background);
 - `model` names the model the request runs on (unset: the deployment's default), and the
   answer names the model that answered (`fallback_model`, an extension, if it ran there);

@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
+from shared.context_limits import max_tokens_over_context
 from shared.messages import (
     ResponseFormat,
     TokenLogprob,
@@ -42,7 +43,8 @@ class EngineRequest:
 
     request_id: str
     prompt: str
-    max_tokens: int
+    # None: the rest of the context (`tokens_to_generate`), as vLLM's `SamplingParams`.
+    max_tokens: int | None
     # None: the model's default (vLLM: its generation config), as every sampling field.
     temperature: float | None = None
     top_p: float | None = None
@@ -127,15 +129,21 @@ class RequestRefused(ValueError):
 
 
 class PromptTooLong(RequestRefused):
-    """The prompt does not fit the model's context: refused before the engine sees it."""
+    """The prompt leaves no room in the model's context for one output token: refused
+    before the engine sees it."""
 
     def __init__(self, prompt_tokens: int, context_length: int) -> None:
+        how = "longer than" if prompt_tokens > context_length else "all of"
         super().__init__(
-            f"the prompt is {prompt_tokens} tokens, longer than the model's context length"
-            f" of {context_length} tokens"
+            f"the prompt is {prompt_tokens} tokens, {how} the model's context length"
+            f" of {context_length} tokens: no room for an output token"
         )
         self.prompt_tokens = prompt_tokens
         self.context_length = context_length
+
+
+class MaxTokensOverContext(RequestRefused):
+    """`max_tokens` is above the model's context (shared/context_limits.py)."""
 
 
 class FieldNotHonoured(RequestRefused):
@@ -162,12 +170,35 @@ def check_sampling(request: EngineRequest, engine: str, honoured: frozenset[str]
 
 
 def check_prompt(prompt_tokens: int, context_length: int | None) -> None:
-    """Raise `PromptTooLong` if the prompt is longer than the context (None: unknown).
-
-    Longer, as vLLM counts it: a prompt of exactly the context length is accepted.
-    """
-    if context_length is not None and prompt_tokens > context_length:
+    """Raise `PromptTooLong` if the prompt leaves no room for one output token in the
+    context (None: unknown), as vLLM 0.32 counts it: a prompt of the whole context length
+    is refused too."""
+    if context_length is not None and prompt_tokens >= context_length:
         raise PromptTooLong(prompt_tokens, context_length)
+
+
+def tokens_to_generate(
+    prompt_tokens: int, max_tokens: int | None, context_length: int | None
+) -> int:
+    """How many tokens a request may generate, as vLLM 0.32 reckons it: `max_tokens`, never
+    past the end of the context; unset, the rest of the context (max_model_len - prompt).
+
+    Raises `PromptTooLong` (no room left), `MaxTokensOverContext` (`max_tokens` above the
+    whole context, which vLLM's server refuses), or `RequestRefused` for an unset
+    `max_tokens` on an engine that does not know its context.
+    """
+    check_prompt(prompt_tokens, context_length)
+    if (why := max_tokens_over_context(max_tokens, context_length)) is not None:
+        raise MaxTokensOverContext(why)
+    if context_length is None:
+        if max_tokens is None:
+            raise RequestRefused(
+                "max_tokens: required here, as this engine does not know its model's context"
+                " length (set TOKENBUS_WORKER_MAX_MODEL_LEN)"
+            )
+        return max_tokens
+    room = context_length - prompt_tokens
+    return room if max_tokens is None else min(max_tokens, room)
 
 
 class Engine(Protocol):

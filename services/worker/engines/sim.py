@@ -42,8 +42,8 @@ from services.worker.engines.base import (
     FinishReason,
     OutputSink,
     RequestRefused,
-    check_prompt,
     check_sampling,
+    tokens_to_generate,
 )
 from services.worker.engines.sim_cache import ANSWER_HEADER, PrefixCache
 from services.worker.engines.sim_profiles import SimProfile
@@ -62,6 +62,7 @@ class _Sequence:
     request: EngineRequest
     plan: Completion
     prompt_tokens: int
+    limit: int  # the most it may generate: max_tokens, or the rest of the context
     outputs: deque[EngineOutput | Exception] = field(default_factory=deque)
     ready: asyncio.Event = field(default_factory=asyncio.Event)  # set while outputs wait
     position: int = 0
@@ -203,7 +204,6 @@ class SimEngine:
         self._enqueue(seq)
 
     def _enqueue(self, seq: _Sequence) -> None:
-        self._check(seq)
         heapq.heappush(self._waiting, (seq.request.priority, next(self._arrivals), seq))
         self._wakeup.set()
 
@@ -214,9 +214,8 @@ class SimEngine:
         streams: list[AsyncIterator[EngineOutput]] = []
         group: list[_Sequence] = []
         for request in requests:
-            seq = self._sequence(request)
             try:
-                self._check(seq)
+                seq = self._sequence(request)
             except RequestRefused as exc:
                 streams.append(_refused(exc))
                 continue
@@ -228,21 +227,21 @@ class SimEngine:
         self._wakeup.set()
         return streams
 
-    def _check(self, seq: _Sequence) -> None:
-        check_sampling(seq.request, self.name, self.sampling_fields)
-        check_prompt(seq.prompt_tokens, self.context_length)
-
     def _sequence(self, request: EngineRequest) -> _Sequence:
+        """The request planned as a sequence; raises `RequestRefused` (a sampling field it
+        does not honour, a prompt or max_tokens the context cannot hold) before planning."""
+        check_sampling(request, self.name, self.sampling_fields)
         # Planning the text is the engine's own work (a real one's model): counted as its time.
         cpu_at = time.thread_time()
+        prompt_tokens = sim_tokens(request.prompt)
+        # Unset: the rest of the context; the natural answer usually ends earlier ("stop").
+        limit = tokens_to_generate(prompt_tokens, request.max_tokens, self.context_length)
         scripted = (
-            echo(request.prompt, self.echo_marker, request.max_tokens)
-            if self.echo_marker is not None
-            else None
+            echo(request.prompt, self.echo_marker, limit) if self.echo_marker is not None else None
         )
         plan = scripted or complete(
             request.prompt,
-            request.max_tokens,
+            limit,
             request.stop,
             request.temperature,
             request.top_p,
@@ -250,7 +249,7 @@ class SimEngine:
             min_tokens=request.min_tokens or 0,
             ignore_eos=bool(request.ignore_eos),
         )
-        seq = _Sequence(request, plan, sim_tokens(request.prompt))
+        seq = _Sequence(request, plan, prompt_tokens, limit)
         seq.fails = self.fail_marker is not None and self.fail_marker in request.prompt
         self.cpu_seconds += time.thread_time() - cpu_at
         return seq
@@ -284,9 +283,7 @@ class SimEngine:
         held = len(batch.rows) if batch is not None and batch.holds_slots else 0
         running = max(len(self._running), held)
         queued = len(self._waiting) + sum(len(g) for g in self._groups)
-        queued_tokens = sum(
-            s.prompt_tokens + s.request.max_tokens - s.position for s in self._all()
-        )
+        queued_tokens = sum(s.prompt_tokens + s.limit - s.position for s in self._all())
         return Capacity(
             total_slots=total,
             free_slots=max(0, total - running - queued),

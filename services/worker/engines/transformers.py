@@ -47,8 +47,8 @@ from services.worker.engines.base import (
     EngineRequest,
     FinishReason,
     RequestRefused,
-    check_prompt,
     check_sampling,
+    tokens_to_generate,
 )
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -58,6 +58,7 @@ REPLACEMENT_CHAR = "\ufffd"
 class _Sequence:
     request: EngineRequest
     prompt_ids: list[int]
+    limit: int  # the most it may generate: max_tokens, or the rest of the context
     outputs: asyncio.Queue[EngineOutput] = field(default_factory=asyncio.Queue)
     generated: list[int] = field(default_factory=list)
     sent_chars: int = 0
@@ -164,7 +165,6 @@ class TransformersEngine:
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
         check_sampling(request, self.name, self.sampling_fields)
         seq = self._sequence(request)
-        check_prompt(len(seq.prompt_ids), self.context_length)
         heapq.heappush(self._waiting, (request.priority, next(self._arrivals), seq))
         self._wakeup.set()
         async with contextlib.aclosing(self._follow(seq)) as outputs:
@@ -181,7 +181,6 @@ class TransformersEngine:
             try:
                 check_sampling(request, self.name, self.sampling_fields)
                 seq = self._sequence(request)
-                check_prompt(len(seq.prompt_ids), self.context_length)
             except RequestRefused as exc:
                 streams.append(_refused(exc))
                 continue
@@ -193,9 +192,15 @@ class TransformersEngine:
         return streams
 
     def _sequence(self, request: EngineRequest) -> _Sequence:
+        """The request encoded; raises `RequestRefused` for a prompt or max_tokens the
+        context cannot hold."""
         # What the request leaves unset is the model's generation config's.
         request = self.defaults.apply(request)
-        seq = _Sequence(request, self._encode(request))
+        ids = self._encode(request)
+        # Unset: the rest of the context, as vLLM; never past it.
+        seq = _Sequence(
+            request, ids, tokens_to_generate(len(ids), request.max_tokens, self.context_length)
+        )
         if _temperature(request) > 0:
             seq.generator = torch.Generator(device=self.device)
             seed = request.seed if request.seed is not None else hash(request.request_id)
@@ -227,7 +232,7 @@ class TransformersEngine:
         waiting = [s for _, _, s in self._waiting]
         waiting += [s for group in self._static_groups for s in group]
         queued_tokens = sum(
-            len(s.prompt_ids) + s.request.max_tokens - len(s.generated)
+            len(s.prompt_ids) + s.limit - len(s.generated)
             for s in list(self._live.values()) + waiting
         )
         return Capacity(
@@ -334,7 +339,7 @@ class TransformersEngine:
             self.model.generate(
                 input_ids=torch.tensor(ids, device=self.device),
                 attention_mask=torch.tensor(mask, device=self.device),
-                max_new_tokens=max(s.request.max_tokens for s in rows),
+                max_new_tokens=max(s.limit for s in rows),
                 streamer=streamer,
                 # Stop early once every row has ended (done, stopped or aborted).
                 stopping_criteria=StoppingCriteriaList([_AllEnded(rows)]),
@@ -456,7 +461,7 @@ class TransformersEngine:
         if hits:
             self._flush(seq, text[: min(hits)], tokens=1)
             return self._end(seq, "stop")
-        if len(seq.generated) >= request.max_tokens:
+        if len(seq.generated) >= seq.limit:
             self._flush(seq, text, tokens=1)
             return self._end(seq, "length")
         # Hold back a partial character, and any tail that may yet become a stop string.

@@ -34,8 +34,8 @@ from services.worker.engines.base import (
     EngineRequest,
     FinishReason,
     RequestRefused,
-    check_prompt,
     check_sampling,
+    tokens_to_generate,
 )
 from services.worker.engines.structured import (
     NO_CALLS,
@@ -322,6 +322,7 @@ class _InFlight:
     request: EngineRequest
     engine_id: str  # vLLM's request id: one per submission, never reused
     prompt_tokens: int
+    limit: int  # the most it may generate: max_tokens, or the rest of the context
     outputs: asyncio.Queue[EngineOutput | BaseException] = field(default_factory=asyncio.Queue)
     generated: int = 0
     pump: asyncio.Task[None] | None = None
@@ -396,11 +397,13 @@ class VllmEngine:
         llm = self._require_llm()
         check_sampling(request, self.name, self.sampling_fields)
         prompt_ids = await asyncio.to_thread(prompt_token_ids, self._tokenizer, request)
-        # vLLM would refuse it too, but as an engine error; refused here, it is the
-        # client's: `invalid_request`, naming the limit.
-        check_prompt(len(prompt_ids), self.context_length)
+        # vLLM would refuse a prompt the context cannot hold too, but as an engine error;
+        # refused here, it is the client's: `invalid_request`, naming the limit. An unset
+        # max_tokens goes to vLLM unset (it generates to max_model_len - prompt); `limit`
+        # is that same count, for this worker's capacity.
+        limit = tokens_to_generate(len(prompt_ids), request.max_tokens, self.context_length)
         engine_id = f"{request.request_id}-{next(self._submissions)}"
-        flight = _InFlight(request, engine_id, len(prompt_ids))
+        flight = _InFlight(request, engine_id, len(prompt_ids), limit)
         if tool_mode(request) != "none":
             flight.text = []
         self._inflight[request.request_id] = flight
@@ -445,7 +448,7 @@ class VllmEngine:
         waiting = min(in_flight, view.waiting or 0)
         queued = in_flight - running
         queued_tokens = sum(
-            f.prompt_tokens + f.request.max_tokens - f.generated for f in self._inflight.values()
+            f.prompt_tokens + f.limit - f.generated for f in self._inflight.values()
         )
         return Capacity(
             total_slots=self._max_num_seqs,
