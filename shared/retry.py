@@ -17,18 +17,25 @@ FIRST_BACKOFF_S = 0.1
 LONGEST_BACKOFF_S = 2.0
 
 
-def backoffs(
-    first: float = FIRST_BACKOFF_S, longest: float = LONGEST_BACKOFF_S
-) -> Callable[[], float]:
-    """A doubling backoff: each call returns the next wait, capped at `longest`."""
-    wait = first / 2
+class Backoff:
+    """A doubling wait between tries, capped: `next()` gives the next, `reset()` starts over.
 
-    def next_wait() -> float:
-        nonlocal wait
-        wait = min(longest, wait * 2)
-        return wait
+    The one backoff of the services: each loop that retries owns one.
+    """
 
-    return next_wait
+    def __init__(self, first_s: float = FIRST_BACKOFF_S, longest_s: float = LONGEST_BACKOFF_S):
+        if not 0 < first_s <= longest_s:
+            raise ValueError(f"need 0 < first_s <= longest_s, got {first_s}, {longest_s}")
+        self.first_s = first_s
+        self.longest_s = longest_s
+        self._wait = 0.0
+
+    def next(self) -> float:
+        self._wait = self.first_s if self._wait == 0 else min(self.longest_s, self._wait * 2)
+        return self._wait
+
+    def reset(self) -> None:
+        self._wait = 0.0
 
 
 async def retrying(
@@ -46,14 +53,14 @@ async def retrying(
     is logged with `what` and `context`.
     """
     deadline = None if within_s is None else time.monotonic() + within_s
-    next_wait = backoffs()
+    backoff = Backoff()
     tries = 0
     while True:
         tries += 1
         try:
             return await attempt()
         except retry_on as exc:
-            wait = next_wait()
+            wait = backoff.next()
             left = None if deadline is None else deadline - time.monotonic()
             gives_up = left is not None and left <= wait
             log.warning(

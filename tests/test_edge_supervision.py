@@ -17,8 +17,8 @@ import pytest
 from pydantic import SecretStr
 from structlog.testing import capture_logs
 
-from services.edge import app as edge_app
 from services.edge import keys as keyfile
+from services.edge import runtime
 from services.edge.app import Edge
 from services.edge.settings import EdgeSettings
 
@@ -27,7 +27,7 @@ from services.edge.settings import EdgeSettings
 def edge(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Edge:
     keys, _, _ = keyfile.add_key(keyfile.KeysFile(), "acme", {}, 0.0)
     keyfile.save(tmp_path / "keys.json", keys)
-    monkeypatch.setattr(edge_app, "RESTART_MIN_S", 0.01)
+    monkeypatch.setattr(runtime, "RESTART_MIN_S", 0.01)
     return Edge(
         EdgeSettings(
             edge_keys_file=tmp_path / "keys.json", resume_secret=SecretStr(secrets.token_hex(16))
@@ -59,7 +59,7 @@ def ends_once(how: str) -> tuple[Callable[[], Awaitable[None]], asyncio.Event]:
 async def test_a_loop_that_ends_is_logged_and_restarted(edge: Edge, how: str) -> None:
     loop, again = ends_once(how)
     with capture_logs() as logs:
-        task = asyncio.create_task(edge._supervised("edge-results", loop))
+        task = asyncio.create_task(runtime.supervised("edge-results", loop, edge.metrics))
         async with asyncio.timeout(5):
             await again.wait()
         assert not task.done()
@@ -79,9 +79,52 @@ async def test_a_loop_the_edge_cancels_ends_without_a_restart(edge: Edge) -> Non
         await asyncio.Event().wait()
 
     with capture_logs() as logs:
-        task = asyncio.create_task(edge._supervised("edge-sweeper", loop))
+        task = asyncio.create_task(runtime.supervised("edge-sweeper", loop, edge.metrics))
         await started.wait()
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
     assert not [e for e in logs if e["event"] == "edge.task_failed"]
+
+
+class FakeClient:
+    """Stands in for a Kafka client: records start and stop; `fails` makes start raise."""
+
+    def __init__(self, name: str, log: list[str], fails: bool = False) -> None:
+        self.name, self.log, self.fails = name, log, fails
+
+    async def start(self) -> None:
+        if self.fails:
+            raise ConnectionError(f"{self.name} cannot reach the broker")
+        self.log.append(f"{self.name} started")
+
+    async def stop(self) -> None:
+        self.log.append(f"{self.name} stopped")
+
+    async def close(self) -> None:
+        await self.stop()
+
+
+@pytest.mark.parametrize("failing", ["admin", "consumer"])
+async def test_a_client_that_fails_to_start_leaves_none_started_behind(
+    edge: Edge, monkeypatch: pytest.MonkeyPatch, failing: str
+) -> None:
+    """The lifespan leaked its producer when a later client failed to start (issue 27)."""
+    log: list[str] = []
+    monkeypatch.setattr(runtime, "RenewingProducer", lambda _make: FakeClient("producer", log))
+    monkeypatch.setattr(
+        runtime, "make_admin", lambda *_, **__: FakeClient("admin", log, failing == "admin")
+    )
+    monkeypatch.setattr(
+        runtime,
+        "make_consumer",
+        lambda *_, **__: FakeClient("consumer", log, failing == "consumer"),
+    )
+    with pytest.raises(ConnectionError, match=failing):
+        async with edge.lifespan(None):  # type: ignore[arg-type]
+            pytest.fail("the lifespan yielded although a client failed")
+    started = [entry.split()[0] for entry in log if entry.endswith("started")]
+    stopped = [entry.split()[0] for entry in log if entry.endswith("stopped")]
+    assert stopped == list(reversed(started))  # every started client stopped, in reverse
+    assert "producer" in started
+    assert edge.gateway is None

@@ -52,6 +52,7 @@ from services.ingest.telemetry import IngestTelemetry
 from shared.kafka import Headers, encode, key_of
 from shared.messages import ErrorCode, ErrorResult, ReplyTo
 from shared.producers import RenewingProducer
+from shared.retry import Backoff
 from shared.topics import Topics
 
 log = structlog.get_logger()
@@ -68,15 +69,6 @@ PERMANENT = (
 TRANSIENT = (KafkaError, MetadataUnavailable, TimeoutError, OSError)
 T = TypeVar("T")
 Record: TypeAlias = ConsumerRecord[bytes, bytes]
-
-
-@dataclass(frozen=True)
-class Backoff:
-    first_s: float
-    max_s: float
-
-    def after(self, delay_s: float) -> float:
-        return min(self.max_s, max(self.first_s, delay_s * 2))
 
 
 @dataclass
@@ -128,8 +120,9 @@ class Ingest:
         self.destinations = ReplyDestinations(
             admin, settings.reply_timeout_s, grace_s=settings.ingest_reply_to_grace_ms / 1000
         )
-        self.backoff = Backoff(
-            settings.ingest_retry_backoff_ms / 1000, settings.ingest_retry_backoff_max_ms / 1000
+        self._backoff_s = (
+            settings.ingest_retry_backoff_ms / 1000,
+            settings.ingest_retry_backoff_max_ms / 1000,
         )
 
     async def recall(self) -> None:
@@ -140,7 +133,7 @@ class Ingest:
         so `handle_batch` waits for `_recalled` rather than trusting the listener's order.
         """
         self._recalled.clear()
-        delay = 0.0
+        backoff = Backoff(*self._backoff_s)
         while True:
             try:
                 await recall(
@@ -154,7 +147,7 @@ class Ingest:
                 return
             except RecallRefused as exc:
                 # Nothing is forwarded until an operator grants the ACL: say which, loudly.
-                delay = self.backoff.after(delay)
+                delay = backoff.next()
                 log.error(
                     "memory.recall_refused",
                     topic=exc.topic,
@@ -164,7 +157,7 @@ class Ingest:
                 )
                 await asyncio.sleep(delay)
             except Exception as exc:
-                delay = self.backoff.after(delay)
+                delay = backoff.next()
                 log.warning("memory.recall_failed", error=_describe(exc), retry_in_s=delay)
                 await asyncio.sleep(delay)
 
@@ -429,7 +422,7 @@ class Ingest:
                 # The DLQ must take it: it is the only way this record ends. An operator
                 # has to fix the DLQ topic (its permissions or size limit); keep trying.
                 log.error("dlq.refused", source=str(source), error=_describe(exc))
-                await asyncio.sleep(self.backoff.max_s)
+                await asyncio.sleep(self._backoff_s[1])
         self.memory.dead_lettered.remember(source.position)
         log.info(
             "request.rejected",
@@ -480,14 +473,14 @@ class Ingest:
 
     async def _retrying(self, what: str, attempt: Callable[[], Awaitable[T]]) -> T:
         """`attempt()` until it succeeds; a PERMANENT failure is raised, not retried."""
-        delay = 0.0
+        backoff = Backoff(*self._backoff_s)
         while True:
             try:
                 return await attempt()
             except PERMANENT:
                 raise
             except TRANSIENT as exc:
-                delay = self.backoff.after(delay)
+                delay = backoff.next()
                 log.warning("kafka.retrying", what=what, error=_describe(exc), retry_in_s=delay)
                 # A broken producer is being replaced (shared/producers.py): retry on the new one.
                 await self.producer.settled()

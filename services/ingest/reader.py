@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable
 
 import structlog
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
@@ -17,7 +16,8 @@ from aiokafka.errors import KafkaError
 from aiokafka.structs import OffsetAndMetadata
 
 from services.ingest.handling import Ingest
-from shared.retry import backoffs
+from shared.fetches import fetches
+from shared.rebalance import Rebalance
 
 log = structlog.get_logger()
 
@@ -44,25 +44,17 @@ class RequestReader:
         self._last_commit = 0.0
 
     async def run(self) -> None:
-        next_wait = backoffs()
+        consumer = self.consumer
+        lag = self.ingest.telemetry.metrics.lag
         try:
-            while True:
-                try:
-                    fetched = await self.consumer.getmany(
-                        timeout_ms=FETCH_MS, max_records=MAX_RECORDS
-                    )
-                except KafkaError as exc:
-                    wait = next_wait()
-                    log.warning("requests.fetch_failed", error=repr(exc), retry_in_s=wait)
-                    await asyncio.sleep(wait)
-                    continue
-                next_wait = backoffs()
+            async for fetched in fetches(
+                consumer, what="requests", timeout_ms=FETCH_MS, max_records=MAX_RECORDS, lag=lag
+            ):
                 async with self._batch:
                     if fetched:
-                        self.ingest.telemetry.fetched(self.consumer, fetched)
                         records = [r for rs in fetched.values() for r in rs]
                         await self.ingest.handle_batch(records)
-                        owned = self.consumer.assignment()
+                        owned = consumer.assignment()
                         for tp, rs in fetched.items():
                             if rs and tp in owned:  # else revoked meanwhile: not ours to commit
                                 self._handed_on[tp] = rs[-1].offset + 1
@@ -95,24 +87,10 @@ class RequestReader:
             await self._commit(partitions)
 
     def listener(self) -> ConsumerRebalanceListener:
-        return _Rebalance(self.revoked, self.ingest.recall)
+        """Commits what was handed on before a partition is given up; refills ingest's
+        memory before it reads any newly assigned partition."""
+        return Rebalance(revoked=self.revoked, assigned=self._recall_for)
 
-
-class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
-    """Commits what was handed on before a partition is given up; refills ingest's memory
-    before it reads any newly assigned partition."""
-
-    def __init__(
-        self,
-        revoked: Callable[[set[TopicPartition]], Awaitable[None]],
-        recall: Callable[[], Awaitable[None]],
-    ) -> None:
-        self._revoked = revoked
-        self._recall = recall
-
-    async def on_partitions_revoked(self, revoked: list[TopicPartition]) -> None:
-        await self._revoked(set(revoked))
-
-    async def on_partitions_assigned(self, assigned: list[TopicPartition]) -> None:
+    async def _recall_for(self, assigned: set[TopicPartition]) -> None:
         if assigned:
-            await self._recall()
+            await self.ingest.recall()

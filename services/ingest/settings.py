@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from shared.messages import RequestLimits
 from shared.settings import TokenbusSettings
@@ -92,6 +92,15 @@ class IngestSettings(TokenbusSettings):
             if not re.fullmatch(APP_NAME, name):
                 raise ValueError(f"app name {name!r} does not match {APP_NAME}")
         return value
+
+    @model_validator(mode="after")
+    def _backoff_in_order(self) -> IngestSettings:
+        if self.ingest_retry_backoff_ms > self.ingest_retry_backoff_max_ms:
+            raise ValueError(
+                f"ingest_retry_backoff_ms ({self.ingest_retry_backoff_ms}) must be at most"
+                f" ingest_retry_backoff_max_ms ({self.ingest_retry_backoff_max_ms})"
+            )
+        return self
 
     @property
     def apps(self) -> tuple[str, ...]:

@@ -10,9 +10,7 @@ write, and never writes or changes a record.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from aiokafka import ConsumerRecord
 from opentelemetry.trace import SpanKind, Tracer
@@ -30,10 +28,6 @@ class IngestTelemetry:
     requests_topic: str
     metrics: IngestMetrics = field(default_factory=ingest_metrics)
     tracer: Tracer = field(default_factory=tracer)
-
-    def fetched(self, consumer: Any, fetched: Mapping[Any, Sequence[Any]]) -> None:
-        """One fetch's records: the consumer's lag and each record's delay."""
-        self.metrics.lag.observe(consumer, fetched)
 
     def tier_headers(self, record: ConsumerRecord[bytes, bytes], decision: Admitted) -> Headers:
         """The spans of an admitted record; returns the headers its tier record carries.

@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import structlog
-from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
+from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
 from aiokafka.structs import ConsumerRecord
@@ -49,13 +49,15 @@ from services.scheduler.recovery import Recovery
 from services.scheduler.settings import SchedulerSettings
 from services.scheduler.telemetry import SchedulerTelemetry
 from services.scheduler.workers import WorkerRegistry
+from shared.fetches import fetches
 from shared.health import Readiness, consumer_readiness
 from shared.kafka import LONG_POLL_MS, make_admin, make_consumer, make_producer
 from shared.messages import ErrorCode, ErrorResult, Tier, unknown_model_message
 from shared.prefixes import prefix_key
 from shared.process import for_life
 from shared.producers import RenewingProducer
-from shared.retry import backoffs, retrying
+from shared.rebalance import Rebalance
+from shared.retry import retrying
 from shared.topics import Topics
 
 log = structlog.get_logger()
@@ -194,7 +196,10 @@ class Scheduler:
         await retrying(
             self._start, within_s=None, what="start", retry_on=(KafkaError, TimeoutError)
         )
-        tiers.subscribe(list(self.topics.tiers), listener=_Rebalance(self))
+        tiers.subscribe(
+            list(self.topics.tiers),
+            listener=Rebalance(revoked=self.release, assigned=self.take_over),
+        )
         await tiers.start()
         log.info("scheduler.started", scheduler_id=s.scheduler_id, policy=s.scheduler_policy)
         async with asyncio.TaskGroup() as tg:
@@ -225,16 +230,8 @@ class Scheduler:
     # -- intake ------------------------------------------------------------------------------
 
     async def _read_tiers(self, consumer: AIOKafkaConsumer) -> None:
-        next_wait = backoffs()
-        while True:
-            try:
-                fetched = await consumer.getmany(timeout_ms=FETCH_MS)
-            except KafkaError as exc:
-                wait = next_wait()
-                log.warning("tiers.fetch_failed", error=repr(exc), retry_in_s=wait)
-                await asyncio.sleep(wait)
-                continue
-            next_wait = backoffs()
+        lag = self.telemetry.metrics.lag
+        async for fetched in fetches(consumer, what="tiers", timeout_ms=FETCH_MS, lag=lag):
             answers: list[Answer] = []
             poisons: list[Poison] = []
             # A take-over in flight finishes its scan first: aiokafka fetches a newly
@@ -243,7 +240,6 @@ class Scheduler:
                 fetched = self._owned(consumer, fetched)
                 if not fetched:
                     continue
-                self.telemetry.fetched(consumer, fetched)
                 now = time.time()
                 for tp, records in fetched.items():
                     for record in records:
@@ -513,16 +509,3 @@ class Scheduler:
     def leads_recovery(self) -> bool:
         tp = TopicPartition(self.topics.tier(Tier.interactive), 0)
         return tp in self.clients.tiers.assignment()
-
-
-class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
-    """Hands partition ownership changes to the scheduler, inside the consumer's rebalance."""
-
-    def __init__(self, scheduler: Scheduler) -> None:
-        self._scheduler = scheduler
-
-    async def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
-        await self._scheduler.release(set(revoked))
-
-    async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
-        await self._scheduler.take_over(set(assigned))

@@ -12,13 +12,12 @@ from collections.abc import Callable
 
 import structlog
 from aiokafka import AIOKafkaConsumer, TopicPartition
-from aiokafka.errors import KafkaError
 from pydantic import ValidationError
 
 from services.scheduler.answers import Answerer
 from services.scheduler.workers import WorkerRegistry
+from shared.fetches import fetches
 from shared.messages import Heartbeat, error_message
-from shared.retry import backoffs
 
 log = structlog.get_logger()
 
@@ -61,16 +60,7 @@ class HeartbeatReader:
                 beats.seek(tp, at.offset)
 
     async def run(self) -> None:
-        next_wait = backoffs()
-        while True:
-            try:
-                fetched = await self._consumer.getmany(timeout_ms=FETCH_MS)
-            except KafkaError as exc:
-                wait = next_wait()
-                log.warning("heartbeats.fetch_failed", error=repr(exc), retry_in_s=wait)
-                await asyncio.sleep(wait)
-                continue
-            next_wait = backoffs()
+        async for fetched in fetches(self._consumer, what="heartbeats", timeout_ms=FETCH_MS):
             now = time.time()
             for tp, records in fetched.items():
                 live_from = self._live_from.get(tp, 0)

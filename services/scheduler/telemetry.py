@@ -12,7 +12,6 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from opentelemetry.context import Context
 from opentelemetry.trace import Link, Span, SpanKind, Tracer, set_span_in_context
@@ -55,9 +54,6 @@ class SchedulerTelemetry:
     tracer: Tracer = field(default_factory=tracer)
     _waiting: dict[str, Tier] = field(default_factory=dict)
     _sending: dict[str, Span] = field(default_factory=dict)
-
-    def fetched(self, consumer: Any, fetched: Mapping[Any, Sequence[Any]]) -> None:
-        self.metrics.lag.observe(consumer, fetched)
 
     def arrived(self, request: QueuedRequest) -> None:
         """A request joined the backlog."""

@@ -9,6 +9,7 @@ A short wiring of its parts: `batches.py` (the batch loop), `runner.py` and
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import time
 
@@ -18,7 +19,7 @@ from aiokafka import AIOKafkaConsumer
 from services.worker.answers import Answers
 from services.worker.batches import BatchLoop
 from services.worker.cache_writes import CacheWriter
-from services.worker.cancel import CancelBook, CancelListener
+from services.worker.cancel import CancelBook, CancelListener, control_consumer
 from services.worker.drain import Drain
 from services.worker.engines.base import Engine
 from services.worker.engines.factory import static_engine
@@ -32,7 +33,7 @@ from services.worker.runner import RequestRunner
 from services.worker.settings import WorkerSettings
 from services.worker.telemetry import WorkerTelemetry
 from shared.health import Readiness, consumer_readiness
-from shared.kafka import LONG_POLL_MS, make_consumer, make_producer
+from shared.kafka import make_producer
 from shared.process import for_life
 from shared.producers import RenewingProducer
 from shared.topics import Topics
@@ -58,29 +59,17 @@ class Worker:
         # Renewed if an outage breaks its sequence numbers (shared/producers.py).
         producer = RenewingProducer(lambda: make_producer(s, client_id=f"worker-{s.worker_id}"))
         batches = intake.consumer()
-        # Every worker sees every cancel: no group, from the live end.
-        control = make_consumer(
-            s,
-            topics.control,
-            group_id=None,
-            client_id=f"{s.worker_id}-control",
-            auto_offset_reset="latest",
-            fetch_max_wait_ms=LONG_POLL_MS,  # never seeks: a cancel ends the long poll at once
-        )
-        await producer.start()
-        try:
-            await control.start()
-            await batches.start()
+        control = control_consumer(s, topics)
+        async with contextlib.AsyncExitStack() as stack:  # stops what started, in reverse
+            for client in (producer, control, batches):
+                await client.start()
+                stack.push_async_callback(client.stop)
             await intake.start(batches, producer)
+            stack.push_async_callback(self.engine.stop)
             # Minutes for a real model; /healthz answers meanwhile, /readyz once it is loaded.
             await self.engine.start()
             self._reading = batches
             await self._serve(producer, intake, batches, control, topics)
-        finally:
-            await self.engine.stop()
-            await batches.stop()
-            await control.stop()
-            await producer.stop()
 
     async def readiness(self) -> Readiness:
         """`/readyz` (shared/health.py): batch partition assigned, broker answering."""

@@ -21,7 +21,6 @@ from collections.abc import AsyncIterator
 
 import structlog
 from aiokafka import AIOKafkaConsumer, TopicPartition
-from aiokafka.errors import KafkaError
 from aiokafka.structs import ConsumerRecord
 
 from services.worker.answers import Answers
@@ -33,9 +32,9 @@ from services.worker.liveness import Liveness
 from services.worker.runner import RequestRunner, RunOutcome, engine_request
 from services.worker.telemetry import RunTrace, WorkerTelemetry
 from shared.dead_letters import Source
+from shared.fetches import reads
 from shared.messages import Batch, ErrorCode, ErrorResult, QueuedRequest
 from shared.producers import RenewingProducer
-from shared.retry import backoffs
 from shared.topics import Topics
 
 log = structlog.get_logger()
@@ -78,16 +77,7 @@ class BatchLoop:
         self._finished_batches: OrderedDict[str, None] = OrderedDict()
 
     async def run(self, consumer: AIOKafkaConsumer, tg: asyncio.TaskGroup) -> None:
-        next_wait = backoffs()
-        while True:
-            try:
-                taken = await self._intake.take(consumer)
-            except KafkaError as exc:
-                wait = next_wait()
-                log.warning("batches.fetch_failed", error=repr(exc), retry_in_s=wait)
-                await asyncio.sleep(wait)
-                continue
-            next_wait = backoffs()
+        async for taken in reads(lambda: self._intake.take(consumer), what="batches"):
             for record, parsed in taken:
                 await self._take(consumer, record, parsed, tg)
 

@@ -2,21 +2,22 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import structlog
 from aiokafka import AIOKafkaConsumer
-from aiokafka.errors import KafkaError
 from aiokafka.structs import ConsumerRecord
 from pydantic import TypeAdapter, ValidationError
 
 from services.worker.answers import Answers
 from services.worker.engines.base import Engine
+from services.worker.settings import WorkerSettings
+from shared.fetches import fetches
+from shared.kafka import LONG_POLL_MS, make_consumer
 from shared.messages import CancelRecord, ControlRecord, error_message
-from shared.retry import backoffs
+from shared.topics import Topics
 
 log = structlog.get_logger()
 
@@ -84,6 +85,18 @@ async def apply_cancel(
     )
 
 
+def control_consumer(s: WorkerSettings, topics: Topics) -> AIOKafkaConsumer:
+    """Every worker sees every cancel: no group, from the live end."""
+    return make_consumer(
+        s,
+        topics.control,
+        group_id=None,
+        client_id=f"{s.worker_id}-control",
+        auto_offset_reset="latest",
+        fetch_max_wait_ms=LONG_POLL_MS,  # never seeks: a cancel ends the long poll at once
+    )
+
+
 class CancelListener:
     """Caller: the worker (`run` as a task on the control topic, which every worker reads).
 
@@ -96,16 +109,7 @@ class CancelListener:
         self._answers = answers
 
     async def run(self, consumer: AIOKafkaConsumer) -> None:
-        next_wait = backoffs()
-        while True:
-            try:
-                fetched = await consumer.getmany(timeout_ms=FETCH_MS)
-            except KafkaError as exc:
-                wait = next_wait()
-                log.warning("control.fetch_failed", error=repr(exc), retry_in_s=wait)
-                await asyncio.sleep(wait)
-                continue
-            next_wait = backoffs()
+        async for fetched in fetches(consumer, what="control", timeout_ms=FETCH_MS):
             for records in fetched.values():
                 for record in records:
                     await self._obey(record)

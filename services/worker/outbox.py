@@ -33,7 +33,7 @@ from aiokafka.structs import RecordMetadata
 from shared.kafka import Headers
 from shared.messages import ReplyTo
 from shared.results import WRITE_ERRORS
-from shared.retry import backoffs, retrying
+from shared.retry import Backoff, retrying
 
 log = structlog.get_logger()
 
@@ -161,7 +161,7 @@ class ResultOutbox:
     async def _deliver(self, lane: _Lane, partition: int) -> None:
         """Send the next batch of `lane` until it is stored, or fail it after `resend_s`."""
         lane.sending = records = self._take(lane)
-        next_wait = backoffs()
+        backoff = Backoff()
         first_failure: float | None = None
         tries = 0
         while True:
@@ -174,7 +174,7 @@ class ResultOutbox:
                 return
             now = time.monotonic()
             first_failure = now if first_failure is None else first_failure
-            wait = next_wait()
+            wait = backoff.next()
             gives_up = now - first_failure + wait > self._resend_s
             log.warning(
                 "results.gave_up" if gives_up else "results.resend",
