@@ -34,7 +34,7 @@ from services.edge.openai.models import ModelDirectory
 from services.edge.openai.request_ids import RequestIds
 from services.edge.openai.routes import OpenAIApi
 from services.edge.page import SecurityHeaders
-from services.edge.runtime import EdgeParts, running
+from services.edge.runtime import running
 from services.edge.settings import EdgeSettings
 from services.edge.telemetry import EdgeTelemetry
 from shared.health import Readiness, health_routes
@@ -74,17 +74,7 @@ class Edge:
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
-        parts = EdgeParts(
-            self.settings,
-            self.topics,
-            self.edge_id,
-            self.metrics,
-            self.telemetry,
-            self.guard,
-            self.resume_keys,
-            self.openai,
-        )
-        async with running(parts, on_lease_lost=self._lease_lost) as gateway:
+        async with running(self, on_lease_lost=self._lease_lost) as gateway:
             self.gateway = gateway
             try:
                 yield

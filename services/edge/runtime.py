@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from typing import Protocol
 
 import structlog
 from aiokafka import TopicPartition
@@ -45,18 +45,25 @@ RESTART_MIN_S = 0.5
 RESTART_MAX_S = 10.0
 
 
-@dataclass(frozen=True)
-class EdgeParts:
-    """What lives for the whole edge process, which the Kafka side is built from."""
+class EdgeParts(Protocol):
+    """What lives for the whole edge process (app.py's `Edge`), which the Kafka side uses."""
 
-    settings: EdgeSettings
-    topics: Topics
-    edge_id: str
-    metrics: EdgeMetrics
-    telemetry: EdgeTelemetry
-    guard: Guard
-    resume_keys: ResumeKeys
-    openai: EdgeStreams
+    @property
+    def settings(self) -> EdgeSettings: ...
+    @property
+    def topics(self) -> Topics: ...
+    @property
+    def edge_id(self) -> str: ...
+    @property
+    def metrics(self) -> EdgeMetrics: ...
+    @property
+    def telemetry(self) -> EdgeTelemetry: ...
+    @property
+    def guard(self) -> Guard: ...
+    @property
+    def resume_keys(self) -> ResumeKeys: ...
+    @property
+    def openai(self) -> EdgeStreams: ...
 
 
 @contextlib.asynccontextmanager
