@@ -126,14 +126,6 @@ class Lane(Generic[T]):
             self.fair.charge(p)
             self.tokens -= p.cost
 
-    def arrival_rate(self, now: float) -> float:
-        """Requests per second: the smoothed rate, lowered while no request arrives."""
-        if self.last_arrival is None:
-            return 0.0
-        since = max(0.0, now - self.last_arrival)
-        gap = since if self.mean_gap is None else max(self.mean_gap, since)
-        return float("inf") if gap <= 0 else 1.0 / gap
-
 
 class Backlog(Generic[T]):
     """Every waiting request of one scheduler, by lane; expires requests past deadline."""

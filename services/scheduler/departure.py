@@ -65,9 +65,6 @@ class CostModel:
     per_request_s: float
     per_batch_s: float
 
-    def batch_seconds(self, n: int) -> float:
-        return self.per_request_s * n + self.per_batch_s
-
 
 def fit_cost_model(samples: Sequence[tuple[int, float]], prior: CostModel) -> CostModel:
     """Least-squares line through (batch size, seconds) samples; `prior` when underdetermined.

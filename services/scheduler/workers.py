@@ -171,14 +171,5 @@ class WorkerRegistry:
                 out[s.partition] = max(out.get(s.partition, 0), s.beat.batches_consumed)
         return out
 
-    def next_death(self) -> float | None:
-        """When the next live worker would be declared dead if it stays silent."""
-        times = [
-            s.seen_at + self.missed_beats * s.beat.interval_ms / 1000.0
-            for s in self._workers.values()
-            if s.dead_at is None
-        ]
-        return min(times) if times else None
-
     def _silent(self, state: WorkerState, now: float) -> bool:
         return now - state.seen_at > self.missed_beats * state.beat.interval_ms / 1000.0
