@@ -8,7 +8,7 @@ PYTHON ?= $(shell for p in python3.13 python3.12 python3.11 python3; do \
 	$$p -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null && { echo $$p; break; }; \
 	done)
 
-.PHONY: venv run test chaos lint bench bench-capacity bench-policies bench-static bench-affinity bench-cache bench-real bench-vllm-serve profile
+.PHONY: venv run check unit test chaos lint bench bench-capacity bench-policies bench-static bench-affinity bench-cache bench-real bench-vllm-serve profile
 
 venv: $(VENV)/.installed
 
@@ -27,8 +27,17 @@ ENGINE ?= sim
 run: venv
 	$(VENV)/bin/tokenbus up --engine $(ENGINE)
 
-# PYTEST_ARGS passes through, e.g. `make test PYTEST_ARGS='-k launcher'`.
-test: venv
+# The quick loop, no broker, apt or Go build (under 2 min warm): lint, then the unit tier.
+check: lint unit
+
+# The unit tier (tests/tiers.py): every test that needs no broker, tool or process. Run with
+# no broker in reach, so one that needs it fails here. A subset: `.venv/bin/pytest -m unit -k …`.
+unit: venv
+	env -u KAFKA_BOOTSTRAP_SERVERS $(PY) -m pytest -q -m unit
+
+# `make check`, then the rest against a real Kafka (deploy/test.sh). PYTEST_ARGS passes
+# through to that second part, e.g. `make test PYTEST_ARGS='-k launcher'`.
+test: check
 	deploy/test.sh $(PYTEST_ARGS)
 
 # The chaos check alone (own three-node cluster, kill -9 of every service and of broker
@@ -36,12 +45,13 @@ test: venv
 chaos: venv
 	$(PY) -m pytest -q -m chaos tests/test_chaos.py $(PYTEST_ARGS)
 
+# ruff (lint and format) and mypy --strict (pyproject's [tool.mypy] packages); all three run,
+# and any one failing fails it. The `lint` extra installs them.
 lint: venv
-	@export PATH="$(CURDIR)/$(VENV)/bin:$$PATH"; status=0; \
-	if command -v ruff >/dev/null; then ruff check . && ruff format --check . || status=1; \
-	else echo "lint: ruff not installed, skipped"; fi; \
-	if command -v mypy >/dev/null; then mypy || status=1; \
-	else echo "lint: mypy not installed, skipped"; fi; \
+	@status=0; \
+	$(VENV)/bin/ruff check . || status=1; \
+	$(VENV)/bin/ruff format --check . || status=1; \
+	$(VENV)/bin/mypy || status=1; \
 	exit $$status
 
 # Every benchmark, one after the other, each rewriting its own block of docs/benchmarks.md

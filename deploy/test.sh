@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# `make test`: the whole suite against a real Kafka. Starts a dedicated local broker unless
-# KAFKA_BOOTSTRAP_SERVERS names one, always stops what it started, and fails when pytest
-# collects nothing (exit 5): a suite that runs no test proves nothing.
+# `make test`, after `make check`: the suite but the unit tier (which `make check` ran)
+# against a real Kafka. Starts a dedicated local broker unless KAFKA_BOOTSTRAP_SERVERS names
+# one, always stops what it started, and fails when pytest collects nothing (exit 5): a
+# suite that runs no test proves nothing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -71,11 +72,14 @@ done
 # The engine contract runs there too: its transformers case needs torch, which the
 # services' environment has not.
 [ $# -gt 0 ] || real_args=(tests/real_engine tests/test_engine_contract.py)
+# With no arguments, the whole suite but the unit tier (tests/tiers.py), which `make check`
+# ran just before; arguments select tests themselves, unit ones included.
+[ $# -gt 0 ] || main_args=(-m "not unit")
 
 status=0
 if [ $# -eq 0 ] || [ ${#main_args[@]} -gt 0 ]; then
-  # Everything, the chaos check included (tests/test_chaos.py, at most 5 minutes: its own
-  # three-node cluster; `make chaos` runs it alone).
+  # Everything but the unit tier, the chaos check included (tests/test_chaos.py, at most
+  # 5 minutes: its own three-node cluster; `make chaos` runs it alone).
   "$PY" -m pytest -q "${main_args[@]}" || status=$?
   if [ "$status" -eq 5 ]; then
     echo "test.sh: pytest collected no tests; that is a failure" >&2

@@ -5,8 +5,7 @@ copies, and two of them in sync before an acks=all write succeeds once there are
 tests/test_producer_factory.py fails when a producer is built anywhere but here.
 
 Every client of every process is built here, so each one speaks the security protocol and
-presents the credentials of `TokenbusSettings.kafka_*` (`client_security`), FastStream's
-broker included (`faststream_security`).
+presents the credentials of `TokenbusSettings.kafka_*` (`client_security`).
 """
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
@@ -30,9 +29,6 @@ from aiokafka.errors import (
     for_code,
 )
 from aiokafka.helpers import create_ssl_context
-from faststream.kafka import KafkaBroker
-from faststream.security import BaseSecurity, SASLPlaintext, SASLScram512
-from faststream.types import BrokerMiddleware
 from pydantic import BaseModel
 
 from shared.settings import TokenbusSettings
@@ -77,24 +73,6 @@ def client_security(settings: TokenbusSettings) -> dict[str, Any]:
     return security
 
 
-def faststream_security(settings: TokenbusSettings) -> BaseSecurity | None:
-    """The same security as `client_security`, as FastStream's `KafkaBroker(security=...)`."""
-    protocol = settings.kafka_security_protocol
-    if protocol == "PLAINTEXT":
-        return None
-    context = tls_context(settings)
-    if protocol == "SSL":
-        return BaseSecurity(ssl_context=context, use_ssl=True)
-    login = SASLScram512 if settings.kafka_sasl_mechanism == "SCRAM-SHA-512" else SASLPlaintext
-    password = settings.kafka_sasl_password
-    return login(
-        username=settings.kafka_sasl_username or "",
-        password=password.get_secret_value() if password else "",
-        ssl_context=context,
-        use_ssl=protocol == "SASL_SSL",
-    )
-
-
 def make_producer(
     settings: TokenbusSettings,
     client_id: str,
@@ -115,26 +93,6 @@ def make_producer(
         linger_ms=0,
         request_timeout_ms=request_timeout_ms,
         **client_security(settings),
-    )
-
-
-def make_faststream_broker(
-    settings: TokenbusSettings,
-    client_id: str,
-    middlewares: Sequence[BrokerMiddleware[Any, Any]] = (),
-    request_timeout_ms: int = 30000,
-) -> KafkaBroker:
-    """A FastStream broker whose publisher is the same idempotent acks=all producer."""
-    return KafkaBroker(
-        # A list: FastStream hands a string on as one host, "a:1,b:2" included.
-        [server.strip() for server in settings.bootstrap_servers.split(",") if server.strip()],
-        client_id=client_id,
-        acks="all",
-        enable_idempotence=True,
-        request_timeout_ms=request_timeout_ms,
-        logger=None,
-        security=faststream_security(settings),
-        middlewares=tuple(middlewares),
     )
 
 

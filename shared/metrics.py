@@ -112,7 +112,7 @@ class ConsumerLag:
             self.records.labels(topic).set(lag)
 
     def observe_record(self, consumer: _Consumer, record: _Record, tp: Any) -> None:
-        """One record at a time (FastStream hands records over singly)."""
+        """One record at a time, for a reader that hands records on singly."""
         self.observe(consumer, {tp: [record]})
 
 

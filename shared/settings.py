@@ -28,7 +28,7 @@ class TokenbusSettings(BaseSettings):
         description="Kafka bootstrap servers (KAFKA_BOOTSTRAP_SERVERS wins).",
     )
     # Kafka client security: one set for every client of a process (producers, consumers,
-    # admin clients, FastStream's broker), built into clients by `shared.kafka` alone.
+    # admin clients), built into clients by `shared.kafka` alone.
     kafka_security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = Field(
         default="PLAINTEXT",
         description="How clients talk to Kafka: PLAINTEXT, SSL, SASL_PLAINTEXT or SASL_SSL.",

@@ -1,19 +1,40 @@
-"""Shared fixtures: a real broker for the session, a real service stack per module."""
+"""Shared fixtures: a real broker for the session, a real service stack per module; and the
+test tiers: the unit tier marked `unit`, guarded from starting processes (tests/tiers.py)."""
 
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.kafka_env import kafka_bootstrap
 from tests.stack import Stack, new_prefix
+from tests.tiers import UNIT, ProcessGuard, is_unit
 
 # The real-engine suite runs in the vLLM worker's own environment (deploy/test.sh runs it
 # there, after this run); the services' environment has no vLLM to serve it with.
 collect_ignore = [] if importlib.util.find_spec("vllm") else ["real_engine"]
+
+_guard = ProcessGuard()
+
+
+# First, so that `-m unit` / `-m "not unit"` see the mark when they deselect.
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        fixtures = getattr(item, "fixturenames", ())
+        if is_unit(fixtures, (mark.name for mark in item.iter_markers())):
+            item.add_marker(UNIT)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, object, object]:
+    if item.get_closest_marker(UNIT) is None:
+        return (yield)
+    with _guard.watching(item.nodeid):
+        return (yield)
 
 
 @pytest.fixture(scope="session")

@@ -35,6 +35,9 @@ class EngineCase:
 
 
 def _sim_text(request: EngineRequest) -> str:
+    if request.max_tokens is None:
+        # Unset, the sim's limit is the rest of its profile's context, which this cannot see.
+        raise ValueError("the sim's expected text needs a request with max_tokens set")
     plan = complete(
         request.prompt, request.max_tokens, request.stop, request.temperature, request.top_p
     )

@@ -198,7 +198,8 @@ class Stack:
         port, `health_ports[key]`)."""
         opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
         with opener.open(f"http://127.0.0.1:{self.health_ports[key]}/metrics", timeout=10) as r:
-            return r.read().decode()
+            body: bytes = r.read()
+        return body.decode()
 
     def edge_metrics(self, key: str = "edge") -> str:
         """The /metrics text of the edge started under `key`."""

@@ -31,6 +31,8 @@ from tests.chat_client import recv_json
 from tests.processes import free_port_pair
 from tests.stack import SERVICES, Stack, free_port, new_prefix, wait_until
 
+pytestmark = pytest.mark.integration
+
 # The 30 s; H5_HANG_S sets another (at 34 s the old code failed here, at 30 s it passed).
 HANG_S = float(os.environ.get("H5_HANG_S", "30"))
 CHATS = 8

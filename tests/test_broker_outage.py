@@ -27,6 +27,8 @@ from tests.chat_client import recv_json
 from tests.processes import free_port_pair
 from tests.stack import SERVICES, Stack, free_port, new_prefix, wait_until
 
+pytestmark = pytest.mark.integration
+
 OUTAGE_S = 30.0
 TOKEN_RATE = 4  # sim tokens/s: the streams below are still generating in the outage
 STREAM_TOKENS = 500  # the sim's answer ends first (100+ tokens for these prompts: 25+ s)

@@ -53,6 +53,7 @@ def test_every_help_names_every_default() -> None:
 PROGRAM = "import sys; from tokenbus.cli import main; sys.exit(main())"
 
 
+@pytest.mark.integration
 def test_help_of_a_subcommand_runs_and_shows_a_default() -> None:
     out = subprocess.run(
         [sys.executable, "-c", PROGRAM, "bench", "run", "--help"],

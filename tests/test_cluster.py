@@ -32,6 +32,8 @@ from shared.topics import Topics
 from tests.processes import free_port_run, running
 from tests.stack import new_prefix
 
+pytestmark = pytest.mark.integration
+
 # The console script pyproject declares, from the environment running the tests.
 TOKENBUS = Path(sys.executable).parent / "tokenbus"
 

@@ -13,6 +13,8 @@ import pytest
 from services.worker.settings import WorkerSettings
 from tests.tools import compose_cli
 
+pytestmark = pytest.mark.integration
+
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON_SERVICES = {"edge", "ingest", "scheduler", "worker", "topics"}
 # Where each service's healthcheck probes /healthz (the edge: its public port, as a load

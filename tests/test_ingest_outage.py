@@ -23,6 +23,8 @@ from tests.processes import free_port_pair
 from tests.stack import Stack, _create, new_prefix, wait_until
 from tests.worker_logs import events
 
+pytestmark = pytest.mark.integration
+
 OUTAGE_S = 30
 
 

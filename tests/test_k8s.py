@@ -17,6 +17,8 @@ from shared.topics import Topics
 from tests.k8s_tools import K8S, OVERLAYS, keda_crds, named, of_kind, rendered
 from tokenbus.config import env_file
 
+pytestmark = pytest.mark.integration
+
 KUBERNETES_VERSION = "1.37.0"
 KEDA_GROUP = "keda.sh"
 SERVICES = ("edge", "ingest", "scheduler", "worker")

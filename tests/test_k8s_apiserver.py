@@ -25,7 +25,10 @@ from tests.stack import free_port, wait_until
 
 # The throw-away apiserver serves a self-signed certificate made at its start; its clients
 # talk to it on 127.0.0.1 without verifying it (`verify_ssl = False` below).
-pytestmark = pytest.mark.filterwarnings("ignore::urllib3.exceptions.InsecureRequestWarning")
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.filterwarnings("ignore::urllib3.exceptions.InsecureRequestWarning"),
+]
 
 TOKEN = "tokenbus-test-admin"
 NAMESPACE = "tokenbus"

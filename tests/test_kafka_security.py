@@ -24,7 +24,6 @@ import pytest
 import websockets
 from aiokafka import TopicPartition
 from aiokafka.errors import TopicAuthorizationFailedError
-from faststream.kafka.security import parse_security
 from pydantic import ValidationError
 
 from deploy.kafka import launcher
@@ -35,7 +34,6 @@ from shared.kafka import (
     KafkaLoginRefused,
     client_security,
     create_topics,
-    faststream_security,
     make_admin,
     make_consumer,
     make_producer,
@@ -67,6 +65,8 @@ from tokenbus.acls import (
     service_acls,
 )
 
+pytestmark = pytest.mark.integration
+
 # -- client settings (no broker) ----------------------------------------------------------
 
 
@@ -94,7 +94,6 @@ def test_plaintext_is_the_default_and_adds_nothing() -> None:
     settings = TokenbusSettings()
     assert settings.kafka_security_protocol == "PLAINTEXT"
     assert client_security(settings) == {"security_protocol": "PLAINTEXT"}
-    assert faststream_security(settings) is None
 
 
 def test_sasl_ssl_settings_reach_aiokafka_with_a_verifying_tls_context(
@@ -117,6 +116,7 @@ def test_sasl_ssl_settings_reach_aiokafka_with_a_verifying_tls_context(
 @pytest.mark.parametrize(
     ("protocol", "mechanism"),
     [
+        ("PLAINTEXT", "SCRAM-SHA-512"),
         ("SSL", "SCRAM-SHA-512"),
         ("SASL_PLAINTEXT", "PLAIN"),
         ("SASL_PLAINTEXT", "SCRAM-SHA-512"),
@@ -124,25 +124,40 @@ def test_sasl_ssl_settings_reach_aiokafka_with_a_verifying_tls_context(
         ("SASL_SSL", "SCRAM-SHA-512"),
     ],
 )
-def test_faststream_gets_the_same_security_as_aiokafka(
+async def test_every_factory_client_logs_in_as_the_settings_say(
     tls_files: secured.SecureFiles, protocol: str, mechanism: str
 ) -> None:
-    tls = protocol.endswith("SSL")
+    """Producers, consumers and admin clients get the settings' protocol, a verifying TLS
+    context exactly when the protocol has TLS, and the SASL login exactly when it has SASL."""
+    tls, sasl = protocol.endswith("SSL"), protocol.startswith("SASL_")
     settings = TokenbusSettings(
         kafka_security_protocol=protocol,
         kafka_sasl_mechanism=mechanism,
-        kafka_sasl_username="ingest",
-        kafka_sasl_password="pw",
+        kafka_sasl_username="ingest" if sasl else None,
+        kafka_sasl_password="pw" if sasl else None,
         kafka_ssl_cafile=tls_files.ca_cert if tls else None,
     )
-    ours = client_security(settings)
-    theirs = parse_security(faststream_security(settings))  # what FastStream hands aiokafka
-    assert isinstance(theirs.pop("ssl_context"), ssl.SSLContext) == tls
-    ours.pop("ssl_context", None)
-    if protocol == "SSL":
-        assert ours == theirs == {"security_protocol": "SSL"}
-    else:
-        assert ours == theirs
+    producer = make_producer(settings, client_id="security-test")
+    consumer = make_consumer(settings, group_id=None, client_id="security-test")
+    admin = make_admin(settings, client_id="security-test")
+    # Each one's low-level client opens the connections: what it holds is what the broker sees.
+    clients = {"producer": producer.client, "consumer": consumer._client, "admin": admin._client}
+    try:
+        for name, client in clients.items():
+            context = client._ssl_context
+            assert isinstance(context, ssl.SSLContext) == tls, name
+            if tls:
+                assert context.check_hostname, name
+                assert context.verify_mode == ssl.CERT_REQUIRED, name
+            assert client._security_protocol == protocol, name
+            login = (client._sasl_plain_username, client._sasl_plain_password)
+            assert login == (("ingest", "pw") if sasl else (None, None)), name
+            if sasl:
+                assert client._sasl_mechanism == mechanism, name
+    finally:
+        await producer.stop()
+        await consumer.stop()
+        await admin.close()
 
 
 def test_no_admin_client_is_built_outside_the_factory() -> None:
@@ -351,7 +366,7 @@ def secured_stack(cluster: launcher.Cluster, log_dir: Path) -> Iterator[Stack]:
         client_env=cluster.client_env(secured.ADMIN),
         service_env={
             **{name: cluster.client_env(name) for name in SERVICES},
-            # FastStream's SASLPlaintext path; the others log in with SCRAM.
+            # The PLAIN login on a real broker; the others log in with SCRAM.
             "ingest": cluster.client_env("ingest", mechanism="PLAIN"),
         },
         # Security is under test here, not lease timing: a loaded machine may take longer

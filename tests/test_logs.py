@@ -7,7 +7,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.worker_logs import parse_line
+
+pytestmark = pytest.mark.integration
 
 # What a service does at start: settings from the environment, then logging, then events.
 PROGRAM = """

@@ -8,6 +8,7 @@ import json
 import re
 from typing import Any
 
+import pytest
 import yaml
 
 from tests.k8s_tools import MONITORING, run, tool
@@ -16,6 +17,7 @@ DASHBOARD = MONITORING / "grafana" / "dashboards" / "tokenbus.json"
 RULES = MONITORING / "rules" / "tokenbus.rules.yml"
 
 
+@pytest.mark.integration
 def test_prometheus_configs_pass_promtool_check_config() -> None:
     for config in ("prometheus.yml", "prometheus-k8s.yml"):
         out = run([str(tool("promtool")), "check", "config", config], cwd=MONITORING)
@@ -23,6 +25,7 @@ def test_prometheus_configs_pass_promtool_check_config() -> None:
         assert "rules/tokenbus.rules.yml" in out, out  # its rule file was read and checked
 
 
+@pytest.mark.integration
 def test_rules_pass_promtool_check_rules() -> None:
     out = run([str(tool("promtool")), "check", "rules", "--lint-fatal", str(RULES)])
     groups = yaml.safe_load(RULES.read_text())["groups"]
@@ -30,6 +33,7 @@ def test_rules_pass_promtool_check_rules() -> None:
     assert f"SUCCESS: {count} rules found" in out, out
 
 
+@pytest.mark.integration
 def test_alert_rules_unit_tests_pass() -> None:
     out = run(
         [str(tool("promtool")), "test", "rules", "tokenbus.rules.test.yml"],

@@ -171,7 +171,7 @@ async def test_one_trace_through_all_four_services(traced: TracedStack) -> None:
         assert hop in path, path
     assert {s.stage for s in mine if s.stage} == set(semconv.STAGES)
 
-    # FastStream traced ingest's consume, as a child of the edge's producer span.
+    # Ingest traced its consume, as a child of the edge's producer span.
     process = next(s for s in mine if service(s) == "ingest" and s.kind == "CONSUMER")
     assert by_id[process.parent_span_id or ""].name == f"send {traced.stack.topics.requests}"
 

@@ -30,6 +30,8 @@ from tests.stack import ROOT, Stack, new_prefix, read_topic, wait_until
 from tests.test_scheduler_failover import long_prompts
 from tests.worker_logs import events
 
+pytestmark = pytest.mark.integration
+
 OUTAGE_S = 30.0
 
 

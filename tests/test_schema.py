@@ -52,6 +52,7 @@ def test_schema_check_fails_on_a_stale_file(tmp_path: Path) -> None:
     assert main(["schema", "--out", str(tmp_path), "--check"]) == 1
 
 
+@pytest.mark.integration
 def test_asyncapi_document_is_valid_against_the_official_schema() -> None:
     spec = json.loads((asyncapi_specs() / "schemas" / "3.0.0-without-$id.json").read_text())
     document = yaml.safe_load((DOCS / "asyncapi.yaml").read_text())

@@ -19,7 +19,7 @@ from services.worker.engines.base import (
     PromptTooLong,
     StaticEngine,
 )
-from services.worker.engines.factory import static_engine
+from services.worker.engines.factory import build_engine, static_engine
 from services.worker.engines.sim import SimEngine
 from services.worker.engines.sim_profiles import PROFILES, SimProfile
 from services.worker.heartbeat import free_slots
@@ -202,6 +202,24 @@ def test_the_batch_mode_is_chosen_in_one_place() -> None:
     assert static_engine(sim, _settings("static")) is sim
     with pytest.raises(ValueError, match="cannot run a batch"):
         static_engine(FakeContinuousEngine(), _settings("static"))
+
+
+@pytest.mark.parametrize("mode", ["continuous", "static"])
+def test_the_sim_batches_as_the_worker_does(mode: str) -> None:
+    engine = build_engine(_settings(mode))
+    assert isinstance(engine, SimEngine)
+    assert engine.mode == mode
+
+
+@pytest.mark.parametrize("value", ["continuous", "static"])
+def test_the_retired_sim_mode_variable_is_refused_naming_its_successor(
+    monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    # Unknown TOKENBUS_* variables are ignored; this one would look set and do nothing.
+    monkeypatch.setenv("TOKENBUS_WORKER_SIM_MODE", value)
+    with pytest.raises(ValueError, match="TOKENBUS_WORKER_SIM_MODE: no longer read") as refused:
+        WorkerSettings()
+    assert "TOKENBUS_WORKER_BATCH_MODE=static" in str(refused.value)
 
 
 def test_a_batch_sent_to_a_static_worker_takes_all_its_slots_until_it_beats_again() -> None:

@@ -231,6 +231,7 @@ class FakeCollector(BaseHTTPRequestHandler):
         pass
 
 
+@pytest.mark.integration
 def test_otlp_endpoint_gets_the_spans() -> None:
     server = HTTPServer(("127.0.0.1", 0), FakeCollector)
     thread = threading.Thread(target=server.serve_forever, daemon=True)

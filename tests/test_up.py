@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import pytest
 import websockets
 
 from shared.kafka import delete_topics, wait_for_broker
@@ -23,6 +24,8 @@ from shared.topics import Topics
 from tests.chat_client import run_requests
 from tests.processes import cmdline, descendants, free_port_pair, running
 from tests.stack import free_port, new_prefix, wait_until
+
+pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parent.parent
 # The console script pyproject declares, from the environment running the tests.

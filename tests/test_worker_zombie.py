@@ -142,7 +142,7 @@ async def wave_on_both_workers(
         session = ChatSession(ws)
         for request in requests:
             await session.send(request)
-        await session.until(lambda: all(t.deltas for t in session.by_client.values()), 60)
+        await session.until(lambda s=session: all(t.deltas for t in s.by_client.values()), 60)
         wave_batches = events(stack.log("scheduler"), "batch.dispatched")[dispatched:]
         placed = {e["worker_id"] for e in wave_batches}
         if placed >= {WORKER_A, WORKER_B}:

@@ -80,19 +80,23 @@ def default_principals() -> dict[str, str]:
 
 @dataclass(frozen=True)
 class Grant:
+    """What one role may do on one resource pattern, and why (the README's "what runs
+    where" table is generated from these: `tokenbus acls`)."""
+
     resource: Resource
     name: str
     pattern: Pattern
     operations: tuple[Operation, ...]
     permission: Permission = Permission.ALLOW
+    why: str = ""
 
 
-def _topic(name: str, *ops: Operation) -> Grant:
-    return Grant(Resource.TOPIC, name, Pattern.LITERAL, ops)
+def _topic(name: str, *ops: Operation, why: str = "") -> Grant:
+    return Grant(Resource.TOPIC, name, Pattern.LITERAL, ops, why=why)
 
 
-def _topics_under(prefix: str, *ops: Operation) -> Grant:
-    return Grant(Resource.TOPIC, prefix, Pattern.PREFIXED, ops)
+def _topics_under(prefix: str, *ops: Operation, why: str = "") -> Grant:
+    return Grant(Resource.TOPIC, prefix, Pattern.PREFIXED, ops, why=why)
 
 
 def grants(topics: Topics) -> dict[str, list[Grant]]:
@@ -104,66 +108,141 @@ def grants(topics: Topics) -> dict[str, list[Grant]]:
     read, write = Operation.READ, Operation.WRITE
     tiers = [topics.tier(t) for t in Tier]
     per_request = topics.results + "."  # the edge's per-request result topics
+
     # Results go where a request's reply_to says: the shared results topic, an edge's
     # per-request topic, or an outside application's reply topic. Never the lease log,
     # which `<prefix>.results.` also matches: a DENY there outranks the prefixed ALLOW.
-    results_out = [
-        _topic(topics.results, write),
-        _topics_under(per_request, write),
-        _topics_under(reply_prefix(topics), write),
-        Grant(Resource.TOPIC, topics.result_leases, Pattern.LITERAL, (write,), Permission.DENY),
-    ]
+    def results_out(why: str) -> list[Grant]:
+        return [
+            _topic(topics.results, write, why=why),
+            _topics_under(per_request, write, why=why),
+            _topics_under(reply_prefix(topics), write, why=why),
+            Grant(
+                Resource.TOPIC,
+                topics.result_leases,
+                Pattern.LITERAL,
+                (write,),
+                Permission.DENY,
+                why="the edges' lease log, which `results.` also matches",
+            ),
+        ]
+
     # Whoever takes over a dead worker's work first reads whether a request was answered
     # already (shared/finals.py): the same topics, read, the lease log still excluded.
+    answered = "whether a request was answered already, before a hand-back (shared/finals.py)"
     results_in = [
-        _topic(topics.results, read),
-        _topics_under(per_request, read),
-        _topics_under(reply_prefix(topics), read),
-        Grant(Resource.TOPIC, topics.result_leases, Pattern.LITERAL, (read,), Permission.DENY),
+        _topic(topics.results, read, why=answered),
+        _topics_under(per_request, read, why=answered),
+        _topics_under(reply_prefix(topics), read, why=answered),
+        Grant(
+            Resource.TOPIC,
+            topics.result_leases,
+            Pattern.LITERAL,
+            (read,),
+            Permission.DENY,
+            why="the edges' lease log",
+        ),
     ]
-    worker_groups = Grant(Resource.GROUP, topics.worker_group(""), Pattern.PREFIXED, (read,))
+    worker_groups = Grant(
+        Resource.GROUP,
+        topics.worker_group(""),
+        Pattern.PREFIXED,
+        (read,),
+        why="each worker's batch progress, committed under `worker.<id>`",
+    )
     # A worker's unfinished batches are re-issued under a transactional id named like its
     # group, by the scheduler's recovery or by the worker's own next process.
     worker_txns = Grant(
-        Resource.TRANSACTIONAL_ID, topics.worker_group(""), Pattern.PREFIXED, (write,)
+        Resource.TRANSACTIONAL_ID,
+        topics.worker_group(""),
+        Pattern.PREFIXED,
+        (write,),
+        why="one transaction re-issues a worker's unfinished batches (ADR 0021)",
     )
     return {
         "edge": [
-            _topic(topics.requests, write),
-            # A request the response cache cannot answer goes straight to its tier (ADR 0041).
-            *(_topic(t, write) for t in tiers),
-            _topic(topics.control, read, write),  # cancels out; resume hand-overs in and out
-            _topic(topics.results, read),
-            # Workers' heartbeats: the models `/v1/models` lists (the OpenAI API).
-            _topic(topics.workers, read),
-            # The lease log: created, configured (compaction) and read and written here.
+            _topic(
+                topics.requests,
+                write,
+                why="a request the response cache may answer (it goes through ingest)",
+            ),
+            *(
+                _topic(t, write, why="any other request, straight to its tier (ADR 0041)")
+                for t in tiers
+            ),
+            _topic(topics.control, read, write, why="cancels out; resume hand-overs in and out"),
+            _topic(
+                topics.results, read, why="its streams: the partition it holds; a resumed stream's"
+            ),
+            _topic(topics.workers, read, why="heartbeats: the models `/v1/models` lists"),
             _topic(
                 topics.result_leases,
                 read,
                 write,
                 Operation.DESCRIBE_CONFIGS,
                 Operation.ALTER_CONFIGS,
+                why="which edge holds which results partition; created and compacted here",
             ),
-            _topics_under(per_request, read, Operation.CREATE, Operation.DELETE),
+            _topics_under(
+                per_request,
+                read,
+                Operation.CREATE,
+                Operation.DELETE,
+                why="per-request result topics (the `topic` topology)",
+            ),
         ],
         "ingest": [
-            _topic(topics.requests, read),
-            # Every outside application's own requests topic (ADR 0044).
-            _topics_under(topics.app_requests_prefix, read),
-            Grant(Resource.GROUP, f"{topics.prefix}.ingest", Pattern.LITERAL, (read,)),
-            # read: what was handed on is remembered by reading the tails back (dedupe).
-            *(_topic(t, read, write) for t in tiers),
-            _topic(topics.dlq, read, write),
-            *results_out,  # error results of refused requests; cached answers
-            _topic(topics.cache, read),  # the response cache, read whole by every replica
+            _topic(
+                topics.requests,
+                read,
+                why="cacheable requests from the edges; outside producers' requests",
+            ),
+            _topics_under(
+                topics.app_requests_prefix,
+                read,
+                why="each outside application's own requests (ADR 0044)",
+            ),
+            Grant(
+                Resource.GROUP,
+                f"{topics.prefix}.ingest",
+                Pattern.LITERAL,
+                (read,),
+                why="its consumer group",
+            ),
+            *(
+                _topic(t, read, write, why="admitted requests; read back: the dedupe memory")
+                for t in tiers
+            ),
+            _topic(
+                topics.dlq,
+                read,
+                write,
+                why="records not admitted; read back: the dedupe memory",
+            ),
+            *results_out("error results of refused requests; cached answers"),
+            _topic(topics.cache, read, why="the response cache, read whole by every replica"),
         ],
         "scheduler": [
-            *(_topic(t, read, write) for t in tiers),  # write: a dead worker's hand-backs
-            Grant(Resource.GROUP, f"{topics.prefix}.scheduler", Pattern.LITERAL, (read,)),
-            _topic(topics.batches, read, write),  # read: restart floors, recovery
-            _topic(topics.workers, read),
-            _topic(topics.dlq, write),  # records it cannot read (poison)
-            *results_out,  # requests that expire before dispatch; resets before a re-run
+            *(
+                _topic(t, read, write, why="the backlog; write: a dead worker's hand-backs")
+                for t in tiers
+            ),
+            Grant(
+                Resource.GROUP,
+                f"{topics.prefix}.scheduler",
+                Pattern.LITERAL,
+                (read,),
+                why="its consumer group (offsets and the ledger's metadata)",
+            ),
+            _topic(
+                topics.batches,
+                read,
+                write,
+                why="batches addressed to workers; read: restarts and recovery",
+            ),
+            _topic(topics.workers, read, why="heartbeats: free slots and liveness"),
+            _topic(topics.dlq, write, why="records it cannot read (poison)"),
+            *results_out("errors of requests that expire before dispatch; resets before a re-run"),
             *results_in,  # recovery: requests already answered are not handed back
             # Recovery: one transaction writes the hand-backs and moves the dead worker's
             # group offset, under the worker's own transactional id (shared/handover.py),
@@ -172,18 +251,33 @@ def grants(topics: Topics) -> dict[str, list[Grant]]:
             worker_groups,
         ],
         "worker": [
-            _topic(topics.batches, read),
+            _topic(topics.batches, read, why="the batches addressed to it (its own partition)"),
             worker_groups,  # each worker commits under `<prefix>.worker.<id>`
             worker_txns,  # ...and takes its former process's batches over under that id
-            _topic(topics.control, read),
-            _topic(topics.workers, write),
-            _topic(topics.dlq, write),  # records it cannot read (poison)
-            *(_topic(t, write) for t in tiers),  # a draining worker hands requests back
-            *results_out,
+            _topic(topics.control, read, why="cancels"),
+            _topic(topics.workers, write, why="heartbeats"),
+            _topic(topics.dlq, write, why="records it cannot read (poison)"),
+            *(_topic(t, write, why="a draining worker hands requests back") for t in tiers),
+            *results_out("each request's stream, to its `reply_to`; resets before a hand-back"),
             *results_in,  # a take-over of a former process's batches skips what it answered
-            _topic(topics.cache, write),  # complete deterministic answers (response cache)
+            _topic(topics.cache, write, why="complete deterministic answers (response cache)"),
         ],
     }
+
+
+def app_grants(topics: Topics, app: str) -> list[Grant]:
+    """What the outside application `app` needs (unchecked name; `app_acls` checks it)."""
+    return [
+        _topic(topics.app_requests(app), Operation.WRITE, why="its requests, naming it to ingest"),
+        _topic(topics.app_replies(app), Operation.READ, why="its results and errors"),
+        Grant(
+            Resource.GROUP,
+            f"{topics.app_replies(app)}.",
+            Pattern.PREFIXED,
+            (Operation.READ,),
+            why="its own consumer groups",
+        ),
+    ]
 
 
 def app_acls(topics: Topics, app: str, principal: str | None = None) -> list[Acl]:
@@ -193,16 +287,9 @@ def app_acls(topics: Topics, app: str, principal: str | None = None) -> list[Acl
     if not re.fullmatch(APP_NAME, app):
         raise ValueError(f"app name {app!r} does not match {APP_NAME}")
     who = principal or f"User:{app}"
-    group = Grant(
-        Resource.GROUP, f"{topics.app_replies(app)}.", Pattern.PREFIXED, (Operation.READ,)
-    )
     return [
         Acl(who, g.resource, g.name, g.pattern, op, g.permission)
-        for g in (
-            _topic(topics.app_requests(app), Operation.WRITE),
-            _topic(topics.app_replies(app), Operation.READ),
-            group,
-        )
+        for g in app_grants(topics, app)
         for op in g.operations
     ]
 

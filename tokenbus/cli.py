@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from importlib.metadata import version
 from typing import Any
 
-from tokenbus import bench, config, kafka, keys, schema, topics, trace, up
+from tokenbus import acl_table, bench, config, kafka, keys, schema, topics, trace, up
 from tokenbus.commands import Handler
 
 
@@ -58,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
         bench.register,
         trace.register,
         config.register,
+        acl_table.register,
         keys.register,
         schema.register,
     ):

@@ -13,6 +13,8 @@ from pydantic import AliasChoices
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings
 
+from tokenbus.marked import with_block
+
 if TYPE_CHECKING:
     from tokenbus.commands import Subcommands
 
@@ -74,15 +76,12 @@ def markdown_table() -> str:
     return "\n".join(lines)
 
 
-START = "<!-- config-table:start -->"
-END = "<!-- config-table:end -->"
+BLOCK = "config-table"
 
 
 def with_table(readme: str) -> str:
     """The README text with its configuration block replaced by the current table."""
-    head, rest = readme.split(START, 1)
-    _, tail = rest.split(END, 1)
-    return f"{head}{START}\n{markdown_table()}\n{END}{tail}"
+    return with_block(readme, BLOCK, markdown_table())
 
 
 ENV_HEADER = """\

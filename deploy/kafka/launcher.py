@@ -269,12 +269,6 @@ def kill_node(cluster: Cluster, node_id: int) -> int | None:
         return pid
 
 
-def stop_node(cluster: Cluster, node_id: int, timeout_s: float = STOP_TIMEOUT_S) -> bool:
-    """Stop one node (SIGTERM, SIGKILL after `timeout_s`); return whether it was running."""
-    with _locked(cluster):
-        return _stop([cluster.node(node_id)], timeout_s)
-
-
 def stop(cluster: Cluster, timeout_s: float = STOP_TIMEOUT_S) -> bool:
     """Stop every node (SIGTERM, SIGKILL after `timeout_s`); return whether any was running."""
     if not cluster.state_dir.is_dir():

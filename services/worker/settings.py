@@ -4,15 +4,25 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Literal
+from typing import Literal, Self
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from shared.settings import TokenbusSettings
 
 
 def _default_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
+
+
+# Variables that no longer exist, each with what replaced it: refused at start rather than
+# ignored (unknown TOKENBUS_* variables are), so that a setting nobody reads cannot look set.
+RETIRED = {
+    "TOKENBUS_WORKER_SIM_MODE": "no longer read (ADR 0052): TOKENBUS_WORKER_BATCH_MODE"
+    " (continuous or static) now sets the sim engine's batching too. Delete the variable;"
+    " for static batches set TOKENBUS_WORKER_BATCH_MODE=static (a continuous worker on a"
+    " statically batching sim is no longer offered)",
+}
 
 
 class WorkerSettings(TokenbusSettings):
@@ -40,7 +50,8 @@ class WorkerSettings(TokenbusSettings):
         description="continuous: each request of a batch record goes to the engine on its own"
         " (the engine batches, as vLLM does). static: each batch record runs as one engine"
         " call, padded to its longest prompt, every slot taken until its longest output ends"
-        " (Triton's static batcher); one batch at a time. Engines: sim, transformers.",
+        " (Triton's static batcher); one batch at a time. Engines: sim, transformers; the"
+        " sim engine batches the same way.",
     )
     worker_heartbeat_ms: float = Field(
         default=1000.0,
@@ -88,9 +99,6 @@ class WorkerSettings(TokenbusSettings):
         pattern="^(constant|llama3-8b-h100|llama3-8b-h200|smollm2-cpu)$",
         description="constant: worker_sim_token_rate per sequence; llama3-8b-*: GPU cost"
         " models; smollm2-cpu: fitted to SmolLM2 on vLLM's CPU build (docs/sim-profiles.md).",
-    )
-    worker_sim_mode: Literal["continuous", "static"] = Field(
-        default="continuous", description="sim: continuous (vLLM-like) or static batching."
     )
     worker_sim_token_rate: float = Field(default=50.0, gt=0, description="sim: tokens/s/seq.")
     worker_sim_prefix_cache_tokens: int | None = Field(
@@ -143,6 +151,13 @@ class WorkerSettings(TokenbusSettings):
         " `<tool_call>{json}</tool_call>`).",
     )
     worker_device: str = Field(default="auto", description="transformers: auto|cpu|cuda[:n].")
+
+    @model_validator(mode="after")
+    def _refuse_retired(self) -> Self:
+        present = {name.upper() for name in os.environ} & RETIRED.keys()
+        if present:
+            raise ValueError("; ".join(f"{name}: {RETIRED[name]}" for name in sorted(present)))
+        return self
 
     @property
     def fence_after_beats(self) -> float:

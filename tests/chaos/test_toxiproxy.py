@@ -26,6 +26,8 @@ from tests.chaos.toxiproxy import Toxiproxy
 from tests.processes import free_port_run
 from tests.stack import new_prefix
 
+pytestmark = pytest.mark.integration
+
 NODES = 3
 
 

@@ -30,6 +30,8 @@ from shared.prefixes import cache_salt
 from tokenbus.local_engine import DTYPE, KV_CACHE_GIB, MAX_MODEL_LEN, LocalEngine
 
 pytestmark = [
+    # vLLM's environment and its processes (importing vLLM starts one): not the unit tier.
+    pytest.mark.integration,
     pytest.mark.timeout(600),
     # vLLM's own imports warn (deprecations in its dependencies); not this project's.
     pytest.mark.filterwarnings("ignore::DeprecationWarning"),

@@ -17,6 +17,8 @@ import pytest
 from tests.test_compose import ENV, ROOT, config
 from tests.tools import compose_cli
 
+pytestmark = pytest.mark.integration
+
 EXPOSED = ("docker-compose.yml", "docker-compose.exposed.yml")
 EXPOSED_ENV = {
     "TOKENBUS_APPS": "app,app2",

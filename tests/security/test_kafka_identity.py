@@ -32,6 +32,8 @@ from tests.stack import SERVICES, Stack, new_prefix, read_records
 from tests.test_kafka_security import cluster, settings_of  # noqa: F401 (the module's broker)
 from tokenbus.topics import ensure_topics, grant_acls
 
+pytestmark = pytest.mark.integration
+
 A, B = secured.APPS  # the victim and the attacker, each its own SCRAM user
 BURST = 6  # ingest_app_burst here: B's flood goes over it, the other tests stay under it
 

@@ -45,6 +45,7 @@ def test_a_settings_error_does_not_print_the_sasl_password(
     assert PASSWORD not in str(refused.value)
 
 
+@pytest.mark.integration
 def test_scram_passwords_never_reach_kafka_storages_command_line(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -17,11 +17,11 @@ def build_engine(settings: WorkerSettings) -> Engine:
             context_length=settings.worker_max_model_len,
             prefix_cache_tokens=settings.worker_sim_prefix_cache_tokens,
         )
-        # A static worker's batches run as the sim's static batches, whatever its own mode.
-        mode = "static" if settings.worker_batch_mode == "static" else settings.worker_sim_mode
+        # One setting for both: a static worker's batch records run as the sim's static
+        # batches, a continuous worker's requests join the sim's running batch at each step.
         return SimEngine(
             profile,
-            mode,
+            settings.worker_batch_mode,
             fail_marker=settings.worker_sim_fail_marker,
             echo_marker=settings.worker_sim_echo_marker,
         )
