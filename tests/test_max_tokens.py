@@ -16,7 +16,7 @@ from pydantic import ValidationError
 
 from services.edge.auth import request_tokens
 from services.edge.gateway import request_record, tier_record
-from services.edge.openai.models import ModelDirectory
+from services.edge.models import ModelDirectory
 from services.edge.protocol import ChatRequestFrame
 from services.edge.quotas import Quotas, TenantLimits
 from services.scheduler.admission import Admission, Queue

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
+from services.edge.models import ModelDirectory
 from services.edge.openai.errors import HttpError, http_error, unknown_model
-from services.edge.openai.models import ModelDirectory
 from services.edge.openai.schema import ChatCompletionRequest, CompletionRequest
 from services.edge.openai.sse import DONE, EventId, parse_event_id
 from services.edge.openai.translate import Answer, Identity, SseStream, to_chat_request

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from services.edge.capabilities import unhonoured
-from services.edge.openai.models import ModelDirectory
+from services.edge.models import ModelDirectory
 from services.worker.engines.base import (
     EngineDelta,
     EngineFinish,

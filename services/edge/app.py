@@ -29,8 +29,8 @@ from services.edge.auth import Guard
 from services.edge.chat_socket import ChatSocket
 from services.edge.gateway import Gateway
 from services.edge.metrics import EdgeMetrics
+from services.edge.models import ModelDirectory
 from services.edge.openai.edge_streams import EdgeStreams
-from services.edge.openai.models import ModelDirectory
 from services.edge.openai.request_ids import RequestIds
 from services.edge.openai.routes import OpenAIApi
 from services.edge.page import SecurityHeaders

@@ -31,7 +31,7 @@ from services.edge.protocol import (
 from services.edge.quotas import Quotas, Refusal
 from services.edge.resume import ResumeKeys
 from services.edge.settings import EdgeSettings
-from shared.messages import ErrorCode, Usage
+from shared.messages import ChatRequest, ErrorCode, Usage
 
 log = structlog.get_logger()
 
@@ -167,12 +167,12 @@ def tenant_id(secret: bytes, tenant: str) -> str:
     return "t-" + mac.hexdigest()[:32]
 
 
-def request_tokens(frame: ChatRequestFrame) -> int:
+def request_tokens(request: ChatRequest) -> int:
     """What a request is charged against tokens-per-minute when it is admitted: the prompt's
     token bound (never below its real count, shared/tokens.py) + max_tokens (unset: the
     output estimate, TOKENBUS_DEFAULT_MAX_TOKENS). Settled with the real `usage` when it
     ends (`Quotas.settle`), both ways: an answer longer than the estimate pays the rest."""
-    return frame.prompt_token_bound() + frame.effective_max_tokens
+    return request.prompt_token_bound() + request.effective_max_tokens
 
 
 def rate_limited(refusal: Refusal, client_id: str | None = None) -> ErrorFrame:
@@ -262,9 +262,7 @@ class Guard:
     def close_socket(self, principal: Principal) -> None:
         self.quotas.close_socket(principal.tenant)
 
-    def admit(
-        self, principal: Principal, frame: ChatRequestFrame, request_id: str
-    ) -> ErrorFrame | None:
+    def admit(self, principal: Principal, frame: ChatRequest, request_id: str) -> ErrorFrame | None:
         """Decide one request before anything of it reaches Kafka: the key is still valid,
         and the tenant's quotas (as the keys file says now) have room."""
         current = self.keys.current(principal)
@@ -407,10 +405,6 @@ class SocketAuth:
         """A resume or cancel from this socket, charged to its tenant (`Guard.charge`)."""
         assert self.principal is not None  # the socket reads no such frame before its key
         return self._guard.charge(self.principal, what)
-
-    def admit(self, frame: ChatRequestFrame, request_id: str) -> ErrorFrame | None:
-        assert self.principal is not None  # the socket reads no request before its key
-        return self._guard.admit(self.principal, frame, request_id)
 
     def end(self) -> None:
         """The socket closed: give back its socket place or its pending place."""

@@ -1,14 +1,13 @@
 """One WebSocket chat connection: reads client frames, writes server frames in order.
 
 A client of the gateway (`gateway.py`): it admits requests (`auth.py`) and hands them to
-`Gateway.open_stream`; every frame of its streams comes back through `send`.
+`Gateway.submit`; every frame of its streams comes back through `send`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 
 import structlog
 from starlette.types import Message
@@ -207,22 +206,11 @@ class ChatSocket:
         return close
 
     async def _submit(self, frame: ChatRequestFrame) -> None:
-        if unknown := self.gateway.models.unknown(frame, time.time()):
-            _, message = unknown
-            self.send(
-                ErrorFrame(
-                    code=ErrorCode.invalid_request, message=message, client_id=frame.client_id
-                )
-            )
-            return
-        request_id = uuid.uuid4().hex
-        if refused := self.auth.admit(frame, request_id):
-            self.send(refused)  # before anything of it reaches Kafka
-            return
-        await self.gateway.open_stream(
+        principal = self.auth.principal
+        assert principal is not None  # the socket reads no request before its key
+        await self.gateway.submit(
             frame,
-            request_id=request_id,
-            tenant=self.tenant,
+            principal=principal,
             client=self,
             parent=self.ws.headers,  # a client's own `traceparent` on the upgrade request
         )

@@ -1,15 +1,18 @@
 """The edge's request path, for any client: open, cancel and resume streams, route results.
 
-The one seam between a client protocol (the WebSocket chat in `chat_socket.py`, an HTTP
-API) and Kafka. A client handler admits a request (keys, quotas: `auth.py`), then calls
+The one seam between a client protocol (the WebSocket chat in `chat_socket.py`, the
+OpenAI API in `openai/`) and Kafka. A client handler translates its protocol into a
+`ChatRequest` and calls
 
-    await gateway.open_stream(request, request_id=..., tenant=..., client=me, parent=headers)
+    await gateway.submit(request, principal=who, client=me, parent=headers)
 
-and receives the stream's frames on `client.send(frame, stream)`: `chat.accepted` first
-(or one `ErrorFrame` if the request could not be queued), then deltas, resets, and one
-final `chat.done` / `chat.error`. It reports each frame it wrote with `written`, cancels
-with `cancel_stream`, resumes with `resume_stream`, and calls `detach` when it goes away
-(its streams then wait out the disconnect grace for a resume, and are cancelled after).
+which checks the model, gives the request its id, takes the tenant's quota (`auth.py`)
+and opens its stream. The client receives the stream's frames on `client.send(frame,
+stream)`: `chat.accepted` first (or one `ErrorFrame` if the request was refused or could
+not be queued), then deltas, resets, and one final `chat.done` / `chat.error`. It reports
+each frame it wrote with `written`, cancels with `cancel_stream`, resumes with
+`resume_stream`, and calls `detach` when it goes away (its streams then wait out the
+disconnect grace for a resume, and are cancelled after).
 
 Each request is one `ResultStream` in the router (`streams.py`): its framing, its client,
 the partition read for it alone, its trace, its stall and grace clocks.
@@ -20,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+import uuid
 from collections.abc import Mapping, Sequence
 
 import structlog
@@ -33,7 +37,7 @@ from services.edge.broker_link import BrokerLink
 from services.edge.capabilities import unhonoured
 from services.edge.keys import Principal
 from services.edge.metrics import EdgeMetrics
-from services.edge.openai.models import ModelDirectory
+from services.edge.models import ModelDirectory
 from services.edge.protocol import AcceptedFrame, ErrorFrame, ServerFrame, StreamResumeFrame
 from services.edge.replay import Replayed, ReplayRefused, Replays
 from services.edge.results import ResultReader
@@ -100,7 +104,7 @@ def tier_record(record: RequestRecord, *, tier: Tier, prompt_tokens: int) -> Que
 class Gateway:
     """Every stream of this edge, and the request path that opens, routes and ends them.
 
-    Caller: client handlers (`open_stream`, `cancel_stream`, `resume_stream`, `detach`,
+    Caller: client handlers (`submit`, `cancel_stream`, `resume_stream`, `detach`,
     `written`); the result reader (`on_control`, `on_results`); the app (`housekeeping`).
     Affects: the router's streams, what the reader follows, the topology's retention.
     """
@@ -142,6 +146,38 @@ class Gateway:
 
     # -- the client seam ------------------------------------------------------------------
 
+    async def submit(
+        self,
+        request: ChatRequest,
+        *,
+        principal: Principal,
+        client: Client,
+        parent: Mapping[str, str] | None = None,
+    ) -> ResultStream | None:
+        """The one way in for a request, from every client: its model, its id, its quota,
+        then its stream (`open_stream`). A refusal is one ErrorFrame to `client`, sent
+        before anything of the request reaches Kafka.
+
+        `request` was validated under `self.limits` (as `parse_client_frame` and the OpenAI
+        translation do). `parent`: headers that may carry the caller's `traceparent`.
+        """
+        if unknown := self.models.unknown(request, time.time()):
+            _, message = unknown
+            client.send(
+                ErrorFrame(
+                    code=ErrorCode.invalid_request, message=message, client_id=request.client_id
+                )
+            )
+            return None
+        request_id = uuid.uuid4().hex
+        if refused := self.guard.admit(principal, request, request_id):
+            client.send(refused)
+            return None
+        tenant = self.guard.tenant_id(principal)
+        return await self.open_stream(
+            request, request_id=request_id, tenant=tenant, client=client, parent=parent
+        )
+
     async def open_stream(
         self,
         request: ChatRequest,
@@ -151,10 +187,9 @@ class Gateway:
         client: Client,
         parent: Mapping[str, str] | None = None,
     ) -> ResultStream | None:
-        """Queue an admitted request and open its stream to `client`.
+        """Queue a request `submit` admitted, and open its stream to `client`.
 
-        `request` was validated under `self.limits` (as `parse_client_frame` and the OpenAI
-        translation do): it is not validated again.
+        It is not validated again.
 
         The client is sent `chat.accepted` and then the stream's frames, or one `overloaded`
         ErrorFrame (None returned) if the request could not be queued. `parent`: headers

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import Callable
 
 import structlog
@@ -12,11 +11,11 @@ from starlette.datastructures import Headers
 from services.edge.auth import AmbiguousCredentials, Guard, key_from_headers
 from services.edge.gateway import Gateway
 from services.edge.keys import Principal
+from services.edge.models import ModelDirectory
 from services.edge.openai.errors import HttpError, http_error
-from services.edge.openai.models import ModelDirectory
 from services.edge.openai.routes import HttpClient
 from services.edge.openai.sse import EventId
-from services.edge.protocol import ChatRequestFrame, ErrorFrame, ServerFrame, StreamResumeFrame
+from services.edge.protocol import ErrorFrame, ServerFrame, StreamResumeFrame
 from services.edge.streams import ResultStream
 from shared.messages import ChatRequest, ErrorCode, Heartbeat, RequestLimits
 
@@ -100,20 +99,8 @@ class EdgeStreams:
         if gateway is None:
             client.send(NOT_READY)
             return
-        request_id = uuid.uuid4().hex
-        frame = ChatRequestFrame.model_validate(
-            {**request.model_dump(), "type": "chat.request"}, context={"limits": self._limits}
-        )
-        if refused := self._guard.admit(principal, frame, request_id):
-            client.send(refused)  # before anything of it reaches Kafka
-            return
-        await gateway.open_stream(
-            request,
-            request_id=request_id,
-            tenant=self._guard.tenant_id(principal),
-            client=client,
-            parent=headers,  # the client's own `traceparent`, if it sent one
-        )
+        # The client's own `traceparent`, if it sent one.
+        await gateway.submit(request, principal=principal, client=client, parent=headers)
 
     async def resume(
         self, principal: Principal, token: str, after: EventId, client: HttpClient
