@@ -25,6 +25,7 @@ import contextlib
 import time
 import uuid
 from collections.abc import Mapping, Sequence
+from typing import Literal
 
 import structlog
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
@@ -90,15 +91,10 @@ def request_record(
     return record
 
 
-def tier_record(record: RequestRecord, *, tier: Tier, prompt_tokens: int) -> QueuedRequest:
-    """What ingest would forward for a validated request (`QueuedRequest.from_record`),
-    built without validating it again: the edge's direct path to the tier topic (ADR 0041)."""
-    fields = {name: getattr(record, name) for name in RequestRecord.model_fields}
-    queued = QueuedRequest.model_construct(
-        **fields, tier=tier, prompt_tokens=prompt_tokens, accepted_at=time.time()
-    )
-    queued.carry_estimate(record)
-    return queued
+# Why a stream ends (`Gateway.end`): its final record was shown (or swallowed while
+# detached); its request could not be queued; its client stayed away past the grace;
+# it was resumed on another edge; or its resume claimed more than the log holds.
+Ending = Literal["finished", "not_queued", "abandoned", "moved", "refused"]
 
 
 class Gateway:
@@ -133,7 +129,7 @@ class Gateway:
         self.link = link
         self.topology = topology
         self.reader = reader
-        self.router = StreamRouter(on_end=self.on_stream_ended)
+        self.router = StreamRouter(on_end=lambda stream: self.end(stream, "finished"))
         self.guard = guard
         self.telemetry = telemetry
         self.metrics = metrics
@@ -239,8 +235,7 @@ class Gateway:
         stream = self.router.open(request_id, client, followed=followed, flight=flight)
         self.metrics.streams_open.set(len(self.router))
         if not await self._produce(record, tier, prompt_tokens, flight):
-            self.router.close(request_id)
-            self._let_go(stream, ended=True)
+            self.end(stream, "not_queued")
             client.send(
                 self.link.overloaded(
                     "could not queue the request, try again", client_id=request.client_id
@@ -380,7 +375,7 @@ class Gateway:
         """
         queued: QueuedRequest | None = None
         if self.settings.edge_direct_to_tier and not record.cacheable:
-            queued = tier_record(record, tier=tier, prompt_tokens=prompt_tokens)
+            queued = QueuedRequest.from_record(record, tier=tier, prompt_tokens=prompt_tokens)
             topic, value = self.topics.tier(tier), encode(queued)
         else:
             topic, value = self.topics.requests, encode(record)
@@ -448,7 +443,7 @@ class Gateway:
         ok = self.router.caught_up(stream.request_id)
         self.metrics.resumes.labels("resumed" if ok else "ahead_of_log").inc()
         if not ok:
-            self._let_go(stream, ended=False)
+            self.end(stream, "refused")
 
     async def _offsets(self, tp: TopicPartition) -> tuple[int, int]:
         """First and end offset of `tp`; ResumeRefused(not_found) if it does not exist."""
@@ -492,16 +487,7 @@ class Gateway:
             stream = self.router.get(record.request_id)
             if stream is not None and stream.detached:
                 # Picked up on another edge: no cancel from here; that edge owns it now.
-                self.router.close(record.request_id)
-                self._let_go(stream, ended=False)
-
-    def on_stream_ended(self, stream: ResultStream) -> None:
-        """A stream's final record was shown (or swallowed while detached): settle its
-        tokens charge with the real usage of its `done` (an error has none: the charge
-        stands), then let go of it."""
-        if stream.usage is not None:
-            self.guard.settle(stream.request_id, stream.usage)
-        self._let_go(stream, ended=True)
+                self.end(stream, "moved")
 
     def on_reachable(self) -> None:
         """The broker answers again: silence during the outage is no stall."""
@@ -585,16 +571,21 @@ class Gateway:
             log.error("cancel.produce_failed", request_id=request_id, error=repr(exc))
         self.metrics.disconnect_cancels.inc()
         log.info("request.cancelled_after_disconnect", request_id=request_id)
-        if self.router.get(request_id) is stream:
-            self.router.close(request_id)
-            self._let_go(stream, ended=True)
+        if self.router.get(request_id) is stream:  # not ended, nor resumed, meanwhile
+            self.end(stream, "abandoned")
 
-    def _let_go(self, stream: ResultStream, *, ended: bool) -> None:
-        """Release what this stream held: its quota, the partition read for it alone.
+    def end(self, stream: ResultStream, why: Ending) -> None:
+        """The one way a stream ends on this edge, whatever ended it (`Ending`).
 
-        `ended`: the stream finished here, so a per-request topic starts its retention.
-        Otherwise another edge serves it now and decides.
+        The router forgets it; the tenant's quota is given back (a finished stream's tokens
+        charge settled to the real usage of its `done` first: an error has none, the charge
+        stands); the partition read for it alone is let go; and where it ended here (not
+        moved to another edge, nor refused), a per-request topic starts its retention.
         """
+        if self.router.get(stream.request_id) is stream:
+            self.router.close(stream.request_id)
+        if why == "finished" and stream.usage is not None:
+            self.guard.settle(stream.request_id, stream.usage)
         self.guard.release(stream.request_id)
         self.metrics.streams_open.set(len(self.router))
         if stream.detached and stream.flight is not None:
@@ -603,6 +594,7 @@ class Gateway:
         if tp is None:
             return
         self.reader.unfollow(tp)
-        if ended and self.topology.followed(ReplyTo(topic=tp.topic)):
+        ended_here = why in ("finished", "abandoned", "not_queued")
+        if ended_here and self.topology.followed(ReplyTo(topic=tp.topic)):
             self.topology.ended(tp.topic, time.monotonic())
             self.wake.set()
