@@ -11,7 +11,7 @@ import structlog
 from aiokafka import AIOKafkaConsumer
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from shared.kafka import LONG_POLL_MS, make_consumer
+from shared.kafka import make_consumer
 from shared.settings import TokenbusSettings
 from shared.topics import Topics
 
@@ -60,7 +60,7 @@ class DeploymentObserver:
             # A fetch returns as soon as a record arrives: the long poll only saves the
             # broker the idle fetches (100/s at the default 10 ms), which would otherwise
             # compete with the stack under measurement for the same two cores.
-            fetch_max_wait_ms=LONG_POLL_MS,
+            long_poll=True,
         )
         self._task: asyncio.Task[None] | None = None
         self.batches: list[ObservedBatch] = []

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import socket
 from collections.abc import Awaitable, Callable, Iterator, Sequence
+from typing import Protocol
 
 import structlog
 import uvicorn
@@ -49,6 +50,28 @@ class Readiness(BaseModel):
 
 
 ReadinessCheck = Callable[[], Awaitable[Readiness]]
+
+
+class Ready(Protocol):
+    """What answers a service's `/readyz` once it is built."""
+
+    async def readiness(self) -> Readiness: ...
+
+
+class Starting:
+    """A service's `/readyz` from its first moment: `starting` until `built` hands over the
+    runtime that answers it, then that runtime's answer. The one way every service wires
+    its readiness to what it builds (the edge's is its lifespan's gateway)."""
+
+    def __init__(self) -> None:
+        self._runtime: Ready | None = None
+
+    def built(self, runtime: Ready) -> None:
+        self._runtime = runtime
+
+    async def readiness(self) -> Readiness:
+        runtime = self._runtime
+        return Readiness.not_ready("starting") if runtime is None else await runtime.readiness()
 
 
 async def consumer_readiness(

@@ -96,11 +96,6 @@ def make_producer(
     )
 
 
-# A fetch that finds nothing is held this long at the broker (Kafka's own default): see
-# `make_consumer`. For consumers whose seeks and assignment changes may wait that long.
-LONG_POLL_MS = 500
-
-
 def make_consumer(
     settings: TokenbusSettings,
     *topics: str,
@@ -109,15 +104,19 @@ def make_consumer(
     auto_offset_reset: str = "earliest",
     isolation_level: str = "read_uncommitted",
     fetch_max_wait_ms: int | None = None,
+    long_poll: bool = False,
     **extra: object,
 ) -> AIOKafkaConsumer:
     """A consumer that never commits on its own: the owner commits what it has handed on.
 
-    `fetch_max_wait_ms` (default: the setting) is how long the broker holds a fetch that
-    finds nothing; it answers as soon as a record arrives, so a long poll costs no latency
-    while records flow and saves the empty fetches of an idle one. It does delay a seek,
-    resume or new assignment on the same broker by up to that long.
+    `fetch_max_wait_ms` is how long the broker holds a fetch that finds nothing; it answers
+    as soon as a record arrives, so a long poll costs no latency while records flow and
+    saves the empty fetches of an idle one. It does delay a seek, resume or new assignment
+    on the same broker by up to that long. Default: the `long_poll_ms` setting for a
+    `long_poll` reader, else the `fetch_max_wait_ms` setting.
     """
+    if fetch_max_wait_ms is None:
+        fetch_max_wait_ms = settings.long_poll_ms if long_poll else settings.fetch_max_wait_ms
     return AIOKafkaConsumer(
         *topics,
         bootstrap_servers=settings.bootstrap_servers,
@@ -125,9 +124,7 @@ def make_consumer(
         client_id=client_id,
         enable_auto_commit=False,
         auto_offset_reset=auto_offset_reset,
-        fetch_max_wait_ms=settings.fetch_max_wait_ms
-        if fetch_max_wait_ms is None
-        else fetch_max_wait_ms,
+        fetch_max_wait_ms=fetch_max_wait_ms,
         isolation_level=isolation_level,
         **client_security(settings),
         **extra,

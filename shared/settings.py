@@ -63,7 +63,19 @@ class TokenbusSettings(BaseSettings):
         description="First part of every topic name; tests use their own to stay isolated.",
     )
     fetch_max_wait_ms: int = Field(
-        default=10, ge=1, le=500, description="Longest a consumer fetch waits at the broker."
+        default=10,
+        ge=1,
+        le=500,
+        description="Longest an empty fetch waits at the broker, for consumers whose seeks and"
+        " new partitions must not wait (per-request result topics, read-backs, replays).",
+    )
+    long_poll_ms: int = Field(
+        default=500,
+        ge=1,
+        le=5000,
+        description="Longest an empty fetch waits at the broker, for the long-lived readers"
+        " (requests, tiers, heartbeats, batches, control, an edge's results partition): a"
+        " record ends the wait at once; a seek or new partition waits it out (ADR 0041).",
     )
     max_tokens_cap: int | None = Field(
         default=None,

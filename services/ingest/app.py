@@ -10,7 +10,6 @@ import contextlib
 from collections.abc import Callable
 
 import structlog
-from aiokafka import AIOKafkaConsumer
 from aiokafka.admin import AIOKafkaAdminClient
 
 from services.ingest.handling import Ingest
@@ -18,7 +17,8 @@ from services.ingest.reader import RequestReader
 from services.ingest.response_cache import CacheFollower, ResponseCache
 from services.ingest.settings import IngestSettings
 from services.ingest.telemetry import IngestTelemetry
-from shared.kafka import LONG_POLL_MS, make_admin, make_consumer, make_producer, wait_for_broker
+from shared.health import Ready
+from shared.kafka import make_admin, make_consumer, make_producer, wait_for_broker
 from shared.process import for_life
 from shared.producers import RenewingProducer
 from shared.topics import Topics
@@ -26,11 +26,9 @@ from shared.topics import Topics
 log = structlog.get_logger()
 
 
-async def serve(
-    settings: IngestSettings, built: Callable[[AIOKafkaConsumer], None] = lambda consumer: None
-) -> None:
+async def serve(settings: IngestSettings, built: Callable[[Ready], None] = lambda _: None) -> None:
     """Wait for the broker, build the clients, run until cancelled (SIGTERM/SIGINT); `built`
-    is shown the request consumer before it runs (what `/readyz` looks at)."""
+    is shown the request reader before it runs (its readiness is what `/readyz` answers)."""
     while True:
         try:
             await wait_for_broker(settings, timeout_s=60)
@@ -49,12 +47,11 @@ async def serve(
         settings,
         group_id=f"{settings.topic_prefix}.ingest",
         client_id="ingest",
-        fetch_max_wait_ms=LONG_POLL_MS,
+        long_poll=True,
     )
     # Reads the tier topics' and the DLQ's tails back at each assignment (memory.py): one
     # for the process's life, so no TLS connection is closed mid-response per recall.
     tails = make_consumer(settings, group_id=None, client_id="ingest-recall")
-    built(consumer)
     async with contextlib.AsyncExitStack() as stack:
         await admin.start()
         stack.push_async_callback(admin.close)
@@ -70,6 +67,7 @@ async def serve(
         telemetry = IngestTelemetry(topics.requests)
         ingest = Ingest(settings, producer, admin, telemetry, cache, tails=tails)
         reader = RequestReader(consumer, ingest, settings.ingest_commit_interval_ms / 1000)
+        built(reader)
         # The shared topic and each configured application's own (ADR 0044).
         consumer.subscribe([topics.requests, *ingest.apps.topics], listener=reader.listener())
         await consumer.start()
@@ -93,7 +91,5 @@ def _cache_follower(
         max_age_s=settings.cache_retention_ms / 1000,
     )
     # Assigned and sought once, at start: a new cache entry ends the long poll at once.
-    consumer = make_consumer(
-        settings, group_id=None, client_id="ingest-cache", fetch_max_wait_ms=LONG_POLL_MS
-    )
+    consumer = make_consumer(settings, group_id=None, client_id="ingest-cache", long_poll=True)
     return CacheFollower(cache, consumer, admin, topics.cache)

@@ -17,6 +17,7 @@ from aiokafka.structs import OffsetAndMetadata
 
 from services.ingest.handling import Ingest
 from shared.fetches import fetches
+from shared.health import Readiness, consumer_readiness
 from shared.rebalance import Rebalance
 
 log = structlog.get_logger()
@@ -85,6 +86,10 @@ class RequestReader:
         """Let the batch in hand finish, then commit what was handed on of `partitions`."""
         async with self._batch:
             await self._commit(partitions)
+
+    async def readiness(self) -> Readiness:
+        """`/readyz` (shared/health.py): request partitions assigned, broker answering."""
+        return await consumer_readiness([self.consumer])
 
     def listener(self) -> ConsumerRebalanceListener:
         """Commits what was handed on before a partition is given up; refills ingest's

@@ -41,7 +41,7 @@ from services.scheduler.settings import SchedulerSettings
 from services.scheduler.steps import Steps
 from services.scheduler.telemetry import SchedulerTelemetry
 from services.scheduler.workers import WorkerRegistry
-from shared.health import Readiness, consumer_readiness
+from shared.health import Readiness, Ready, consumer_readiness
 from shared.messages import Tier
 from shared.process import for_life
 from shared.rebalance import Rebalance
@@ -52,7 +52,7 @@ log = structlog.get_logger()
 
 
 async def serve(
-    settings: SchedulerSettings, built: Callable[[Scheduler], None] = lambda scheduler: None
+    settings: SchedulerSettings, built: Callable[[Ready], None] = lambda _: None
 ) -> None:
     """Build the clients, run the scheduler until cancelled (SIGTERM/SIGINT); `built` is
     shown the scheduler before it runs (its readiness is what `/readyz` answers)."""

@@ -10,7 +10,7 @@ from aiokafka import AIOKafkaConsumer
 from aiokafka.admin import AIOKafkaAdminClient
 
 from services.scheduler.settings import SchedulerSettings
-from shared.kafka import LONG_POLL_MS, make_admin, make_consumer, make_producer
+from shared.kafka import make_admin, make_consumer, make_producer
 from shared.producers import RenewingProducer
 
 
@@ -40,14 +40,14 @@ class Clients:
                 # Hand-backs of a recovery that aborted must stay invisible.
                 isolation_level="read_committed",
                 group_instance_id=static_id,
-                fetch_max_wait_ms=LONG_POLL_MS,
+                long_poll=True,
             ),
             beats=make_consumer(
                 s,
                 group_id=None,
                 client_id=f"{client_id}-beats",
                 auto_offset_reset="latest",
-                fetch_max_wait_ms=LONG_POLL_MS,
+                long_poll=True,
             ),
             log_reader=make_consumer(s, group_id=None, client_id=f"{client_id}-log"),
             admin=make_admin(s, client_id=client_id),

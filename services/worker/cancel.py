@@ -15,7 +15,7 @@ from services.worker.answers import Answers
 from services.worker.engines.base import Engine
 from services.worker.settings import WorkerSettings
 from shared.fetches import fetches
-from shared.kafka import LONG_POLL_MS, make_consumer
+from shared.kafka import make_consumer
 from shared.messages import CancelRecord, ControlRecord, error_message
 from shared.topics import Topics
 
@@ -93,7 +93,7 @@ def control_consumer(s: WorkerSettings, topics: Topics) -> AIOKafkaConsumer:
         group_id=None,
         client_id=f"{s.worker_id}-control",
         auto_offset_reset="latest",
-        fetch_max_wait_ms=LONG_POLL_MS,  # never seeks: a cancel ends the long poll at once
+        long_poll=True,  # never seeks: a cancel ends the long poll at once
     )
 
 

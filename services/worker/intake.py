@@ -34,7 +34,7 @@ from pydantic import ValidationError
 from services.worker.settings import WorkerSettings
 from shared import finals, handover
 from shared.dead_letters import Addressed, address_of
-from shared.kafka import LONG_POLL_MS, make_consumer, make_producer
+from shared.kafka import make_consumer, make_producer
 from shared.messages import Batch, QueuedRequest, error_message
 from shared.offsets import OffsetTracker
 from shared.resets import announce_next_attempts, settle
@@ -134,7 +134,7 @@ class BatchIntake:
             auto_offset_reset="latest",
             # A fetch returns as soon as a batch arrives: the long poll saves the idle
             # fetches (ADR 0038); a seek (only in `start`'s take-over) may wait one out.
-            fetch_max_wait_ms=LONG_POLL_MS,
+            long_poll=True,
         )
 
     async def start(self, consumer: AIOKafkaConsumer, producer: AIOKafkaProducer) -> None:
