@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.doc_block import replace_block
+from bench.stats import percentile
 from services.scheduler.departure import FixedRule
 from services.scheduler.policy import Policy, WorkerSlots
 from services.scheduler.routing import DEFAULT_HOLD_S, DEFAULT_LOAD_FACTOR, Router, RoutingMode
@@ -350,8 +351,8 @@ async def run_mode(
         mode=mode,
         turns=len(measured),
         hit_rate=round(hit / queried, 4) if queried else 0.0,
-        ttft_p50_ms=round(_percentile(ttfts, 0.50), 1),
-        ttft_p99_ms=round(_percentile(ttfts, 0.99), 1),
+        ttft_p50_ms=round(percentile(ttfts, 50), 1) if ttfts else 0.0,
+        ttft_p99_ms=round(percentile(ttfts, 99), 1) if ttfts else 0.0,
         ttft_mean_ms=round(statistics.fmean(ttfts), 1) if ttfts else 0.0,
         occupancy=round(statistics.fmean(harness.busy_samples) / slots, 3)
         if harness.busy_samples
@@ -364,13 +365,6 @@ async def run_mode(
         per_worker_hit_rate=per_worker,
         ttft_ms=[round(v, 2) for v in ttfts],
     )
-
-
-def _percentile(sorted_values: list[float], q: float) -> float:
-    if not sorted_values:
-        return 0.0
-    index = min(len(sorted_values) - 1, max(0, round(q * (len(sorted_values) - 1))))
-    return sorted_values[index]
 
 
 def check_targets(results: list[ModeResult]) -> list[dict[str, Any]]:

@@ -42,8 +42,8 @@ from bench.policies import (
 )
 from bench.report import Machine, RunSummary
 from bench.stacks import ROOT, DirectStack, PipelineStack, Stack, StackError, private_broker
-from bench.stats import RunContext, summarise
 from bench.suite import machine_now
+from bench.summary import RunContext, summarise
 from bench.workload import Mix, plan
 
 # The issue's targets (issue 12, point 2).

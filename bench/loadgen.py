@@ -15,6 +15,7 @@ from typing import Any, TextIO
 import websockets
 from websockets.asyncio.client import ClientConnection
 
+from bench.stats import percentile
 from bench.workload import PlannedRequest
 
 # A frame larger than this is a protocol problem worth failing on, not a sample.
@@ -246,7 +247,7 @@ def _status(state: _Run, zero: float, final: bool = False) -> str:
         for t in state.traces
         if t.sent_at is not None and t.delta_at
     )
-    p50 = f"{ttfts[len(ttfts) // 2]:.0f}ms" if ttfts else "-"
+    p50 = f"{percentile(ttfts, 50):.0f}ms" if ttfts else "-"
     return (
         f"{label}t={time.monotonic() - zero:5.1f}s sent={state.sent}/{len(state.traces)} "
         f"done={state.finished - state.errors} err={state.errors} in_flight={state.in_flight} "

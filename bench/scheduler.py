@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from bench.stats import percentile
 from services.scheduler.departure import (
     AdaptiveRule,
     CostModel,
@@ -139,12 +140,13 @@ class TierStats:
         ttft = sorted(self.ttft_ms)
         return {
             "requests": len(waits),
-            "batch_size": round(statistics.mean(self.batch_sizes), 2),
-            "fill": round(statistics.mean(self.fills), 3),
+            # A tier's requests can all ride in the other tier's batches (short runs do that).
+            "batch_size": round(statistics.fmean(self.batch_sizes), 2) if self.batch_sizes else 0.0,
+            "fill": round(statistics.fmean(self.fills), 3) if self.fills else 0.0,
             "wait_ms_mean": round(statistics.mean(waits), 2),
-            "wait_ms_p99": round(waits[int(0.99 * (len(waits) - 1))], 2),
-            "ttft_ms_p50": round(ttft[len(ttft) // 2], 2),
-            "ttft_ms_p99": round(ttft[int(0.99 * (len(ttft) - 1))], 2),
+            "wait_ms_p99": round(percentile(waits, 99), 2),
+            "ttft_ms_p50": round(percentile(ttft, 50), 2),
+            "ttft_ms_p99": round(percentile(ttft, 99), 2),
         }
 
 
@@ -299,8 +301,8 @@ async def dispatch_latency(bootstrap: str, rounds: int = 60) -> dict[str, dict[s
                     samples.append((time.perf_counter() - started) * 1000)
                 samples.sort()
                 out[f"{name}, {gap * 1000:.0f} ms apart"] = {
-                    "p50_ms": round(samples[len(samples) // 2], 2),
-                    "p90_ms": round(samples[int(0.9 * (len(samples) - 1))], 2),
+                    "p50_ms": round(percentile(samples, 50), 2),
+                    "p90_ms": round(percentile(samples, 90), 2),
                 }
     finally:
         for client in (txn, plain, consumer):
@@ -313,7 +315,7 @@ async def dispatch_latency(bootstrap: str, rounds: int = 60) -> dict[str, dict[s
 # -- report ---------------------------------------------------------------------------------
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=200_000, help="throughput part")
     parser.add_argument("--profile", default="llama3-8b-h100")
@@ -321,7 +323,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--plot", type=Path)
     parser.add_argument("--bootstrap", help="also time one dispatch on this Kafka broker")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     out: dict[str, Any] = {}
     print(f"## Policy throughput, one core, {args.requests} requests")
@@ -399,6 +401,7 @@ def main() -> None:
         args.json.write_text(json.dumps(out, indent=2))
     if args.plot:
         plot(load_runs, args.plot)
+    return 0
 
 
 def plot(runs: list[LoadRun], path: Path) -> None:
@@ -429,4 +432,4 @@ def plot(runs: list[LoadRun], path: Path) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -39,6 +39,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from bench.stats import percentile
 from services.scheduler.departure import AdaptiveRule, CostModel, fit_cost_model
 from services.scheduler.policy import Dispatch, Policy, WorkerSlots
 from services.scheduler.settings import SchedulerSettings
@@ -135,11 +136,6 @@ class RunStats:
     batch_size_mean: float
     padded_share: float  # of the prefill tokens computed, the share that were padding
     batches: int
-
-
-def _quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * (len(ordered) - 1)))] if ordered else math.nan
 
 
 def static_cost_line(profile: SimProfile) -> CostModel:
@@ -239,15 +235,15 @@ def simulate(
         for d in plan.dispatches:
             _dispatch(by_id[d.worker_id], d, now, start, sizes)
     measured = [r for r in requests if r.arrived >= WARMUP_S]
-    ttft = [(r.first_token_at - r.arrived) * 1000 for r in measured]
+    ttft = sorted((r.first_token_at - r.arrived) * 1000 for r in measured)
     last = max((r.done_at for r in requests), default=seconds)
     return RunStats(
         policy=spec.name,
         offered_rps=round(rate, 3),
         requests=len(requests),
         done_rps=round(len(requests) / max(last, seconds), 3),
-        ttft_ms_p50=round(_quantile(ttft, 0.5), 1),
-        ttft_ms_p99=round(_quantile(ttft, 0.99), 1),
+        ttft_ms_p50=round(percentile(ttft, 50), 1) if ttft else math.nan,
+        ttft_ms_p99=round(percentile(ttft, 99), 1) if ttft else math.nan,
         batch_size_mean=round(sum(sizes) / len(sizes), 2) if sizes else 0.0,
         padded_share=round(1 - real / padded, 4) if padded else 0.0,
         batches=len(sizes),

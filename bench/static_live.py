@@ -27,7 +27,7 @@ from bench.cpu import cpu_seconds
 from bench.findings import passes_slo
 from bench.loadgen import LoadConfig, run_load, warm_up
 from bench.stacks import PipelineStack, StackError, private_broker
-from bench.stats import RunContext, summarise
+from bench.summary import RunContext, summarise
 from bench.workload import LengthDistribution, Mix, RequestClass, plan
 from services.worker.engines.sim_profiles import sim_profile
 from shared.messages import Tier

@@ -27,7 +27,7 @@ from bench.policies import (
 )
 from bench.report import BenchReport, Machine, PolicyReport, RunSummary
 from bench.stacks import DirectStack, PipelineStack, Stack, StackError, private_broker
-from bench.stats import RunContext, summarise
+from bench.summary import RunContext, summarise
 from bench.workload import Mix, plan
 from shared.settings import TokenbusSettings
 

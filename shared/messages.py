@@ -602,14 +602,32 @@ class QueuedRequest(RequestRecord):
         return self.model_copy(update={"attempt": self.attempt + 1})
 
     @classmethod
-    def from_record(cls, record: RequestRecord, *, tier: Tier, reply_to: ReplyTo) -> QueuedRequest:
-        data = record.model_dump()
-        data.update(
-            tier=tier,
-            reply_to=reply_to,
-            prompt_tokens=record.prompt_token_bound(),
-        )
-        queued = cls.model_validate(data)
+    def from_record(
+        cls,
+        record: RequestRecord,
+        *,
+        tier: Tier,
+        reply_to: ReplyTo | None = None,
+        prompt_tokens: int | None = None,
+    ) -> QueuedRequest:
+        """The tier record of a validated request: the one way to build it, for what ingest
+        forwards and what the edge writes straight to a tier topic (ADR 0041).
+
+        Built without validating again: `record` was validated under its limits, and what
+        is added here is tokenbus's own. `reply_to`: where the results go (None: the
+        record's own, which it must then have); `prompt_tokens`: the bound already
+        computed (None: `record.prompt_token_bound()`).
+        """
+        reply_to = reply_to or record.reply_to
+        if reply_to is None:
+            raise ValueError(f"request {record.request_id}: a tier record needs a reply_to")
+        if prompt_tokens is None:
+            prompt_tokens = record.prompt_token_bound()
+        if prompt_tokens < 0:
+            raise ValueError(f"request {record.request_id}: prompt_tokens {prompt_tokens} < 0")
+        fields = {name: getattr(record, name) for name in RequestRecord.model_fields}
+        fields.update(tier=tier, reply_to=reply_to, prompt_tokens=prompt_tokens)
+        queued = cls.model_construct(**fields, accepted_at=time.time())
         queued.carry_estimate(record)
         return queued
 

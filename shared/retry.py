@@ -44,16 +44,18 @@ async def retrying(
     within_s: float | None,
     what: str,
     retry_on: tuple[type[BaseException], ...],
+    backoff: Backoff | None = None,
     **context: object,
 ) -> T:
     """Run `attempt` until it succeeds, backing off between tries.
 
     `within_s`: give up once this long has passed and re-raise the last error (None: never
-    give up, for writes that must not be lost and have no other way out). Every failed try
-    is logged with `what` and `context`.
+    give up, for writes that must not be lost and have no other way out). `backoff`: the
+    waits between tries (the default `Backoff()` when None). Every failed try is logged with
+    `what` and `context`.
     """
     deadline = None if within_s is None else time.monotonic() + within_s
-    backoff = Backoff()
+    backoff = backoff or Backoff()
     tries = 0
     while True:
         tries += 1

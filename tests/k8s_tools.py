@@ -1,6 +1,6 @@
-"""The tools the manifest and monitoring tests run, as `deploy/tools/build.sh` cached them,
-and the rendered manifests. A missing tool fails the test naming the command that builds
-it (`make test` runs that command first, so only a bare `pytest` can meet this)."""
+"""The tools the manifest and monitoring tests run, as `deploy/tools/build.sh` builds them
+(waited for while `make test` builds them in the background: tests/built_tools.py), and the
+rendered manifests. A tool that cannot be built fails the test with build.sh's reason."""
 
 from __future__ import annotations
 
@@ -13,32 +13,22 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.built_tools import ToolNotBuilt, built
+
 ROOT = Path(__file__).resolve().parent.parent
-BUILD = ROOT / "deploy" / "tools" / "build.sh"
 K8S = ROOT / "deploy" / "k8s"
 OVERLAYS = ("sim", "gpu")
 MONITORING = ROOT / "deploy" / "monitoring"
 
 
-@functools.cache
-def _tools() -> tuple[dict[str, Path], str]:
-    done = subprocess.run([str(BUILD), "--check"], capture_output=True, text=True, check=False)
-    found = {}
-    for line in done.stdout.splitlines():
-        name, _, path = line.partition(" ")
-        found[name] = Path(path)
-    return found, done.stderr.strip()
-
-
 def tool(name: str) -> Path:
-    """Path of a built tool (promtool, kustomize, etcd, kube-apiserver, keda-crds)."""
-    found, error = _tools()
-    if name not in found:
-        pytest.fail(
-            f"{name} is not built: run deploy/tools/build.sh (make test does). {error}",
-            pytrace=False,
-        )
-    return found[name]
+    """Path of a built tool (promtool, kustomize, etcd, kube-apiserver, keda-crds), waiting
+    for its build if one is under way. A module whose fixtures call this carries
+    `WAITS_FOR_BUILD`, so that the wait is not timed as a test."""
+    try:
+        return built(name)
+    except ToolNotBuilt as exc:
+        pytest.fail(str(exc), pytrace=False)
 
 
 def run(cmd: list[str], *, cwd: Path | None = None, timeout: float = 120) -> str:
@@ -74,7 +64,7 @@ def named(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
 @functools.cache
 def _keda_crds() -> tuple[dict[str, Any], ...]:
     loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-    crds = []
+    crds: list[dict[str, Any]] = []
     for path in sorted(tool("keda-crds").glob("*.yaml")):
         crds.extend(d for d in yaml.load_all(path.read_text(), Loader=loader) if d)
     return tuple(crds)

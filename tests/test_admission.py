@@ -16,14 +16,13 @@ from services.ingest.admission import (
     Rejected,
     admit,
 )
-from services.ingest.dead_letter import (
+from shared.dead_letters import (
     REASON,
     REPLY,
     SOURCE,
     TRUNCATED,
     ReplyStatus,
     Source,
-    dead_letter,
 )
 from shared.messages import QueuedRequest, RequestLimits, Tier
 from shared.tokens import prompt_token_bound
@@ -198,7 +197,9 @@ def test_a_dead_letter_near_the_record_limit_is_truncated_and_says_so() -> None:
     body = json.dumps({"request_id": "r9", "prompt": 1, "pad": "x" * 1_100_000}).encode()
     d = rejected(body)
     source = Source("tb.requests", 0, 7)
-    letter = dead_letter(body, b"r9", source, d, ReplyStatus.delivered, None, 1_000_000)
+    letter = d.dead_letter(
+        body, b"r9", source, ReplyStatus.delivered, None, max_record_bytes=1_000_000, reader="i"
+    )
     size = len(letter.value) + len(letter.key or b"")
     size += sum(len(k) + len(v.encode()) for k, v in letter.headers.items())
     assert size <= 1_000_000 - 1024
@@ -207,6 +208,8 @@ def test_a_dead_letter_near_the_record_limit_is_truncated_and_says_so() -> None:
     assert letter.headers[SOURCE] == "tb.requests/0/7"
     assert letter.headers[REPLY] == "delivered"
     assert body.startswith(letter.value)
-    small = dead_letter(b"{}", None, source, d, ReplyStatus.none, None, 1_000_000)
+    small = d.dead_letter(
+        b"{}", None, source, ReplyStatus.none, None, max_record_bytes=1_000_000, reader="i"
+    )
     assert small.value == b"{}"
     assert TRUNCATED not in small.headers

@@ -22,7 +22,7 @@ from bench.cpu import CpuWindow, Reading, cpu_seconds, listening_pid, window
 from bench.findings import slo_result
 from bench.flames import top_frames
 from bench.report import Distribution, PolicyReport, RunSummary
-from bench.stats import HOPS, percentile
+from bench.summary import HOPS
 from bench.workload import Mix, plan, poisson_arrivals
 from tests.stack import ROOT, Stack
 
@@ -227,15 +227,6 @@ def test_bench_compare_starts_its_own_stacks(bootstrap: str, tmp_path: Path) -> 
 # Pure pieces of the bench, with plain values.
 
 
-def test_percentile_interpolates_between_ranks() -> None:
-    values = [1.0, 2.0, 3.0, 4.0]
-    assert percentile(values, 0) == 1.0
-    assert percentile(values, 50) == 2.5
-    assert percentile(values, 100) == 4.0
-    with pytest.raises(ValueError, match="no values"):
-        percentile([], 50)
-
-
 def test_poisson_arrivals_have_the_asked_rate_and_stay_in_the_window() -> None:
     times = poisson_arrivals(100.0, 50.0, random.Random(1))
     assert all(0 <= a < b < 50.0 for a, b in itertools.pairwise(times))
@@ -387,6 +378,36 @@ CAPACITY_KEYS = {
     "elapsed_s",
 }
 PIPELINE_PROCESSES = {"edge", "ingest", "scheduler", "worker", "broker", "loadgen"}
+
+
+@pytest.mark.kafka
+def test_bench_cache_answers_each_repeat_from_the_cache(bootstrap: str, tmp_path: Path) -> None:
+    out, doc = tmp_path / "cache.json", tmp_path / "benchmarks.md"
+    doc.write_text("# Benchmarks\n\nA section someone else wrote.\n")
+    _bench(
+        "cache",
+        "--prompts",
+        "2",
+        "--max-tokens",
+        "8",
+        "--json",
+        str(out),
+        "--docs",
+        str(doc),
+        "--log-dir",
+        str(tmp_path / "logs"),
+        bootstrap=bootstrap,
+    )
+    report = json.loads(out.read_text())
+    samples = report["samples"]
+    assert [len(samples[k]) for k in ("uncached", "cached")] == [2, 2]
+    assert [t["cached"] for t in samples["uncached"]] == [False, False]
+    assert [t["cached"] for t in samples["cached"]] == [True, True]
+    assert [t["text"] for t in samples["cached"]] == [t["text"] for t in samples["uncached"]]
+    assert report["hit_rate"] == 1.0
+    text = doc.read_text()
+    assert "A section someone else wrote." in text
+    assert text.count("tokenbus-cache:begin") == text.count("tokenbus-cache:end") == 1
 
 
 @pytest.mark.kafka

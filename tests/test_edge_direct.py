@@ -16,8 +16,7 @@ from typing import Any
 import pytest
 import websockets
 
-from services.edge.gateway import request_record, tier_record
-from shared.messages import ChatRequest, QueuedRequest, ReplyTo, Tier
+from shared.messages import QueuedRequest, Tier
 from tests.chat_client import run_requests
 from tests.stack import Stack, free_port, new_prefix, wait_until
 
@@ -134,16 +133,3 @@ async def test_a_request_no_batch_could_hold_is_refused_at_the_edge(
         for v in await stack.read_async(topic)
     ]
     assert not [r for r in everything if r.get("client_id") == client_id]
-
-
-def test_the_edges_tier_record_is_the_one_ingest_would_forward() -> None:
-    request = ChatRequest.model_validate(
-        {"messages": [{"role": "user", "content": "hi there, bus"}], "max_tokens": 9, "seed": 3}
-    )
-    reply_to = ReplyTo(topic="p.results", partition=2)
-    record = request_record(request, request_id="r1", tenant="t1", reply_to=reply_to)
-    mine = tier_record(record, tier=Tier.background, prompt_tokens=record.prompt_token_bound())
-    ingests = QueuedRequest.from_record(record, tier=Tier.background, reply_to=reply_to)
-    assert QueuedRequest.model_validate_json(mine.model_dump_json()) == mine
-    assert mine.model_dump(exclude={"accepted_at"}) == ingests.model_dump(exclude={"accepted_at"})
-    assert record.created_at <= mine.accepted_at

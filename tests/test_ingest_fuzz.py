@@ -25,7 +25,7 @@ from services.ingest.admission import (
     admit,
     reserved_topics,
 )
-from services.ingest.dead_letter import FRAMING_BYTES, ReplyStatus, Source, dead_letter
+from shared.dead_letters import FRAMING_BYTES, ReplyStatus, Source
 from shared.kafka import encode
 from shared.messages import ErrorResult, QueuedRequest, RequestLimits
 from shared.topics import Topics
@@ -110,8 +110,14 @@ def check(decision: Decision, raw: bytes) -> None:
     error = decision.error_result()
     if error is not None:
         assert ErrorResult.model_validate_json(encode(error)) == error
-    letter = dead_letter(
-        raw, b"k", Source("tb.requests", 0, 1), decision, ReplyStatus.none, None, MAX_RECORD
+    letter = decision.dead_letter(
+        raw,
+        b"k",
+        Source("tb.requests", 0, 1),
+        ReplyStatus.none,
+        None,
+        max_record_bytes=MAX_RECORD,
+        reader="ingest:fuzz",
     )
     for name, text in letter.headers.items():
         name.encode()

@@ -1,8 +1,8 @@
 """Ingest's per-record steps with fakes for Kafka (the real broker is in test_ingest_*.py).
 
-`FakeProducer` and `FakeAdmin` stand in for the renewing producer and aiokafka's admin
-client: they record what would be written and fail on a script, so each failure path is
-exact.
+`FakeProducer` (with `FakeMetadata`, its metadata client) and `FakeAdmin` stand in for the
+renewing producer and aiokafka's admin client: they record what would be written and fail
+on a script, so each failure path is exact.
 """
 
 from __future__ import annotations
@@ -15,18 +15,35 @@ from typing import Any
 
 import pytest
 from aiokafka import ConsumerRecord
+from aiokafka.cluster import ClusterMetadata
 from aiokafka.errors import KafkaConnectionError, MessageSizeTooLargeError
 
 import services.ingest.handling as handling_module
 from services.ingest.admission import Admitted, Duplicate, Reason, Rejected
-from services.ingest.dead_letter import REASON, REPLY, REPLY_ERROR, SOURCE
-from services.ingest.destinations import ReplyDestinations
 from services.ingest.handling import Ingest
 from services.ingest.settings import IngestSettings
 from services.ingest.telemetry import IngestTelemetry
-from shared.messages import ReplyTo
+from shared.dead_letters import REASON, REPLY, REPLY_ERROR, SOURCE
 
 PREFIX = "tb"
+
+
+@dataclass
+class FakeMetadata:
+    """The producer's metadata client: nothing cached; a look-up answers from `topics`
+    (name: partitions), `unauthorized` and `internal`, as they are at that moment."""
+
+    topics: dict[str, int] = field(default_factory=lambda: {f"{PREFIX}.results": 4, "mine": 1})
+    unauthorized: set[str] = field(default_factory=set)
+    internal: set[str] = field(default_factory=set)
+    cluster: ClusterMetadata = field(default_factory=ClusterMetadata)
+
+    async def _metadata_update(self, cluster: ClusterMetadata, topics: list[str]) -> bool:
+        known = {t: set(range(self.topics[t])) for t in topics if t in self.topics}
+        cluster.partitions_for_topic = known.get  # type: ignore[method-assign]
+        cluster.unauthorized_topics = self.unauthorized & set(topics)
+        cluster.internal_topics = self.internal & set(topics)
+        return True
 
 
 @dataclass
@@ -41,6 +58,7 @@ class FakeProducer:
     hang: set[str] = field(default_factory=set)  # topics whose writes never complete
     published: list[dict[str, Any]] = field(default_factory=list)
     attempts: list[str] = field(default_factory=list)
+    client: FakeMetadata = field(default_factory=FakeMetadata)
 
     async def send(
         self, topic: str, value: bytes, *, key: bytes | None = None, **kw: Any
@@ -249,21 +267,42 @@ async def test_a_defect_on_one_record_dead_letters_it_and_the_next_flows(
     assert isinstance(ok, Admitted)
 
 
+async def test_each_way_a_reply_to_cannot_be_written_has_its_reason() -> None:
+    broker = FakeProducer()
+    broker.client.unauthorized.add("theirs")
+    broker.client.internal.add("__consumer_offsets")
+    ingest = make(broker, ingest_reply_to_grace_ms=0)
+    await ingest.recall()
+    cases = {
+        "gone": (None, Reason.reply_to_missing),
+        "theirs": (None, Reason.reply_to_forbidden),
+        "__consumer_offsets": (None, Reason.reply_to_forbidden),
+        "mine": (1, Reason.reply_to_partition),
+    }
+    for offset, (topic, (partition, reason)) in enumerate(cases.items()):
+        reply_to = {"topic": topic, "partition": partition}
+        body = {"request_id": f"r{offset}", "prompt": "hi", "reply_to": reply_to}
+        decision = await ingest.handle(record(body, offset=offset))
+        assert isinstance(decision, Rejected), topic
+        assert decision.reason is reason, topic
+    assert broker.on("tb.requests.interactive") == []
+
+
 async def test_a_reply_to_topic_created_a_moment_ago_is_waited_for() -> None:
-    admin = FakeAdmin({})
+    broker = FakeProducer()
 
     async def create_soon() -> None:
-        await asyncio.sleep(0.1)
-        admin.topics["fresh"] = 2
+        await asyncio.sleep(0.05)
+        broker.client.topics["fresh"] = 2
 
     creating = asyncio.create_task(create_soon())
-    destinations = ReplyDestinations(admin, timeout_s=1, grace_s=2)  # type: ignore[arg-type]
-    assert await destinations.check(ReplyTo(topic="fresh", partition=1)) is None
+    ingest = make(broker, ingest_reply_to_grace_ms=500)
+    body = {"request_id": "r1", "prompt": "hi", "reply_to": {"topic": "fresh", "partition": 1}}
+    assert isinstance(await handle(ingest, record(body)), Admitted)
     await creating
-    at_once = ReplyDestinations(admin, timeout_s=1)  # type: ignore[arg-type]
-    verdict = await at_once.check(ReplyTo(topic="fresh", partition=2))
-    assert verdict is not None
-    assert verdict.reason is Reason.reply_to_partition
-    verdict = await at_once.check(ReplyTo(topic="never"))
-    assert verdict is not None
-    assert verdict.reason is Reason.reply_to_missing
+    # Not remembered as missing: ingest asks about a missing topic every time.
+    body = {"request_id": "r2", "prompt": "hi", "reply_to": {"topic": "later"}}
+    rejected = await ingest.handle(record(body, offset=1))
+    assert isinstance(rejected, Rejected)
+    broker.client.topics["later"] = 1
+    assert isinstance(await ingest.handle(record(body, offset=2)), Admitted)

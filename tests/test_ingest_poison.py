@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from services.ingest.dead_letter import ERROR, REASON, REPLY, REQUEST_ID, SOURCE, TRUNCATED
+from shared.dead_letters import ERROR, REASON, REPLY, REQUEST_ID_HEADER, SOURCE, TRUNCATED
 from shared.kafka import create_topics, make_producer
 from tests.ingest_kafka import Results, read_all
 from tests.stack import Stack
@@ -242,7 +242,7 @@ async def test_no_poison_record_stops_ingest_on_any_partition(stack: Stack) -> N
         if kind.reason.startswith("reply_to_") and kind.reason != "reply_to_reserved":
             assert headers[REPLY] == "undeliverable", (kind.name, headers)
         if kind.answered:
-            assert headers[REQUEST_ID] == bad_id
+            assert headers[REQUEST_ID_HEADER] == bad_id
         if kind.name == "near the broker's size limit":
             assert int(headers[TRUNCATED]) > 1_040_000
         assert PROMPT not in headers[ERROR]  # no value of the record in the headers

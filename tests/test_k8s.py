@@ -14,10 +14,11 @@ import kubernetes_validate
 import pytest
 
 from shared.topics import Topics
-from tests.k8s_tools import K8S, OVERLAYS, keda_crds, named, of_kind, rendered
+from tests.built_tools import WAITS_FOR_BUILD
+from tests.k8s_tools import K8S, OVERLAYS, keda_crds, named, of_kind, rendered, tool
 from tokenbus.config import env_file
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, WAITS_FOR_BUILD]
 
 KUBERNETES_VERSION = "1.37.0"
 KEDA_GROUP = "keda.sh"
@@ -27,6 +28,13 @@ SERVICES = ("edge", "ingest", "scheduler", "worker")
 HEALTH_PORT = {"edge": 8000, "ingest": 9101, "scheduler": 9102, "worker": 9103}
 METRICS_PORT = {"edge": 9100, "ingest": 9101, "scheduler": 9102, "worker": 9103}
 PARTITIONS = Topics("tokenbus").partitions()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _tools_built() -> None:
+    """kustomize and KEDA's CRDs, waited for here if make test is still building them."""
+    tool("kustomize")
+    tool("keda-crds")
 
 
 def env_of(container: dict[str, Any]) -> dict[str, dict[str, Any]]:

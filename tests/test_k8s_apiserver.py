@@ -20,6 +20,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from kubernetes.dynamic import DynamicClient
 
+from tests.built_tools import WAITS_FOR_BUILD
 from tests.k8s_tools import OVERLAYS, keda_crds, named, rendered, tool
 from tests.stack import free_port, wait_until
 
@@ -27,6 +28,7 @@ from tests.stack import free_port, wait_until
 # talk to it on 127.0.0.1 without verifying it (`verify_ssl = False` below).
 pytestmark = [
     pytest.mark.integration,
+    WAITS_FOR_BUILD,  # `apiserver` waits for etcd and kube-apiserver (10+ min cold)
     pytest.mark.filterwarnings("ignore::urllib3.exceptions.InsecureRequestWarning"),
 ]
 

@@ -15,7 +15,7 @@ from aiokafka import ConsumerRecord, TopicPartition
 from pydantic import ValidationError
 
 from services.edge.auth import request_tokens
-from services.edge.gateway import request_record, tier_record
+from services.edge.gateway import request_record
 from services.edge.models import ModelDirectory
 from services.edge.protocol import ChatRequestFrame
 from services.edge.quotas import Quotas, TenantLimits
@@ -76,8 +76,9 @@ def test_the_estimate_is_the_configured_default_and_travels_with_the_request() -
     # The edge's paths build records without validating them again: the estimate goes along.
     record = request_record(request, request_id="r1", tenant="t", reply_to=REPLY_TO)
     assert record.effective_max_tokens == ESTIMATE
-    assert tier_record(record, tier=Tier.interactive, prompt_tokens=40).token_cost == 40 + 64
-    # Ingest's path.
+    # The tier record (the edge's direct path and ingest build it the same way).
+    direct = QueuedRequest.from_record(record, tier=Tier.interactive, prompt_tokens=40)
+    assert direct.token_cost == 40 + 64
     queued = QueuedRequest.from_record(record, tier=Tier.interactive, reply_to=REPLY_TO)
     assert queued.effective_max_tokens == ESTIMATE
     # A WebSocket frame's request.

@@ -6,37 +6,47 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
+from tests.built_tools import WAITS_FOR_BUILD
 from tests.k8s_tools import MONITORING, run, tool
 
 DASHBOARD = MONITORING / "grafana" / "dashboards" / "tokenbus.json"
 RULES = MONITORING / "rules" / "tokenbus.rules.yml"
 
+pytestmark = WAITS_FOR_BUILD
+
+
+@pytest.fixture(scope="module")
+def promtool() -> Path:
+    """promtool, waited for here if make test is still building it."""
+    return tool("promtool")
+
 
 @pytest.mark.integration
-def test_prometheus_configs_pass_promtool_check_config() -> None:
+def test_prometheus_configs_pass_promtool_check_config(promtool: Path) -> None:
     for config in ("prometheus.yml", "prometheus-k8s.yml"):
-        out = run([str(tool("promtool")), "check", "config", config], cwd=MONITORING)
+        out = run([str(promtool), "check", "config", config], cwd=MONITORING)
         assert "SUCCESS" in out, out
         assert "rules/tokenbus.rules.yml" in out, out  # its rule file was read and checked
 
 
 @pytest.mark.integration
-def test_rules_pass_promtool_check_rules() -> None:
-    out = run([str(tool("promtool")), "check", "rules", "--lint-fatal", str(RULES)])
+def test_rules_pass_promtool_check_rules(promtool: Path) -> None:
+    out = run([str(promtool), "check", "rules", "--lint-fatal", str(RULES)])
     groups = yaml.safe_load(RULES.read_text())["groups"]
     count = sum(len(g["rules"]) for g in groups)
     assert f"SUCCESS: {count} rules found" in out, out
 
 
 @pytest.mark.integration
-def test_alert_rules_unit_tests_pass() -> None:
+def test_alert_rules_unit_tests_pass(promtool: Path) -> None:
     out = run(
-        [str(tool("promtool")), "test", "rules", "tokenbus.rules.test.yml"],
+        [str(promtool), "test", "rules", "tokenbus.rules.test.yml"],
         cwd=MONITORING / "rules",
     )
     assert "SUCCESS" in out, out

@@ -14,12 +14,13 @@ import pytest
 import websockets
 import yaml
 
+from tests.built_tools import WAITS_FOR_BUILD
 from tests.chat_client import run_requests
 from tests.k8s_tools import run, tool
 from tests.stack import SERVICES, Stack, _create, free_port, new_prefix, wait_until
 from tests.test_monitoring import RULES, dashboard_queries
 
-pytestmark = pytest.mark.kafka
+pytestmark = [pytest.mark.kafka, WAITS_FOR_BUILD]
 
 PROBE = "tokenbus_probe"
 # Series Prometheus makes itself for every target.
@@ -29,6 +30,7 @@ SCRAPE_SERIES = {"up", "scrape_duration_seconds", "scrape_samples_scraped"}
 @pytest.fixture(scope="module")
 def scraped(bootstrap: str, log_dir: Path) -> Iterator[dict[str, str]]:
     """service -> its /metrics text, after one chat request went through all four."""
+    tool("promtool")  # waited for here, if make test is still building it
     stack = Stack(bootstrap=bootstrap, prefix=new_prefix(), log_dir=log_dir)
     try:
         asyncio.run(_create(stack.settings, stack.topics))

@@ -22,7 +22,7 @@ import websockets
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from services.worker.engines.sim_text import complete
-from shared.dead_letters import CODE_HEADER, REASON_HEADER, SOURCE_TOPIC_HEADER
+from shared.dead_letters import ERROR, ERROR_CODE, SOURCE_TOPIC
 from shared.kafka import make_admin, new_topic
 from shared.messages import Heartbeat, QueuedRequest, ReplyTo, Tier
 from shared.settings import TokenbusSettings
@@ -234,11 +234,11 @@ async def test_poison_everywhere_is_dead_lettered_and_good_requests_still_flow(
     reasons: list[str] = []
     for record in dlq:
         headers = dict(record.headers)
-        source = headers[SOURCE_TOPIC_HEADER].decode()
+        source = headers[SOURCE_TOPIC].decode()
         offset_source = headers["tokenbus-source"].decode().rsplit("/", 2)
         sources.add((source, int(offset_source[1])))
-        assert headers[CODE_HEADER]
-        reasons.append(headers[REASON_HEADER].decode())
+        assert headers[ERROR_CODE]
+        reasons.append(headers[ERROR].decode())
     poisoned = {(topics.tier(tier), p) for tier in Tier for p in range(4)}
     poisoned |= {(topics.batches, 0), (topics.workers, 0), (topics.control, 0)}
     assert poisoned <= sources, poisoned - sources

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import ast
 import re
-import statistics
 from pathlib import Path
 from typing import Any
+
+from bench.stats import percentile
 
 _PAIR = re.compile(r"(\w+)=('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"|\S+)")
 
@@ -29,17 +30,13 @@ def events(log: Path, name: str) -> list[dict[str, Any]]:
 
 
 def distribution(values: list[float]) -> dict[str, float]:
-    """n, min, p50, p90, p99, max of a sample (nearest-rank percentiles)."""
+    """n, min, p50, p90, p99, max of a sample (the bench's percentile, bench/stats.py)."""
     ordered = sorted(values)
-
-    def pct(p: float) -> float:
-        return ordered[min(len(ordered) - 1, max(0, round(p / 100 * len(ordered)) - 1))]
-
     return {
         "n": len(ordered),
         "min": ordered[0],
-        "p50": statistics.median(ordered),
-        "p90": pct(90),
-        "p99": pct(99),
+        "p50": percentile(ordered, 50),
+        "p90": percentile(ordered, 90),
+        "p99": percentile(ordered, 99),
         "max": ordered[-1],
     }

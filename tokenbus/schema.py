@@ -20,16 +20,8 @@ from pydantic import TypeAdapter
 from pydantic.json_schema import JsonSchemaMode
 
 from services.edge.leases import LeaseRecord
-from services.ingest import dead_letter as ingest_dlq
-from shared.dead_letters import (
-    CODE_HEADER,
-    READER_HEADER,
-    REASON_HEADER,
-    SOURCE_HEADER,
-    SOURCE_OFFSET_HEADER,
-    SOURCE_PARTITION_HEADER,
-    SOURCE_TOPIC_HEADER,
-)
+from shared.dead_letters import HEADERS as DEAD_LETTER_HEADERS
+from shared.dead_letters import REQUIRED as DEAD_LETTER_REQUIRED
 from shared.messages import (
     Batch,
     CacheEntry,
@@ -66,6 +58,7 @@ class Message:
     payload: str  # a component schema name (`SCHEMAS`)
     key: str  # what the record key holds
     headers: dict[str, str] = field(default_factory=lambda: dict(TRACE_HEADERS))
+    required_headers: frozenset[str] = frozenset()  # on every record of the kind
 
 
 @dataclass(frozen=True)
@@ -133,24 +126,12 @@ DEAD_LETTER = Message(
     "deadLetter",
     "Dead letter",
     "A record nobody could handle, copied as read (its bytes need not be JSON; a copy over"
-    " 1 MB is truncated). Ingest writes the `tokenbus-reason`…`tokenbus-truncated` set,"
-    " the scheduler and workers the `tokenbus-source-*` set; both name the code and source.",
+    " 1 MB is truncated). Ingest, the scheduler and the workers write one header set"
+    " (shared/dead_letters.py): the required ones on every letter, the others when they apply.",
     "DeadLetter",
     "The key of the record as read (absent if it had none or it was over 1 KiB).",
-    headers={
-        ingest_dlq.REASON: "ingest: why it was not admitted (a rejection reason).",
-        CODE_HEADER: "Stable error code (`invalid_request`, …).",
-        REASON_HEADER: "Why it could not be handled, in words (bounded).",
-        SOURCE_HEADER: "Where it was read: `topic/partition/offset`.",
-        ingest_dlq.REQUEST_ID: "ingest: the request_id, when one could be read.",
-        ingest_dlq.REPLY: "ingest: `delivered`, `undeliverable` or `none` (the error result).",
-        ingest_dlq.REPLY_ERROR: "ingest: why the error result could not be delivered.",
-        ingest_dlq.TRUNCATED: "ingest: the original length, when the copy was truncated.",
-        SOURCE_TOPIC_HEADER: "scheduler, worker: topic it was read from.",
-        SOURCE_PARTITION_HEADER: "scheduler, worker: partition it was read from.",
-        SOURCE_OFFSET_HEADER: "scheduler, worker: offset it was read at.",
-        READER_HEADER: "scheduler, worker: which reader dead-lettered it.",
-    },
+    headers=DEAD_LETTER_HEADERS,
+    required_headers=DEAD_LETTER_REQUIRED,
 )
 BATCH = Message(
     "batch",
@@ -369,6 +350,8 @@ def _message(m: Message) -> dict[str, Any]:
             "type": "object",
             "properties": {k: {"type": "string", "description": v} for k, v in m.headers.items()},
         }
+        if m.required_headers:
+            doc["headers"]["required"] = [k for k in m.headers if k in m.required_headers]
     doc["payload"] = {"$ref": f"#/components/schemas/{m.payload}"}
     doc["bindings"] = {
         "kafka": {"key": {"type": "string", "description": m.key}, "bindingVersion": KAFKA_BINDING}

@@ -15,6 +15,7 @@ from pydantic_core import from_json
 
 from services.ingest.apps import App
 from services.ingest.response_cache import cache_key
+from shared.dead_letters import DeadLetter, ReplyStatus, Source, letter
 from shared.kafka import encode
 from shared.messages import (
     REQUEST_ID,
@@ -83,6 +84,32 @@ class Rejected:
             return None
         return ErrorResult.for_request(
             self.request_id, self.code, self.message, retry_after_ms=self.retry_after_ms
+        )
+
+    def dead_letter(
+        self,
+        value: bytes,
+        key: bytes | None,
+        source: Source,
+        reply: ReplyStatus,
+        reply_error: str | None,
+        *,
+        max_record_bytes: int,
+        reader: str,
+    ) -> DeadLetter:
+        """Its DLQ record: the record as written, cut to fit `max_record_bytes`."""
+        return letter(
+            value,
+            key=key,
+            source=source,
+            reason=self.reason.value,
+            code=self.code.value,
+            error=self.message,
+            reader=reader,
+            reply=reply,
+            request_id=self.request_id,
+            reply_error=reply_error,
+            max_record_bytes=max_record_bytes,
         )
 
 

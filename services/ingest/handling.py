@@ -13,6 +13,8 @@ re-reads them, and the durable memory (memory.py) drops what was already handed 
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
@@ -43,15 +45,15 @@ from services.ingest.admission import (
     without_reply,
 )
 from services.ingest.apps import AppQuotas, Apps
-from services.ingest.dead_letter import ReplyStatus, Source, dead_letter
-from services.ingest.destinations import MetadataUnavailable, ReplyDestinations
 from services.ingest.memory import Memory, RecallRefused, recall
 from services.ingest.response_cache import ResponseCache, replay
 from services.ingest.settings import IngestSettings
 from services.ingest.telemetry import IngestTelemetry
+from shared.dead_letters import ReplyStatus, Source, dead_letter
 from shared.kafka import Headers, encode, key_of
 from shared.messages import ErrorCode, ErrorResult, ReplyTo
 from shared.producers import RenewingProducer
+from shared.results import ReplyTargets, Unwritable
 from shared.retry import Backoff
 from shared.topics import Topics
 
@@ -66,7 +68,7 @@ PERMANENT = (
     AssertionError,  # aiokafka's check of an explicit partition against its metadata
 )
 # Failures that pass: the broker or its metadata did not answer (yet).
-TRANSIENT = (KafkaError, MetadataUnavailable, TimeoutError, OSError)
+TRANSIENT = (KafkaError, TimeoutError, OSError)
 T = TypeVar("T")
 Record: TypeAlias = ConsumerRecord[bytes, bytes]
 
@@ -117,13 +119,19 @@ class Ingest:
         self.tails = tails
         self.telemetry = telemetry
         self._recalled = asyncio.Event()
-        self.destinations = ReplyDestinations(
-            admin, settings.reply_timeout_s, grace_s=settings.ingest_reply_to_grace_ms / 1000
+        # A missing topic is asked about every time (it may be created any moment).
+        self.reply_targets = ReplyTargets(
+            producer,
+            timeout_s=settings.reply_timeout_s,
+            grace_s=settings.ingest_reply_to_grace_ms / 1000,
+            remember_s=0.0,
         )
         self._backoff_s = (
             settings.ingest_retry_backoff_ms / 1000,
             settings.ingest_retry_backoff_max_ms / 1000,
         )
+        # Who wrote its dead letters (`tokenbus-dead-lettered-by`), as a scheduler's id reads.
+        self._reader = f"ingest:{socket.gethostname()}-{os.getpid()}"
 
     async def recall(self) -> None:
         """Refill the memory from the tier topics and the DLQ; retried until it succeeds,
@@ -226,12 +234,12 @@ class Ingest:
         reply_to = _reply_to(decision)
         if reply_to is not None:
             verdict = await self._retrying(
-                f"check reply_to {reply_to.topic}", lambda: self.destinations.check(reply_to)
+                f"check reply_to {reply_to.topic}", lambda: self.reply_targets.check(reply_to)
             )
             if verdict is not None:
                 reply_problem = verdict.why
                 decision = (
-                    undeliverable(decision, verdict.reason, verdict.why)
+                    undeliverable(decision, _REASONS[verdict.kind], verdict.why)
                     if isinstance(decision, Admitted)
                     else without_reply(decision)
                 )
@@ -399,30 +407,23 @@ class Ingest:
         if error is not None and rejected.reply_to is not None:
             reply_problem = await self._reply(rejected.reply_to, error)
             status = ReplyStatus.undeliverable if reply_problem else ReplyStatus.delivered
-        letter = dead_letter(
-            record.value or b"",
-            record.key,
-            source,
-            rejected,
-            status,
-            reply_problem,
-            self.settings.ingest_max_record_bytes,
+        # The DLQ must take it: it is the only way this record ends (and what the memory
+        # reads back), so it is retried until stored; a refusal needs an operator.
+        await dead_letter(
+            self.producer,
+            self.topics.dlq,
+            rejected.dead_letter(
+                record.value or b"",
+                record.key,
+                source,
+                status,
+                reply_problem,
+                max_record_bytes=self.settings.ingest_max_record_bytes,
+                reader=self._reader,
+            ),
+            within_s=None,
+            backoff=Backoff(*self._backoff_s),
         )
-        headers = [(name, text.encode()) for name, text in letter.headers.items()]
-        while True:
-            try:
-                await self._retrying(
-                    f"publish to {self.topics.dlq}",
-                    lambda: self.producer.send_and_wait(
-                        self.topics.dlq, letter.value, key=letter.key, headers=headers
-                    ),
-                )
-                break
-            except PERMANENT as exc:
-                # The DLQ must take it: it is the only way this record ends. An operator
-                # has to fix the DLQ topic (its permissions or size limit); keep trying.
-                log.error("dlq.refused", source=str(source), error=_describe(exc))
-                await asyncio.sleep(self._backoff_s[1])
         self.memory.dead_lettered.remember(source.position)
         log.info(
             "request.rejected",
@@ -462,9 +463,9 @@ class Ingest:
                     "reply.failed", request_id=error.request_id, error=last, failures=failures
                 )
                 await self.producer.settled()
-            self.destinations.forget(reply_to.topic)
+            self.reply_targets.forget(reply_to.topic)
             verdict = await self._retrying(
-                f"check reply_to {reply_to.topic}", lambda: self.destinations.check(reply_to)
+                f"check reply_to {reply_to.topic}", lambda: self.reply_targets.check(reply_to)
             )
             if verdict is not None:
                 return verdict.why
@@ -502,6 +503,14 @@ def _observed(future: asyncio.Future[RecordMetadata]) -> None:
     """Retrieve a dropped future's outcome: its stream is written again whole."""
     if not future.cancelled():
         future.exception()
+
+
+# The rejection reason of each way a `reply_to` cannot be written.
+_REASONS = {
+    Unwritable.missing: Reason.reply_to_missing,
+    Unwritable.forbidden: Reason.reply_to_forbidden,
+    Unwritable.out_of_range: Reason.reply_to_partition,
+}
 
 
 def _reply_to(decision: Admitted | Rejected) -> ReplyTo | None:

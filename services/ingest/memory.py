@@ -24,7 +24,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import TopicAuthorizationFailedError, for_code
 
 from services.ingest.admission import Recent, RecentIds
-from services.ingest.dead_letter import SOURCE, Source
+from shared.dead_letters import source_of
 from shared.topics import Topics
 
 log = structlog.get_logger()
@@ -154,8 +154,7 @@ def _remember(memory: Memory, topics: Topics, record: ConsumerRecord[bytes, byte
         if record.key is not None:
             memory.forwarded.remember(record.key.decode(errors="replace"))
         return
-    for name, data in record.headers:
-        if name == SOURCE and data is not None:
-            source = Source.parse(data.decode(errors="replace"))
-            if source is not None:
-                memory.dead_lettered.remember(source.position)
+    # `tokenbus-source`: written by every version of every writer (shared/dead_letters.py).
+    source = source_of(record.headers)
+    if source is not None:
+        memory.dead_lettered.remember(source.position)

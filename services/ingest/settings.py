@@ -26,8 +26,8 @@ class IngestSettings(TokenbusSettings):
     ingest_reply_to_grace_ms: int = Field(
         default=200,
         ge=0,
-        description="How long a reply_to topic or partition reported missing is asked about"
-        " again before the request is refused (a topic just created may lag).",
+        description="How long after a reply_to topic is reported missing it is asked about"
+        " once more before the request is refused (a topic just created may lag).",
     )
     ingest_reply_attempts: int = Field(
         default=3,

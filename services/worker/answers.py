@@ -10,7 +10,14 @@ import structlog
 from aiokafka.structs import ConsumerRecord, RecordMetadata
 
 from services.worker.settings import WorkerSettings
-from shared.dead_letters import Source, dead_letter, dead_letter_value
+from shared.dead_letters import (
+    INVALID_RECORD,
+    UNDELIVERABLE,
+    ReplyStatus,
+    Source,
+    dead_letter,
+    letter,
+)
 from shared.kafka import encode
 from shared.messages import ErrorCode, ErrorResult, QueuedRequest, ReplyTo
 from shared.producers import RenewingProducer
@@ -34,29 +41,44 @@ class Answers:
         self._targets = ReplyTargets(producer, timeout_s=METADATA_TIMEOUT_S)
 
     async def dead_letter(self, record: ConsumerRecord[bytes, bytes], reason: str) -> None:
-        """Dead-letter a record this process cannot read (`invalid_request`), bounded in time."""
+        """Dead-letter a record this process cannot read (`invalid_request`), bounded in time.
+
+        Its `tokenbus-reply` is `none`: a batch's requests are answered one by one.
+        """
         await dead_letter(
             self._producer,
             self._dlq,
-            record,
-            code=ErrorCode.invalid_request.value,
-            reason=reason,
-            reader=self._reader,
+            letter(
+                record.value or b"",
+                key=record.key,
+                source=Source.of(record),
+                reason=INVALID_RECORD,
+                code=ErrorCode.invalid_request.value,
+                error=reason,
+                reader=self._reader,
+                reply=ReplyStatus.none,
+            ),
             within_s=self._within_s,
         )
 
     async def undeliverable(self, request: QueuedRequest, source: Source, problem: str) -> None:
         """Dead-letter a request nobody can be told anything about (its `reply_to` is bad)."""
         log.error("request.undeliverable", request_id=request.request_id, reason=problem)
-        await dead_letter_value(
+        await dead_letter(
             self._producer,
             self._dlq,
-            encode(request),
-            key=request.request_id.encode(),
-            source=source,
-            code=ErrorCode.invalid_request.value,
-            reason=f"undeliverable: {problem}",
-            reader=self._reader,
+            letter(
+                encode(request),
+                key=request.request_id.encode(),
+                source=source,
+                reason=UNDELIVERABLE,
+                code=ErrorCode.invalid_request.value,
+                error=f"undeliverable: {problem}",
+                reader=self._reader,
+                reply=ReplyStatus.undeliverable,
+                request_id=request.request_id,
+                reply_error=problem,
+            ),
             within_s=self._within_s,
         )
 

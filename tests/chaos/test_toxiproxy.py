@@ -22,11 +22,13 @@ from aiokafka.protocol.metadata import MetadataRequest
 from deploy.kafka import launcher
 from shared.kafka import create_topics, make_consumer, make_producer
 from shared.settings import TokenbusSettings
+from tests.built_tools import WAITS_FOR_BUILD
 from tests.chaos.toxiproxy import Toxiproxy
 from tests.processes import free_port_run
 from tests.stack import new_prefix
 
-pytestmark = pytest.mark.integration
+# `proxied` waits for the Toxiproxy server if make test is still building it.
+pytestmark = [pytest.mark.integration, WAITS_FOR_BUILD]
 
 NODES = 3
 

@@ -28,10 +28,9 @@ from typing import Any, Literal, Self
 from pydantic import BaseModel
 
 from deploy.kafka import launcher
+from tests.built_tools import ToolNotBuilt, built
 from tests.processes import free_port_run
 
-ROOT = Path(__file__).resolve().parent.parent.parent
-BUILD = ROOT / "deploy" / "tools" / "build.sh"
 START_TIMEOUT_S = 10.0
 API_TIMEOUT_S = 5.0
 
@@ -55,18 +54,12 @@ class Toxic(BaseModel):
 
 
 def server_binary() -> Path:
-    """The Toxiproxy server `deploy/tools/build.sh` cached; an error names how to build it."""
-    done = subprocess.run(
-        [str(BUILD), "--check"], capture_output=True, text=True, timeout=60, check=False
-    )
-    for line in done.stdout.splitlines():
-        name, _, path = line.partition(" ")
-        if name == "toxiproxy" and Path(path).is_file():
-            return Path(path)
-    raise ToxiproxyError(
-        "the Toxiproxy server is not built: run deploy/tools/build.sh "
-        f"(make test does; about 25 s cold). {done.stderr.strip()}"
-    )
+    """The Toxiproxy server `deploy/tools/build.sh` builds, waiting for its build if one is
+    under way (`make test` builds it first, in the background: about 25 s cold)."""
+    try:
+        return built("toxiproxy")
+    except ToolNotBuilt as exc:
+        raise ToxiproxyError(f"the Toxiproxy server: {exc}") from exc
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,8 @@ from aiokafka.errors import TopicAuthorizationFailedError
 
 from deploy.kafka import launcher
 from deploy.kafka import secure as secured
-from services.ingest.dead_letter import REASON, REPLY, SOURCE
 from services.worker.engines.sim_text import complete
+from shared.dead_letters import REASON, REPLY, SOURCE
 from shared.kafka import key_of, make_admin, make_consumer, make_producer
 from shared.settings import TokenbusSettings
 from shared.topics import Topics
