@@ -12,7 +12,7 @@ import time
 import uuid
 
 import pytest
-from aiokafka import TopicPartition
+from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from services.edge.replay import Replayed, ReplayRefused, Replays
 from services.edge.results import ResultReader
@@ -160,5 +160,41 @@ def test_join_never_rewinds_a_partition_the_reader_reads() -> None:
         assert reader.position(FOREIGN) == 3
         reader.unfollow(FOREIGN)
         reader.unfollow(FOREIGN)
+
+    asyncio.run(scenario())
+
+
+def test_a_replay_attached_is_not_refused_when_its_consumer_stops_slowly(
+    bootstrap: str,
+) -> None:
+    """The timeout covers the read up to the hand-over, not the consumer's stop after it.
+
+    Chaos seed 603794555 (finding 12): a consumer stop that outlasted the timeout (a broker
+    node hung) turned a replay already attached into an `overloaded` refusal; the client,
+    which had just been shown the stream's `done`, was then sent an `error` after it.
+    """
+
+    class SlowToStop(AIOKafkaConsumer):  # type: ignore[misc]
+        async def stop(self) -> None:
+            await asyncio.sleep(2.0)  # longer than the replay's whole timeout
+            await super().stop()
+
+    async def scenario() -> None:
+        tp = await _topic_with(bootstrap, _mixed(10))
+        settings = _settings(bootstrap)
+        replays = Replays(
+            lambda: SlowToStop(
+                bootstrap_servers=settings.bootstrap_servers, enable_auto_commit=False
+            ),
+            timeout_s=1.0,
+            max_records=1000,
+            concurrency=1,
+        )
+        attached: list[Replayed] = []
+        replayed = await replays.read(
+            tp, "ours", start=0, end=20, live=lambda: None, attach=attached.append
+        )
+        assert attached == [replayed]
+        assert [r.seq for r in replayed.records] == list(range(10))
 
     asyncio.run(scenario())
