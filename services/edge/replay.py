@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import structlog
 from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.errors import KafkaError
 from pydantic import TypeAdapter, ValidationError
 
 from shared.kafka import key_of
@@ -175,4 +176,7 @@ async def _started(
         consumer.assign([tp])
         yield consumer
     finally:
-        await consumer.stop()
+        try:
+            await consumer.stop()
+        except KafkaError as exc:  # after the hand-over: the resume has succeeded already
+            log.warning("replay.consumer_stop_failed", topic=tp.topic, error=repr(exc))
