@@ -27,13 +27,14 @@ from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
+from bench.service_logs import events
+from bench.stats import percentiles
 from services.worker.engines.sim_profiles import sim_profile
 from shared.kafka import create_topics, delete_topics, encode, make_producer, wait_for_broker
 from shared.messages import Batch, QueuedRequest, ReplyTo, Tier
 from shared.settings import TokenbusSettings
 from shared.tokens import sim_tokens
 from shared.topics import Topics
-from tests.worker_logs import distribution, events
 
 ROOT = Path(__file__).resolve().parent.parent
 BATCH_PARTITION = 0  # the worker's own partition of the batches topic
@@ -199,15 +200,13 @@ async def measure(
         delta_records=sum(len(s) for s in stamps.values()),
         final_records=finals,
         step_ms=round(step * 1000, 3),
-        kafka_gap_ms=distribution(gaps),
-        worker_max_gap_ms=distribution([float(e["max_chunk_gap_ms"]) for e in finished]),
-        worker_mean_wait_ms=distribution([float(e["mean_chunk_wait_ms"]) for e in finished]),
-        worker_gap_over_engine_ms=distribution(
+        kafka_gap_ms=percentiles(gaps),
+        worker_max_gap_ms=percentiles([float(e["max_chunk_gap_ms"]) for e in finished]),
+        worker_mean_wait_ms=percentiles([float(e["mean_chunk_wait_ms"]) for e in finished]),
+        worker_gap_over_engine_ms=percentiles(
             [float(e["max_chunk_gap_over_token_gap_ms"]) for e in finished]
         ),
-        worker_flush_lateness_ms=distribution(
-            [float(e["max_flush_lateness_ms"]) for e in finished]
-        ),
+        worker_flush_lateness_ms=percentiles([float(e["max_flush_lateness_ms"]) for e in finished]),
     )
 
 

@@ -43,5 +43,20 @@ def distribution(values: Iterable[float]) -> Distribution:
     )
 
 
+def percentiles(values: Iterable[float]) -> dict[str, float]:
+    """n, min, p50, p90, p99 and max of a non-empty sample, as a plain dict (for JSON)."""
+    ordered = sorted(values)
+    if not ordered:
+        raise ValueError("percentiles of no values")
+    return {
+        "n": len(ordered),
+        "min": ordered[0],
+        "p50": percentile(ordered, 50),
+        "p90": percentile(ordered, 90),
+        "p99": percentile(ordered, 99),
+        "max": ordered[-1],
+    }
+
+
 def _r(value: float) -> float:
     return round(value, 3)

@@ -34,8 +34,9 @@ from shared.topics import Topics
 log = structlog.get_logger()
 
 # A group coordinator that is moving (its broker node was killed) has been seen to answer
-# "no committed offset" for a group that has one (chaos seed 1009154516: a restarted worker
-# took that for a new id, started at the log end, and two requests were never run). "None"
+# "no committed offset" for a group that has one (in a chaos run a restarted worker took
+# that for a new id, started at the log end, and requests were never run: ADR 0021,
+# docs/reliability.md finding 10). "None"
 # is believed only when this many reads, CONFIRM_GAP_S apart, agree.
 CONFIRM_READS = 3
 CONFIRM_GAP_S = 1.0

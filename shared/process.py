@@ -21,8 +21,9 @@ import uvloop
 # How long closing a TLS connection waits for the peer's close_notify before it drops the
 # connection. uvloop's default is 30 s, and a Kafka broker whose response is on its way
 # when the client closes does not answer one: a client closed mid-request (SSL, SASL_SSL)
-# took 30 s to stop. Nothing is lost by dropping it: the response would be discarded anyway.
-# A clean close completes in milliseconds, so this leaves a loaded machine a wide margin.
+# took that whole wait to stop (ADR 0040). Nothing is lost by dropping it: the response
+# would be discarded anyway. A clean close completes in milliseconds, so this leaves a
+# loaded machine a wide margin.
 TLS_CLOSE_TIMEOUT_S = 1.0
 
 

@@ -115,8 +115,8 @@ async def _look_up(
 ) -> dict[str, Set[int]]:
     """The partitions of each of `topics` a metadata answer names, asked again until all are
     named or `timeout_s` is spent: while a node is away, an answer can leave out a topic
-    that exists (chaos seed 275703162: every reset of a recovery skipped as "does not
-    exist"), and one look-up can fail outright. A reply_to was checked when its request was
+    that exists (a chaos run saw every reset of a recovery skipped as "does not exist":
+    ADR 0050), and one look-up can fail outright. A reply_to was checked when its request was
     admitted, so a topic still missing at the end is most likely gone indeed."""
     found: dict[str, Set[int]] = {}
     deadline = time.monotonic() + timeout_s

@@ -175,8 +175,9 @@ async def cluster_metadata(
     """A fresh view of `topics`, without adding any to those the producer tracks.
 
     One metadata request for just these topics (aiokafka's own `_metadata_update`, the
-    call behind `fetch_all_metadata`): asking for every topic costs 50-100 ms on a broker
-    with a thousand topics, once per request with per-request result topics.
+    call behind `fetch_all_metadata`): asking for every topic costs more the more topics
+    the cluster has (ADR 0013 has the figures), once per request with per-request result
+    topics.
     """
     cluster = ClusterMetadata()
     async with asyncio.timeout(timeout_s):

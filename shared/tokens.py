@@ -13,9 +13,10 @@ SmolLM2's or Llama 3.1's date header) up to `TEMPLATE_TOKENS_PER_REQUEST`. A tem
 writes more text of its own exceeds the bound by that much; the edge settles each request
 with its real `usage` when it ends, so quotas still converge on what was used (ADR 0046).
 
-The bound is about 4x the real count for English text (about 4 bytes per token), 1.5-3x for
-CJK. Where the edge has the model's own tokenizer it could count exactly; the project does
-not carry the `tokenizers` library, so the bound is all there is (ADR 0046).
+The bound is about 4x the real count for English text (about 4 bytes per token), less for
+CJK (ADR 0046 has the ratios measured against a real tokenizer). Where the edge has the
+model's own tokenizer it could count exactly; the project does not carry the `tokenizers`
+library, so the bound is all there is (ADR 0046).
 
 `sim_tokens` and `sim_split` are the `sim` engine's stand-in tokenizer (a word or a
 punctuation mark per token): what it reports as usage and models its timing and prefix

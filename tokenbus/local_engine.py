@@ -31,8 +31,8 @@ DTYPE = "bfloat16"
 
 # What a deployment of a continuous-batching engine sets beside its workers: no bus wait.
 # vLLM batches inside, step by step; a request the scheduler holds back for companions
-# only adds to its TTFT (measured: the bus rule's 10 ms at one client; the adaptive rule,
-# which waits once workers are busy, doubled the TTFT p50 at 4 clients). The scheduler
+# only adds to its TTFT: the bus rule's wait at one client, longer under the adaptive rule,
+# which waits once workers are busy (docs/benchmarks.md, "The real engine"). The scheduler
 # still sends only what a worker has slots for.
 DEPLOYMENT_ENV = {
     "TOKENBUS_SCHEDULER_INTERACTIVE_MAX_WAIT_MS": "0",

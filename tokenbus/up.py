@@ -35,7 +35,8 @@ if TYPE_CHECKING:
 # Started in this order; stopped all at once.
 SERVICES = ("ingest", "scheduler", "worker", "edge")
 READY_TIMEOUT_S = 120.0
-# A real model loads in 30-90 s on 2 cores once installed; more on a busy machine.
+# A real model's load once installed (ADR 0043 has the times on 2 cores), with a wide margin
+# for a busy machine.
 MODEL_LOAD_TIMEOUT_S = 900.0
 LOAD_PROGRESS_S = 15.0
 STOP_TIMEOUT_S = 10.0

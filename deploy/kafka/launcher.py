@@ -32,7 +32,7 @@ KAFKA_VERSION = "4.1.1"
 HOST = "127.0.0.1"
 DEFAULT_PORT = 9092
 DEFAULT_STATE_DIR = ".tokenbus/kafka"
-# Generous: three JVMs starting on a loaded 2-core machine have taken over 120 s.
+# Generous: three JVMs starting on a loaded 2-core machine are slow (ADR 0016 has the times).
 START_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 30.0
 
@@ -656,7 +656,7 @@ def _jvm_options(cluster: Cluster) -> tuple[str, ...]:
     if cluster.size == 1:
         return ("-Xmx768m", *JVM_OPTS)
     # Several JVMs start at once on a laptop: each gets a smaller heap, and the C1 JIT only,
-    # which halves the CPU a node burns to start (10.6 s -> 6 s measured) at some cost to
+    # which cuts the CPU a node burns to start (measured: ADR 0016) at some cost to
     # steady-state throughput that a local failure-testing cluster does not need.
     return ("-Xmx512m", "-XX:TieredStopAtLevel=1", *JVM_OPTS)
 

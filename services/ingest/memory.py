@@ -8,7 +8,7 @@ per-record cost (see docs/decisions/0013-ingest-fault-tolerance.md).
 The tails are read by one group-less consumer that lives as long as the process (built in
 app.py), not one per recall: closing a TLS connection while a response is still on its way
 (the metadata refresh that `assign` starts, a fetch) waited uvloop's 30 s SSL shutdown
-timeout, which made every recall on a SASL_SSL cluster take ~30 s (ADR 0037; the services'
+timeout, which every recall on a SASL_SSL cluster then waited out (ADR 0037; the services'
 loop now bounds that wait to 1 s, ADR 0040, and one consumer still saves a TLS handshake
 and a login per recall).
 """

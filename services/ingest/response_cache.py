@@ -44,9 +44,8 @@ KEY_FIELDS = frozenset(
     | SAMPLING_FIELDS
 )
 KEY_VERSION = 2  # bumped when the key's fields or encoding change: old entries stop matching
-# Python's memory for an entry beyond its text (tracemalloc over 10,000 parsed entries of 16
-# chunks and 374 characters: ~3.2 kB each): the model, its key, its map slot; per chunk a
-# str object and a list slot.
+# Python's memory for an entry beyond its text (measured with tracemalloc, ADR 0036): the
+# model, its key, its map slot; per chunk a str object and a list slot.
 ENTRY_OVERHEAD_BYTES = 2000
 CHUNK_OVERHEAD_BYTES = 60
 

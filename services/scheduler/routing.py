@@ -50,8 +50,8 @@ DEFAULT_LOAD_FACTOR = 1.25
 # A worker less than this share busy takes its keys whatever the average load.
 AFFINITY_FLOOR = 0.5
 # The longest a passenger waits for its last server's next free slot, per tier: about the
-# prefill a hit saves (a few thousand tokens of history: ~0.1-0.3 s on an H100 for an 8B
-# model) for interactive; background waits longer, as its deadline is loose
+# prefill a hit saves (a few thousand tokens of history; ADR 0034 has the estimate) for
+# interactive; background waits longer, as its deadline is loose
 # (`make bench-affinity` measures the interactive one, docs/benchmarks.md).
 DEFAULT_HOLD_S = {Tier.interactive: 0.3, Tier.background: 2.0}
 

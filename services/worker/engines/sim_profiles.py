@@ -176,8 +176,9 @@ PROFILES: dict[str, SimProfile] = {
 
 
 # SmolLM2-135M-Instruct on vLLM 0.32's CPU build, bf16, 2 cores (AVX2): fitted by
-# `make bench-real` (bench/real_engine.py) to the direct AsyncLLM runs of 2026-12-01; the
-# fit and the check against the real engine are in docs/benchmarks.md.
+# `make bench-real` (bench/real_engine.py) to direct AsyncLLM runs; the fit and its runs are
+# in docs/sim-profiles.md ("smollm2-cpu"), the check against the real engine in
+# docs/benchmarks.md.
 SMOLLM2_CPU_STEP = MeasuredStepModel(
     base_s=0.0282, per_sequence_s=0.00127, per_prefill_token_s=0.00148
 )
