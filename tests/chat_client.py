@@ -1,4 +1,6 @@
-"""A real WebSocket chat client for tests: sends frames, collects each request's stream."""
+"""Real clients of a stack for tests: the WebSocket chat client (sends frames, collects each
+request's stream; `check_complete` holds a stream to the sim engine's answer), the `openai`
+SDK on the stack's OpenAI API, and a reader of its streams' server-sent events."""
 
 from __future__ import annotations
 
@@ -7,8 +9,12 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+import openai
 import websockets
 from websockets.exceptions import ConnectionClosed, InvalidStatus
+
+from services.worker.engines.sim_text import complete
+from tests.stack import Stack
 
 
 @dataclass
@@ -35,6 +41,17 @@ class Transcript:
     def final(self) -> dict[str, Any] | None:
         ends = [f for f in self.frames if f["type"] in ("chat.done", "error")]
         return ends[-1] if ends else None
+
+    @property
+    def final_attempt(self) -> list[dict[str, Any]]:
+        """The frames of the last attempt: everything after the last `chat.reset`."""
+        resets = [i for i, f in enumerate(self.frames) if f["type"] == "chat.reset"]
+        return self.frames[resets[-1] + 1 :] if resets else self.frames
+
+    @property
+    def resets(self) -> list[int]:
+        """The attempt each `chat.reset` started, in order (empty: the first attempt ran)."""
+        return [f["attempt"] for f in self.frames if f["type"] == "chat.reset"]
 
 
 async def recv_json(ws: websockets.ClientConnection, timeout: float = 30) -> dict[str, Any]:
@@ -127,3 +144,61 @@ async def close_of(ws: websockets.ClientConnection, timeout: float = 30) -> tupl
     if closed is None:
         raise AssertionError("closed without a close frame from the server")
     return closed.code, closed.reason
+
+
+def bearer(stack: Stack, tenant: str) -> dict[str, Any]:
+    """`websockets.connect` arguments that send `tenant`'s key as a bearer token (to a URL
+    without credentials: `stack.ws_url_as(None)`)."""
+    return {"additional_headers": {"Authorization": f"Bearer {stack.keys[tenant]}"}}
+
+
+def openai_sdk(stack: Stack, tenant: str = "default", port: int | None = None) -> openai.OpenAI:
+    """The `openai` SDK on the OpenAI API of the stack's edge (or the edge on `port`) as
+    `tenant`: no retries, so a test sees every error; 60 s for an answer."""
+    return openai.OpenAI(
+        base_url=f"http://127.0.0.1:{port or stack.edge_port}/v1",
+        api_key=stack.keys[tenant],
+        max_retries=0,
+        timeout=60,
+    )
+
+
+def served_models(stack: Stack) -> list[str]:
+    """The ids of the models the stack's edge lists on `/v1/models` now."""
+    return [m.id for m in openai_sdk(stack).models.list()]
+
+
+def check_complete(t: Transcript, request: dict[str, Any]) -> None:
+    """One acceptance, one final chat.done, and the last attempt is the sim engine's whole
+    answer to `request`, in order."""
+    assert [f["type"] for f in t.frames].count("chat.accepted") == 1, t.frames
+    assert t.final is not None, t.frames[-3:]
+    assert t.final["type"] == "chat.done", t.frames[-3:]
+    assert t.frames[-1] is t.final
+    last = t.final_attempt
+    deltas = [f for f in last if f["type"] == "chat.delta"]
+    assert [d["seq"] for d in deltas] == list(range(len(deltas)))
+    plan = complete(request["prompt"], request["max_tokens"])
+    assert "".join(d["text"] for d in deltas) == plan.text
+    assert t.final["usage"]["completion_tokens"] == plan.completion_tokens
+
+
+def sse_events(chunks: list[bytes]) -> list[tuple[str | None, object]]:
+    """(id, data) of each server-sent event in `chunks` (one event a chunk, as the edge writes
+    them); data is parsed JSON, or the `[DONE]` marker as a string."""
+    out: list[tuple[str | None, object]] = []
+    for chunk in chunks:
+        fields = dict(line.split(": ", 1) for line in chunk.decode().strip().split("\n"))
+        data = fields["data"]
+        out.append((fields.get("id"), data if data == "[DONE]" else json.loads(data)))
+    return out
+
+
+def sse_data(chunks: list[bytes]) -> list[dict[str, Any]]:
+    """The JSON object each server-sent event in `chunks` carries, the `[DONE]` marker left out."""
+    out: list[dict[str, Any]] = []
+    for _, data in sse_events(chunks):
+        if data != "[DONE]":
+            assert isinstance(data, dict), data
+            out.append(data)
+    return out

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+import services.ingest.handling as ingest_handling
 from tests.kafka_env import kafka_bootstrap
 from tests.stack import Stack, new_prefix
 from tests.tiers import UNIT, ProcessGuard, is_unit
@@ -58,3 +59,14 @@ def stack(bootstrap: str, log_dir: Path) -> Iterator[Stack]:
         yield s.start()
     finally:
         s.stop()
+
+
+@pytest.fixture
+def no_recall(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ingest's handling recalls nothing from the DLQ (`recall` answers 0 at once): for its
+    unit tests, whose producer is a fake and which have no broker to read."""
+
+    async def fake_recall(*args: object) -> int:
+        return 0
+
+    monkeypatch.setattr(ingest_handling, "recall", fake_recall)

@@ -12,6 +12,9 @@ from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
+from shared.settings import TokenbusSettings
+from tests.stack import read_records
+
 
 @dataclass
 class Arrival:
@@ -85,27 +88,8 @@ class Letter:
 
 async def read_all(bootstrap: str, topic: str, partitions: int) -> list[Letter]:
     """Every record on `topic` now (all partitions), with its headers as text."""
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
-    await consumer.start()
-    try:
-        parts = [TopicPartition(topic, p) for p in range(partitions)]
-        consumer.assign(parts)
-        await consumer.seek_to_beginning(*parts)
-        ends = await consumer.end_offsets(parts)
-        out: list[Letter] = []
-        todo = [tp for tp in parts if ends[tp] > 0]
-        while todo:
-            for records in (await consumer.getmany(*todo, timeout_ms=500)).values():
-                out.extend(
-                    Letter(
-                        r.key,
-                        r.value or b"",
-                        {k: (v or b"").decode() for k, v in r.headers},
-                        r.offset,
-                    )
-                    for r in records
-                )
-            todo = [tp for tp in todo if await consumer.position(tp) < ends[tp]]
-        return out
-    finally:
-        await consumer.stop()
+    settings = TokenbusSettings(KAFKA_BOOTSTRAP_SERVERS=bootstrap)
+    return [
+        Letter(r.key, r.value or b"", {k: (v or b"").decode() for k, v in r.headers}, r.offset)
+        for r in await read_records(settings, topic, partitions)
+    ]

@@ -25,7 +25,7 @@ from pydantic import SecretStr
 from services.edge import keys as keyfile
 from services.edge.resume import ResumeKeys
 from shared.kafka import create_topics, delete_topics, make_admin, make_consumer, wait_for_broker
-from shared.messages import Tier
+from shared.messages import Heartbeat, Tier
 from shared.resets import SETTLE_REASON
 from shared.settings import TokenbusSettings
 from shared.topics import Topics
@@ -231,6 +231,18 @@ class Stack:
         """Every record value on the topics new requests go to (`request_topics`) now."""
         return [v for topic in self.request_topics for v in await self.read_async(topic)]
 
+    async def requested_prompts(self) -> list[str]:
+        """The prompt of every request on the topics new requests go to now ("" for none)."""
+        return [json.loads(v).get("prompt") or "" for v in await self.read_requests()]
+
+    def exited(self) -> dict[str, int]:
+        """The exit codes of the stack's services that are no longer running, by key."""
+        return {k: code for k, p in self.processes.items() if (code := p.poll()) is not None}
+
+    def workers_heard(self) -> set[str]:
+        """The ids of the workers whose heartbeats are on the workers topic now."""
+        return {Heartbeat.model_validate_json(v).worker_id for v in self.read(self.topics.workers)}
+
     def read(self, topic: str) -> list[bytes]:
         """Every record value on one of the stack's topics, read from the beginning now."""
         return asyncio.run(read_topic(self.settings, topic, self.topics.partitions()[topic]))
@@ -301,6 +313,27 @@ async def read_records(
                 out.extend(records)
             todo = {tp for tp in todo if await consumer.position(tp) < ends[tp]}
         return out
+    finally:
+        await consumer.stop()
+
+
+async def read_partition(
+    settings: TokenbusSettings, tp: TopicPartition, count: int, within_s: float = 30.0
+) -> list[bytes]:
+    """The values on one partition from its start: `count` of them (or all that came within
+    `within_s` seconds), and any more one further fetch finds (a duplicate would show there)."""
+    consumer = make_consumer(settings, group_id=None, client_id="stack-reader")
+    await consumer.start()
+    try:
+        consumer.assign([tp])
+        await consumer.seek_to_beginning(tp)
+        values: list[bytes] = []
+        deadline = time.monotonic() + within_s
+        while len(values) < count and time.monotonic() < deadline:
+            batch = await consumer.getmany(tp, timeout_ms=1000)
+            values += [r.value or b"" for r in batch.get(tp, [])]
+        batch = await consumer.getmany(tp, timeout_ms=500)
+        return values + [r.value or b"" for r in batch.get(tp, [])]
     finally:
         await consumer.stop()
 

@@ -39,10 +39,7 @@ def two_workers(bootstrap: str, log_dir: Path) -> Iterator[Stack]:
         s.start()
         s.start_service("worker", key="worker-b", TOKENBUS_WORKER_ID="worker-b")
         wait_until(
-            lambda: (
-                len({Heartbeat.model_validate_json(v).worker_id for v in s.read(s.topics.workers)})
-                == 2
-            ),
+            lambda: len(s.workers_heard()) == 2,
             60,
             "heartbeats from both workers",
             interval=0.2,

@@ -21,11 +21,6 @@ def marker() -> str:
     return "marker-" + uuid.uuid4().hex
 
 
-async def prompts_on(stack: Stack) -> list[str]:
-    """The prompts of every request the edge wrote (to `tokenbus.requests` or a tier)."""
-    return [json.loads(v).get("prompt") or "" for v in await stack.read_requests()]
-
-
 async def until_served(stack: Stack, prompt: str) -> None:
     """One request that is answered, so all that came before it on the edge was decided."""
     async with websockets.connect(stack.ws_url) as ws:
@@ -64,7 +59,7 @@ async def test_without_a_key_every_frame_is_unauthorized_and_nothing_reaches_kaf
         done = await run_requests(ws, [{"client_id": "ok", "prompt": served, "max_tokens": 3}])
         assert done["ok"].final is not None
         assert done["ok"].final["type"] == "chat.done"
-    prompts = await prompts_on(stack)
+    prompts = await stack.requested_prompts()
     assert served in prompts  # the read sees the socket's records...
     assert refused not in prompts  # ...and none from before the key
     assert len(await stack.read_async(stack.topics.control)) == control_before
@@ -107,7 +102,7 @@ async def test_a_revoked_key_stops_working_without_a_restart(stack: Stack, capsy
         frame = await recv_json(ws)
         assert frame["code"] == "unauthorized"
     await until_served(stack, marker())
-    assert late not in await prompts_on(stack)
+    assert late not in await stack.requested_prompts()
 
 
 async def test_a_socket_without_a_key_is_closed_after_the_auth_timeout(stack: Stack) -> None:
@@ -142,7 +137,7 @@ async def test_a_client_cannot_set_reply_to_or_tenant(stack: Stack) -> None:
             assert (frame["type"], frame["code"]) == ("error", "invalid_request"), frame
             assert next(iter(field)) in frame["message"]
     await until_served(stack, marker())
-    assert forged not in await prompts_on(stack)
+    assert forged not in await stack.requested_prompts()
 
 
 async def test_kafka_sees_a_keyed_hash_of_the_tenant_never_the_key(stack: Stack) -> None:

@@ -187,10 +187,6 @@ def hang_stack(broker: HungBroker, log_dir: Path) -> Iterator[Stack]:
             stack.stop_service(key)
 
 
-def exited(stack: Stack) -> dict[str, int | None]:
-    return {k: p.poll() for k, p in stack.processes.items() if p.poll() is not None}
-
-
 async def scenario(stack: Stack, broker: HungBroker) -> dict[str, float]:
     chats = [Chat(stack.ws_url, p) for p in PROMPTS]
     await asyncio.gather(*(c.submit() for c in chats))
@@ -205,7 +201,7 @@ async def scenario(stack: Stack, broker: HungBroker) -> dict[str, float]:
         broker.hang()
         hung_at = time.monotonic()
         while time.monotonic() - hung_at < HANG_S:  # the fault's own duration
-            assert not exited(stack), f"exited in the hang: {exited(stack)}"
+            assert not stack.exited(), f"exited in the hang: {stack.exited()}"
             await asyncio.sleep(1)
         broker.wake()
         woke_at = time.monotonic()
@@ -216,7 +212,7 @@ async def scenario(stack: Stack, broker: HungBroker) -> dict[str, float]:
             assert chat.final is not None
             assert chat.final["type"] == "chat.done", f"{chat.prompt}: {chat.final} {chat.frames}"
             assert chat.text() == complete(chat.prompt, MAX_TOKENS).text, chat.frames
-        assert not exited(stack), f"exited: {exited(stack)}"
+        assert not stack.exited(), f"exited: {stack.exited()}"
         return {
             "all_done_after_sigcont_s": round(finished_s, 1),
             "resumes": sum(c.resumes for c in chats),

@@ -139,11 +139,6 @@ def start_patiently(stack: Stack) -> None:
     wait_until(stack.edge_ready, 240, "the edge's /healthz")
 
 
-def alive(stack: Stack) -> dict[str, int | None]:
-    """Exit codes of the services that are no longer running (none expected)."""
-    return {k: p.poll() for k, p in stack.processes.items() if p.poll() is not None}
-
-
 async def submit(url: str, prompt: str, max_tokens: int) -> Watched:
     ws = await websockets.connect(url)
     request = {"type": "chat.request", "client_id": prompt, "prompt": prompt}
@@ -237,7 +232,7 @@ async def scenario(stack: Stack, outage: Outage) -> None:
             assert probes["live"][1] == {"status": "alive"}, (key, probes)
             assert probes["ready"][1]["reason"] != "ok", (key, probes)
         while time.monotonic() - gone_at < OUTAGE_S:
-            assert not alive(stack), f"exited during the outage: {alive(stack)}"
+            assert not stack.exited(), f"exited during the outage: {stack.exited()}"
             assert all(s.closed is None for s in streams), [s.closed for s in streams]
             await asyncio.sleep(1)
 
@@ -252,7 +247,7 @@ async def scenario(stack: Stack, outage: Outage) -> None:
         await asyncio.wait_for(asyncio.gather(*pumps), 90)
         for s in streams:
             check_stream(s, STREAM_TOKENS)
-        assert not alive(stack), f"exited: {alive(stack)}"
+        assert not stack.exited(), f"exited: {stack.exited()}"
     finally:
         for task in pumps:
             task.cancel()

@@ -24,13 +24,13 @@ from aiokafka.errors import KafkaError
 
 from deploy.kafka import launcher
 from shared import finals, resets
-from shared.kafka import create_topics, make_admin, make_consumer, make_producer
+from shared.kafka import create_topics, make_admin, make_producer
 from shared.messages import DoneResult, QueuedRequest, ReplyTo, Tier, Timings, Usage
 from shared.results import send_result
 from shared.settings import TokenbusSettings
 from shared.topics import Topics
 from tests.processes import free_port_run, running
-from tests.stack import new_prefix
+from tests.stack import new_prefix, read_partition
 
 pytestmark = pytest.mark.integration
 
@@ -198,7 +198,7 @@ async def test_writes_survive_the_leaders_kill_and_its_restart(whole: launcher.C
             await producer.stop()
 
     # Every write once, in order: acks=all lost none, idempotence duplicated none.
-    assert await read_all(settings, TopicPartition(topic, 0), len(sent)) == sent
+    assert await read_partition(settings, TopicPartition(topic, 0), len(sent), within_s=60) == sent
 
 
 async def test_a_final_behind_a_hung_replica_is_found_once_its_partition_is_settled(
@@ -261,24 +261,6 @@ async def test_a_final_behind_a_hung_replica_is_found_once_its_partition_is_sett
             await worker.stop()
             await scheduler.stop()
         await wait_for(f"node {follower} back in sync", 90, all_in_sync)
-
-
-async def read_all(settings: TokenbusSettings, tp: TopicPartition, count: int) -> list[bytes]:
-    consumer = make_consumer(settings, group_id=None, client_id="cluster-test-reader")
-    await consumer.start()
-    try:
-        consumer.assign([tp])
-        await consumer.seek_to_beginning(tp)
-        values: list[bytes] = []
-        deadline = time.monotonic() + 60
-        while len(values) < count and time.monotonic() < deadline:
-            batch = await consumer.getmany(tp, timeout_ms=1000)
-            values += [r.value or b"" for r in batch.get(tp, [])]
-        # One more fetch: anything beyond `count` would be a duplicate.
-        batch = await consumer.getmany(tp, timeout_ms=500)
-        return values + [r.value or b"" for r in batch.get(tp, [])]
-    finally:
-        await consumer.stop()
 
 
 def test_cli_status_names_a_dead_node_and_start_brings_it_back(

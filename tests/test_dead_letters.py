@@ -11,10 +11,9 @@ import json
 from typing import Any
 
 import pytest
-from aiokafka import ConsumerRecord, TopicPartition
+from aiokafka import TopicPartition
 from aiokafka.errors import KafkaConnectionError, MessageSizeTooLargeError
 
-import services.ingest.handling as handling_module
 from services.ingest.memory import Memory, _remember
 from services.scheduler.admission import Waiting
 from services.scheduler.answers import Answerer
@@ -36,23 +35,20 @@ from shared.dead_letters import (
     dead_letter,
     letter,
 )
-from shared.messages import ErrorCode, ErrorResult, QueuedRequest, ReplyTo, Tier
+from shared.messages import ErrorCode, ErrorResult, ReplyTo
 from shared.producers import RenewingProducer
 from shared.retry import Backoff
 from shared.topics import Topics
+from tests.factories import consumer_record, queued_request
 from tests.test_ingest_handling import FakeProducer, make
+
+# Ingest recalls nothing from the DLQ: these producers are fakes (conftest.py).
+pytestmark = pytest.mark.usefixtures("no_recall")
 
 PREFIX = "tb"
 DLQ = Topics(PREFIX).dlq
 POISON = b"\xff not json"
-
-
-@pytest.fixture(autouse=True)
-def no_recall(monkeypatch: pytest.MonkeyPatch) -> None:
-    async def fake_recall(*args: object) -> int:
-        return 0
-
-    monkeypatch.setattr(handling_module, "recall", fake_recall)
+GONE = ReplyTo(topic="gone", partition=0)  # a reply topic that does not exist
 
 
 class FakeTargets:
@@ -65,22 +61,7 @@ class FakeTargets:
 def consumed(
     topic: str, value: bytes, offset: int = 3, headers: list[tuple[str, bytes]] | None = None
 ) -> Any:
-    return ConsumerRecord(
-        topic=topic, partition=1, offset=offset, timestamp=0, timestamp_type=0, key=None,
-        value=value, checksum=None, serialized_key_size=0, serialized_value_size=len(value),
-        headers=tuple(headers or ()),
-    )  # fmt: skip
-
-
-def queued(request_id: str) -> QueuedRequest:
-    return QueuedRequest(
-        request_id=request_id,
-        prompt="hi",
-        tier=Tier.interactive,
-        prompt_tokens=1,
-        reply_to=ReplyTo(topic="gone", partition=0),
-        created_at=100.0,
-    )
+    return consumer_record(topic, value, partition=1, offset=offset, headers=tuple(headers or ()))
 
 
 def producer(fake: FakeProducer) -> RenewingProducer:
@@ -131,10 +112,12 @@ async def test_every_reader_dead_letters_an_undeliverable_request_with_the_same_
     body = {"request_id": "r1", "prompt": "hi", "reply_to": {"topic": "gone"}}
     await ingest.handle(consumed(f"{PREFIX}.requests", json.dumps(body).encode()))
     tp = TopicPartition(f"{PREFIX}.requests.interactive", 1)
-    request = queued("r2")
+    request = queued_request("r2", reply_to=GONE)
     error = ErrorResult.for_request(request, ErrorCode.deadline_exceeded, "too late")
     await answerer(by_scheduler).answer(Waiting(request, tp, 3), error)
-    await answers(by_worker).undeliverable(queued("r3"), Source(tp.topic, 1, 3), "it is gone")
+    await answers(by_worker).undeliverable(
+        queued_request("r3", reply_to=GONE), Source(tp.topic, 1, 3), "it is gone"
+    )
     letters = [headers_of(w) for w in (by_ingest, by_scheduler, by_worker)]
     for headers in letters:
         assert set(headers) == REQUIRED | {REQUEST_ID_HEADER, REPLY_ERROR}, headers

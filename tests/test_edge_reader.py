@@ -17,6 +17,7 @@ from aiokafka import ConsumerRecord, TopicPartition
 
 from services.edge.results import ResultReader
 from shared.messages import DeltaResult, DoneResult, ResultRecord, Timings, Usage
+from tests.factories import consumer_record
 
 CONTROL = TopicPartition("t.control", 0)
 OWN = TopicPartition("t.results", 0)
@@ -60,16 +61,15 @@ class FakeConsumer:
                 log = self.logs.get(tp, [])
                 start = self.positions.get(tp, len(log))
                 if start < len(log):
-                    out[tp] = [_record(tp, off, log[off]) for off in range(start, len(log))]
+                    out[tp] = [
+                        consumer_record(tp.topic, log[off], partition=tp.partition, offset=off)
+                        for off in range(start, len(log))
+                    ]
                     self.positions[tp] = len(log)
             if out:
                 return out
             self.arrived.clear()
             await self.arrived.wait()
-
-
-def _record(tp: TopicPartition, offset: int, value: bytes) -> ConsumerRecord[bytes, bytes]:
-    return ConsumerRecord(tp.topic, tp.partition, offset, 0, 0, None, value, None, 0, 0, ())
 
 
 @dataclass

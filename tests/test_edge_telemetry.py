@@ -16,16 +16,9 @@ from shared import semconv
 from shared.messages import ErrorCode, RequestRecord, Timings, Usage
 from shared.metrics import EdgeRequestMetrics
 from shared.telemetry import extract, span_context_of
+from tests.fakes import FakeClock, FakeTopicPartition
 
 WORKER = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @dataclass(frozen=True)
@@ -36,12 +29,6 @@ class FakeRecord:
     timestamp: int
     key: bytes
     headers: tuple[tuple[str, bytes], ...]
-
-
-@dataclass(frozen=True)
-class FakeTopicPartition:
-    topic: str
-    partition: int
 
 
 class FakeConsumer:

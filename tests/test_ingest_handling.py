@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from aiokafka import ConsumerRecord
 from aiokafka.cluster import ClusterMetadata
 from aiokafka.errors import KafkaConnectionError, MessageSizeTooLargeError
 
@@ -24,6 +23,10 @@ from services.ingest.handling import Ingest
 from services.ingest.settings import IngestSettings
 from services.ingest.telemetry import IngestTelemetry
 from shared.dead_letters import REASON, REPLY, REPLY_ERROR, SOURCE
+from tests.factories import consumer_record
+
+# Ingest recalls nothing from the DLQ: these producers are fakes (conftest.py).
+pytestmark = pytest.mark.usefixtures("no_recall")
 
 PREFIX = "tb"
 
@@ -109,14 +112,6 @@ class FakeAdmin:
         ]
 
 
-@pytest.fixture(autouse=True)
-def no_recall(monkeypatch: pytest.MonkeyPatch) -> None:
-    async def fake_recall(*args: object) -> int:
-        return 0
-
-    monkeypatch.setattr(handling_module, "recall", fake_recall)
-
-
 def make(broker: FakeProducer, **settings: Any) -> Ingest:
     base = {
         "topic_prefix": PREFIX,
@@ -126,17 +121,13 @@ def make(broker: FakeProducer, **settings: Any) -> Ingest:
     }
     admin = FakeAdmin({f"{PREFIX}.results": 4, "mine": 1})
     telemetry = IngestTelemetry(f"{PREFIX}.requests")
-    # No tails consumer: `recall` is replaced (no_recall above).
+    # No tails consumer: `recall` is replaced (the no_recall fixture, conftest.py).
     return Ingest(IngestSettings(**{**base, **settings}), broker, admin, telemetry, tails=None)  # type: ignore[arg-type]
 
 
 def record(value: bytes | dict[str, Any], offset: int = 0, key: bytes | None = None) -> Any:
     raw = value if isinstance(value, bytes) else json.dumps(value).encode()
-    return ConsumerRecord(
-        topic=f"{PREFIX}.requests", partition=1, offset=offset, timestamp=0, timestamp_type=0,
-        key=key, value=raw, checksum=None, serialized_key_size=0, serialized_value_size=len(raw),
-        headers=(),
-    )  # fmt: skip
+    return consumer_record(f"{PREFIX}.requests", raw, partition=1, offset=offset, key=key)
 
 
 async def handle(ingest: Ingest, rec: Any) -> object:

@@ -42,15 +42,6 @@ from tests.worker_logs import events
 REPLIES_PARTITIONS = 4
 
 
-@pytest.fixture(scope="module")
-def restarts(bootstrap: str, log_dir: Path) -> Iterator[Stack]:
-    s = Stack(bootstrap=bootstrap, prefix=new_prefix(), log_dir=log_dir)
-    try:
-        yield s.start()
-    finally:
-        s.stop()
-
-
 def request(request_id: str, replies: str, n: int) -> bytes:
     body: dict[str, Any] = {
         "request_id": request_id,
@@ -71,9 +62,8 @@ def worker_runs(stack: Stack, ids: list[str]) -> dict[str, int]:
 
 
 async def test_ingest_killed_four_times_under_load_runs_each_request_once(
-    restarts: Stack,
+    stack: Stack,
 ) -> None:
-    stack = restarts
     replies = f"{stack.prefix}.replies"
     await create_topics(stack.settings, {replies: REPLIES_PARTITIONS})
     ids = [f"k{n}-{uuid.uuid4().hex[:6]}" for n in range(160)]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from aiokafka import ConsumerRecord, TopicPartition
+from aiokafka import TopicPartition
 from pydantic import ValidationError
 
 from services.edge.auth import request_tokens
@@ -45,6 +45,7 @@ from shared.messages import (
     Tier,
 )
 from shared.settings import TokenbusSettings
+from tests.factories import consumer_record
 
 ESTIMATE = 64
 LIMITS = RequestLimits(default_max_tokens=ESTIMATE)
@@ -97,12 +98,7 @@ def test_the_scheduler_reads_records_with_its_configured_estimate() -> None:
     )
     value = encode(queued)
     tp = TopicPartition("t.requests.interactive", 0)
-    consumer_record = ConsumerRecord(
-        topic=tp.topic, partition=0, offset=0, timestamp=0, timestamp_type=0, key=None,
-        value=value, checksum=None, serialized_key_size=0, serialized_value_size=len(value),
-        headers=(),
-    )  # fmt: skip
-    decision = admission.decide(tp, consumer_record, now=queued.created_at)
+    decision = admission.decide(tp, consumer_record(tp.topic, value), now=queued.created_at)
     assert isinstance(decision, Queue)
     assert decision.waiting.request.token_cost == 40 + ESTIMATE
 

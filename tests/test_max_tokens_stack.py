@@ -18,6 +18,7 @@ import openai
 import pytest
 import websockets
 
+from tests.chat_client import openai_sdk
 from tests.stack import Stack, new_prefix, wait_until
 
 MODEL = "sim-8b"  # the worker's default `worker_model`
@@ -43,14 +44,8 @@ def api(bootstrap: str, log_dir: Path) -> Iterator[Stack]:
         stack.stop()
 
 
-def sdk(stack: Stack) -> openai.OpenAI:
-    return openai.OpenAI(
-        base_url=f"{stack.http_url}/v1", api_key=stack.keys["default"], max_retries=0, timeout=60
-    )
-
-
 def context_of(stack: Stack) -> int | None:
-    cards = sdk(stack).models.list().data
+    cards = openai_sdk(stack).models.list().data
     if [c.id for c in cards] != [MODEL]:
         return None
     length = (cards[0].model_extra or {}).get("max_model_len")
@@ -59,7 +54,7 @@ def context_of(stack: Stack) -> int | None:
 
 def ask(stack: Stack, **extra: object) -> openai.types.chat.ChatCompletion:
     """A chat that names no max_tokens, as LangChain's ChatOpenAI sends it by default."""
-    return sdk(stack).chat.completions.create(
+    return openai_sdk(stack).chat.completions.create(
         model=MODEL,
         messages=[{"role": "user", "content": f"write a long story {uuid.uuid4().hex}"}],
         **extra,  # type: ignore[arg-type]

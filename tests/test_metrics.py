@@ -8,12 +8,7 @@ from prometheus_client import CollectorRegistry
 
 from shared.messages import Timings
 from shared.metrics import ConsumerLag, WorkerMetrics
-
-
-@dataclass(frozen=True)
-class FakeTopicPartition:
-    topic: str
-    partition: int
+from tests.fakes import FakeTopicPartition
 
 
 @dataclass(frozen=True)

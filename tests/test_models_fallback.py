@@ -21,7 +21,7 @@ import pytest
 import websockets
 
 from shared.kafka import create_topics, make_producer
-from tests.chat_client import ChatSession, recv_json
+from tests.chat_client import ChatSession, openai_sdk, recv_json, served_models
 from tests.stack import Stack, new_prefix, read_topic, wait_until
 
 BIG, SMALL = "big", "small"
@@ -54,7 +54,9 @@ def two_models(bootstrap: str, log_dir: Path) -> Iterator[Stack]:
             TOKENBUS_WORKER_MAX_NUM_SEQS="8",
             TOKENBUS_WORKER_SIM_TOKEN_RATE="400",
         )
-        wait_until(lambda: set(served(stack)) == {BIG, SMALL}, 60, "both models on /v1/models")
+        wait_until(
+            lambda: set(served_models(stack)) == {BIG, SMALL}, 60, "both models on /v1/models"
+        )
         # A new edge refuses no model for its first seconds (it may not have heard them all).
         wait_until(lambda: refuses_unknown(stack), 30, "the edge refusing unknown models")
         yield stack
@@ -62,19 +64,9 @@ def two_models(bootstrap: str, log_dir: Path) -> Iterator[Stack]:
         stack.stop()
 
 
-def sdk(stack: Stack) -> openai.OpenAI:
-    return openai.OpenAI(
-        base_url=f"{stack.http_url}/v1", api_key=stack.keys["default"], max_retries=0, timeout=60
-    )
-
-
-def served(stack: Stack) -> list[str]:
-    return [m.id for m in sdk(stack).models.list()]
-
-
 def refuses_unknown(stack: Stack) -> bool:
     try:
-        sdk(stack).completions.create(model="gpt-9", prompt="hi", max_tokens=1)
+        openai_sdk(stack).completions.create(model="gpt-9", prompt="hi", max_tokens=1)
     except openai.NotFoundError:
         return True
     except openai.BadRequestError:
@@ -153,7 +145,7 @@ async def test_an_unknown_model_over_the_websocket_lists_the_models_available(
 def test_an_unknown_model_over_the_openai_api_and_the_model_that_answered(
     two_models: Stack,
 ) -> None:
-    client = sdk(two_models)
+    client = openai_sdk(two_models)
     with pytest.raises(openai.NotFoundError) as caught:
         client.chat.completions.create(
             model="gpt-9", messages=[{"role": "user", "content": "hi"}], max_tokens=4

@@ -28,7 +28,7 @@ from aiokafka import TopicPartition
 from services.worker.engines.sim_text import natural_tokens
 from shared.kafka import make_consumer
 from shared.messages import CancelRecord
-from tests.chat_client import run_requests
+from tests.chat_client import openai_sdk, run_requests, served_models
 from tests.stack import UNLIMITED, Stack, free_port, new_prefix, wait_until
 
 GRACE_S = 3.0
@@ -74,29 +74,18 @@ def api(bootstrap: str, log_dir: Path) -> Iterator[Stack]:
     )
     try:
         stack.start()
-        wait_until(lambda: served(stack) == [MODEL, SLOW_MODEL], 30, "both models on /v1/models")
+        wait_until(
+            lambda: served_models(stack) == [MODEL, SLOW_MODEL], 30, "both models on /v1/models"
+        )
         yield stack
     finally:
         stack.stop()
-
-
-def sdk(stack: Stack, tenant: str = "default", port: int | None = None) -> openai.OpenAI:
-    return openai.OpenAI(
-        base_url=f"http://127.0.0.1:{port or stack.edge_port}/v1",
-        api_key=stack.keys[tenant],
-        max_retries=0,
-        timeout=60,
-    )
 
 
 def async_sdk(stack: Stack) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(
         base_url=f"{stack.http_url}/v1", api_key=stack.keys["default"], max_retries=0, timeout=60
     )
-
-
-def served(stack: Stack) -> list[str]:
-    return [m.id for m in sdk(stack).models.list()]
 
 
 def prompt() -> str:
@@ -131,7 +120,7 @@ def check_usage(usage: Any, expected: dict[str, int]) -> None:
 
 
 async def test_models_lists_what_live_workers_advertise(api: Stack) -> None:
-    assert served(api) == [MODEL, SLOW_MODEL]
+    assert served_models(api) == [MODEL, SLOW_MODEL]
     async with async_sdk(api) as client:
         listed = await client.models.list()
     assert [(m.id, m.object, m.owned_by) for m in listed.data] == [
@@ -146,12 +135,12 @@ async def test_models_lists_what_live_workers_advertise(api: Stack) -> None:
 
 
 def test_models_retrieve_gives_one_card_or_a_json_404(api: Stack) -> None:
-    card = sdk(api).models.retrieve(SLOW_MODEL)
+    card = openai_sdk(api).models.retrieve(SLOW_MODEL)
     assert (card.id, card.object, card.owned_by) == (SLOW_MODEL, "model", "tokenbus")
     assert (card.model_extra or {}).get("max_model_len") == SLOW_LEN
-    listed = {m.id: m for m in sdk(api).models.list()}
+    listed = {m.id: m for m in openai_sdk(api).models.list()}
     assert card == listed[SLOW_MODEL]
-    with sdk(api) as client:  # closed here: see test_504_...
+    with openai_sdk(api) as client:  # closed here: see test_504_...
         for unknown in ("gpt-4o", "HuggingFaceTB/SmolLM2-135M-Instruct"):  # `/` sent as %2F
             with pytest.raises(openai.NotFoundError) as caught:
                 client.models.retrieve(unknown)
@@ -217,10 +206,10 @@ async def test_chat_sync_and_async_equal_the_websocket_answer(api: Stack) -> Non
         {"role": "user", "content": prompt()},
     ]
     expected = await ws_answer(api, {"messages": messages, "max_tokens": 24})
-    whole = sdk(api).chat.completions.create(model=MODEL, messages=messages, max_tokens=24)  # type: ignore[arg-type]
+    whole = openai_sdk(api).chat.completions.create(model=MODEL, messages=messages, max_tokens=24)  # type: ignore[arg-type]
     assert whole.object == "chat.completion"
     assert whole.model == MODEL
-    raw = sdk(api).chat.completions.with_raw_response.create(
+    raw = openai_sdk(api).chat.completions.with_raw_response.create(
         model=MODEL,
         messages=messages,  # type: ignore[arg-type]
         max_tokens=24,
@@ -270,13 +259,13 @@ async def test_completions_sync_stream_and_async_equal_the_websocket_answer(api:
     assert whole.object == "text_completion"
     assert whole.choices[0].text == expected["text"]
     check_usage(whole.usage, expected["usage"])
-    streamed = sdk(api).completions.create(**params, stream=True)
+    streamed = openai_sdk(api).completions.create(**params, stream=True)
     assert "".join(c.choices[0].text for c in streamed) == expected["text"]
 
 
 async def test_priority_and_deadline_extensions_are_carried_to_kafka(api: Stack) -> None:
     text = prompt()
-    sdk(api).chat.completions.create(
+    openai_sdk(api).chat.completions.create(
         model=MODEL,
         messages=[{"role": "user", "content": text}],
         max_tokens=4,
@@ -363,13 +352,13 @@ def test_every_error_carries_a_request_id_of_its_own(api: Stack) -> None:
 
 def test_400_for_n_above_one_and_bad_fields(api: Stack) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
-        sdk(api).chat.completions.create(
+        openai_sdk(api).chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2
         )
     check_error(caught.value, 400, "invalid_request")
     assert "only n=1" in caught.value.message
     with pytest.raises(openai.BadRequestError) as caught:
-        sdk(api).chat.completions.create(
+        openai_sdk(api).chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=10**6
         )
     assert "max_tokens" in caught.value.message
@@ -387,7 +376,7 @@ def test_401_for_a_missing_or_unknown_key(api: Stack) -> None:
 
 def test_404_for_a_model_no_worker_serves(api: Stack) -> None:
     with pytest.raises(openai.NotFoundError) as caught:
-        sdk(api).chat.completions.create(
+        openai_sdk(api).chat.completions.create(
             model="gpt-4o", messages=[{"role": "user", "content": "hi"}], stream=True
         )
     check_error(caught.value, 404, "model_not_found")
@@ -395,7 +384,7 @@ def test_404_for_a_model_no_worker_serves(api: Stack) -> None:
 
 
 def test_429_with_retry_after_past_the_tenant_quota(api: Stack) -> None:
-    client = sdk(api, "slow")
+    client = openai_sdk(api, "slow")
     for _ in range(2):  # the burst
         assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices
     with pytest.raises(openai.RateLimitError) as caught:
@@ -412,7 +401,7 @@ def test_429_with_retry_after_past_the_tenant_quota(api: Stack) -> None:
 def test_504_when_the_deadline_passes_in_the_queue(api: Stack) -> None:
     # Closed here: a client left to the garbage collector in an exception's cycle can warn
     # of its pooled socket during a later test.
-    with sdk(api) as client:
+    with openai_sdk(api) as client:
         with pytest.raises(openai.APIStatusError) as caught:
             client.chat.completions.create(
                 model=MODEL,
@@ -448,12 +437,12 @@ def test_503_with_retry_after_when_kafka_does_not_take_the_request(api: Stack) -
     try:
         wait_until(lambda: api.edge_ready(port), 60, "the second edge's /healthz")
         with pytest.raises(openai.APIStatusError) as caught:
-            sdk(api, port=port).chat.completions.create(
+            openai_sdk(api, port=port).chat.completions.create(
                 model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2
             )
         check_error(caught.value, 503, "overloaded")
         with pytest.raises(openai.APIStatusError) as caught:
-            sdk(api, port=port).completions.create(model=MODEL, prompt="hi", stream=True)
+            openai_sdk(api, port=port).completions.create(model=MODEL, prompt="hi", stream=True)
         check_error(caught.value, 503, "overloaded")
         check_retry_hint(caught.value.response.headers)
     finally:
@@ -548,7 +537,7 @@ def test_a_dropped_stream_resumes_after_last_event_id_without_a_gap(api: Stack) 
     assert after
     # Another tenant's key cannot resume it.
     with pytest.raises(openai.AuthenticationError):
-        sdk(api, "alice").chat.completions.create(
+        openai_sdk(api, "alice").chat.completions.create(
             model=MODEL,
             messages=messages,  # type: ignore[arg-type]
             stream=True,
@@ -572,7 +561,7 @@ def drop_and_resume(api: Stack, messages: list[dict[str, str]]) -> tuple[str, st
     assert ids == ["0:-1", "0:0", "0:1", "0:2"]
     before = "".join(d["choices"][0]["delta"]["content"] for _, d in events)
     # The client is gone; it comes back within the grace, with the SDK.
-    rest = sdk(api).chat.completions.create(
+    rest = openai_sdk(api).chat.completions.create(
         model=MODEL,
         messages=messages,  # type: ignore[arg-type]
         max_tokens=200,
@@ -585,7 +574,7 @@ def drop_and_resume(api: Stack, messages: list[dict[str, str]]) -> tuple[str, st
 
 def test_a_client_that_goes_away_is_cancelled_after_the_grace(api: Stack) -> None:
     messages = [{"role": "user", "content": long_prompt()}]
-    with sdk(api).chat.completions.create(
+    with openai_sdk(api).chat.completions.create(
         model=MODEL,
         messages=messages,  # type: ignore[arg-type]
         max_tokens=200,

@@ -5,9 +5,6 @@ The shapes are checked with the `openai` SDK's own types, as a client reads them
 
 from __future__ import annotations
 
-import json
-from typing import Any
-
 import pytest
 from openai.types import Completion as SdkCompletion
 from openai.types.chat import ChatCompletion as SdkChatCompletion
@@ -19,7 +16,7 @@ from services.edge.openai.errors import HttpError
 from services.edge.openai.ignored import MAX_NAMES, ignored_fields
 from services.edge.openai.logprobs import chat_logprobs, completion_logprobs, token_bytes
 from services.edge.openai.schema import ChatCompletionRequest, CompletionRequest
-from services.edge.openai.translate import Answer, Identity, SseStream, to_chat_request
+from services.edge.openai.translate import Answer, Identity, SseStream
 from services.edge.protocol import AcceptedFrame, DeltaFrame, DoneFrame, ResetFrame
 from services.worker.engines.base import EngineRequest, FieldNotHonoured, check_sampling
 from services.worker.engines.sim import SimEngine
@@ -27,25 +24,14 @@ from services.worker.engines.vllm import VllmEngine
 from shared.messages import (
     Capabilities,
     ChatRequest,
-    RequestLimits,
     Tier,
     Timings,
     TokenLogprob,
     TopLogprob,
     Usage,
 )
-
-LIMITS = RequestLimits(max_tokens_cap=100, default_max_tokens=16)
-
-
-def chat(**fields: object) -> ChatRequest | HttpError:
-    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}
-    return to_chat_request(ChatCompletionRequest.model_validate(body), LIMITS)
-
-
-def completion(**fields: object) -> ChatRequest | HttpError:
-    body = {"model": "m", "prompt": "once", **fields}
-    return to_chat_request(CompletionRequest.model_validate(body), LIMITS)
+from tests.chat_client import sse_data
+from tests.factories import openai_chat, openai_completion
 
 
 def asks(result: ChatRequest | HttpError) -> int | None:
@@ -63,24 +49,26 @@ def refused(result: ChatRequest | HttpError, param: str) -> str:
 
 
 def test_chat_asks_with_a_flag_and_top_logprobs() -> None:
-    assert asks(chat()) is None
-    assert asks(chat(logprobs=False)) is None
-    assert asks(chat(logprobs=None, top_logprobs=None)) is None
-    assert asks(chat(logprobs=True)) == 0
-    assert asks(chat(logprobs=True, top_logprobs=0)) == 0
-    assert asks(chat(logprobs=True, top_logprobs=5)) == 5
-    assert asks(chat(logprobs=True, top_logprobs=20)) == 20
-    assert asks(chat(logprobs=False, top_logprobs=0)) is None  # vLLM accepts it too
+    assert asks(openai_chat()) is None
+    assert asks(openai_chat(logprobs=False)) is None
+    assert asks(openai_chat(logprobs=None, top_logprobs=None)) is None
+    assert asks(openai_chat(logprobs=True)) == 0
+    assert asks(openai_chat(logprobs=True, top_logprobs=0)) == 0
+    assert asks(openai_chat(logprobs=True, top_logprobs=5)) == 5
+    assert asks(openai_chat(logprobs=True, top_logprobs=20)) == 20
+    assert asks(openai_chat(logprobs=False, top_logprobs=0)) is None  # vLLM accepts it too
 
 
 @pytest.mark.parametrize("top", [-1, 21, 1000])
 def test_chat_top_logprobs_out_of_range_is_a_400(top: int) -> None:
-    assert "between 0 and 20" in refused(chat(logprobs=True, top_logprobs=top), "top_logprobs")
+    assert "between 0 and 20" in refused(
+        openai_chat(logprobs=True, top_logprobs=top), "top_logprobs"
+    )
 
 
 def test_top_logprobs_without_logprobs_is_a_400_as_in_vllm() -> None:
-    assert "logprobs: true" in refused(chat(top_logprobs=2), "top_logprobs")
-    assert "logprobs: true" in refused(chat(logprobs=False, top_logprobs=2), "top_logprobs")
+    assert "logprobs: true" in refused(openai_chat(top_logprobs=2), "top_logprobs")
+    assert "logprobs: true" in refused(openai_chat(logprobs=False, top_logprobs=2), "top_logprobs")
 
 
 def test_chat_logprobs_must_be_a_flag() -> None:
@@ -91,16 +79,16 @@ def test_chat_logprobs_must_be_a_flag() -> None:
 
 
 def test_completions_ask_with_a_count() -> None:
-    assert asks(completion()) is None
-    assert asks(completion(logprobs=None)) is None
-    assert asks(completion(logprobs=0)) == 0
-    assert asks(completion(logprobs=5)) == 5
-    assert asks(completion(logprobs=20)) == 20  # vLLM allows past OpenAI's 5
+    assert asks(openai_completion()) is None
+    assert asks(openai_completion(logprobs=None)) is None
+    assert asks(openai_completion(logprobs=0)) == 0
+    assert asks(openai_completion(logprobs=5)) == 5
+    assert asks(openai_completion(logprobs=20)) == 20  # vLLM allows past OpenAI's 5
 
 
 @pytest.mark.parametrize("count", [-1, 21])
 def test_completion_logprobs_out_of_range_is_a_400(count: int) -> None:
-    refused(completion(logprobs=count), "logprobs")
+    refused(openai_completion(logprobs=count), "logprobs")
 
 
 def test_the_request_record_validates_the_range() -> None:
@@ -267,15 +255,6 @@ def test_completion_answer_shape() -> None:
     assert logprobs.tokens == ["Hel", "lo"]
     assert logprobs.token_logprobs == [-0.25, -2.0]
     assert logprobs.text_offset == [0, 3]
-
-
-def sse_data(chunks: list[bytes]) -> list[dict[str, Any]]:
-    out = []
-    for chunk in chunks:
-        lines = dict(line.split(": ", 1) for line in chunk.decode().strip().split("\n"))
-        if lines["data"] != "[DONE]":
-            out.append(json.loads(lines["data"]))
-    return out
 
 
 def test_chat_stream_chunks_carry_their_own_tokens_logprobs() -> None:

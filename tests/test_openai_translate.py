@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from services.edge.models import ModelDirectory
 from services.edge.openai.errors import HttpError, http_error, unknown_model
 from services.edge.openai.schema import ChatCompletionRequest, CompletionRequest
 from services.edge.openai.sse import DONE, EventId, parse_event_id
-from services.edge.openai.translate import Answer, Identity, SseStream, to_chat_request
+from services.edge.openai.translate import Answer, Identity, SseStream
 from services.edge.protocol import (
     AcceptedFrame,
     DeltaFrame,
@@ -22,31 +20,16 @@ from shared.messages import (
     ChatRequest,
     ErrorCode,
     Heartbeat,
-    RequestLimits,
     Tier,
     Timings,
     Usage,
     unknown_model_message,
 )
+from tests.chat_client import sse_events
+from tests.factories import OPENAI_LIMITS, openai_chat, openai_completion, translated
 
-LIMITS = RequestLimits(max_tokens_cap=100, default_max_tokens=16)
 CHAT = Identity("chat", "r1", "sim-8b", 1700000000)
 TEXT = Identity("text", "r1", "sim-8b", 1700000000)
-
-
-def chat(**fields: object) -> ChatRequest | HttpError:
-    body = {"model": "sim-8b", "messages": [{"role": "user", "content": "hi"}], **fields}
-    return to_chat_request(ChatCompletionRequest.model_validate(body), LIMITS)
-
-
-def completion(**fields: object) -> ChatRequest | HttpError:
-    body = {"model": "sim-8b", "prompt": "once upon", **fields}
-    return to_chat_request(CompletionRequest.model_validate(body), LIMITS)
-
-
-def ok(result: ChatRequest | HttpError) -> ChatRequest:
-    assert isinstance(result, ChatRequest), result
-    return result
 
 
 def refused(result: ChatRequest | HttpError, param: str | None = None) -> HttpError:
@@ -62,8 +45,8 @@ def refused(result: ChatRequest | HttpError, param: str | None = None) -> HttpEr
 
 
 def test_chat_maps_sampling_fields_and_extensions() -> None:
-    req = ok(
-        chat(
+    req = translated(
+        openai_chat(
             max_tokens=7,
             temperature=0.0,
             top_p=0.5,
@@ -85,13 +68,13 @@ def test_chat_maps_sampling_fields_and_extensions() -> None:
 
 
 def test_max_completion_tokens_wins_and_unset_stays_unset() -> None:
-    assert ok(chat(max_tokens=7, max_completion_tokens=9)).max_tokens == 9
-    assert ok(completion(max_tokens=3)).max_tokens == 3
+    assert translated(openai_chat(max_tokens=7, max_completion_tokens=9)).max_tokens == 9
+    assert translated(openai_completion(max_tokens=3)).max_tokens == 3
     # Unset: the rest of the context at the engine; budgets charge the configured estimate.
-    unset = ok(chat())
+    unset = translated(openai_chat())
     assert unset.max_tokens is None
-    assert unset.effective_max_tokens == LIMITS.default_max_tokens == 16
-    assert ok(completion()).max_tokens is None
+    assert unset.effective_max_tokens == OPENAI_LIMITS.default_max_tokens == 16
+    assert translated(openai_completion()).max_tokens is None
 
 
 @pytest.mark.parametrize(
@@ -99,12 +82,12 @@ def test_max_completion_tokens_wins_and_unset_stays_unset() -> None:
     [(0, Tier.interactive), (-5, Tier.interactive), (1, Tier.background), (None, None)],
 )
 def test_vllm_integer_priority_maps_to_a_tier(priority: int | None, tier: Tier | None) -> None:
-    assert ok(chat(priority=priority)).priority == tier
+    assert translated(openai_chat(priority=priority)).priority == tier
 
 
 def test_content_parts_developer_role_and_null_content() -> None:
-    req = ok(
-        chat(
+    req = translated(
+        openai_chat(
             messages=[
                 {"role": "developer", "content": "be brief"},
                 {
@@ -143,16 +126,16 @@ def test_explicit_nulls_are_unset() -> None:
     assert (body.n, body.stream, body.temperature) == (1, False, None)
     assert body.stream_options is not None
     assert not body.stream_options.include_usage
-    ok(chat(**nulls))
+    translated(openai_chat(**nulls))
     text = CompletionRequest.model_validate({"prompt": "x", "echo": None, **nulls})
     assert (text.n, text.stream, text.echo) == (1, False, False)
-    ok(completion(echo=None, **nulls))
+    translated(openai_completion(echo=None, **nulls))
     with pytest.raises(ValueError, match="messages"):  # a required field stays required
         ChatCompletionRequest.model_validate({"messages": None})
 
 
 def test_n_above_one_is_a_clear_400() -> None:
-    error = refused(chat(n=2), "n")
+    error = refused(openai_chat(n=2), "n")
     assert "n=2" in error.body.error.message
     assert "only n=1" in error.body.error.message
 
@@ -170,7 +153,7 @@ def test_n_above_one_is_a_clear_400() -> None:
     ],
 )
 def test_what_tokenbus_cannot_honour_is_refused(fields: dict[str, object], param: str) -> None:
-    refused(chat(**fields), param)
+    refused(openai_chat(**fields), param)
 
 
 def test_vllm_sampling_fields_pass_on_by_their_names() -> None:
@@ -186,7 +169,7 @@ def test_vllm_sampling_fields_pass_on_by_their_names() -> None:
         "stop_token_ids": [2, 7],
         "seed": 9,
     }
-    for req in (ok(chat(**fields)), ok(completion(**fields))):
+    for req in (translated(openai_chat(**fields)), translated(openai_completion(**fields))):
         assert req.logit_bias == {50256: -100.0, 11: 2.5}
         assert (req.top_k, req.min_p, req.repetition_penalty) == (5, 0.1, 1.2)
         assert (req.presence_penalty, req.frequency_penalty) == (0.5, -0.5)
@@ -200,7 +183,7 @@ def test_vllm_sampling_fields_pass_on_by_their_names() -> None:
 
 
 def test_unset_sampling_stays_unset_for_the_models_defaults() -> None:
-    req = ok(chat())
+    req = translated(openai_chat())
     assert (req.temperature, req.top_p, req.top_k, req.min_p, req.repetition_penalty) == (
         None,
         None,
@@ -210,7 +193,9 @@ def test_unset_sampling_stays_unset_for_the_models_defaults() -> None:
     )
     assert req.sampling_needs() == frozenset()
     # Explicit nulls are unset too (vLLM's clients send them).
-    assert ok(chat(temperature=None, top_k=None, ignore_eos=None)).temperature is None
+    assert (
+        translated(openai_chat(temperature=None, top_k=None, ignore_eos=None)).temperature is None
+    )
 
 
 @pytest.mark.parametrize(
@@ -233,14 +218,16 @@ def test_unset_sampling_stays_unset_for_the_models_defaults() -> None:
 def test_sampling_fields_out_of_vllms_ranges_are_a_400_naming_them(
     fields: dict[str, object], param: str | None, words: str
 ) -> None:
-    error = refused(chat(**fields), param)
+    error = refused(openai_chat(**fields), param)
     message = error.body.error.message
     assert words in message
     assert (param or "min_tokens") in message
 
 
 def test_zero_penalties_and_text_format_are_accepted() -> None:
-    ok(chat(presence_penalty=0, frequency_penalty=0.0, response_format={"type": "text"}))
+    translated(
+        openai_chat(presence_penalty=0, frequency_penalty=0.0, response_format={"type": "text"})
+    )
 
 
 @pytest.mark.parametrize(
@@ -253,16 +240,16 @@ def test_zero_penalties_and_text_format_are_accepted() -> None:
     ],
 )
 def test_completion_refusals(fields: dict[str, object], param: str) -> None:
-    refused(completion(**fields), param)
+    refused(openai_completion(**fields), param)
 
 
 def test_limits_of_the_edge_apply() -> None:
-    error = refused(chat(max_tokens=101))
+    error = refused(openai_chat(max_tokens=101))
     assert "max_tokens" in error.body.error.message
     assert "at most 100" in error.body.error.message
-    refused(chat(temperature=3))
-    refused(chat(stop=["a", "b", "c", "d", "e"]))
-    assert ok(completion(prompt=["only one"])).prompt == "only one"
+    refused(openai_chat(temperature=3))
+    refused(openai_chat(stop=["a", "b", "c", "d", "e"]))
+    assert translated(openai_completion(prompt=["only one"])).prompt == "only one"
 
 
 # -- errors -------------------------------------------------------------------------------------
@@ -322,21 +309,11 @@ def delta(seq: int, text: str) -> DeltaFrame:
     return DeltaFrame(request_id="r1", seq=seq, text=text)
 
 
-def events(chunks: list[bytes]) -> list[tuple[str | None, object]]:
-    """(id, data) of each event; data is parsed JSON, or the `[DONE]` marker as a string."""
-    out: list[tuple[str | None, object]] = []
-    for chunk in chunks:
-        fields = dict(line.split(": ", 1) for line in chunk.decode().strip().split("\n"))
-        data = fields["data"]
-        out.append((fields.get("id"), data if data == "[DONE]" else json.loads(data)))
-    return out
-
-
 def test_chat_stream_ids_role_chunk_usage_and_done() -> None:
     stream = SseStream(CHAT, include_usage=True)
     out = stream.take(AcceptedFrame(request_id="r1", resume_token="t", tier=Tier.interactive))
     out += stream.take(delta(0, "Hel")) + stream.take(delta(1, "lo")) + stream.take(done())
-    seen = events(out)
+    seen = sse_events(out)
     assert [i for i, _ in seen] == ["0:-1", "0:0", "0:1", "0:1", "0:1", None]
     role, first, second, finish, usage, end = (d for _, d in seen)
     assert isinstance(role, dict)
@@ -361,7 +338,7 @@ def test_chat_stream_ids_role_chunk_usage_and_done() -> None:
 
 
 def test_the_model_and_fallback_map_and_the_answer_names_who_answered() -> None:
-    request = chat(model="big", fallback_model="small")
+    request = openai_chat(model="big", fallback_model="small")
     assert isinstance(request, ChatRequest)
     assert (request.model, request.fallback_model) == ("big", "small")
     ident = Identity("chat", "r1", "big", 1)
@@ -371,8 +348,8 @@ def test_the_model_and_fallback_map_and_the_answer_names_who_answered() -> None:
     assert not isinstance(whole.result, HttpError)
     assert whole.result.model == "small"
     stream = SseStream(ident, include_usage=False)
-    first = events(stream.take(delta(0, "a")))
-    finish = events(stream.take(done(model="small")))
+    first = sse_events(stream.take(delta(0, "a")))
+    finish = sse_events(stream.take(done(model="small")))
     assert [d["model"] for _, d in first if isinstance(d, dict)] == ["big", "big"]
     assert [d["model"] for _, d in finish if isinstance(d, dict)] == ["small"]
 
@@ -397,7 +374,7 @@ def test_unknown_models_are_refused_only_after_the_directory_listened_a_while() 
 
 def test_text_stream_without_usage() -> None:
     stream = SseStream(TEXT, include_usage=False)
-    seen = events(stream.take(delta(0, "a")) + stream.take(done("length")))
+    seen = sse_events(stream.take(delta(0, "a")) + stream.take(done("length")))
     assert [i for i, _ in seen] == ["0:0", "0:0", None]
     first, finish, _ = (d for _, d in seen)
     assert isinstance(first, dict)
@@ -410,7 +387,7 @@ def test_text_stream_without_usage() -> None:
 def test_a_new_attempt_before_any_text_is_invisible() -> None:
     stream = SseStream(CHAT, include_usage=False)
     assert stream.take(ResetFrame(request_id="r1", attempt=1)) == []
-    seen = events(stream.take(delta(0, "x")))
+    seen = sse_events(stream.take(delta(0, "x")))
     assert [i for i, _ in seen] == ["1:-1", "1:0"]
     assert not stream.cancel
 
@@ -418,7 +395,7 @@ def test_a_new_attempt_before_any_text_is_invisible() -> None:
 def test_a_new_attempt_after_text_ends_the_stream_with_an_error() -> None:
     stream = SseStream(CHAT, include_usage=False)
     stream.take(delta(0, "x"))
-    seen = events(stream.take(ResetFrame(request_id="r1", attempt=1)))
+    seen = sse_events(stream.take(ResetFrame(request_id="r1", attempt=1)))
     (_, error), (_, end) = seen
     assert isinstance(error, dict)
     assert "re-run" in error["error"]["message"]
@@ -429,7 +406,7 @@ def test_a_new_attempt_after_text_ends_the_stream_with_an_error() -> None:
 
 def test_resumed_stream_sends_no_role_chunk_and_continues_ids() -> None:
     stream = SseStream(CHAT, include_usage=False, after=EventId(0, 4))
-    seen = events(stream.take(delta(5, "y")))
+    seen = sse_events(stream.take(delta(5, "y")))
     assert [i for i, _ in seen] == ["0:5"]
     # A resumed client holds text: a new attempt cannot be shown to it either.
     stream.take(ResetFrame(request_id="r1", attempt=1))
@@ -439,7 +416,7 @@ def test_resumed_stream_sends_no_role_chunk_and_continues_ids() -> None:
 def test_error_frame_becomes_an_error_event() -> None:
     stream = SseStream(CHAT, include_usage=False)
     frame = ErrorFrame(code=ErrorCode.deadline_exceeded, message="late", request_id="r1")
-    (_, error), _ = events(stream.take(frame))
+    (_, error), _ = sse_events(stream.take(frame))
     assert error == {
         "error": {
             "message": "late",

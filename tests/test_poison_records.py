@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import websockets
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka import AIOKafkaProducer
 
 from services.worker.engines.sim_text import complete
 from shared.dead_letters import ERROR, ERROR_CODE, SOURCE_TOPIC
@@ -27,7 +27,7 @@ from shared.kafka import make_admin, new_topic
 from shared.messages import Heartbeat, QueuedRequest, ReplyTo, Tier
 from shared.settings import TokenbusSettings
 from tests.chat_client import run_requests
-from tests.stack import Stack, new_prefix, wait_until
+from tests.stack import Stack, new_prefix, read_records, wait_until
 
 WORKER = "worker-p"
 
@@ -91,25 +91,6 @@ async def write(bootstrap: str, topic: str, partition: int, values: list[bytes])
             await producer.send_and_wait(topic, value, partition=partition, key=b"poison")
     finally:
         await producer.stop()
-
-
-async def read_all(bootstrap: str, topic: str, partitions: int) -> list[Any]:
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
-    await consumer.start()
-    try:
-        tps = [TopicPartition(topic, p) for p in range(partitions)]
-        consumer.assign(tps)
-        await consumer.seek_to_beginning(*tps)
-        ends = await consumer.end_offsets(tps)
-        out: list[Any] = []
-        todo = {tp for tp in tps if ends[tp] > 0}
-        while todo:
-            for records in (await consumer.getmany(timeout_ms=500)).values():
-                out.extend(records)
-            todo = {tp for tp in todo if await consumer.position(tp) < ends[tp]}
-        return out
-    finally:
-        await consumer.stop()
 
 
 async def create_topic(bootstrap: str, name: str) -> None:
@@ -212,7 +193,7 @@ async def test_poison_everywhere_is_dead_lettered_and_good_requests_still_flow(
     # Answers: an error for every poison request whose address could be read; the valid
     # request of the partly invalid batch ran.
     def answers() -> dict[str, dict[str, Any]]:
-        records = asyncio.run(read_all(bootstrap, replies, 1))
+        records = asyncio.run(read_records(stack.settings, replies, 1))
         return {json.loads(r.value)["request_id"]: json.loads(r.value) for r in records}
 
     await asyncio.to_thread(
@@ -225,11 +206,13 @@ async def test_poison_everywhere_is_dead_lettered_and_good_requests_still_flow(
     for rid, code in expected_answers.items():
         assert got[rid]["kind"] == "error", got[rid]
         assert got[rid]["code"] == code, got[rid]
-    finals = [v for v in (await read_all(bootstrap, replies, 1)) if b'"in-batch-good"' in v.value]
+    finals = [
+        v for v in (await read_records(stack.settings, replies, 1)) if b'"in-batch-good"' in v.value
+    ]
     assert json.loads(finals[-1].value)["kind"] == "done"
 
     # The DLQ: every poisoned topic and partition is named as a source, with a reason.
-    dlq = await read_all(bootstrap, topics.dlq, parts[topics.dlq])
+    dlq = await read_records(stack.settings, topics.dlq, parts[topics.dlq])
     sources: set[tuple[str, int]] = set()
     reasons: list[str] = []
     for record in dlq:

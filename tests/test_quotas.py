@@ -5,14 +5,7 @@ from __future__ import annotations
 import pytest
 
 from services.edge.quotas import Quotas, TenantLimits, TokenBucket
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.fakes import FakeClock
 
 
 @pytest.fixture

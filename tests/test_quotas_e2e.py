@@ -16,7 +16,7 @@ import pytest
 import websockets
 from websockets.exceptions import ConnectionClosed
 
-from tests.chat_client import close_of, recv_json, run_requests
+from tests.chat_client import bearer, close_of, recv_json, run_requests
 from tests.stack import UNLIMITED, Stack, new_prefix
 
 TENANTS: dict[str, dict[str, object]] = {
@@ -39,15 +39,6 @@ def limited(bootstrap: str, log_dir: Path) -> Iterator[Stack]:
 
 def marker() -> str:
     return "quota-" + uuid.uuid4().hex
-
-
-def bearer(stack: Stack, tenant: str) -> dict[str, Any]:
-    return {"additional_headers": {"Authorization": f"Bearer {stack.keys[tenant]}"}}
-
-
-async def prompts_on_kafka(stack: Stack) -> list[str]:
-    """The prompts of every request the edge wrote (to `tokenbus.requests` or a tier)."""
-    return [json.loads(v).get("prompt") or "" for v in await stack.read_requests()]
 
 
 async def send(ws: websockets.ClientConnection, client_id: str, prompt: str, n: int) -> None:
@@ -74,7 +65,7 @@ async def test_requests_per_second(limited: Stack) -> None:
         # Both accepted requests still complete.
         while sum(f["type"] == "chat.done" for f in frames) < 2:
             frames.append(await recv_json(ws))
-    on_kafka = await prompts_on_kafka(limited)
+    on_kafka = await limited.requested_prompts()
     assert sorted(prompts[:2]) == sorted(p for p in on_kafka if p in prompts)
 
 
@@ -98,7 +89,7 @@ async def test_concurrent_streams(limited: Stack) -> None:
         done = await run_requests(ws, [{"client_id": "after", "prompt": after, "max_tokens": 3}])
         assert done["after"].final is not None
         assert done["after"].final["type"] == "chat.done", done["after"].frames
-    on_kafka = await prompts_on_kafka(limited)
+    on_kafka = await limited.requested_prompts()
     assert long in on_kafka
     assert after in on_kafka
     assert refused not in on_kafka
@@ -124,7 +115,7 @@ async def test_tokens_per_minute(limited: Stack) -> None:
         frame = await recv_json(ws)
         check_rate_limited(frame, "c", "tokens_per_min")
         assert frame["retry_after_ms"] is None
-    on_kafka = await prompts_on_kafka(limited)
+    on_kafka = await limited.requested_prompts()
     assert first in on_kafka
     assert second not in on_kafka
     assert huge not in on_kafka
@@ -160,4 +151,4 @@ async def test_open_sockets(limited: Stack) -> None:
     while not await opens():
         assert time.monotonic() < deadline, "closed sockets were not given back"
         await asyncio.sleep(0.1)
-    assert refused not in await prompts_on_kafka(limited)
+    assert refused not in await limited.requested_prompts()

@@ -21,6 +21,7 @@ import pytest
 import websockets
 
 from shared.kafka import create_topics, make_consumer, make_producer
+from tests.chat_client import openai_sdk, served_models
 from tests.stack import Stack, new_prefix, wait_until
 
 MODEL = "sim-8b"  # the worker's default `worker_model`
@@ -31,20 +32,14 @@ def api(bootstrap: str, log_dir: Path) -> Iterator[Stack]:
     stack = Stack(bootstrap=bootstrap, prefix=new_prefix(), log_dir=log_dir)
     try:
         stack.start()
-        wait_until(lambda: [m.id for m in sdk(stack).models.list()] == [MODEL], 30, "the model")
+        wait_until(lambda: served_models(stack) == [MODEL], 30, "the model")
         yield stack
     finally:
         stack.stop()
 
 
-def sdk(stack: Stack) -> openai.OpenAI:
-    return openai.OpenAI(
-        base_url=f"{stack.http_url}/v1", api_key=stack.keys["default"], max_retries=0, timeout=60
-    )
-
-
 def ask(stack: Stack, **extra: object) -> openai.types.chat.ChatCompletion:
-    return sdk(stack).chat.completions.create(
+    return openai_sdk(stack).chat.completions.create(
         model=MODEL,
         messages=[{"role": "user", "content": f"tell me about buses {uuid.uuid4().hex}"}],
         max_tokens=40,
@@ -89,7 +84,7 @@ def test_logprobs_on_the_sim_are_a_400_naming_the_field_and_the_engine(
 
 def test_completion_logprobs_on_the_sim_are_a_400_too(api: Stack) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
-        sdk(api).completions.create(model=MODEL, prompt="once", max_tokens=4, logprobs=2)
+        openai_sdk(api).completions.create(model=MODEL, prompt="once", max_tokens=4, logprobs=2)
     assert "logprobs: not supported by the engine" in caught.value.message
     assert "(sim)" in caught.value.message
 
@@ -101,7 +96,7 @@ def test_neutral_values_are_accepted(api: Stack) -> None:
 
 def test_seed_picks_a_sample_and_ignore_eos_runs_to_max_tokens(api: Stack) -> None:
     messages = [{"role": "user", "content": f"seeded {uuid.uuid4().hex}"}]
-    client = sdk(api)
+    client = openai_sdk(api)
 
     def text(seed: int, **extra: object) -> openai.types.chat.ChatCompletion:
         return client.chat.completions.create(

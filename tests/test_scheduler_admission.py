@@ -9,7 +9,8 @@ from aiokafka import ConsumerRecord, TopicPartition
 from services.scheduler.admission import Admission, Answer, Poison, Queue, Skip
 from services.scheduler.settings import SchedulerSettings
 from shared.kafka import encode
-from shared.messages import ErrorCode, QueuedRequest, ReplyTo, Tier
+from shared.messages import ErrorCode
+from tests.factories import consumer_record, queued_request
 
 TP = TopicPartition("t.requests.interactive", 0)
 PARENTS = [
@@ -18,26 +19,10 @@ PARENTS = [
 ]
 
 
-def queued(request_id: str = "r1", **fields: object) -> QueuedRequest:
-    base: dict[str, object] = {
-        "request_id": request_id,
-        "prompt": "hi",
-        "tier": Tier.interactive,
-        "prompt_tokens": 1,
-        "reply_to": ReplyTo(topic="t.results", partition=0),
-        "created_at": 100.0,
-    }
-    return QueuedRequest.model_validate({**base, **fields})
-
-
 def record(
     value: bytes, offset: int = 0, headers: tuple[tuple[str, bytes], ...] = ()
 ) -> ConsumerRecord[bytes, bytes]:
-    return ConsumerRecord(
-        topic=TP.topic, partition=TP.partition, offset=offset, timestamp=0, timestamp_type=0,
-        key=None, value=value, checksum=None, serialized_key_size=0,
-        serialized_value_size=len(value), headers=headers,
-    )  # fmt: skip
+    return consumer_record(TP.topic, value, partition=TP.partition, offset=offset, headers=headers)
 
 
 def admission() -> Admission:
@@ -46,38 +31,38 @@ def admission() -> Admission:
 
 def test_a_request_is_queued_once_and_a_second_copy_of_its_attempt_is_skipped() -> None:
     a = admission()
-    first = a.decide(TP, record(encode(queued())), now=101.0)
+    first = a.decide(TP, record(encode(queued_request())), now=101.0)
     assert isinstance(first, Queue)
     assert first.waiting.request.request_id == "r1"
-    again = a.decide(TP, record(encode(queued()), offset=1), now=101.0)
+    again = a.decide(TP, record(encode(queued_request()), offset=1), now=101.0)
     assert again == Skip(TP, 1, "r1", "duplicate")
     # The next attempt of the same request is another request.
-    assert isinstance(a.decide(TP, record(encode(queued(attempt=1)), 2), now=101.0), Queue)
+    assert isinstance(a.decide(TP, record(encode(queued_request(attempt=1)), 2), now=101.0), Queue)
 
 
 def test_a_request_released_with_its_partition_is_queued_when_read_again() -> None:
     a = admission()
-    first = a.decide(TP, record(encode(queued())), now=101.0)
+    first = a.decide(TP, record(encode(queued_request())), now=101.0)
     assert isinstance(first, Queue)
     a.released([first.waiting])
-    assert isinstance(a.decide(TP, record(encode(queued())), now=101.0), Queue)
+    assert isinstance(a.decide(TP, record(encode(queued_request())), now=101.0), Queue)
 
 
 def test_what_the_last_owner_dispatched_is_skipped_once() -> None:
     a = admission()
     a.dispatched_before([("r1", 0)], now=101.0)
-    skipped = a.decide(TP, record(encode(queued())), now=101.0)
+    skipped = a.decide(TP, record(encode(queued_request())), now=101.0)
     assert isinstance(skipped, Skip)
     assert skipped.why == "already_dispatched"
 
 
 def test_a_request_past_its_deadline_or_above_its_budget_is_answered() -> None:
     a = admission()
-    late = a.decide(TP, record(encode(queued(deadline_ms=500))), now=101.0)
+    late = a.decide(TP, record(encode(queued_request(deadline_ms=500))), now=101.0)
     assert isinstance(late, Answer)
     assert late.expired
     assert late.error.code is ErrorCode.deadline_exceeded
-    big = a.decide(TP, record(encode(queued("r2", prompt_tokens=10**7))), now=101.0)
+    big = a.decide(TP, record(encode(queued_request("r2", prompt_tokens=10**7))), now=101.0)
     assert isinstance(big, Answer)
     assert not big.expired
     assert big.error.code is ErrorCode.invalid_request
@@ -97,11 +82,13 @@ def test_a_record_that_is_not_a_request_is_poison_answered_where_it_can_be() -> 
 
 def test_the_records_trace_headers_win_and_a_handed_back_request_keeps_its_own() -> None:
     a = admission()
-    carried = queued(trace={"traceparent": PARENTS[0]})
+    carried = queued_request(trace={"traceparent": PARENTS[0]})
     kept = a.decide(TP, record(encode(carried)), now=101.0)
     assert isinstance(kept, Queue)
     assert kept.waiting.request.trace == {"traceparent": PARENTS[0]}
     headers = (("traceparent", PARENTS[1].encode()),)
-    won = a.decide(TP, record(encode(queued("r2", trace=carried.trace)), 1, headers), now=101.0)
+    won = a.decide(
+        TP, record(encode(queued_request("r2", trace=carried.trace)), 1, headers), now=101.0
+    )
     assert isinstance(won, Queue)
     assert won.waiting.request.trace == {"traceparent": PARENTS[1]}

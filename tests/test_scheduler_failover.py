@@ -15,9 +15,8 @@ from typing import Any
 import pytest
 import websockets
 
-from services.worker.engines.sim_text import complete
-from shared.messages import Heartbeat
-from tests.chat_client import ChatSession, Transcript
+from tests.chat_client import ChatSession, check_complete
+from tests.factories import long_prompts
 from tests.stack import Stack, new_prefix, wait_until
 from tests.worker_logs import events
 
@@ -51,26 +50,10 @@ def two_workers(bootstrap: str, log_dir: Path) -> Iterator[Stack]:
         s.start_service(
             "worker", key=WORKER_B, TOKENBUS_WORKER_ID=WORKER_B, TOKENBUS_WORKER_BATCH_PARTITION="1"
         )
-        wait_until(lambda: _workers_heard(s) == {WORKER_A, WORKER_B}, 60, "both workers' beats")
+        wait_until(lambda: s.workers_heard() == {WORKER_A, WORKER_B}, 60, "both workers' beats")
         yield s
     finally:
         s.stop()
-
-
-def _workers_heard(stack: Stack) -> set[str]:
-    return {Heartbeat.model_validate_json(v).worker_id for v in stack.read(stack.topics.workers)}
-
-
-def long_prompts(count: int, min_tokens: int, tag: str) -> list[str]:
-    """Prompts whose deterministic answers run at least `min_tokens` tokens."""
-    found: list[str] = []
-    i = 0
-    while len(found) < count:
-        prompt = f"{tag} {i}"
-        if complete(prompt, 500).completion_tokens >= min_tokens:
-            found.append(prompt)
-        i += 1
-    return found
 
 
 def runs(stack: Stack, session: ChatSession) -> dict[str, int]:
@@ -81,29 +64,6 @@ def runs(stack: Stack, session: ChatSession) -> dict[str, int]:
             if e["request_id"] in count:
                 count[e["request_id"]] += 1
     return count
-
-
-def final_attempt(t: Transcript) -> list[dict[str, Any]]:
-    resets = [i for i, f in enumerate(t.frames) if f["type"] == "chat.reset"]
-    return t.frames[resets[-1] + 1 :] if resets else t.frames
-
-
-def resets(t: Transcript) -> list[int]:
-    return [f["attempt"] for f in t.frames if f["type"] == "chat.reset"]
-
-
-def check_complete(t: Transcript, request: dict[str, Any]) -> None:
-    """One acceptance, one final chat.done, and the last attempt is the full, ordered answer."""
-    assert [f["type"] for f in t.frames].count("chat.accepted") == 1, t.frames
-    assert t.final is not None, t.frames[-3:]
-    assert t.final["type"] == "chat.done", t.frames[-3:]
-    assert t.frames[-1] is t.final
-    last = final_attempt(t)
-    deltas = [f for f in last if f["type"] == "chat.delta"]
-    assert [d["seq"] for d in deltas] == list(range(len(deltas)))
-    plan = complete(request["prompt"], request["max_tokens"])
-    assert "".join(d["text"] for d in deltas) == plan.text
-    assert t.final["usage"]["completion_tokens"] == plan.completion_tokens
 
 
 async def test_a_scheduler_killed_mid_load_and_restarted_loses_no_request(
@@ -133,7 +93,7 @@ async def test_a_scheduler_killed_mid_load_and_restarted_loses_no_request(
         t = session.by_client[request["client_id"]]
         check_complete(t, request)
         # Nothing ran twice: no request was dispatched again after the restart.
-        assert resets(t) == [], t.frames
+        assert t.resets == [], t.frames
     # Exactly once: no request was dispatched again after the restart (a second run of the
     # same attempt could even go unseen by the client, so count the workers' runs).
     await asyncio.to_thread(
@@ -161,13 +121,13 @@ async def test_a_worker_killed_mid_batch_has_its_requests_finished_by_another(
         await session.until(lambda: all(t.deltas for t in session.by_client.values()))
         await asyncio.to_thread(stack.stop_service, WORKER_B, signal.SIGKILL)
         await session.until(session.all_ended, within=60)
-    moved = [t for t in session.by_client.values() if resets(t)]
+    moved = [t for t in session.by_client.values() if t.resets]
     assert moved, "worker B held none of the requests: the test proved nothing"
     assert len(moved) < len(requests), "worker A should have run some without a reset"
     for request in requests:
         t = session.by_client[request["client_id"]]
         check_complete(t, request)
-        assert resets(t) in ([], [1]), t.frames
+        assert t.resets in ([], [1]), t.frames
     recovered = events(stack.log("scheduler"), "worker.recovered")
     assert [e["worker_id"] for e in recovered][:1] == [WORKER_B]
     assert recovered[0]["handed_back"] == len(moved)
@@ -197,7 +157,7 @@ async def test_two_schedulers_share_the_tier_partitions_and_lose_nothing(
     for request in requests:
         t = session.by_client[request["client_id"]]
         check_complete(t, request)
-        assert resets(t) == []
+        assert t.resets == []
     await asyncio.to_thread(
         wait_until, lambda: min(runs(stack, session).values()) >= 1, 10, "every run logged"
     )

@@ -9,25 +9,15 @@ from prometheus_client import CollectorRegistry
 
 from services.scheduler.telemetry import SchedulerTelemetry
 from shared import semconv
-from shared.messages import QueuedRequest, ReplyTo, Tier
+from shared.messages import Tier
 from shared.metrics import SchedulerMetrics
 from shared.telemetry import extract, span_context_of
+from tests.factories import queued_request
 
 PARENTS = [
     "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
     "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
 ]
-
-
-def queued(request_id: str, accepted_at: float) -> QueuedRequest:
-    return QueuedRequest(
-        request_id=request_id,
-        prompt="hi",
-        tier=Tier.interactive,
-        prompt_tokens=1,
-        reply_to=ReplyTo(topic="t.results", partition=0),
-        accepted_at=accepted_at,
-    )
 
 
 def test_batch_span_links_every_request_and_requests_carry_their_own_trace() -> None:
@@ -43,7 +33,9 @@ def test_batch_span_links_every_request_and_requests_carry_their_own_trace() -> 
         tracer=provider.get_tracer("test"),
     )
     requests = [
-        queued(f"r{i}", 100.0 + i).model_copy(update={"trace": {"traceparent": p}})
+        queued_request(f"r{i}", accepted_at=100.0 + i).model_copy(
+            update={"trace": {"traceparent": p}}
+        )
         for i, p in enumerate(PARENTS)
     ]
     for request in requests:
@@ -100,7 +92,7 @@ def test_expired_requests_leave_the_queue_depth() -> None:
     registry = CollectorRegistry()
     metrics = SchedulerMetrics.build(registry)
     tel = SchedulerTelemetry("t.batches", {Tier.interactive: 4}, metrics=metrics)
-    request = queued("r1", 1.0)
+    request = queued_request("r1", accepted_at=1.0)
     tel.arrived(request)
     tel.expired(request)
     t = {"tier": "interactive"}

@@ -25,9 +25,9 @@ from services.worker.engines.sim_text import complete
 from shared.kafka import create_topics, make_producer
 from shared.messages import QueuedRequest, ReplyTo, Tier
 from shared.settings import TokenbusSettings
+from tests.factories import long_prompts
 from tests.processes import free_port_pair
 from tests.stack import ROOT, Stack, new_prefix, read_topic, wait_until
-from tests.test_scheduler_failover import long_prompts
 from tests.worker_logs import events
 
 pytestmark = pytest.mark.integration

@@ -11,9 +11,8 @@ import pytest
 
 from services.edge.capabilities import unhonoured
 from services.edge.openai.errors import HttpError
-from services.edge.openai.schema import ChatCompletionRequest
 from services.edge.openai.sse import DONE
-from services.edge.openai.translate import Answer, Identity, SseStream, to_chat_request
+from services.edge.openai.translate import Answer, Identity, SseStream
 from services.edge.protocol import DeltaFrame, DoneFrame, ResetFrame
 from services.worker.engines.base import (
     ChatTurn,
@@ -40,7 +39,6 @@ from shared.messages import (
     FunctionCall,
     QueuedRequest,
     ReplyTo,
-    RequestLimits,
     ResponseFormat,
     Tier,
     Timings,
@@ -48,8 +46,9 @@ from shared.messages import (
     ToolCall,
     Usage,
 )
+from tests.chat_client import sse_data
+from tests.factories import openai_chat, translated
 
-LIMITS = RequestLimits(max_tokens_cap=100, default_max_tokens=16)
 WEATHER_SCHEMA = {
     "type": "object",
     "properties": {"city": {"type": "string"}, "unit": {"type": "string"}},
@@ -66,16 +65,6 @@ WEATHER = {
 }
 TIME = {"type": "function", "function": {"name": "get_time"}}
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
-
-
-def chat(**fields: object) -> ChatRequest | HttpError:
-    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}
-    return to_chat_request(ChatCompletionRequest.model_validate(body), LIMITS)
-
-
-def ok(result: ChatRequest | HttpError) -> ChatRequest:
-    assert isinstance(result, ChatRequest), result
-    return result
 
 
 def refused(result: ChatRequest | HttpError, *words: str) -> str:
@@ -112,7 +101,7 @@ def call(name: str, arguments: str, id_: str = "call_1") -> ToolCall:
 
 
 def test_tools_tool_choice_and_response_format_reach_the_request() -> None:
-    request = ok(chat(tools=[WEATHER, TIME], tool_choice=NAMED))
+    request = translated(openai_chat(tools=[WEATHER, TIME], tool_choice=NAMED))
     assert [t.function.name for t in request.tools or ()] == ["get_weather", "get_time"]
     assert request.tools is not None
     assert request.tools[0].function.parameters == WEATHER_SCHEMA
@@ -120,59 +109,65 @@ def test_tools_tool_choice_and_response_format_reach_the_request() -> None:
     assert request.tool_choice != "auto"
     assert request.sampling_needs() == {"tools"}
     fmt = {"type": "json_schema", "json_schema": {"name": "w", "schema": WEATHER_SCHEMA}}
-    request = ok(chat(response_format=fmt))
+    request = translated(openai_chat(response_format=fmt))
     assert request.response_format is not None
     assert request.response_format.json_schema
     assert request.response_format.json_schema.json_schema == WEATHER_SCHEMA
     assert request.sampling_needs() == {"response_format"}
-    assert ok(chat(response_format={"type": "json_object"})).sampling_needs() == {"response_format"}
+    assert translated(openai_chat(response_format={"type": "json_object"})).sampling_needs() == {
+        "response_format"
+    }
 
 
 def test_what_asks_nothing_of_the_engine() -> None:
-    assert ok(chat(response_format={"type": "text"})).sampling_needs() == frozenset()
-    assert ok(chat(tools=[WEATHER], tool_choice="none")).sampling_needs() == frozenset()
-    default = ok(chat(tools=[WEATHER]))  # tools without a choice: auto, as OpenAI
+    assert translated(openai_chat(response_format={"type": "text"})).sampling_needs() == frozenset()
+    assert (
+        translated(openai_chat(tools=[WEATHER], tool_choice="none")).sampling_needs() == frozenset()
+    )
+    default = translated(openai_chat(tools=[WEATHER]))  # tools without a choice: auto, as OpenAI
     assert default.tool_choice_in_effect == "auto"
     assert default.sampling_needs() == {"tools"}
-    assert ok(chat()).tool_choice_in_effect == "none"
+    assert translated(openai_chat()).tool_choice_in_effect == "none"
 
 
 def test_bad_tool_requests_are_400s_naming_the_field() -> None:
-    refused(chat(tool_choice="required"), "tool_choice", "needs `tools`")
+    refused(openai_chat(tool_choice="required"), "tool_choice", "needs `tools`")
     missing = {"type": "function", "function": {"name": "nope"}}
-    refused(chat(tools=[WEATHER], tool_choice=missing), "tool_choice", "'nope' is not in")
-    refused(chat(tools=[{"type": "function", "function": {}}]), "tools")
-    refused(chat(response_format={"type": "json_schema"}), "response_format")
-    refused(chat(response_format={"type": "yaml"}), "response_format")
+    refused(openai_chat(tools=[WEATHER], tool_choice=missing), "tool_choice", "'nope' is not in")
+    refused(openai_chat(tools=[{"type": "function", "function": {}}]), "tools")
+    refused(openai_chat(response_format={"type": "json_schema"}), "response_format")
+    refused(openai_chat(response_format={"type": "yaml"}), "response_format")
     both = {"type": "json_object"}
     refused(
-        chat(tools=[WEATHER], tool_choice="required", response_format=both),
+        openai_chat(tools=[WEATHER], tool_choice="required", response_format=both),
         "response_format",
         "cannot be combined",
     )
     # Auto may still answer in the format asked.
-    ok(chat(tools=[WEATHER], tool_choice="auto", response_format=both))
+    translated(openai_chat(tools=[WEATHER], tool_choice="auto", response_format=both))
 
 
 def test_vllms_guided_fields_are_a_response_format() -> None:
-    fmt = ok(chat(guided_json=WEATHER_SCHEMA)).response_format
+    fmt = translated(openai_chat(guided_json=WEATHER_SCHEMA)).response_format
     assert fmt is not None
     assert fmt.json_schema is not None
     assert fmt.json_schema.json_schema == WEATHER_SCHEMA
-    fmt = ok(chat(guided_json=json.dumps(WEATHER_SCHEMA))).response_format
+    fmt = translated(openai_chat(guided_json=json.dumps(WEATHER_SCHEMA))).response_format
     assert fmt is not None
     assert fmt.json_schema is not None
     assert fmt.json_schema.json_schema == WEATHER_SCHEMA
-    fmt = ok(chat(structured_outputs={"json": WEATHER_SCHEMA})).response_format
+    fmt = translated(openai_chat(structured_outputs={"json": WEATHER_SCHEMA})).response_format
     assert fmt is not None
     assert fmt.json_schema is not None
     assert fmt.json_schema.json_schema == WEATHER_SCHEMA
-    fmt = ok(chat(structured_outputs={"json_object": True})).response_format
+    fmt = translated(openai_chat(structured_outputs={"json_object": True})).response_format
     assert fmt == ResponseFormat(type="json_object")
-    refused(chat(structured_outputs={"regex": "a+"}), "structured_outputs: regex not supported")
-    refused(chat(guided_json="{nope"), "guided_json", "invalid JSON")
     refused(
-        chat(guided_json=WEATHER_SCHEMA, response_format={"type": "json_object"}),
+        openai_chat(structured_outputs={"regex": "a+"}), "structured_outputs: regex not supported"
+    )
+    refused(openai_chat(guided_json="{nope"), "guided_json", "invalid JSON")
+    refused(
+        openai_chat(guided_json=WEATHER_SCHEMA, response_format={"type": "json_object"}),
         "not both",
     )
 
@@ -193,7 +188,7 @@ def test_a_conversation_with_calls_and_results_keeps_them() -> None:
         },
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
     ]
-    request = ok(chat(messages=messages, tools=[WEATHER]))
+    request = translated(openai_chat(messages=messages, tools=[WEATHER]))
     assert request.messages is not None
     assistant, tool = request.messages[1], request.messages[2]
     assert assistant.content == ""
@@ -201,7 +196,7 @@ def test_a_conversation_with_calls_and_results_keeps_them() -> None:
     assert tool.tool_call_id == "call_1"
     # The bound a request is charged counts the tools and calls a template may render.
     bare = [{k: v for k, v in m.items() if k in ("role", "content")} for m in messages]
-    plain = ok(chat(messages=bare))
+    plain = translated(openai_chat(messages=bare))
     rendered_extra = len(json.dumps(WEATHER_SCHEMA)) + len('{"city": "Paris"}')
     assert request.prompt_token_bound() - plain.prompt_token_bound() > rendered_extra
 
@@ -213,7 +208,7 @@ def test_only_an_assistant_carries_tool_calls() -> None:
 
 def test_records_without_tools_hold_no_new_keys() -> None:
     """A reader from before tools (its models forbid unknown keys) still reads them."""
-    record = ok(chat()).model_dump(mode="json")
+    record = translated(openai_chat()).model_dump(mode="json")
     assert not {"tools", "tool_choice", "response_format"} & set(record)
     assert set(record["messages"][0]) == {"role", "content"}
     done = DoneResult(
@@ -227,14 +222,16 @@ def test_records_without_tools_hold_no_new_keys() -> None:
 
 
 def test_tool_requests_are_not_cached() -> None:
-    assert ok(chat(temperature=0)).cacheable
-    assert not ok(chat(temperature=0, tools=[WEATHER], tool_choice="none")).cacheable
-    assert not ok(chat(temperature=0, response_format={"type": "json_object"})).cacheable
+    assert translated(openai_chat(temperature=0)).cacheable
+    assert not translated(openai_chat(temperature=0, tools=[WEATHER], tool_choice="none")).cacheable
+    assert not translated(
+        openai_chat(temperature=0, response_format={"type": "json_object"})
+    ).cacheable
 
 
 def test_the_worker_hands_the_engine_tools_and_turns() -> None:
-    record = ok(
-        chat(
+    record = translated(
+        openai_chat(
             messages=[
                 {"role": "user", "content": "hi"},
                 {
@@ -272,12 +269,14 @@ def test_the_worker_hands_the_engine_tools_and_turns() -> None:
 
 def test_a_named_function_is_guided_by_its_parameters() -> None:
     assert guide(engine_req(tools=[WEATHER, TIME])) is None  # auto: free, a parser reads it
-    named = ok(chat(tools=[WEATHER, TIME], tool_choice=NAMED))
+    named = translated(openai_chat(tools=[WEATHER, TIME], tool_choice=NAMED))
     assert guide(engine_req(tools=[WEATHER, TIME], tool_choice=named.tool_choice)) == Guide(
         json=WEATHER_SCHEMA
     )
-    by_time = ok(
-        chat(tools=[TIME], tool_choice={"type": "function", "function": {"name": "get_time"}})
+    by_time = translated(
+        openai_chat(
+            tools=[TIME], tool_choice={"type": "function", "function": {"name": "get_time"}}
+        )
     )
     # No parameters: still a JSON object (vLLM's `_params_or_empty_object`).
     assert guide(engine_req(tools=[TIME], tool_choice=by_time.tool_choice)) == Guide(
@@ -314,7 +313,9 @@ def test_required_is_an_array_of_calls_of_the_tools() -> None:
 
 
 def test_parallel_tool_calls_false_allows_one_call() -> None:
-    request = ok(chat(tools=[WEATHER], tool_choice="required", parallel_tool_calls=False))
+    request = translated(
+        openai_chat(tools=[WEATHER], tool_choice="required", parallel_tool_calls=False)
+    )
     assert request.parallel_tool_calls is False
     one = guide(engine_req(tools=[WEATHER], tool_choice="required", parallel_tool_calls=False))
     assert one is not None
@@ -350,10 +351,10 @@ def test_required_gathers_each_tools_defs_at_the_top() -> None:
 
 
 def test_response_formats_guide_to_json() -> None:
-    fmt = ok(chat(response_format={"type": "json_object"})).response_format
+    fmt = translated(openai_chat(response_format={"type": "json_object"})).response_format
     assert guide(engine_req(response_format=fmt)) == Guide(json_object=True)
-    fmt = ok(
-        chat(
+    fmt = translated(
+        openai_chat(
             response_format={
                 "type": "json_schema",
                 "json_schema": {"name": "w", "schema": WEATHER_SCHEMA},
@@ -361,7 +362,7 @@ def test_response_formats_guide_to_json() -> None:
         )
     ).response_format
     assert guide(engine_req(response_format=fmt)) == Guide(json=WEATHER_SCHEMA)
-    fmt = ok(chat(response_format={"type": "text"})).response_format
+    fmt = translated(openai_chat(response_format={"type": "text"})).response_format
     assert guide(engine_req(response_format=fmt)) is None
     assert guide(engine_req()) is None
 
@@ -370,7 +371,7 @@ def test_response_formats_guide_to_json() -> None:
 
 
 def test_a_named_answer_is_one_call_with_an_object() -> None:
-    named = ok(chat(tools=[WEATHER], tool_choice=NAMED)).tool_choice
+    named = translated(openai_chat(tools=[WEATHER], tool_choice=NAMED)).tool_choice
     request = engine_req(tools=[WEATHER], tool_choice=named)
     parsed = guided_calls(request, '{ "city" : "Paris" }')
     assert parsed.content is None
@@ -431,7 +432,7 @@ def test_the_template_gets_call_arguments_as_objects() -> None:
     ],
 )
 def test_sim_refuses_tools_and_json_formats(fields: dict[str, Any]) -> None:
-    request = ok(chat(**fields))
+    request = translated(openai_chat(**fields))
     field = "tools" if "tools" in fields else "response_format"
     # The transformers engine (torch is not in this env) is refused by name in
     # tests/real_engine/test_bus.py.
@@ -453,7 +454,7 @@ def test_sim_refuses_tools_and_json_formats(fields: dict[str, Any]) -> None:
 
 
 def test_tools_with_tool_choice_none_run_anywhere() -> None:
-    request = ok(chat(tools=[WEATHER], tool_choice="none"))
+    request = translated(openai_chat(tools=[WEATHER], tool_choice="none"))
     sim = Capabilities(engine="sim", sampling=SimEngine.sampling_fields)
     assert unhonoured(request, [sim]) is None
     check_sampling(
@@ -522,26 +523,16 @@ def test_an_answer_that_calls_nothing_is_text() -> None:
     assert choice["finish_reason"] == "stop"
 
 
-def events(chunks: list[bytes]) -> list[dict[str, Any]]:
-    out = []
-    for chunk in chunks:
-        if chunk == DONE:
-            continue
-        data = next(line for line in chunk.decode().splitlines() if line.startswith("data: "))
-        out.append(json.loads(data.removeprefix("data: ")))
-    return out
-
-
 def test_a_stream_holds_the_text_and_ends_with_the_calls() -> None:
     sse = SseStream(ident("any"), include_usage=True)
     opened = sse.take(DeltaFrame(request_id="r1", seq=0, text="<tool_call>"))
-    assert [e["choices"][0]["delta"] for e in events(opened)] == [
+    assert [e["choices"][0]["delta"] for e in sse_data(opened)] == [
         {"role": "assistant", "content": ""}
     ]
     assert sse.take(DeltaFrame(request_id="r1", seq=1, text="{...}</tool_call>")) == []
     ending = sse.take(done([CALL, call("get_time", "{}", "call_2")], content="Let me look."))
     assert ending[-1] == DONE
-    got = events(ending)
+    got = sse_data(ending)
     assert got[0]["choices"][0]["delta"] == {"role": None, "content": "Let me look."}
     assert got[1]["choices"][0]["delta"] == {
         "role": None,
@@ -572,13 +563,13 @@ def test_a_held_stream_that_calls_nothing_sends_its_text_at_the_end() -> None:
     assert sse.take(ResetFrame(request_id="r1", attempt=1)) == []  # nothing shown: restarts
     sse.take(DeltaFrame(request_id="r1", seq=0, text="It is "))
     sse.take(DeltaFrame(request_id="r1", seq=1, text="sunny."))
-    got = events(sse.take(done(None)))
+    got = sse_data(sse.take(done(None)))
     assert [e["choices"][0]["delta"].get("content") for e in got] == ["It is sunny.", None]
     assert got[-1]["choices"][0]["finish_reason"] == "stop"
 
 
 def test_a_request_without_tools_streams_as_before() -> None:
     sse = SseStream(ident(None), include_usage=False)
-    got = events(sse.take(DeltaFrame(request_id="r1", seq=0, text="hi")))
+    got = sse_data(sse.take(DeltaFrame(request_id="r1", seq=0, text="hi")))
     assert [e["choices"][0]["delta"].get("content") for e in got] == ["", "hi"]
     assert "tool_calls" not in got[1]["choices"][0]["delta"]

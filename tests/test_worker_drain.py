@@ -14,7 +14,7 @@ import websockets
 
 from services.worker.engines.sim_text import complete
 from shared.kafka import make_admin
-from shared.messages import Heartbeat, QueuedRequest, ReplyTo, Tier
+from shared.messages import QueuedRequest, ReplyTo, Tier
 from shared.settings import TokenbusSettings
 from tests.chat_client import Transcript, recv_json
 from tests.stack import Stack, new_prefix, wait_until
@@ -56,10 +56,7 @@ def drain_stack(bootstrap: str, log_dir: Path) -> Iterator[Stack]:
         s.start_service("worker", key="worker-b", TOKENBUS_WORKER_ID="worker-b")
         # Batches are addressed to workers the scheduler has heard from: wait for both.
         wait_until(
-            lambda: (
-                len({Heartbeat.model_validate_json(v).worker_id for v in s.read(s.topics.workers)})
-                == 2
-            ),
+            lambda: len(s.workers_heard()) == 2,
             60,
             "heartbeats from both workers",
             interval=0.2,
@@ -79,12 +76,6 @@ async def group_state(bootstrap: str, group: str) -> tuple[str, int]:
         return str(described["state"]), len(described["members"])
     finally:
         await admin.close()
-
-
-def final_attempt(t: Transcript) -> list[dict[str, Any]]:
-    """The frames of the last attempt: everything after the last chat.reset."""
-    resets = [i for i, f in enumerate(t.frames) if f["type"] == "chat.reset"]
-    return t.frames[resets[-1] + 1 :] if resets else t.frames
 
 
 async def test_sigterm_under_load_loses_no_request(drain_stack: Stack) -> None:
@@ -134,7 +125,7 @@ async def test_sigterm_under_load_loses_no_request(drain_stack: Stack) -> None:
         assert t.final is not None
         assert t.final["type"] == "chat.done", t.final
         plan = complete(str(r["prompt"]), int(r["max_tokens"]))
-        last = final_attempt(t)
+        last = t.final_attempt
         deltas = [f for f in last if f["type"] == "chat.delta"]
         assert [d["seq"] for d in deltas] == list(range(len(deltas)))
         shown = [(f["type"], f.get("attempt"), f.get("seq"), f.get("text")) for f in t.frames]

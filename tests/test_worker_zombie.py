@@ -22,10 +22,9 @@ import pytest
 import websockets
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from shared.messages import Heartbeat
-from tests.chat_client import ChatSession
+from tests.chat_client import ChatSession, check_complete
+from tests.factories import long_prompts
 from tests.stack import Stack, announces, new_prefix, wait_until
-from tests.test_scheduler_failover import check_complete, long_prompts, resets
 from tests.worker_logs import events
 
 WORKER_A, WORKER_B = "worker-a", "worker-b"
@@ -53,7 +52,7 @@ def zombie_stack(bootstrap: str, log_dir: Path) -> Iterator[Stack]:
     try:
         s.start()
         start_worker_b(s)
-        wait_until(lambda: _workers_heard(s) >= {WORKER_A, WORKER_B}, 60, "both workers' beats")
+        wait_until(lambda: s.workers_heard() >= {WORKER_A, WORKER_B}, 60, "both workers' beats")
         yield s
     finally:
         for proc in s.processes.values():  # a test that failed midway may leave one stopped
@@ -70,10 +69,6 @@ def start_worker_b(stack: Stack, **env: str) -> None:
         TOKENBUS_WORKER_BATCH_PARTITION="1",
         **env,
     )
-
-
-def _workers_heard(stack: Stack) -> set[str]:
-    return {Heartbeat.model_validate_json(v).worker_id for v in stack.read(stack.topics.workers)}
 
 
 def of_worker(stack: Stack, key: str, event: str, worker_id: str) -> list[dict[str, Any]]:
@@ -156,13 +151,13 @@ def check_one_answer_each(
 ) -> list[str]:
     """Every client saw one complete, exact answer; return the ids of those re-run."""
     assert late == [], late  # nothing after chat.done, from anyone
-    moved = [t for t in session.by_client.values() if resets(t)]
+    moved = [t for t in session.by_client.values() if t.resets]
     assert moved, "worker B held none of the requests: the test proved nothing"
     assert len(moved) < len(requests), "worker A should have run some without a reset"
     for request in requests:
         t = session.by_client[request["client_id"]]
         check_complete(t, request)  # one done, last; the final attempt is the exact text
-        assert resets(t) in ([], [1]), t.frames  # at most one reset per re-run
+        assert t.resets in ([], [1]), t.frames  # at most one reset per re-run
     return [t.request_id for t in moved if t.request_id is not None]
 
 

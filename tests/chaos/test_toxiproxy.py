@@ -20,12 +20,12 @@ from aiokafka import AIOKafkaProducer, TopicPartition
 from aiokafka.protocol.metadata import MetadataRequest
 
 from deploy.kafka import launcher
-from shared.kafka import create_topics, make_consumer, make_producer
+from shared.kafka import create_topics, make_producer
 from shared.settings import TokenbusSettings
 from tests.built_tools import WAITS_FOR_BUILD
 from tests.chaos.toxiproxy import Toxiproxy
 from tests.processes import free_port_run
-from tests.stack import new_prefix
+from tests.stack import new_prefix, read_partition
 
 # `proxied` waits for the Toxiproxy server if make test is still building it.
 pytestmark = [pytest.mark.integration, WAITS_FOR_BUILD]
@@ -126,24 +126,6 @@ async def leaders(producer: AIOKafkaProducer, topic: str, count: int) -> dict[in
     return led
 
 
-async def read_all(settings: TokenbusSettings, tp: TopicPartition, count: int) -> list[bytes]:
-    """The partition's records from the start: `count` of them, and any more one fetch finds."""
-    consumer = make_consumer(settings, group_id=None, client_id="toxiproxy-test-reader")
-    await consumer.start()
-    try:
-        consumer.assign([tp])
-        await consumer.seek_to_beginning(tp)
-        values: list[bytes] = []
-        deadline = time.monotonic() + 30
-        while len(values) < count and time.monotonic() < deadline:
-            batch = await consumer.getmany(tp, timeout_ms=1000)
-            values += [r.value or b"" for r in batch.get(tp, [])]
-        batch = await consumer.getmany(tp, timeout_ms=500)  # a duplicate would show here
-        return values + [r.value or b"" for r in batch.get(tp, [])]
-    finally:
-        await consumer.stop()
-
-
 def replica_lag_s(cluster: launcher.Cluster) -> float:
     """How long a follower that does not fetch stays in the ISR (server.properties)."""
     config = cluster.node(1).config_file.read_text()
@@ -179,7 +161,7 @@ async def test_a_record_goes_through_the_proxies_and_back(
         ports = {b.port for b in producer.client.cluster.brokers()}
     assert ports == {n.client_port for n in proxied.cluster.nodes}
 
-    assert await read_all(settings, TopicPartition(topic, 0), 1) == [b"through the proxy"]
+    assert await read_partition(settings, TopicPartition(topic, 0), 1) == [b"through the proxy"]
 
 
 async def test_latency_on_the_leaders_proxy_slows_its_writes(
@@ -226,7 +208,7 @@ async def test_a_black_holed_leader_holds_its_writes_until_cleared(
             toxiproxy.clear(holed)  # else stopping the producer waits on the black hole
             held.cancel()
     # The write the black hole swallowed was sent again after the clear, and is there once.
-    assert await read_all(settings, TopicPartition(topic, target), 2) == [b"warm", b"held"]
+    assert await read_partition(settings, TopicPartition(topic, target), 2) == [b"warm", b"held"]
 
 
 async def test_replication_bypasses_the_clients_proxies(
@@ -259,4 +241,4 @@ async def test_replication_bypasses_the_clients_proxies(
             toxiproxy.clear(holed)  # else stopping the producer waits on the black hole
             written.cancel()
     # Its first answer was lost: the idempotent producer sent it again, the broker kept one.
-    assert await read_all(settings, TopicPartition(topic, 0), 2) == [b"warm", b"written"]
+    assert await read_partition(settings, TopicPartition(topic, 0), 2) == [b"warm", b"written"]

@@ -28,7 +28,7 @@ from shared.tokens import (
     prompt_token_bound,
     sim_tokens,
 )
-from tests.chat_client import recv_json, run_requests
+from tests.chat_client import bearer, recv_json, run_requests
 from tests.stack import UNLIMITED, Stack, new_prefix
 
 LONGEST = 65_536  # the default max_prompt_chars
@@ -50,10 +50,6 @@ def stack(bootstrap: str, log_dir: Path) -> Iterator[Stack]:
         yield stack.start()
     finally:
         stack.stop()
-
-
-def bearer(stack: Stack, tenant: str) -> dict[str, Any]:
-    return {"additional_headers": {"Authorization": f"Bearer {stack.keys[tenant]}"}}
 
 
 async def refusal(stack: Stack, tenant: str, prompt: str, max_tokens: int) -> dict[str, Any]:
