@@ -5,6 +5,8 @@ Pure: no I/O and no clock, so every framing rule is tested with plain values. Th
 - the first record of a newer attempt is preceded by `chat.reset`, and `seq` restarts;
 - a `reset` record only announces its attempt (so later records of older ones are dropped);
 - a record whose `seq` was already shown (a replay, a duplicate) is dropped;
+- the first final record (`done` or `error`) ends the stream: nothing after it is shown,
+  a re-run's `reset` included (ADR 0055);
 - a record that would leave a hole in `seq` ends the stream with an error: a client is told
   the stream cannot be recovered, never shown a stream with a gap.
 """

@@ -11,14 +11,18 @@ requester saw of one acknowledged request, in arrival order:
   applies the documented rules itself (README "Writing requests straight to Kafka"): records
   of an older attempt than the newest seen are dropped (stale), a record identical to one
   already read at its `(attempt, seq)` is dropped (redelivered), a `reset` record starts the
-  attempt it names if that is newer; anything else that repeats or skips a `seq` is a fault.
+  attempt it names if that is newer, and the first final ends the request: every record
+  after it is dropped (ADR 0054); anything else that repeats or skips a `seq` is a fault.
+  Records of a newer attempt after the final (a re-run of a request already answered) are
+  counted as `rerun_after_final`: not shown, but work done twice.
 
 Verdicts, per request:
 - lost: no final outcome (`done` or `error`) at all;
-- duplicated: a second final, a repeated delta (websocket), or the request talking again after
-  its final (a re-run after it was answered);
+- duplicated: a second final, a repeated delta, or a frame after the final (websocket: the
+  edge applies the rules, so the client must never be shown any of these);
 - corrupt: a gap, a delta that conflicts with one already read, a reset to an attempt not newer,
-  an error code outside the protocol's stable codes, or a `done` whose text is not the engine's.
+  an error code outside the protocol's stable codes, a `done` whose text is not the engine's,
+  or (kafka) the answered attempt writing past its own final.
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ class Verdict:
     problems: tuple[str, ...]
     redelivered: int = 0  # kafka: identical records a consumer drops by (attempt, seq)
     stale: int = 0  # kafka: records of a superseded attempt, dropped
+    rerun_after_final: bool = False  # kafka: a newer attempt after the final, dropped
 
     @property
     def lost(self) -> bool:
@@ -82,6 +87,7 @@ class _Stream:
     redelivered: int = 0
     stale: int = 0
     after_final: int = 0  # frames or records past the final: named once, then counted
+    rerun_after_final: bool = False
 
     def duplicate(self, problem: str) -> None:
         self.duplicated = True
@@ -133,6 +139,7 @@ def judge(history: History) -> Verdict:
         problems=stream.listed_problems(),
         redelivered=stream.redelivered,
         stale=stream.stale,
+        rerun_after_final=stream.rerun_after_final,
     )
 
 
@@ -188,8 +195,11 @@ def _kafka_step(stream: _Stream, record: Mapping[str, Any]) -> None:
             stream.redelivered += 1
         elif attempt < stream.final_id[0]:
             stream.stale += 1
+        elif attempt == stream.final_id[0]:
+            # Dropped by the rule, but the answered attempt must never write past its final.
+            stream.fault(f"{kind} of attempt {attempt} seq {seq} after its final")
         else:
-            stream.past_final(f"{kind} of attempt {attempt} seq {seq}")
+            stream.rerun_after_final = True  # dropped by the rule: the first final ends it
         return
     if attempt < stream.attempt:
         stream.stale += 1
@@ -222,7 +232,7 @@ def _kafka_reset(stream: _Stream, attempt: int) -> None:
     if stream.outcome is not None:
         assert stream.final_id is not None
         if attempt > stream.final_id[0]:
-            stream.past_final(f"reset to attempt {attempt}")
+            stream.rerun_after_final = True  # dropped by the rule: the first final ends it
         else:
             stream.stale += 1
     elif attempt > stream.attempt:
@@ -253,6 +263,7 @@ class Summary:
     corrupt: int
     redelivered: int = 0
     stale: int = 0
+    rerun_after_final: int = 0  # kafka: requests run again after they were answered
 
     @property
     def passed(self) -> bool:
@@ -271,6 +282,7 @@ def summarize(verdicts: Iterable[Verdict]) -> Summary:
         corrupt=sum(v.corrupt for v in verdicts),
         redelivered=sum(v.redelivered for v in verdicts),
         stale=sum(v.stale for v in verdicts),
+        rerun_after_final=sum(v.rerun_after_final for v in verdicts),
     )
 
 
@@ -283,15 +295,15 @@ def table(verdicts: Iterable[Verdict]) -> str:
     rows.append(("all", summarize(verdicts)))
     head = (
         "| channel | acknowledged | done | errors by code | lost | duplicated | corrupt"
-        " | redelivered records | stale records |\n"
-        "|---|---:|---:|---|---:|---:|---:|---:|---:|"
+        " | redelivered records | stale records | re-run after the final |\n"
+        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|"
     )
     lines = [head]
     for name, s in rows:
         errors = ", ".join(f"{code}: {n}" for code, n in s.errors.items()) or "0"
         lines.append(
             f"| {name} | {s.acknowledged} | {s.done} | {errors} | {s.lost} | {s.duplicated}"
-            f" | {s.corrupt} | {s.redelivered} | {s.stale} |"
+            f" | {s.corrupt} | {s.redelivered} | {s.stale} | {s.rerun_after_final} |"
         )
     return "\n".join(lines)
 

@@ -184,9 +184,13 @@ def test_kafka_reset_records_start_the_attempt_they_name() -> None:
     )
     assert v.ok, v.problems
     assert v.stale == 2
+    # The first final ends the request (ADR 0054): a re-run announced after it is dropped,
+    # and counted as work done twice.
     after = kafka(rec("delta", 0, 0, TEXT), rec("done", 0, 1), rec("reset", 1, 0))
-    assert after.duplicated
-    assert after.problems == ("reset to attempt 1 after the final (done)",)
+    assert after.ok, after.problems
+    assert after.rerun_after_final
+    settled = kafka(rec("delta", 0, 0, TEXT), rec("done", 0, 1), rec("reset", 0, 0))
+    assert settled.ok and not settled.rerun_after_final and settled.stale == 1
 
 
 def test_kafka_lost_duplicated_gap_conflict() -> None:
@@ -195,13 +199,10 @@ def test_kafka_lost_duplicated_gap_conflict() -> None:
     rerun = kafka(
         rec("delta", 0, 0, TEXT), rec("done", 0, 1), rec("delta", 1, 0, TEXT), rec("done", 1, 1)
     )
-    assert rerun.duplicated
-    assert rerun.problems == (
-        "delta of attempt 1 seq 0 after the final (done)",
-        "1 more after the final",
-    )
+    assert rerun.ok and rerun.outcome == "done" and rerun.rerun_after_final
     two = kafka(rec("delta", 0, 0, TEXT), rec("done", 0, 1), rec("error", 0, 2, "internal"))
-    assert two.duplicated
+    assert two.corrupt and not two.duplicated
+    assert two.problems == ("error of attempt 0 seq 2 after its final",)
     gap = kafka(rec("delta", 0, 0, "The bus"), rec("delta", 0, 2, " leaves."), rec("done", 0, 3))
     assert gap.corrupt
     assert gap.lost
@@ -217,13 +218,15 @@ def _verdicts() -> list[Verdict]:
     good = ws(delta(0, TEXT), done(), rid="a")
     errored = ws(error("deadline_exceeded"), rid="b")
     lost = ws(delta(0, TEXT), rid="c")
-    dup = kafka(rec("delta", 0, 0, TEXT), rec("done", 0, 1), rec("done", 1, 0), rid="d")
-    return [good, errored, lost, dup]
+    rerun = kafka(rec("delta", 0, 0, TEXT), rec("done", 0, 1), rec("done", 1, 0), rid="d")
+    dup = ws(delta(0, TEXT), done(), done(), rid="e")
+    return [good, errored, lost, rerun, dup]
 
 
 def test_summary_counts_each_outcome() -> None:
     s = summarize(_verdicts())
-    assert (s.acknowledged, s.done, s.lost, s.duplicated, s.corrupt) == (4, 2, 1, 1, 0)
+    assert (s.acknowledged, s.done, s.lost, s.duplicated, s.corrupt) == (5, 3, 1, 1, 0)
+    assert s.rerun_after_final == 1
     assert s.errors == {"deadline_exceeded": 1}
     assert not s.passed
 
@@ -240,9 +243,10 @@ def test_a_clean_run_passes(channel: Channel) -> None:
 
 def test_table_and_failures_name_the_counts() -> None:
     text = table(_verdicts())
-    assert "| websocket | 3 | 1 | deadline_exceeded: 1 | 1 | 0 | 0 | 0 | 0 |" in text
-    assert "| kafka | 1 | 1 | 0 | 0 | 1 | 0 | 0 | 0 |" in text
-    assert "| all | 4 | 2 | deadline_exceeded: 1 | 1 | 1 | 0 | 0 | 0 |" in text
+    assert "| websocket | 4 | 2 | deadline_exceeded: 1 | 1 | 1 | 0 | 0 | 0 | 0 |" in text
+    assert "| kafka | 1 | 1 | 0 | 0 | 0 | 0 | 0 | 0 | 1 |" in text
+    assert "| all | 5 | 3 | deadline_exceeded: 1 | 1 | 1 | 0 | 0 | 0 | 1 |" in text
     listed = failures(_verdicts())
     assert "websocket c: no final outcome" in listed
-    assert "kafka d: done of attempt 1 seq 0 after the final (done)" in listed
+    assert "websocket e: chat.done after the final (done)" in listed
+    assert "kafka d" not in listed
