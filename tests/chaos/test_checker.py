@@ -190,7 +190,9 @@ def test_kafka_reset_records_start_the_attempt_they_name() -> None:
     assert after.ok, after.problems
     assert after.rerun_after_final
     settled = kafka(rec("delta", 0, 0, TEXT), rec("done", 0, 1), rec("reset", 0, 0))
-    assert settled.ok and not settled.rerun_after_final and settled.stale == 1
+    assert settled.ok
+    assert not settled.rerun_after_final
+    assert settled.stale == 1
 
 
 def test_kafka_lost_duplicated_gap_conflict() -> None:
@@ -199,9 +201,12 @@ def test_kafka_lost_duplicated_gap_conflict() -> None:
     rerun = kafka(
         rec("delta", 0, 0, TEXT), rec("done", 0, 1), rec("delta", 1, 0, TEXT), rec("done", 1, 1)
     )
-    assert rerun.ok and rerun.outcome == "done" and rerun.rerun_after_final
+    assert rerun.ok
+    assert rerun.outcome == "done"
+    assert rerun.rerun_after_final
     two = kafka(rec("delta", 0, 0, TEXT), rec("done", 0, 1), rec("error", 0, 2, "internal"))
-    assert two.corrupt and not two.duplicated
+    assert two.corrupt
+    assert not two.duplicated
     assert two.problems == ("error of attempt 0 seq 2 after its final",)
     gap = kafka(rec("delta", 0, 0, "The bus"), rec("delta", 0, 2, " leaves."), rec("done", 0, 3))
     assert gap.corrupt
