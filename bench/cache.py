@@ -89,14 +89,17 @@ def prompt(i: int) -> dict[str, Any]:
     }
 
 
-async def ask(ws: websockets.ClientConnection, body: dict[str, Any], client_id: str) -> Timing:
-    """One request on `ws`, its frames read by the SDK's own rules (tokenbus.client.framing)."""
+async def ask(
+    ws: websockets.ClientConnection, body: dict[str, Any], client_id: str, timeout_s: float = 120
+) -> Timing:
+    """One request on `ws`, its frames read by the SDK's own rules (tokenbus.client.framing);
+    `timeout_s`: the longest wait for any one frame."""
     stream = StreamState(client_id)
     began = time.perf_counter()
     await ws.send(json.dumps(stream.request_frame(body)))
     first: float | None = None
     while not stream.finished:
-        frame = parse_frame(await asyncio.wait_for(ws.recv(), 120))
+        frame = parse_frame(await asyncio.wait_for(ws.recv(), timeout_s))
         if stream.concerns(frame) and (delta := stream.receive(frame)) and not delta.reset:
             first = first or time.perf_counter()
     end = time.perf_counter()

@@ -234,6 +234,15 @@ class PipelineStack(Stack):
         self.observer = DeploymentObserver(self.settings)
         await self.observer.start()
 
+    def start_worker(self, key: str, env: dict[str, str], python: str | None = None) -> None:
+        """One more worker process, started now: the stack's variables, then `env`; run by
+        `python` (the vLLM worker's environment) if given."""
+        if python is not None:
+            self.pythons[key] = python
+        self._spawn(
+            key, "services.worker", {**self.env, "TOKENBUS_METRICS_PORT": str(free_port()), **env}
+        )
+
     def worker_env(self, index: int) -> dict[str, str]:
         """Worker `index`'s id and batches partition, when the stack runs several."""
         partitions = Topics(self.prefix).partitions()[Topics(self.prefix).batches]

@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.conn import create_conn
 from aiokafka.errors import (
@@ -32,6 +32,7 @@ from aiokafka.helpers import create_ssl_context
 from pydantic import BaseModel
 
 from shared.settings import TokenbusSettings
+from shared.topics import Topics
 
 Headers = list[tuple[str, bytes]]
 
@@ -78,17 +79,20 @@ def make_producer(
     client_id: str,
     transactional_id: str | None = None,
     request_timeout_ms: int = 30000,
+    *,
+    durable: bool = True,
 ) -> AIOKafkaProducer:
     """An idempotent producer (acks=all): retries never duplicate or reorder a partition.
 
     With `transactional_id` it is also transactional; starting it fences an older producer
-    that used the same id.
+    that used the same id. `durable=False`: acks=1 and no idempotence, for records that are
+    worth nothing once late (heartbeats: ADR 0056).
     """
     return AIOKafkaProducer(
         bootstrap_servers=settings.bootstrap_servers,
         client_id=client_id,
-        acks="all",
-        enable_idempotence=True,
+        acks="all" if durable else 1,
+        enable_idempotence=durable,
         transactional_id=transactional_id,
         linger_ms=0,
         request_timeout_ms=request_timeout_ms,
@@ -245,6 +249,15 @@ def new_topic(
     )
 
 
+async def topic_partitions(
+    admin: AIOKafkaAdminClient, topic: str, expected: int
+) -> list[TopicPartition]:
+    """The topic's partitions as the cluster has them (`expected` of them if it says none)."""
+    described = await admin.describe_topics([topic])
+    count = len(described[0]["partitions"]) if described else 0
+    return [TopicPartition(topic, p) for p in range(count or expected)]
+
+
 async def create_topics(
     settings: TokenbusSettings,
     partitions: Mapping[str, int],
@@ -254,7 +267,8 @@ async def create_topics(
     """Create the topics that do not exist yet; return the names created.
 
     `replication` defaults to the cluster's rule (`cluster_replication`); `configs` holds
-    topic configs by name (compaction, retention) for the topics that need any. Returns
+    topic configs by name (compaction, retention) for the topics that need any; the topics
+    of `Topics.single_copy` get one copy per partition whatever the replication. Returns
     once the broker describes every topic created: a busy broker answers the create before
     its metadata shows them, and a service started then finds its topic missing.
     """
@@ -263,8 +277,9 @@ async def create_topics(
     try:
         existing = set(await admin.list_topics())
         copies = replication if replication is not None else await cluster_replication(admin)
+        single_copy = Topics(settings.topic_prefix).single_copy()
         new = [
-            new_topic(name, count, copies, (configs or {}).get(name))
+            new_topic(name, count, 1 if name in single_copy else copies, (configs or {}).get(name))
             for name, count in partitions.items()
             if name not in existing
         ]

@@ -23,6 +23,8 @@ from shared.tokens import prompt_token_bound
 
 TOPIC_NAME = r"^[A-Za-z0-9._-]{1,249}$"
 REQUEST_ID = r"^[A-Za-z0-9._:-]{1,128}$"
+# A model variant's name (shared/variants.py), as workers declare it.
+VARIANT_NAME = r"^[A-Za-z0-9._-]{1,64}$"
 # The largest max_tokens any service takes (a signed 32-bit count, as engines keep them).
 MAX_TOKENS_LIMIT = 2**31 - 1
 
@@ -739,6 +741,12 @@ class DoneResult(ResultBase):
         exclude_if=_unset,
         description="With `tool_calls`: the answer's text besides the calls (absent: none).",
     )
+    variant: str | None = Field(
+        default=None,
+        exclude_if=_unset,
+        description="The variant of `model` that answered (its worker's TOKENBUS_WORKER_VARIANT);"
+        " absent: the model's baseline.",
+    )
 
 
 class CacheEntry(Model):
@@ -774,7 +782,8 @@ class ErrorResult(ResultBase):
     retry_after_ms: int | None = Field(
         default=None,
         ge=0,
-        description="With `rate_limited`: when the same request may be sent again (ms).",
+        description="With `rate_limited` or `overloaded`: when the same request may be sent"
+        " again (ms).",
     )
 
     @classmethod
@@ -815,6 +824,8 @@ class ResetResult(ResultBase):
     Written by the scheduler to a request's `reply_to` before it re-runs the request of a
     worker declared dead, so a worker that was only paused (a zombie) and writes on cannot
     show its stale attempt to anyone. Carries no text; `seq` is always 0 and counts nothing.
+    A reset after the request's first final (`done` or `error`) is dropped with everything
+    else after it: the first final is the answer (ADR 0055).
     """
 
     kind: Literal["reset"] = "reset"
@@ -943,6 +954,19 @@ class Heartbeat(Model):
         default=None,
         description="The worker's engine and the sampling fields it honours (None: a worker"
         " from before they were advertised: `BASE_SAMPLING`, engine unknown).",
+    )
+    variant: str | None = Field(
+        default=None,
+        exclude_if=_unset,
+        pattern=VARIANT_NAME,
+        description="The variant of its model this worker runs (TOKENBUS_WORKER_VARIANT);"
+        " absent: the model's baseline.",
+    )
+    load_s: float | None = Field(
+        default=None,
+        ge=0.0,
+        description="Seconds from this worker's process start to ready (its model loaded, its"
+        " batch partition read): what a cold start of its model costs (None: not measured).",
     )
 
 

@@ -208,6 +208,10 @@ class SchedulerMetrics:
     expired: Counter
     lag: ConsumerLag
     fallbacks: Counter
+    variant_requests: Counter
+    variant_fallbacks: Counter
+    variant_share: Gauge
+    model_queue_depth: Gauge
 
     @classmethod
     def build(cls, registry: CollectorRegistry = REGISTRY) -> SchedulerMetrics:
@@ -257,6 +261,32 @@ class SchedulerMetrics:
                 "Requests moved to their fallback model (their own model's backlog would"
                 " have missed their deadline), by the model they moved to.",
                 ["tier", "model"],
+                registry=registry,
+            ),
+            Counter(
+                "tokenbus_scheduler_variant_requests",
+                "Requests queued for a variant of their model by its rollout (baseline: the"
+                " model's workers without one; ADR 0054).",
+                ["model", "variant"],
+                registry=registry,
+            ),
+            Counter(
+                "tokenbus_scheduler_variant_fallbacks",
+                "Requests moved from a variant without a live worker to their model's baseline.",
+                ["model", "variant"],
+                registry=registry,
+            ),
+            Gauge(
+                "tokenbus_scheduler_variant_share_percent",
+                "Each variant's share of its model's conversations, as the rollout sets it.",
+                ["model", "variant"],
+                registry=registry,
+            ),
+            Gauge(
+                "tokenbus_model_queue_depth",
+                'Requests waiting in this scheduler for a worker of each model (model "":'
+                " those that run on any worker): each model's scaling signal.",
+                ["model"],
                 registry=registry,
             ),
         )

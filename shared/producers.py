@@ -97,6 +97,11 @@ class RenewingProducer:
         """An empty record batch to fill and hand to `send_batch` (aiokafka's `BatchBuilder`)."""
         return self._inner.create_batch()
 
+    async def partitions_for(self, topic: str) -> set[int]:
+        """The topic's partitions, as the producer's metadata has them (waits for it)."""
+        partitions: set[int] = await self._inner.partitions_for(topic)
+        return partitions
+
     async def partition_for(self, topic: str, key: bytes) -> int:
         """The partition the producer's partitioner gives `key` in `topic`, as `send` would
         place it (waits for the topic's metadata, like `send`)."""

@@ -45,22 +45,27 @@ async def retrying(
     what: str,
     retry_on: tuple[type[BaseException], ...],
     backoff: Backoff | None = None,
+    attempt_s: float | None = None,
     **context: object,
 ) -> T:
     """Run `attempt` until it succeeds, backing off between tries.
 
     `within_s`: give up once this long has passed and re-raise the last error (None: never
     give up, for writes that must not be lost and have no other way out). `backoff`: the
-    waits between tries (the default `Backoff()` when None). Every failed try is logged with
+    waits between tries (the default `Backoff()` when None). `attempt_s`: each try is cut
+    after this long and counts as failed (a read that waits for an end it may never reach
+    is then started over, against fresh end offsets). Every failed try is logged with
     `what` and `context`.
     """
     deadline = None if within_s is None else time.monotonic() + within_s
     backoff = backoff or Backoff()
+    retry_on = (*retry_on, TimeoutError) if attempt_s is not None else retry_on
     tries = 0
     while True:
         tries += 1
         try:
-            return await attempt()
+            async with asyncio.timeout(attempt_s):
+                return await attempt()
         except retry_on as exc:
             wait = backoff.next()
             left = None if deadline is None else deadline - time.monotonic()

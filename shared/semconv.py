@@ -45,6 +45,7 @@ BATCH_SIZE: Final = "tokenbus.batch.size"
 BATCH_REASON: Final = "tokenbus.batch.reason"  # why the bus left: full | timeout | ...
 BATCH_FILL_RATIO: Final = "tokenbus.batch.fill_ratio"
 WORKER_ID: Final = "tokenbus.worker.id"
+VARIANT: Final = "tokenbus.variant"  # the variant of the model that answered (ADR 0054)
 ADMISSION: Final = "tokenbus.admission"  # admitted | rejected | duplicate
 RUN_OUTCOME: Final = "tokenbus.run.outcome"  # answered | handed_back | failed
 QUEUE_MS: Final = "tokenbus.timings.queue_ms"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal, Self
+from typing import Annotated, Literal, Self
 
 from pydantic import AliasChoices, Field, FilePath, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -122,6 +122,15 @@ class TokenbusSettings(BaseSettings):
         default=268_435_456,
         ge=1_048_576,
         description="Response cache: retention.bytes of each cache topic partition (4 of them).",
+    )
+    # Warm pools (docs/lifecycle.md): the edge and the schedulers take these models as known
+    # while none of their workers is live, and hold their requests while a worker starts.
+    served_models: tuple[Annotated[str, Field(min_length=1)], ...] = Field(
+        default=(),
+        description="Models (JSON list) this deployment serves even while none of their"
+        " workers is live (a pool scaled to zero, a worker restarting): a request for one is"
+        " held while a worker starts, not refused as an unknown model. `tokenbus up"
+        " --workers` sets it.",
     )
 
     @model_validator(mode="after")

@@ -51,7 +51,18 @@ class Topics:
 
     @property
     def workers(self) -> str:
+        """Heartbeats: every worker writes each beat to every partition (ADR 0056)."""
         return f"{self.prefix}.workers"
+
+    def single_copy(self) -> frozenset[str]:
+        """Topics made with one copy per partition, whatever the cluster's replication.
+
+        The heartbeats (ADR 0056): with replication, a replica on a hung node holds back
+        every partition's high watermark until the controller fences the node, so no beat
+        is readable anywhere and every worker looks dead. One copy per partition, spread over
+        the nodes, and each beat on every partition: a node away silences only its own.
+        """
+        return frozenset({self.workers})
 
     @property
     def control(self) -> str:
@@ -61,6 +72,12 @@ class Topics:
     def cache(self) -> str:
         """Compacted log of complete deterministic answers, keyed by cache key (ADR 0036)."""
         return f"{self.prefix}.cache"
+
+    @property
+    def variants(self) -> str:
+        """Compacted log of each model's rollout (variants and shares), keyed by model name
+        (ADR 0054)."""
+        return f"{self.prefix}.variants"
 
     def app_requests(self, app: str) -> str:
         """The requests topic of one outside application: only its principal may WRITE it,
@@ -95,9 +112,11 @@ class Topics:
             self.results: 16,
             # The edge sets its configs (compacted, broker append time) when it starts.
             self.result_leases: 1,
-            self.workers: 1,
+            # One per node of a three-node cluster, each a single copy (`single_copy`).
+            self.workers: 3,
             self.control: 1,
             self.cache: 4,
+            self.variants: 1,
         }
 
     def configs(
@@ -112,5 +131,7 @@ class Topics:
                 "retention.bytes": str(cache_retention_bytes),
                 # Only closed segments are deleted or compacted: roll them well within the age.
                 "segment.ms": str(max(60_000, cache_retention_ms // 4)),
-            }
+            },
+            # The latest rollout of each model, kept for ever: a restart forgets nothing.
+            self.variants: {"cleanup.policy": "compact"},
         }

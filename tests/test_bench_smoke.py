@@ -411,6 +411,37 @@ def test_bench_cache_answers_each_repeat_from_the_cache(bootstrap: str, tmp_path
 
 
 @pytest.mark.kafka
+def test_bench_cold_start_holds_the_cold_request_until_its_worker_is_up(
+    bootstrap: str, tmp_path: Path
+) -> None:
+    out, doc = tmp_path / "cold_start.json", tmp_path / "benchmarks.md"
+    doc.write_text("# Benchmarks\n\nA section someone else wrote.\n")
+    _bench(
+        "cold-start",
+        "--requests",
+        "3",
+        "--cold",
+        "1",
+        "--json",
+        str(out),
+        "--docs",
+        str(doc),
+        "--log-dir",
+        str(tmp_path / "logs"),
+        bootstrap=bootstrap,
+    )
+    report = json.loads(out.read_text())
+    ttft, (load_s,) = report["samples"]["ttft_ms"], report["samples"]["load_s"]
+    assert [len(ttft[k]) for k in ("warm", "cold")] == [3, 1]
+    # The cold request was answered only once its worker had loaded: it waited that long
+    # (the worker's start counts from its process start, a moment after the request left).
+    assert ttft["cold"][0] >= 0.9 * load_s * 1000 > max(ttft["warm"])
+    text = doc.read_text()
+    assert "A section someone else wrote." in text
+    assert text.count("tokenbus-cold-start:begin") == text.count("tokenbus-cold-start:end") == 1
+
+
+@pytest.mark.kafka
 def test_bench_capacity_quick_measures_cpu_per_process(bootstrap: str, tmp_path: Path) -> None:
     out, doc = tmp_path / "capacity.json", tmp_path / "benchmarks.md"
     doc.write_text("# Benchmarks\n\nA section someone else wrote.\n")

@@ -30,7 +30,7 @@ from shared.results import send_result
 from shared.settings import TokenbusSettings
 from shared.topics import Topics
 from tests.processes import free_port_run, running
-from tests.stack import new_prefix, read_partition
+from tests.stack import Stack, new_prefix, read_partition, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -118,16 +118,22 @@ def test_the_bootstrap_string_lists_every_node(cluster: launcher.Cluster) -> Non
     assert all(launcher.broker_ids(n.port) == {1, 2, 3} for n in cluster.nodes)
 
 
-async def test_deployment_topics_get_three_replicas_and_two_in_sync(
+async def test_deployment_topics_get_three_replicas_and_two_in_sync_heartbeats_one_per_node(
     cluster: launcher.Cluster,
 ) -> None:
     settings = settings_for(cluster)
     wanted = Topics(settings.topic_prefix).partitions()
     assert sorted(await create_topics(settings, wanted)) == sorted(wanted)
+    single = Topics(settings.topic_prefix).single_copy()
     async with admin_of(settings) as admin:
         for topic, count in wanted.items():
             partitions = await partitions_of(admin, topic)
             assert len(partitions) == count, topic
+            if topic in single:
+                # Heartbeats (ADR 0056): one copy per partition, one partition per node.
+                assert sorted(r for p in partitions for r in p["replicas"]) == [1, 2, 3], topic
+                assert await topic_config(admin, topic, "min.insync.replicas") == "1", topic
+                continue
             assert all(sorted(p["replicas"]) == [1, 2, 3] for p in partitions), topic
             assert await topic_config(admin, topic, "min.insync.replicas") == "2", topic
 
@@ -261,6 +267,68 @@ async def test_a_final_behind_a_hung_replica_is_found_once_its_partition_is_sett
             await worker.stop()
             await scheduler.stop()
         await wait_for(f"node {follower} back in sync", 90, all_in_sync)
+
+
+def test_a_hung_node_silences_no_worker(whole: launcher.Cluster, log_dir: Path) -> None:
+    """ADR 0056 (finding 11's reading, finding 13). With one replicated heartbeat partition, a
+    hung node held back its high watermark (a replica away stalls acks=all until the
+    controller fences the node, 6 s), so no beat was readable: the scheduler declared every
+    worker dead and each worker fenced itself. On single-copy partitions, one per node, the
+    beats on the other nodes' partitions carry on through the hang, and through a node's
+    kill and restart."""
+    stack = Stack(
+        bootstrap=whole.bootstrap_servers,
+        prefix=new_prefix(),
+        log_dir=log_dir,
+        workers={k: {"TOKENBUS_WORKER_ID": k} for k in ("hang-a", "hang-b")},
+        ready_timeout_s=180,
+    )
+    scheduler, workers = stack.log("scheduler"), [stack.log(k) for k in stack.workers]
+
+    def text(path: Path) -> str:
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def silenced() -> list[str]:
+        found = [f"{scheduler.name}: worker.dead"] if "worker.dead" in text(scheduler) else []
+        return found + [f"{w.name}: {e}" for w in workers for e in FENCED if e in text(w)]
+
+    try:
+        stack.start()
+        wait_until(
+            lambda: text(scheduler).count("worker.registered") >= 2, 120, "both workers heard"
+        )
+        # A node leading a heartbeat partition (each node leads one): node 2.
+        pid = launcher.running_pids(whole)[2]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            # Hold the hang past the death threshold (1.5 s) and the controller's fencing
+            # (6 s), watching for a death all along.
+            until = time.monotonic() + 8.0
+            while time.monotonic() < until:
+                assert not silenced(), silenced()
+                time.sleep(0.2)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        until = time.monotonic() + 5.0
+        while time.monotonic() < until:  # and while the node catches up
+            assert not silenced(), silenced()
+            time.sleep(0.2)
+        # A node killed and started again: its partition has no leader meanwhile, and while
+        # it starts its port opens before it answers (a refresh that asks it waits: one
+        # producer for all partitions stalled every beat; `beat_producers.py`).
+        killed = launcher.kill_node(whole, 3)
+        assert killed is not None
+        launcher.start_node(whole, 3)
+        until = time.monotonic() + 8.0
+        while time.monotonic() < until:
+            assert not silenced(), silenced()
+            time.sleep(0.2)
+        assert stack.exited() == {}
+    finally:
+        stack.stop()
+
+
+FENCED = ("worker.fenced", "worker.silent")
 
 
 def test_cli_status_names_a_dead_node_and_start_brings_it_back(

@@ -115,6 +115,28 @@ def test_a_request_from_frame_to_final_frame(
     assert flight.ended
 
 
+@pytest.mark.parametrize("variant", ["canary", None])
+def test_the_root_span_names_the_variant_that_answered(
+    setup: tuple[EdgeTelemetry, InMemorySpanExporter, CollectorRegistry, FakeClock],
+    variant: str | None,
+) -> None:
+    tel, exporter, _, _ = setup
+    flight = tel.begin("r1", tier="interactive", max_tokens=8)
+    tel.frame_written(
+        flight,
+        DoneFrame(
+            request_id="r1",
+            finish_reason="stop",
+            usage=Usage(prompt_tokens=1, completion_tokens=1),
+            timings=Timings(queue_ms=1, batch_size=1, ttft_ms=2, total_ms=3),
+            variant=variant,
+        ),
+    )
+    [root] = [s for s in exporter.get_finished_spans() if s.name == "chat"]
+    assert root.attributes is not None
+    assert root.attributes.get(semconv.VARIANT) == variant
+
+
 def test_a_failed_produce_ends_the_trace_with_an_error(
     setup: tuple[EdgeTelemetry, InMemorySpanExporter, CollectorRegistry, FakeClock],
 ) -> None:

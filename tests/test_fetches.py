@@ -6,11 +6,13 @@ ingest, scheduler and worker tests.
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from aiokafka.errors import KafkaConnectionError
 
 from shared.fetches import reads
-from shared.retry import Backoff
+from shared.retry import Backoff, retrying
 
 
 def test_backoff_doubles_to_its_cap_and_starts_over_when_reset() -> None:
@@ -51,3 +53,25 @@ async def test_reads_lets_other_errors_through() -> None:
     with pytest.raises(RuntimeError, match="not Kafka's"):
         async for _ in reads(broken, what="fake"):
             pass
+
+
+async def test_retrying_cuts_a_try_that_hangs_and_tries_again() -> None:
+    """`attempt_s`: a read that would wait for good (an end it cannot reach) starts over."""
+    tries: list[int] = []
+
+    async def attempt() -> str:
+        tries.append(len(tries))
+        if len(tries) == 1:
+            await asyncio.Event().wait()  # never set: this try hangs
+        return "read"
+
+    got = await retrying(
+        attempt,
+        within_s=None,
+        what="test",
+        retry_on=(KafkaConnectionError,),
+        backoff=Backoff(0.01, 0.01),
+        attempt_s=0.05,
+    )
+    assert got == "read"
+    assert tries == [0, 1]

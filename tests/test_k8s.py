@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
 import re
 from typing import Any
 
@@ -111,9 +112,12 @@ def test_every_manifest_validates_strictly_against_the_kubernetes_schemas(overla
 def test_scaledobjects_validate_against_the_keda_crd_schema(overlay: str) -> None:
     schemas = keda_schemas()
     docs = [d for d in rendered(overlay) if d["apiVersion"].startswith(KEDA_GROUP)]
-    assert sorted(d["metadata"]["name"] for d in of_kind(docs, "ScaledObject")) == [
-        "ingest", "scheduler", "worker",
-    ]  # fmt: skip
+    # ingest, the scheduler, and each model's worker pool (one at least: `worker`).
+    pools = sorted(worker_pools(rendered(overlay)))
+    assert "worker" in pools
+    assert sorted(d["metadata"]["name"] for d in of_kind(docs, "ScaledObject")) == sorted(
+        ["ingest", "scheduler", *pools]
+    )
     for doc in docs:
         jsonschema.validate(doc, schemas[(doc["apiVersion"], doc["kind"])])
 
@@ -131,22 +135,25 @@ def test_each_service_is_a_deployment_with_probes_resources_and_a_locked_down_po
     overlay: str,
 ) -> None:
     docs = rendered(overlay)
-    assert sorted(d["metadata"]["name"] for d in of_kind(docs, "Deployment")) == sorted(SERVICES)
-    for name in SERVICES:
+    pools = worker_pools(docs)  # each model's workers: `worker`, and one per further model
+    deployments = sorted({*SERVICES, *pools})
+    assert sorted(d["metadata"]["name"] for d in of_kind(docs, "Deployment")) == deployments
+    for name in deployments:
+        service = "worker" if name in pools else name
         pod = named(docs, "Deployment", name)["spec"]["template"]["spec"]
         assert pod["securityContext"]["runAsNonRoot"] is True, name
         assert pod["automountServiceAccountToken"] is False, name
         (container,) = pod["containers"]
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
         probe_port = "http" if name == "edge" else "metrics"
-        assert ports[probe_port] == HEALTH_PORT[name], name
+        assert ports[probe_port] == HEALTH_PORT[service], name
         config = config_values(docs, container)
         setting = "TOKENBUS_EDGE_PORT" if name == "edge" else "TOKENBUS_METRICS_PORT"
-        assert config[setting] == str(HEALTH_PORT[name]), name
+        assert config[setting] == str(HEALTH_PORT[service]), name
         # /metrics on the `metrics` port Prometheus scrapes (prometheus-k8s.yml), bound to
         # every interface of the pod (the NetworkPolicies say who reaches it).
-        assert ports["metrics"] == METRICS_PORT[name], name
-        assert config["TOKENBUS_METRICS_PORT"] == str(METRICS_PORT[name]), name
+        assert ports["metrics"] == METRICS_PORT[service], name
+        assert config["TOKENBUS_METRICS_PORT"] == str(METRICS_PORT[service]), name
         assert config["TOKENBUS_METRICS_HOST"] == "0.0.0.0", name
         assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": probe_port}
         assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": probe_port}
@@ -271,9 +278,13 @@ def test_edges_lease_their_result_partition_so_replicas_need_no_per_pod_setting(
 def test_scaledobjects_keep_a_warm_pool_and_do_not_flap(overlay: str) -> None:
     docs = rendered(overlay)
     scaled = {d["metadata"]["name"]: d["spec"] for d in of_kind(docs, "ScaledObject")}
+    pools = worker_pools(docs)
     for name, spec in scaled.items():
         assert named(docs, "Deployment", spec["scaleTargetRef"]["name"])
-        assert 1 <= spec["minReplicaCount"] < spec["maxReplicaCount"], name
+        # A worker pool may scale to zero (its requests are held while a worker starts);
+        # the other services keep one replica at least.
+        least = 0 if spec["scaleTargetRef"]["name"] in pools else 1
+        assert least <= spec["minReplicaCount"] < spec["maxReplicaCount"], name
         assert spec["cooldownPeriod"] >= 60, name
         behavior = spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
         assert behavior["scaleDown"]["stabilizationWindowSeconds"] >= 300, name
@@ -283,7 +294,7 @@ def test_scaledobjects_keep_a_warm_pool_and_do_not_flap(overlay: str) -> None:
             assert "activationThreshold" in meta or "activationLagThreshold" in meta, name
     (worker,) = scaled["worker"]["triggers"]
     assert worker["type"] == "prometheus"
-    assert worker["metadata"]["query"] == "tokenbus:sequences_wanted:sum"
+    assert worker["metadata"]["query"].startswith("sum(model:tokenbus_sequences_wanted:sum{")
     (ingest,) = scaled["ingest"]["triggers"]
     assert (ingest["type"], ingest["metadata"]["topic"]) == ("kafka", "tokenbus.requests")
     assert ingest["metadata"]["consumerGroup"] == "tokenbus.ingest"
@@ -291,3 +302,44 @@ def test_scaledobjects_keep_a_warm_pool_and_do_not_flap(overlay: str) -> None:
     tiers = {t["metadata"]["topic"] for t in scaled["scheduler"]["triggers"]}
     assert tiers == set(Topics("tokenbus").tiers)
     assert scaled["scheduler"]["maxReplicaCount"] <= min(PARTITIONS[t] for t in tiers)
+
+
+def worker_pools(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Worker Deployment name -> the Deployment, for every Deployment of workers."""
+    return {
+        d["metadata"]["name"]: d
+        for d in of_kind(docs, "Deployment")
+        if d["spec"]["template"]["metadata"]["labels"].get("app.kubernetes.io/component")
+        == "worker"
+    }
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_each_model_is_a_pool_of_its_own_scaled_on_its_own_signal(overlay: str) -> None:
+    """One worker Deployment per model: its model in its selector and on its pods, one
+    ScaledObject on that model's signal alone, and the model among those served."""
+    docs = rendered(overlay)
+    pools = worker_pools(docs)
+    assert pools
+    scaled = {d["spec"]["scaleTargetRef"]["name"]: d["spec"] for d in of_kind(docs, "ScaledObject")}
+    served: set[str] = set()
+    for name, deployment in pools.items():
+        (container,) = deployment["spec"]["template"]["spec"]["containers"]
+        values = config_values(docs, container)
+        model = values["TOKENBUS_WORKER_MODEL"]
+        assert deployment["spec"]["selector"]["matchLabels"]["tokenbus.dev/model"] == model
+        assert deployment["spec"]["template"]["metadata"]["labels"]["tokenbus.dev/model"] == model
+        (trigger,) = scaled[name]["triggers"]
+        query = trigger["metadata"]["query"]
+        assert query == f'sum(model:tokenbus_sequences_wanted:sum{{model="{model}"}}) or vector(0)'
+        assert model in json.loads(values["TOKENBUS_SERVED_MODELS"]), (name, model)
+        served.add(model)
+    pool_models = [
+        d["spec"]["selector"]["matchLabels"]["tokenbus.dev/model"] for d in pools.values()
+    ]
+    assert len(set(pool_models)) == len(pools)  # no two pools select each other's pods
+    # A request that names no model runs on the default one, which is served.
+    (scheduler,) = named(docs, "Deployment", "scheduler")["spec"]["template"]["spec"]["containers"]
+    values = config_values(docs, scheduler)
+    assert set(json.loads(values["TOKENBUS_SERVED_MODELS"])) == served
+    assert values["TOKENBUS_SCHEDULER_DEFAULT_MODEL"] in served

@@ -268,6 +268,11 @@ def test_each_service_gets_only_what_it_uses() -> None:
     assert not may("ingest", write, topics.cache)
     assert not any(may(r, read, topics.cache) for r in ("edge", "scheduler", "worker"))
     assert not any(may(r, write, topics.cache) for r in ("edge", "scheduler"))
+    # Rollouts (ADR 0054): every scheduler reads them; only the operator (admin) writes them.
+    assert may("scheduler", read, topics.variants)
+    roles = ("edge", "ingest", "scheduler", "worker")
+    assert not any(may(r, write, topics.variants) for r in roles)
+    assert not any(may(r, read, topics.variants) for r in ("edge", "ingest", "worker"))
     # Only the edge makes and removes topics; every other topic change is the admin's.
     makers = {a.principal for a in acls if a.operation in (Operation.CREATE, Operation.DELETE)}
     assert makers == {"User:edge"}

@@ -85,7 +85,7 @@ def test_the_dashboard_shows_what_an_operator_needs() -> None:
     titles = " | ".join(title for title, _ in dashboard_queries())
     for needed in (
         "TTFT", "TPOT", "Queue depth", "Queue wait", "Batch size", "Batch fill", "Tokens/s",
-        "Errors by code", "Consumer lag", "Worker slots",
+        "Errors by code", "Consumer lag", "Worker slots", "Variant shares",
     ):  # fmt: skip
         assert needed in titles, needed
     tiers = [q for title, q in dashboard_queries() if title.startswith(("TTFT", "TPOT"))]

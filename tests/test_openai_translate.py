@@ -354,6 +354,30 @@ def test_the_model_and_fallback_map_and_the_answer_names_who_answered() -> None:
     assert [d["model"] for _, d in finish if isinstance(d, dict)] == ["small"]
 
 
+def test_the_variant_that_answered_is_the_system_fingerprint() -> None:
+    canary = done().model_copy(update={"variant": "canary"})
+    for kind in ("chat", "text"):
+        ident = Identity(kind, "r1", "m", 1)  # type: ignore[arg-type]
+        whole = Answer(ident)
+        whole.take(canary)
+        assert whole.result is not None
+        assert not isinstance(whole.result, HttpError)
+        assert whole.result.system_fingerprint == "canary"
+        stream = SseStream(ident, include_usage=True)
+        bodies = [d for _, d in sse_events(stream.take(delta(0, "a")) + stream.take(canary))]
+        # Known once the answer is: on the finishing and usage chunks, absent before.
+        assert [d.get("system_fingerprint") for d in bodies if isinstance(d, dict)][-2:] == [
+            "canary",
+            "canary",
+        ]
+        assert all("system_fingerprint" not in d for d in bodies[:-3] if isinstance(d, dict))
+    # The baseline answered: no fingerprint at all (vLLM-like clients see nothing new).
+    baseline = Answer(CHAT)
+    baseline.take(done())
+    assert baseline.result is not None
+    assert "system_fingerprint" not in baseline.result.model_dump(exclude_unset=False)
+
+
 def test_unknown_models_are_refused_only_after_the_directory_listened_a_while() -> None:
     models = ModelDirectory(stale_s=10, listening_since=100.0, grace_s=3.0)
     models.observe(beat("w1", "a", 100))

@@ -162,11 +162,13 @@ async def test_poison_everywhere_is_dead_lettered_and_good_requests_still_flow(
         utilisation=0.0,
         batch_partition=99,  # no such partition: sending there would fail forever
     )
+    for p in range(parts[topics.workers]):  # every beat is on every partition (ADR 0056)
+        await write(bootstrap, topics.workers, p, common_poison())
     await write(
         bootstrap,
         topics.workers,
         0,
-        [*common_poison(), b'{"worker_id": 5, "model": []}', ghost.model_dump_json().encode()],
+        [b'{"worker_id": 5, "model": []}', ghost.model_dump_json().encode()],
     )
     await write(
         bootstrap,
@@ -223,7 +225,8 @@ async def test_poison_everywhere_is_dead_lettered_and_good_requests_still_flow(
         assert headers[ERROR_CODE]
         reasons.append(headers[ERROR].decode())
     poisoned = {(topics.tier(tier), p) for tier in Tier for p in range(4)}
-    poisoned |= {(topics.batches, 0), (topics.workers, 0), (topics.control, 0)}
+    poisoned |= {(topics.workers, p) for p in range(parts[topics.workers])}
+    poisoned |= {(topics.batches, 0), (topics.control, 0)}
     assert poisoned <= sources, poisoned - sources
     assert any("undeliverable" in r and "out of range" in r for r in reasons)  # late-*
     assert any("undeliverable" in r and "does not exist" in r for r in reasons)  # nowhere-*

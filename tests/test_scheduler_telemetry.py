@@ -98,3 +98,17 @@ def test_expired_requests_leave_the_queue_depth() -> None:
     t = {"tier": "interactive"}
     assert registry.get_sample_value("tokenbus_tier_queue_depth", t) == 0
     assert registry.get_sample_value("tokenbus_scheduler_expired_total", t) == 1
+
+
+def test_the_queue_depth_per_model_drops_to_zero_rather_than_vanishing() -> None:
+    registry = CollectorRegistry()
+    metrics = SchedulerMetrics.build(registry)
+    tel = SchedulerTelemetry("t.batches", {Tier.interactive: 4}, metrics=metrics)
+
+    def depth(model: str) -> float | None:
+        return registry.get_sample_value("tokenbus_model_queue_depth", {"model": model})
+
+    tel.waiting_by_model({"big": 3, None: 1})
+    assert (depth("big"), depth(""), depth("small")) == (3, 1, None)
+    tel.waiting_by_model({"small": 2})
+    assert (depth("big"), depth(""), depth("small")) == (0, 0, 2)

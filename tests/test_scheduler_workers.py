@@ -161,3 +161,25 @@ def test_dead_workers_are_dropped_after_a_while_so_memory_stays_bounded() -> Non
     assert len(registry) == 120 + 1 + 1
     assert registry.get("alive") is not None
     assert registry.get("w100") is not None
+
+
+def test_copies_and_late_copies_of_a_beat_say_nothing_newer() -> None:
+    """Each beat is on every partition of the workers topic (ADR 0056)."""
+    registry = WorkerRegistry(missed_beats=3)
+    older, newer = beat(free=4, sent_at=10.0), beat(free=1, sent_at=10.3)
+    assert registry.beat(newer, now=0.0)
+    assert not registry.beat(newer, now=0.2)  # its copy from another partition
+    assert not registry.beat(older, now=0.25)  # a copy held back by a node away
+    assert [s.free for s in registry.slots(0.25)] == [1]
+    # Neither copy proved life: silent since the newer beat's arrival.
+    assert [s.beat.worker_id for s in registry.newly_dead(0.31)] == ["w1"]
+
+
+def test_a_late_copy_from_a_replaced_incarnation_does_not_register_it_again() -> None:
+    registry = WorkerRegistry()
+    registry.beat(beat(started_at=1.0, sent_at=5.0), now=0.0)
+    assert registry.beat(beat(started_at=2.0, sent_at=6.0), now=0.1)  # fenced: a new one
+    assert not registry.beat(beat(started_at=1.0, sent_at=5.9), now=0.2)  # the old one, late
+    state = registry.get("w1")
+    assert state is not None
+    assert state.beat.started_at == 2.0

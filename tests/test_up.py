@@ -19,11 +19,12 @@ import pytest
 import websockets
 
 from shared.kafka import delete_topics, wait_for_broker
+from shared.messages import Heartbeat
 from shared.settings import TokenbusSettings
 from shared.topics import Topics
 from tests.chat_client import run_requests
 from tests.processes import cmdline, descendants, free_port_pair, running
-from tests.stack import free_port, new_prefix, wait_until
+from tests.stack import free_port, new_prefix, read_topic, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -214,5 +215,72 @@ def test_a_killed_service_is_restarted_and_a_broker_up_did_not_start_is_spared(
             )
             # The broker `up` found running is still serving: `up` did not stop it.
             asyncio.run(wait_for_broker(settings(bootstrap, prefix), timeout_s=10))
+    finally:
+        asyncio.run(delete_topics(settings(bootstrap, prefix), Topics(prefix).partitions()))
+
+
+def pool_pids(log: Path, key: str) -> list[int]:
+    """The pids `up` started the service `key` as, in order (its restarts after the first)."""
+    return [
+        int(pid) for pid in re.findall(rf"started {re.escape(key)} \(pid (\d+)\)", log.read_text())
+    ]
+
+
+def live_workers_by_model(bootstrap: str, prefix: str, since: float) -> dict[str, set[str]]:
+    """Model -> the ids of the workers that sent a heartbeat after `since` (Unix seconds)."""
+    topic = Topics(prefix).workers
+    partitions = Topics(prefix).partitions()[topic]
+    values = asyncio.run(read_topic(settings(bootstrap, prefix), topic, partitions))
+    out: dict[str, set[str]] = {}
+    for value in values:
+        beat = Heartbeat.model_validate_json(value)
+        if beat.sent_at > since:
+            out.setdefault(beat.model, set()).add(beat.worker_id)
+    return out
+
+
+def test_up_keeps_each_models_warm_pool_and_tells_every_service_the_models(
+    tmp_path: Path, bootstrap: str
+) -> None:
+    prefix, edge_port = new_prefix(), free_port()
+    env = dict(
+        os.environ,
+        KAFKA_BOOTSTRAP_SERVERS=bootstrap,
+        TOKENBUS_TOPIC_PREFIX=prefix,
+        TOKENBUS_EDGE_KEYS_FILE=str(tmp_path / "keys.json"),
+    )
+    log = tmp_path / "up.log"
+    try:
+        with tokenbus_up(log, env, "--port", str(edge_port), "--workers", "warm=2,cold=1") as up:
+            key = wait_ready(up, edge_port, log)
+            began = time.time()
+            wait_until(
+                lambda: (
+                    {
+                        m: len(ids)
+                        for m, ids in live_workers_by_model(bootstrap, prefix, began).items()
+                    }
+                    == {"warm": 2, "cold": 1}
+                ),
+                60,
+                "two workers of warm and one of cold beating",
+            )
+            (first,) = pool_pids(log, "worker-warm-1")
+            os.kill(first, signal.SIGKILL)
+            wait_until(lambda: len(pool_pids(log, "worker-warm-1")) == 2, 60, "worker-warm-1 again")
+            killed_at = time.time() + 1.0  # the dead worker's last beat is older than this
+            wait_until(
+                lambda: (
+                    len(live_workers_by_model(bootstrap, prefix, killed_at).get("warm", ())) == 2
+                ),
+                60,
+                "the warm pool back at two workers",
+            )
+            # Every service is told the pools' models (held, not refused, while cold).
+            for service, pid in service_pids(descendants(up.pid)).items():
+                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                assert b'TOKENBUS_SERVED_MODELS=["warm", "cold"]' in environ, service
+            chat_works(edge_port, key)
+            assert up.poll() is None, log.read_text()
     finally:
         asyncio.run(delete_topics(settings(bootstrap, prefix), Topics(prefix).partitions()))

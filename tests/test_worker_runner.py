@@ -107,7 +107,12 @@ def request(prompt: str, max_tokens: int = 30) -> QueuedRequest:
 
 
 async def run(
-    prompt: str, producer: FakeProducer, *, context: int = 8192, epochs: list[int] | None = None
+    prompt: str,
+    producer: FakeProducer,
+    *,
+    context: int = 8192,
+    epochs: list[int] | None = None,
+    variant: str | None = None,
 ) -> tuple[str, SimEngine]:
     profile = sim_profile("constant", max_num_seqs=4, token_rate=500.0, context_length=context)
     engine = SimEngine(profile, fail_marker=MARKER)
@@ -124,6 +129,8 @@ async def run(
                 telemetry=_telemetry(),
                 epoch_now=(lambda: next(clock, 1)) if clock is not None else (lambda: 0),
                 write_timeout_s=0.5,
+                model="m",
+                variant=variant,
             )
             outcome = await runner.run(request(prompt), 1, UNTRACED)
     finally:
@@ -254,3 +261,15 @@ async def test_logprobs_reach_the_records_in_order_a_chunk_without_text_included
     deltas = [r for r in producer.records() if isinstance(r, DeltaResult)]
     assert [d.text for d in deltas] == ["", "é", "!"]
     assert [t for d in deltas for t in d.logprobs or ()] == logprobs
+
+
+async def test_the_done_record_names_the_workers_variant_and_leaves_the_baselines_out() -> None:
+    canary, baseline = FakeProducer(), FakeProducer()
+    await run("which variant?", canary, variant="canary")
+    await run("which variant?", baseline)
+    [done] = [r for r in canary.records() if isinstance(r, DoneResult)]
+    assert (done.model, done.variant) == ("m", "canary")
+    # The baseline's record has no `variant` key: readers from before variants still read it.
+    [value] = [v for v in baseline.sent if v["kind"] == "done"]
+    assert value["model"] == "m"
+    assert "variant" not in value

@@ -241,6 +241,7 @@ def grants(topics: Topics) -> dict[str, list[Grant]]:
                 why="batches addressed to workers; read: restarts and recovery",
             ),
             _topic(topics.workers, read, why="heartbeats: free slots and liveness"),
+            _topic(topics.variants, read, why="each model's variants and shares, read whole"),
             _topic(topics.dlq, write, why="records it cannot read (poison)"),
             *results_out("errors of requests that expire before dispatch; resets before a re-run"),
             *results_in,  # recovery: requests already answered are not handed back

@@ -180,6 +180,27 @@ def register(commands: Subcommands) -> None:
     cached.add_argument("--docs", type=Path, default=None, help="Markdown file to update")
     cached.add_argument("--log-dir", type=Path, default=Path("bench/out/logs"))
     cached.set_defaults(handler=_cache)
+    cold = actions.add_parser(
+        "cold-start",
+        help="warm pools: TTFT of a request held for a model whose worker starts after it,"
+        " against a warm worker's, on one sim stack (make bench-cold-start, ~1 min)",
+        description="Requests to a model with a live worker, one at a time; then, per cold"
+        " model, a request sent before its worker process starts, held until the worker is"
+        " ready. Client-measured TTFT; each cold worker's own load time. Broker:"
+        " KAFKA_BOOTSTRAP_SERVERS, else a private one.",
+    )
+    cold.add_argument("--requests", type=int, default=20, help="warm requests (20)")
+    cold.add_argument("--cold", type=int, default=3, help="cold models, one start each (3)")
+    cold.add_argument("--max-tokens", type=int, default=16, help="max_tokens of each (16)")
+    cold.add_argument(
+        "--engine", choices=("sim", "vllm"), default="sim",
+        help="sim (default), or vllm: SmolLM2 on vLLM's CPU build (installed the first time)",
+    )  # fmt: skip
+    cold.add_argument("--profile", default="llama3-8b-h100", help="sim engine profile")
+    cold.add_argument("--json", type=Path, default=Path("bench/out/cold_start.json"))
+    cold.add_argument("--docs", type=Path, default=None, help="Markdown file to update")
+    cold.add_argument("--log-dir", type=Path, default=Path("bench/out/logs"))
+    cold.set_defaults(handler=_cold_start)
     real = actions.add_parser(
         "real",
         help="the real engine (SmolLM2 on vLLM's CPU build) through tokenbus, side by side"
@@ -437,6 +458,12 @@ def _capacity(args: argparse.Namespace) -> int:
         print(f"tokenbus bench: error: stacks failed: {', '.join(failed)}", file=sys.stderr)
         return 1
     return 0
+
+
+def _cold_start(args: argparse.Namespace) -> int:
+    from bench import cold_start
+
+    return cold_start.run(args, _command())
 
 
 def _cache(args: argparse.Namespace) -> int:

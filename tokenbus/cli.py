@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from importlib.metadata import version
 from typing import Any
 
-from tokenbus import acl_table, bench, config, kafka, keys, schema, topics, trace, up
+from tokenbus import acl_table, bench, config, kafka, keys, models_cli, schema, topics, trace, up
 from tokenbus.commands import Handler
 
 
@@ -60,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
         config.register,
         acl_table.register,
         keys.register,
+        models_cli.register,
         schema.register,
     ):
         register(commands)

@@ -34,6 +34,7 @@ from shared.messages import (
 )
 from shared.telemetry import SENT_AT_HEADER
 from shared.topics import Topics
+from shared.variants import ModelRollout
 
 if TYPE_CHECKING:
     from tokenbus.commands import Subcommands
@@ -45,7 +46,10 @@ TRACE_HEADERS = {
     "external producers; tokenbus starts a trace when it is absent).",
     "tracestate": "W3C trace state, passed on unchanged (optional).",
 }
-Service = Literal["edge", "ingest", "scheduler", "worker", "external producer", "external app"]
+# "operator": a person or script running the `tokenbus` command (`tokenbus models rollout`).
+Service = Literal[
+    "edge", "ingest", "scheduler", "worker", "external producer", "external app", "operator"
+]
 
 
 @dataclass(frozen=True)
@@ -106,6 +110,7 @@ SCHEMAS: dict[str, tuple[Any, JsonSchemaMode]] = {
     "Heartbeat": (Heartbeat, "serialization"),
     "LeaseRecord": (LeaseRecord, "serialization"),
     "CacheEntry": (CacheEntry, "serialization"),
+    "ModelRollout": (ModelRollout, "serialization"),
 }
 
 REQUEST = Message(
@@ -182,6 +187,15 @@ CACHE_ENTRY = Message(
     " answered it; ingest replays it to a later request with the same key, marked `cached`.",
     "CacheEntry",
     "The cache key: SHA-256 (hex) of the fields that decide the answer.",
+    headers={},
+)
+ROLLOUT = Message(
+    "modelRollout",
+    "Model rollout",
+    "One model's variants and their shares of its conversations (the baseline takes the"
+    " rest); the latest record per model is the rollout every scheduler routes by.",
+    "ModelRollout",
+    "The served model name (UTF-8).",
     headers={},
 )
 RESULT_SENDERS: tuple[Service, ...] = ("worker", "scheduler", "ingest")
@@ -287,9 +301,20 @@ def channels(topics: Topics) -> tuple[Channel, ...]:
             parts[topics.cache],
         ),
         Channel(
+            "variants",
+            topics.variants,
+            "Compacted log of each model's rollout, written by `tokenbus models rollout`;"
+            " every scheduler reads all of it (docs/decisions/0054-model-variants-and-sticky"
+            "-canaries.md).",
+            (ROLLOUT,),
+            ("operator",),
+            ("scheduler",),
+            parts[topics.variants],
+        ),
+        Channel(
             "workers",
             topics.workers,
-            "Worker heartbeats.",
+            "Worker heartbeats: each beat on every partition (single copies, one per node).",
             (HEARTBEAT,),
             ("worker",),
             ("scheduler",),

@@ -54,11 +54,13 @@ async def ensure_topics(
     created = set(
         await create_topics(settings, wanted, replication, configs=settings.topic_configs())
     )
-    copies = f"replication {replication}, min.insync.replicas {min_insync_replicas(replication)}"
+    single = topics.single_copy()
     for name, partitions in wanted.items():
         # Partition counts and replication of existing topics are left alone: shrinking is
         # impossible and growing would move keys to other partitions under running consumers.
         if name in created:
+            n = 1 if name in single else replication
+            copies = f"replication {n}, min.insync.replicas {min_insync_replicas(n)}"
             print(f"created  {name} ({partitions} partitions, {copies})", flush=True)
         else:
             print(f"existed  {name} ({partitions} partitions)", flush=True)

@@ -8,6 +8,7 @@ import contextlib
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -27,6 +28,7 @@ from shared.settings import TokenbusSettings
 from tokenbus import local_engine
 from tokenbus.crashloop import Backoff, CrashLoop
 from tokenbus.keys import local_keys
+from tokenbus.pools import parse_pools, pool_workers, served_models_env
 from tokenbus.topics import ensure_topics
 
 if TYPE_CHECKING:
@@ -86,6 +88,8 @@ class Supervised:
     process: subprocess.Popen[bytes] | None = None
     started_at: float = 0.0
     restart_at: float | None = None
+    module: str = ""  # a service's: `python -m services.<module>`
+    env: Mapping[str, str] = field(default_factory=dict)  # its own variables, over the rest
 
 
 @dataclass(frozen=True)
@@ -111,17 +115,39 @@ class Deployment:
     """
 
     def __init__(
-        self, settings: UpSettings, cluster: launcher.Cluster, worker: WorkerEngine | None = None
+        self,
+        settings: UpSettings,
+        cluster: launcher.Cluster,
+        worker: WorkerEngine | None = None,
+        pools: Mapping[str, int] | None = None,
     ) -> None:
         self.settings = settings
         self.cluster = cluster
         self.worker = worker or WorkerEngine()
+        self.pools = dict(pools or {})
         self.owns_broker = False
-        self.services = {name: Supervised(name, CrashLoop(settings.backoff())) for name in SERVICES}
+        self.services: dict[str, Supervised] = {}
+        for name in SERVICES:
+            if name == "worker" and self.pools:
+                self._add_pool_workers()
+            else:
+                self.services[name] = Supervised(name, CrashLoop(settings.backoff()), module=name)
         self.broker = Supervised("Kafka", CrashLoop(settings.backoff()))
         self.broker_pids: dict[int, int] = {}
         self.broker_restart: asyncio.Task[launcher.Running] | None = None
         self.env: dict[str, str] = {}
+
+    def _add_pool_workers(self) -> None:
+        """`--workers`: each pool's workers, each with its model; the first keeps the worker's
+        default health port (the one `up` watches a real model load on), the others get
+        free ones."""
+        for n, pool_worker in enumerate(pool_workers(self.pools)):
+            env = {"TOKENBUS_WORKER_MODEL": pool_worker.model}
+            if n > 0:
+                env["TOKENBUS_METRICS_PORT"] = str(_free_port())
+            self.services[pool_worker.key] = Supervised(
+                pool_worker.key, CrashLoop(self.settings.backoff()), module="worker", env=env
+            )
 
     async def run(self) -> int:
         """Run until SIGINT/SIGTERM (exit 0) or until start-up fails (exit 1)."""
@@ -204,16 +230,24 @@ class Deployment:
         # One resume key for every edge this deployment runs (a restarted edge included),
         # unless the operator set one.
         env.setdefault("TOKENBUS_RESUME_SECRET", secrets.token_urlsafe(32))
+        if self.pools:  # every service knows the pools' models, unless the operator said
+            for name, value in served_models_env(self.pools).items():
+                env.setdefault(name, value)
         return env
 
     def _start(self, service: Supervised) -> None:
         # Own process group: Ctrl-C reaches only `up`, which stops the services in order,
         # and killing the group also ends anything a service spawned (vLLM's engine core
         # runs in a child process).
-        worker = service.name == "worker"
+        worker = service.module == "worker"
         service.process = subprocess.Popen(
-            [self.worker.python if worker else sys.executable, "-m", f"services.{service.name}"],
-            env={**self.env, **self.worker.shared_env, **(self.worker.env if worker else {})},
+            [self.worker.python if worker else sys.executable, "-m", f"services.{service.module}"],
+            env={
+                **self.env,
+                **self.worker.shared_env,
+                **(self.worker.env if worker else {}),
+                **service.env,
+            },
             start_new_session=True,
         )
         service.started_at, service.restart_at = time.monotonic(), None
@@ -321,6 +355,13 @@ class Deployment:
             child.wait()
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
 def _pids(pids: dict[int, int]) -> str:
     return ", ".join(f"node {node} pid {pid}" for node, pid in sorted(pids.items()))
 
@@ -392,6 +433,12 @@ def register(commands: Subcommands) -> None:
         help="the real model for --engine vllm|transformers: SmolLM2-135M-Instruct, from "
         "its PyPI package (default: %(default)s)",
     )  # fmt: skip
+    parser.add_argument(
+        "--workers", type=parse_pools, default=None, metavar="MODEL=N[,MODEL=N…]",
+        help="warm pools: N workers per model, each loaded from start to exit and restarted if"
+        " it exits; every service is told these models, so a request for one whose workers"
+        " are restarting is held, not refused (default: one worker of the engine's model)",
+    )  # fmt: skip
     parser.set_defaults(handler=_up)
 
 
@@ -421,4 +468,11 @@ def _up(args: argparse.Namespace) -> int:
         worker = WorkerEngine(
             args.engine, str(local.python), env, args.model, local_engine.DEPLOYMENT_ENV
         )
-    return asyncio.run(Deployment(settings, cluster, worker).run())
+    if args.workers is not None and worker.real and set(args.workers) != {worker.model}:
+        print(
+            f"tokenbus up: error: --engine {args.engine} serves {worker.model} alone:"
+            f" --workers {worker.model}=N",
+            file=sys.stderr,
+        )
+        return 1
+    return asyncio.run(Deployment(settings, cluster, worker, args.workers).run())

@@ -69,7 +69,7 @@ class Edge:
             self.guard,
             lambda: self.gateway,
             settings.limits(),
-            ModelDirectory(settings.edge_models_stale_s),
+            ModelDirectory(settings.edge_models_stale_s, pooled=frozenset(settings.served_models)),
         )
 
     @contextlib.asynccontextmanager

@@ -302,6 +302,7 @@ class Gateway:
         no-op.
         """
         request_id: str | None = None
+        began = time.monotonic()
         tenant = self.guard.tenant_id(principal, token_kid(frame.resume_token))
         try:
             claims = check_resume(
@@ -324,12 +325,20 @@ class Gateway:
                 if self.router.get(request_id) is None:
                     self.guard.release(request_id)  # nothing of it is kept here
                 raise
+            log.info("stream.resumed", request_id=request_id, took_s=_since(began))
         except (ResumeRefused, ReplayRefused) as exc:
             self.metrics.resumes.labels(exc.code.value).inc()
-            log.info("stream.resume_refused", request_id=request_id, code=exc.code.value)
+            log.info(
+                "stream.resume_refused",
+                request_id=request_id,
+                code=exc.code.value,
+                took_s=_since(began),
+            )
             client.send(ErrorFrame(code=exc.code, message=exc.message, request_id=request_id))
         except (KafkaError, BrokerUnavailable) as exc:
-            log.error("stream.resume_failed", request_id=request_id, error=repr(exc))
+            log.error(
+                "stream.resume_failed", request_id=request_id, error=repr(exc), took_s=_since(began)
+            )
             client.send(
                 self.link.overloaded(
                     "stream.resume: could not read the stream now, try again",
@@ -598,3 +607,8 @@ class Gateway:
         if ended_here and self.topology.followed(ReplyTo(topic=tp.topic)):
             self.topology.ended(tp.topic, time.monotonic())
             self.wake.set()
+
+
+def _since(began: float) -> float:
+    """Seconds since `began` (monotonic), for a log line."""
+    return round(time.monotonic() - began, 3)

@@ -44,9 +44,16 @@ class ModelDirectory:
     """
 
     def __init__(
-        self, stale_s: float, listening_since: float | None = None, grace_s: float = UNKNOWN_AFTER_S
+        self,
+        stale_s: float,
+        listening_since: float | None = None,
+        grace_s: float = UNKNOWN_AFTER_S,
+        pooled: frozenset[str] = frozenset(),
     ) -> None:
         self.stale_s = stale_s
+        # Known while none of their workers is live: the scheduler holds their requests
+        # while a worker starts (`served_models`, services/scheduler/cold_start.py).
+        self.pooled = pooled
         self.listening_since = time.time() if listening_since is None else listening_since
         self.grace_s = grace_s
         self._workers: dict[str, _Seen] = {}
@@ -103,11 +110,12 @@ class ModelDirectory:
 
     def unknown(self, request: ChatRequest, now: float) -> tuple[str, str] | None:
         """(field, message) if the request names a model (or fallback) no live worker
-        serves; None while this directory is too new to say."""
+        serves and the deployment does not name (`pooled`); None while this directory is too
+        new to say."""
         if now < self.listening_since + self.grace_s:
             return None
         served = self.served(now)
         for field, model in (("model", request.model), ("fallback_model", request.fallback_model)):
-            if model is not None and model not in served:
+            if model is not None and model not in served and model not in self.pooled:
                 return field, unknown_model_message(model, served)
         return None

@@ -136,6 +136,8 @@ class DoneFrame(Model):
     # besides the calls; absent from the frame when it calls none.
     tool_calls: list[ToolCall] | None = Field(default=None, exclude_if=lambda v: v is None)
     content: str | None = Field(default=None, exclude_if=lambda v: v is None)
+    # The variant of `model` that answered (ADR 0054); absent: the model's baseline.
+    variant: str | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class ErrorFrame(Model):

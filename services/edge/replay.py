@@ -18,6 +18,7 @@ shared reader reads next goes to it. What both read is dropped by the stream's `
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
@@ -40,6 +41,12 @@ FETCH_WAIT_MS = 200
 # The broker's wait on a fetch that finds nothing (the consumer's setting): a replay reads
 # what is there, so it never waits on an empty one for long.
 REPLAY_FETCH_WAIT_MS = 100
+SLOW_STOP_S = 1.0  # a replay consumer's stop that takes longer is logged
+# Each request of a replay's consumer waits this long at most (aiokafka's default is 40 s):
+# a consumer started while a node hangs, or that asks a leader which has since been
+# fenced, tries again elsewhere within the replay's bound instead of spending it whole
+# (chaos seed 325070550: replays that fetched nothing for 10 s, refused again and again).
+REPLAY_REQUEST_TIMEOUT_MS = 3000
 
 
 class ReplayRefused(Exception):
@@ -101,11 +108,25 @@ class Replays:
         tried again after the stream's `done`, and was sent an `error` after it. Chaos seed
         603794555, docs/reliability.md finding 12.)
         """
+        progress = _Progress(start)
         async with AsyncExitStack() as consumers:  # stopped after, outside the timeout
             try:
                 async with asyncio.timeout(self.timeout_s), self._slots:
-                    return await self._read(consumers, tp, request_id, start, end, live, attach)
+                    return await self._read(
+                        consumers, tp, request_id, start, end, live, attach, progress
+                    )
             except TimeoutError:
+                log.warning(
+                    "replay.timed_out",
+                    topic=tp.topic,
+                    partition=tp.partition,
+                    start=start,
+                    end=end,
+                    position=progress.position,
+                    live=live(),
+                    scanned=progress.scanned,
+                    started=progress.started,
+                )
                 raise ReplayRefused(
                     ErrorCode.overloaded,
                     f"stream.resume: the replay did not finish in {self.timeout_s:g} s, try again",
@@ -120,6 +141,7 @@ class Replays:
         end: int,
         live: Callable[[], int | None],
         attach: Callable[[Replayed], None],
+        progress: _Progress,
     ) -> Replayed:
         key = key_of(request_id)
         records: list[ResultRecord] = []
@@ -138,6 +160,7 @@ class Replays:
                 )
                 started.seek(tp, start)
                 consumer = started
+                progress.started = True
             fetched = await consumer.getmany(
                 tp,
                 timeout_ms=FETCH_WAIT_MS,
@@ -154,12 +177,22 @@ class Replays:
                         "result.invalid", topic=tp.topic, offset=record.offset, error=str(exc)
                     )
             # Past transaction markers too, which no record shows.
-            position = await consumer.position(tp)
+            position = progress.position = await consumer.position(tp)
+            progress.scanned = scanned
         # Caught up, and nothing awaited since the check: hand over now (the consumer stops
         # after, in the caller).
         replayed = Replayed(records, position, scanned)
         attach(replayed)
         return replayed
+
+
+@dataclass
+class _Progress:
+    """How far a replay got: what its timeout logs."""
+
+    position: int
+    scanned: int = 0
+    started: bool = False
 
 
 def _caught_up(position: int, end: int, live: int | None) -> bool:
@@ -176,7 +209,10 @@ async def _started(
         consumer.assign([tp])
         yield consumer
     finally:
+        began = time.monotonic()
         try:
             await consumer.stop()
         except KafkaError as exc:  # after the hand-over: the resume has succeeded already
             log.warning("replay.consumer_stop_failed", topic=tp.topic, error=repr(exc))
+        if (took := time.monotonic() - began) > SLOW_STOP_S:
+            log.warning("replay.consumer_stop_slow", topic=tp.topic, took_s=round(took, 3))

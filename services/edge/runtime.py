@@ -24,14 +24,20 @@ from services.edge.gateway import Gateway
 from services.edge.lease_keeper import LeaseKeeper, LeaseLost, TopicNotReady, ensure_lease_topic
 from services.edge.metrics import EdgeMetrics
 from services.edge.openai.edge_streams import EdgeStreams
-from services.edge.replay import REPLAY_FETCH_WAIT_MS, Replays
+from services.edge.replay import REPLAY_FETCH_WAIT_MS, REPLAY_REQUEST_TIMEOUT_MS, Replays
 from services.edge.results import ResultReader
 from services.edge.resume import ResumeKeys
 from services.edge.settings import EdgeSettings
 from services.edge.sweeper import TopicSweeper
 from services.edge.telemetry import EdgeTelemetry
 from services.edge.topology import PartitionTopology, ResultTopology, TopicTopology, reply_tp
-from shared.kafka import client_security, make_admin, make_consumer, make_producer
+from shared.kafka import (
+    client_security,
+    make_admin,
+    make_consumer,
+    make_producer,
+    topic_partitions,
+)
 from shared.messages import ReplyTo
 from shared.process import for_life
 from shared.producers import RenewingProducer
@@ -106,7 +112,11 @@ async def running(parts: EdgeParts, on_lease_lost: Callable[[], None]) -> AsyncI
         reader = ResultReader(
             consumer,
             TopicPartition(topics.control, 0),
-            side={TopicPartition(topics.workers, 0): parts.openai.heartbeat},
+            # Every partition: each carries every beat, but one may be away (ADR 0056).
+            side=dict.fromkeys(
+                await topic_partitions(admin, topics.workers, topics.partitions()[topics.workers]),
+                parts.openai.heartbeat,
+            ),
         )
         models_since = time.time() - s.edge_models_stale_s  # `/v1/models` knows workers at once
         keeper: LeaseKeeper | None = None
@@ -142,6 +152,7 @@ async def running(parts: EdgeParts, on_lease_lost: Callable[[], None]) -> AsyncI
                     group_id=None,
                     client_id=f"{edge_id}-replay",
                     fetch_max_wait_ms=REPLAY_FETCH_WAIT_MS,
+                    request_timeout_ms=REPLAY_REQUEST_TIMEOUT_MS,
                 ),
                 timeout_s=s.edge_resume_timeout_s,
                 max_records=s.edge_resume_max_records,

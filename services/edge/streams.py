@@ -279,11 +279,17 @@ class StreamRouter:
                     cached=record.cached,
                     tool_calls=record.tool_calls,
                     content=record.content,
+                    variant=record.variant,
                 )
             )
         else:
             stream.emit(
-                ErrorFrame(code=record.code, message=record.message, request_id=record.request_id)
+                ErrorFrame(
+                    code=record.code,
+                    message=record.message,
+                    request_id=record.request_id,
+                    retry_after_ms=record.retry_after_ms,
+                )
             )
         self._finish(stream)
         return True

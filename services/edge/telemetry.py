@@ -224,6 +224,8 @@ class EdgeTelemetry:
                     semconv.GEN_AI_USAGE_OUTPUT_TOKENS: frame.usage.completion_tokens,
                 }
             )
+            if frame.variant is not None:
+                flight.root.set_attribute(semconv.VARIANT, frame.variant)
             self._end(flight, outcome=frame.finish_reason, now=now)
         else:
             self._end(flight, outcome=frame.code.value, error=frame.code.value, now=now)

@@ -1,10 +1,11 @@
 """The scheduler process: tier topics in, batches addressed to workers out, restart-safe commits.
 
-Four tasks share one event loop: the tier reader (intake.py: records into admission,
+Five tasks share one event loop: the tier reader (intake.py: records into admission,
 admitted ones into the policy), the heartbeat reader (heartbeats.py), the steps (steps.py:
-run the policy, carry out its plan through dispatch.py, commit) and the liveness watch
+run the policy, carry out its plan through dispatch.py, commit), the liveness watch
 (liveness.py: declares workers dead and, on the one scheduler that owns interactive
-partition 0, hands their unfinished requests back). The group's rebalances go to
+partition 0, hands their unfinished requests back) and the variants reader (variants.py:
+each model's rollout, read whole before the first request). The group's rebalances go to
 ownership.py; the Kafka clients are clients.py's.
 
 Nothing read stops the flow: a tier record or heartbeat that cannot be handled is
@@ -40,8 +41,10 @@ from services.scheduler.recovery import Recovery
 from services.scheduler.settings import SchedulerSettings
 from services.scheduler.steps import Steps
 from services.scheduler.telemetry import SchedulerTelemetry
+from services.scheduler.variants import RolloutReader, Rollouts
 from services.scheduler.workers import WorkerRegistry
 from shared.health import Readiness, Ready, consumer_readiness
+from shared.kafka import topic_partitions
 from shared.messages import Tier
 from shared.process import for_life
 from shared.rebalance import Rebalance
@@ -87,8 +90,13 @@ class Scheduler:
             s, policy, workers, ledger, dispatcher, answerer, telemetry, clients.tiers, wake
         )
         self.steps, self._start_ends = steps, steps.start_ends
+        rollouts = Rollouts()
+        self.rollouts = RolloutReader(
+            clients.variants, rollouts, clients.admin, topics.variants, telemetry.shares
+        )
+        self._dead_letter = answerer.dead_letter
         self.intake = TierIntake(
-            s, ledger, admission, policy, answerer, telemetry, steps.hand_on, wake
+            s, ledger, admission, policy, answerer, telemetry, steps.hand_on, wake, rollouts
         )
         self.ownership = Ownership(s, clients.admin, self.intake, self.steps, batch_log, log_lock)
         self.heartbeats = HeartbeatReader(
@@ -115,6 +123,7 @@ class Scheduler:
             tg.create_task(for_life("heartbeat reader", self.heartbeats.run()))
             tg.create_task(for_life("steps", self.steps.run()))
             tg.create_task(for_life("liveness", self.liveness.run()))
+            tg.create_task(for_life("variants reader", self.rollouts.run(self._dead_letter)))
 
     async def _start(self) -> None:
         parts = await self._partitions(self.topics.batches)
@@ -124,6 +133,8 @@ class Scheduler:
         self._start_ends.update({tp.partition: end for tp, end in ends.items()})
         await self.heartbeats.seek_recent(await self._partitions(self.topics.workers))
         self.steps.model_check = ModelCheck(time.time(), self.steps.model_check.grace_s)
+        # Every rollout before the first request: a restart routes as it did before.
+        await self.rollouts.load()
 
     async def readiness(self) -> Readiness:
         """`/readyz` (shared/health.py): tier partitions assigned, broker answering."""
@@ -131,10 +142,7 @@ class Scheduler:
 
     async def _partitions(self, topic: str) -> list[TopicPartition]:
         """The topic's partitions as the cluster has them (the project's count if unknown)."""
-        described = await self.clients.admin.describe_topics([topic])
-        count = len(described[0]["partitions"]) if described else 0
-        count = count or self.topics.partitions()[topic]
-        return [TopicPartition(topic, p) for p in range(count)]
+        return await topic_partitions(self.clients.admin, topic, self.topics.partitions()[topic])
 
     def leads_recovery(self) -> bool:
         tp = TopicPartition(self.topics.tier(Tier.interactive), 0)

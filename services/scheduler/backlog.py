@@ -1,4 +1,5 @@
-"""The scheduler's backlog: waiting requests in lanes (tier, length bucket, model), shared fairly.
+"""The scheduler's backlog: waiting requests in lanes (tier, length bucket, model, variant),
+shared fairly.
 
 A lane's bus leaves by its oldest request (arrival order); who rides it is decided by fair
 share between the lane's tenants (`fairness.FairQueue`), oldest first within a tenant.
@@ -33,6 +34,7 @@ class LaneKey(NamedTuple):
     tier: Tier
     bucket: int
     model: str | None = None  # the model its requests run on; None: any worker
+    variant: str | None = None  # the model's variant (shared/variants.py); None: its baseline
 
 
 @dataclass(slots=True, eq=False)
@@ -50,6 +52,7 @@ class Passenger(Generic[T]):
     model: str | None = None  # the model it runs on (its lane's); None: any
     fallback: str | None = None  # the model it may run on instead (models.py)
     prefix: str | None = None  # prefix key (shared/prefixes.py): prefix-affinity routing
+    variant: str | None = None  # the variant of `model` it runs on; None: the baseline
 
 
 class Lane(Generic[T]):
@@ -141,10 +144,12 @@ class Backlog(Generic[T]):
     def __len__(self) -> int:
         return len(self._where)
 
-    def lane_of(self, tier: Tier, prompt_tokens: int, model: str | None = None) -> LaneKey:
+    def lane_of(
+        self, tier: Tier, prompt_tokens: int, model: str | None = None, variant: str | None = None
+    ) -> LaneKey:
         if self.config.batching == "pack":
-            return LaneKey(tier, 0, model)
-        return LaneKey(tier, bisect_left(self.config.bucket_edges, prompt_tokens), model)
+            return LaneKey(tier, 0, model, variant)
+        return LaneKey(tier, bisect_left(self.config.bucket_edges, prompt_tokens), model, variant)
 
     def add(
         self,
@@ -159,8 +164,9 @@ class Backlog(Generic[T]):
         model: str | None = None,
         fallback: str | None = None,
         prefix: str | None = None,
+        variant: str | None = None,
     ) -> Passenger[T]:
-        key = self.lane_of(tier, prompt_tokens, model)
+        key = self.lane_of(tier, prompt_tokens, model, variant)
         number = next(self._numbers)
         p = Passenger(
             item,
@@ -174,6 +180,7 @@ class Backlog(Generic[T]):
             model=model,
             fallback=fallback,
             prefix=prefix,
+            variant=variant,
         )
         self._enter(key, p)
         return p
@@ -196,10 +203,20 @@ class Backlog(Generic[T]):
         """Move a waiting request to its lane on another model (its fallback), once.
 
         It keeps its arrival time and number, so it waits no longer there than it had here.
+        It runs on the fallback model's baseline.
         """
         self.remove(p)
-        p.model, p.fallback = model, None
+        p.model, p.fallback, p.variant = model, None, None
         self._enter(self.lane_of(p.tier, p.prompt_tokens, model), p)
+
+    def to_baseline(self, p: Passenger[T]) -> None:
+        """Move a waiting request to its model's baseline lane (its variant has no worker).
+
+        It keeps its arrival time and number, as `move` does.
+        """
+        self.remove(p)
+        p.variant = None
+        self._enter(self.lane_of(p.tier, p.prompt_tokens, p.model), p)
 
     def select(
         self,
@@ -229,7 +246,7 @@ class Backlog(Generic[T]):
     def remove(self, p: Passenger[T]) -> None:
         self._movable.pop(p.number, None)
         if self._where.pop(p.number, None) is not None:
-            self.lanes[self.lane_of(p.tier, p.prompt_tokens, p.model)].remove(p)
+            self.lanes[self.lane_of(p.tier, p.prompt_tokens, p.model, p.variant)].remove(p)
 
     def remove_where(self, predicate: Callable[[T], bool]) -> list[Passenger[T]]:
         """Drop every waiting request whose payload matches (e.g. a revoked partition's)."""

@@ -22,6 +22,7 @@ class Clients:
     tiers: AIOKafkaConsumer  # the group's tier topics: requests
     beats: AIOKafkaConsumer  # heartbeats, assigned
     log_reader: AIOKafkaConsumer  # the batches topic, read at take-over and recovery
+    variants: AIOKafkaConsumer  # the models' rollouts, assigned, read whole (variants.py)
     admin: AIOKafkaAdminClient
 
     @classmethod
@@ -50,6 +51,7 @@ class Clients:
                 long_poll=True,
             ),
             log_reader=make_consumer(s, group_id=None, client_id=f"{client_id}-log"),
+            variants=make_consumer(s, group_id=None, client_id=f"{client_id}-variants"),
             admin=make_admin(s, client_id=client_id),
         )
 
@@ -61,7 +63,7 @@ class Clients:
             stack.push_async_callback(self.producer.stop)
             await self.admin.start()
             stack.push_async_callback(self.admin.close)
-            for consumer in (self.log_reader, self.beats):
+            for consumer in (self.log_reader, self.beats, self.variants):
                 await consumer.start()
                 stack.push_async_callback(consumer.stop)
             stack.push_async_callback(self.tiers.stop)

@@ -23,6 +23,7 @@ from services.scheduler.ledger import Ledger
 from services.scheduler.policy import Policy
 from services.scheduler.settings import SchedulerSettings
 from services.scheduler.telemetry import SchedulerTelemetry
+from services.scheduler.variants import Rollouts
 from shared.fetches import Fetched, fetches
 from shared.prefixes import prefix_key
 
@@ -44,6 +45,7 @@ class TierIntake:
         telemetry: SchedulerTelemetry,
         hand_on: Callable[[TopicPartition, int], None],
         wake: asyncio.Event,
+        rollouts: Rollouts,
     ) -> None:
         self.settings = settings
         self.ledger = ledger
@@ -53,6 +55,7 @@ class TierIntake:
         self.telemetry = telemetry
         self._hand_on = hand_on
         self._wake = wake
+        self.rollouts = rollouts
         self.lock = asyncio.Lock()
 
     async def run(self, consumer: AIOKafkaConsumer) -> None:
@@ -105,6 +108,13 @@ class TierIntake:
         request = w.request
         self.telemetry.arrived(request)
         s = self.settings
+        model = request.model or s.scheduler_default_model
+        # The conversation's key (its prefix key) picks its variant: the same on every turn
+        # and every scheduler while the model's shares stay as they are (ADR 0054).
+        key = prefix_key(request, request.tenant)
+        variant = self.rollouts.variant_of(model, key)
+        if model is not None:
+            self.telemetry.variant_chosen(model, variant)
         self.policy.add(
             w,
             tier=request.tier,
@@ -113,11 +123,10 @@ class TierIntake:
             now=now,
             deadline_at=request.deadline_at,
             tenant=request.tenant,
-            model=request.model or s.scheduler_default_model,
+            model=model,
             fallback=request.fallback_model or s.fallback_model(request.tier),
-            prefix=(
-                prefix_key(request, request.tenant) if self.policy.router.mode == "prefix" else None
-            ),
+            prefix=key if self.policy.router.mode == "prefix" else None,
+            variant=variant,
         )
 
     def _owned(self, consumer: AIOKafkaConsumer, fetched: Fetched) -> Fetched:

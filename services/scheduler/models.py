@@ -3,7 +3,9 @@
 Pure: worker slots and the clock in, decisions out. The policy asks `serves` for a lane's
 candidate workers and `fall_back` which waiting requests move to their fallback model
 (each decided by `estimated_finish` and `falls_back`); the scheduler shell asks
-`ModelCheck.unknown` before it refuses a lane's requests with `invalid_request`.
+`ModelCheck.unknown` before it refuses a lane's requests with `invalid_request` (known: a
+model a known worker serves, or one of `served_models`, which are held while cold:
+cold_start.py).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from collections.abc import Iterable, Sequence, Set
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
-from services.scheduler.backlog import Backlog, Passenger
+from services.scheduler.backlog import Backlog, LaneKey, Passenger
 from shared.messages import Tier
 
 T = TypeVar("T")
@@ -39,6 +41,43 @@ class ServingWorker(Protocol):
 def serves(worker_model: str | None, lane_model: str | None) -> bool:
     """Whether a worker may take a lane's requests: a lane without a model takes any worker."""
     return lane_model is None or worker_model == lane_model
+
+
+# A worker's model and the variant of it that it runs (None: the model's baseline).
+Serving = tuple[str | None, str | None]
+
+
+def serves_lane(worker: Serving | None, lane: LaneKey) -> bool:
+    """Whether a worker (its model and variant; None: unknown) may take a lane's requests:
+    of the lane's model (`serves`), and only of the lane's variant, so that a variant takes
+    just the conversations chosen for it and a baseline lane only baseline workers."""
+    if worker is None:
+        return False
+    model, variant = worker
+    return serves(model, lane.model) and variant == lane.variant
+
+
+def to_baseline(backlog: Backlog[T], live: Iterable[Serving]) -> list[tuple[Passenger[T], str]]:
+    """Move the waiting requests of each variant without a live worker to their model's
+    baseline, where that has one; return those moved, each with the variant it left
+    (ADR 0054).
+
+    `live`: every live worker's model and variant (full ones too: a variant whose workers
+    are busy keeps its requests). Where neither has a live worker, the requests wait on
+    their variant (its worker may be starting).
+    """
+    serving = set(live)
+    out: list[tuple[Passenger[T], str]] = []
+    for lane in backlog.busy_lanes():
+        key = lane.key
+        if key.variant is None or any(serves_lane(w, key) for w in serving):
+            continue
+        if not any(serves_lane(w, key._replace(variant=None)) for w in serving):
+            continue
+        for p in list(lane):
+            backlog.to_baseline(p)
+            out.append((p, key.variant))
+    return out
 
 
 @dataclass(frozen=True)
@@ -159,4 +198,9 @@ class ModelCheck:
     def unknown(self, model: str | None, known: Set[str], now: float) -> bool:
         if model is None or model in known:
             return False
+        return self.settled(now)
+
+    def settled(self, now: float) -> bool:
+        """Whether every live worker has been heard by now: before, a model may only seem
+        unknown, or without a live worker (cold_start.py)."""
         return now >= self.listening_since + self.grace_s

@@ -28,6 +28,10 @@ from shared.topics import Topics
 log = structlog.get_logger()
 
 KAFKA_ERRORS = (KafkaError, TimeoutError)
+# Each try of a take-over step is cut after this long and started over: a read that waits
+# for an end offset it cannot reach (a node back from a hang) otherwise holds the tier
+# partitions unscheduled for good (chaos seed 325070550: no assignment for 2 minutes).
+TAKE_OVER_ATTEMPT_S = 30.0
 
 
 class Ownership:
@@ -73,6 +77,7 @@ class Ownership:
             within_s=None,
             what="tier_offsets",
             retry_on=KAFKA_ERRORS,
+            attempt_s=TAKE_OVER_ATTEMPT_S,
         )
         starts: dict[int, int] = {}
         for tp in assigned:
@@ -93,6 +98,7 @@ class Ownership:
                 within_s=None,
                 what="batch_log",
                 retry_on=KAFKA_ERRORS,
+                attempt_s=TAKE_OVER_ATTEMPT_S,
             )
         self.admission.dispatched_before(
             ((r.request_id, r.attempt) for entry_ in logged for r in entry_.batch.requests),
@@ -108,6 +114,7 @@ class Ownership:
             within_s=None,
             what="tier_history",
             retry_on=KAFKA_ERRORS,
+            attempt_s=TAKE_OVER_ATTEMPT_S,
         )
         self.admission.remember(recent)
         log.info(

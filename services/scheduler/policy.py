@@ -17,7 +17,7 @@ from typing import Generic, TypeVar
 from services.scheduler.backlog import DEFAULT_TENANT, Backlog, Lane, LaneKey, Passenger
 from services.scheduler.departure import DepartureRule, DispatchReason, FixedRule
 from services.scheduler.limits import PolicyConfig
-from services.scheduler.models import fall_back, serves
+from services.scheduler.models import Serving, fall_back, serves_lane, to_baseline
 from services.scheduler.routing import Router
 from shared.messages import Tier
 
@@ -40,6 +40,7 @@ class WorkerSlots:
     total: int
     queued_tokens: int = 0
     model: str | None = None  # the model it serves
+    variant: str | None = None  # the variant of `model` it runs; None: the baseline
     service_s: float | None = None  # how long a request holds one of its slots, measured
 
 
@@ -65,6 +66,8 @@ class Plan(Generic[T]):
     dispatches: list[Dispatch[T]] = field(default_factory=list)
     expired: list[Passenger[T]] = field(default_factory=list)
     fell_back: list[Passenger[T]] = field(default_factory=list)  # moved to their fallback model
+    # Moved from a variant without a live worker to their model's baseline (models.py).
+    to_baseline: list[tuple[Passenger[T], str]] = field(default_factory=list)
     wake_at: float | None = None  # call `plan` again by then, even if nothing happens
 
 
@@ -115,6 +118,7 @@ class Policy(Generic[T]):
         model: str | None = None,
         fallback: str | None = None,
         prefix: str | None = None,
+        variant: str | None = None,
     ) -> Passenger[T] | None:
         """Queue a request; None if it can never ride (larger than its tier's token budget)."""
         if cost > self.config.tiers[tier].max_batch_tokens:
@@ -130,11 +134,13 @@ class Policy(Generic[T]):
             model=model,
             fallback=fallback if fallback != model else None,
             prefix=prefix,
+            variant=variant,
         )
 
     def plan(self, now: float, workers: Sequence[WorkerSlots]) -> Plan[T]:
         plan: Plan[T] = Plan(expired=self.backlog.expire(now))
         plan.fell_back = fall_back(self.backlog, now, workers)
+        plan.to_baseline = to_baseline(self.backlog, [(w.model, w.variant) for w in workers])
         free = {w.worker_id: w.free for w in workers if w.free > 0}
         queued = {w.worker_id: w.queued_tokens for w in workers}
         self._totals = {w.worker_id: w.total for w in workers}
@@ -143,7 +149,7 @@ class Policy(Generic[T]):
         # Aging is decided once per plan, from the share before it.
         aging = self.background_share < self.config.background_min_share
         aged_before = now - self.config.background_aging_ms / 1000.0 if aging else -math.inf
-        models = {w.worker_id: w.model for w in workers}
+        models: dict[str, Serving] = {w.worker_id: (w.model, w.variant) for w in workers}
         held = _Held()
         self._place(plan, now, free, queued, load, aged_before, models, held)
         self._fill(plan, free, aged_before)
@@ -162,7 +168,7 @@ class Policy(Generic[T]):
         queued: dict[str, int],
         load: float,
         aged_before: float,
-        models: dict[str, str | None],
+        models: dict[str, Serving],
         held: _Held,
     ) -> None:
         """Due lanes, best rank first, each as batches on the workers (of its model) with
@@ -172,7 +178,7 @@ class Policy(Generic[T]):
             for lane in self.backlog.busy_lanes():
                 if lane.key in held.stuck:
                     continue
-                if not any(serves(models.get(w), lane.key.model) for w in free):
+                if not any(serves_lane(models.get(w), lane.key) for w in free):
                     continue
                 reason = self.rule.reason(lane, now, load)
                 if reason is None:
@@ -199,15 +205,13 @@ class Policy(Generic[T]):
                 limits.max_batch_size,
                 limits.max_batch_tokens,
             )
-            # Only the workers serving the lane's model take it (models.py); among them the
-            # router says where each passenger goes (routing.py): least loaded, the batch
-            # whole unless its worker has too little room; or by prefix affinity, perhaps
-            # holding some. A batch splits into one part per worker, each within every limit
-            # (ADR 0034).
-            room = {w: n for w, n in free.items() if serves(models.get(w), lane.key.model)}
-            totals = {
-                w: n for w, n in self._totals.items() if serves(models.get(w), lane.key.model)
-            }
+            # Only the workers serving the lane's model and variant take it (models.py);
+            # among them the router says where each passenger goes (routing.py): least
+            # loaded, the batch whole unless its worker has too little room; or by prefix
+            # affinity, perhaps holding some. A batch splits into one part per worker, each
+            # within every limit (ADR 0034).
+            room = {w: n for w, n in free.items() if serves_lane(models.get(w), lane.key)}
+            totals = {w: n for w, n in self._totals.items() if serves_lane(models.get(w), lane.key)}
             hold_until = [self.router.hold_until(p.tier, p.arrived, p.deadline_at) for p in chosen]
             where = self.router.route(
                 [p.prefix for p in chosen], room, totals, queued, now=now, hold_until=hold_until
@@ -236,11 +240,11 @@ class Policy(Generic[T]):
         for d in plan.dispatches:
             limits = self.config.tiers[d.tier]
             first = d.passengers[0]
-            own = self.backlog.lane_of(d.tier, first.prompt_tokens, first.model)
+            own = self.backlog.lane_of(d.tier, first.prompt_tokens, first.model, first.variant)
             keys = [own]
             if self.config.fill_from_other_tier:
                 other = Tier.background if d.tier is Tier.interactive else Tier.interactive
-                keys.append(LaneKey(other, own.bucket, own.model))
+                keys.append(own._replace(tier=other))
             lanes = [lane for k in keys if (lane := self.backlog.lanes.get(k)) and len(lane)]
             lanes.sort(key=lambda ln: self._order(ln, aged_before))
             # With prefix routing, only riders that prefer this worker (or have no key).
@@ -271,7 +275,7 @@ class Policy(Generic[T]):
         now: float,
         load: float,
         free: dict[str, int],
-        models: dict[str, str | None],
+        models: dict[str, Serving],
         held: _Held,
     ) -> float | None:
         """The next time a plan could differ without any new arrival or capacity.
@@ -290,7 +294,7 @@ class Policy(Generic[T]):
                 self.rule.due_at(lane, now, load)
                 for lane in self.backlog.busy_lanes()
                 if lane.key not in held.stuck
-                and any(serves(models.get(w), lane.key.model) for w in free)
+                and any(serves_lane(models.get(w), lane.key) for w in free)
             )
         return max(now, min(times)) if times else None
 

@@ -165,6 +165,14 @@ class SchedulerSettings(TokenbusSettings):
         description="A request naming a model no known worker serves is refused"
         " (`invalid_request`) only once the scheduler has read heartbeats this long.",
     )
+    scheduler_model_load_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="A model's load time (worker process start to ready) until one of its"
+        " workers has measured it (heartbeats carry it): a request for a model with no live"
+        " worker whose deadline cannot wait this long is refused `overloaded`, with this as"
+        " its `retry_after_ms`; the others are held while a worker starts.",
+    )
 
     @model_validator(mode="after")
     def _valid_policy(self) -> SchedulerSettings:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import Counter
 
 import structlog
 from aiokafka import AIOKafkaConsumer, TopicPartition
@@ -20,10 +21,11 @@ from aiokafka.errors import KafkaError
 
 from services.scheduler.admission import Waiting, deadline_error
 from services.scheduler.answers import Answerer
+from services.scheduler.cold_start import LoadTimes, refusals
 from services.scheduler.dispatch import Dispatcher
 from services.scheduler.ledger import Ledger
 from services.scheduler.models import ModelCheck
-from services.scheduler.policy import Plan, Policy
+from services.scheduler.policy import Plan, Policy, WorkerSlots
 from services.scheduler.settings import SchedulerSettings
 from services.scheduler.telemetry import SchedulerTelemetry
 from services.scheduler.workers import WorkerRegistry
@@ -59,6 +61,8 @@ class Steps:
         # when the scheduler starts listening.
         grace_s = settings.scheduler_unknown_model_after_ms / 1000.0
         self.model_check = ModelCheck(time.time(), grace_s)
+        self.served_models = frozenset(settings.served_models)
+        self.load_times = LoadTimes(settings.scheduler_model_load_s)
         self._tiers = tiers
         self.start_ends: dict[int, int] = {}  # batches partition -> its end when we started
         self._commit_interval = settings.scheduler_commit_interval_ms / 1000.0
@@ -82,10 +86,14 @@ class Steps:
             self._wake.clear()
             async with self.lock:
                 now = time.time()
-                # 1) Plan (after refusing what waits for a model nobody serves).
+                # 1) Plan (after refusing what waits for a model nobody serves, and what
+                # cannot wait for a worker of its model to start).
                 refused = self._unknown_models(now)
-                plan = self.policy.plan(now, self.workers.slots(now))
+                slots = self.workers.slots(now)
+                refused += self._cold_models(now, slots)
+                plan = self.policy.plan(now, slots)
                 self._wake_at = plan.wake_at
+                self.telemetry.waiting_by_model(self._waiting_by_model())
                 # 2) Carry it out; 3) commit what it handed on.
                 await self._carry_out(plan, now)
                 for w, error in refused:
@@ -100,7 +108,7 @@ class Steps:
 
     def _unknown_models(self, now: float) -> list[tuple[Waiting, ErrorResult]]:
         """Take out every waiting request whose model no known worker serves, with its error."""
-        known = self.workers.models()
+        known = self.workers.models() | self.served_models
         backlog = self.policy.backlog
         out: list[tuple[Waiting, ErrorResult]] = []
         for key, lane in list(backlog.lanes.items()):
@@ -116,12 +124,59 @@ class Steps:
                 out.append((p.item, error))
         return out
 
+    def _waiting_by_model(self) -> Counter[str | None]:
+        """Requests left waiting per model after the plan (its dispatches have left)."""
+        waiting: Counter[str | None] = Counter()
+        for lane in self.policy.backlog.busy_lanes():
+            waiting[lane.key.model] += len(lane)
+        return waiting
+
+    def _cold_models(
+        self, now: float, slots: list[WorkerSlots]
+    ) -> list[tuple[Waiting, ErrorResult]]:
+        """Take out every waiting request of a model with no live worker whose deadline cannot
+        wait for one to start (cold_start.py), with its `overloaded` error."""
+        for slot in slots:  # each live worker's latest heartbeat says its load time
+            state = self.workers.get(slot.worker_id)
+            if state is not None:
+                self.load_times.observe(state.beat.model, state.beat.started_at, state.beat.load_s)
+        if not self.model_check.settled(now):
+            return []  # a live worker may not have been heard yet
+        out: list[tuple[Waiting, ErrorResult]] = []
+        for p, refusal in refusals(self.policy.backlog, slots, self.load_times):
+            request = p.item.request
+            self.policy.backlog.remove(p)
+            self.telemetry.refused(request)
+            log.info(
+                "request.cold_model",
+                request_id=request.request_id,
+                model=p.model,
+                retry_after_ms=refusal.retry_after_ms,
+            )
+            error = ErrorResult.for_request(
+                request,
+                ErrorCode.overloaded,
+                refusal.message,
+                retry_after_ms=refusal.retry_after_ms,
+            )
+            out.append((p.item, error))
+        return out
+
     async def _carry_out(self, plan: Plan[Waiting], now: float) -> None:
         for p in plan.fell_back:
             request = p.item.request
             self.telemetry.fell_back(request, p.model or "")
             log.info(
                 "request.fell_back", request_id=request.request_id, model=request.model, to=p.model
+            )
+        for p, variant in plan.to_baseline:
+            self.telemetry.to_baseline(p.model or "", variant)
+            log.warning(
+                "request.variant_unserved",
+                request_id=p.item.request.request_id,
+                model=p.model,
+                variant=variant,
+                to="baseline",
             )
         for out in await self.dispatcher.dispatch(plan.dispatches, now):
             for p in out.dispatch.passengers:

@@ -30,6 +30,7 @@ from shared.telemetry import (
     span_context_of,
     tracer,
 )
+from shared.variants import BASELINE, ModelRollout
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,7 @@ class SchedulerTelemetry:
     tracer: Tracer = field(default_factory=tracer)
     _waiting: dict[str, Tier] = field(default_factory=dict)
     _sending: dict[str, Span] = field(default_factory=dict)
+    _models: set[str] = field(default_factory=set)  # models whose queue depth is shown
 
     def arrived(self, request: QueuedRequest) -> None:
         """A request joined the backlog."""
@@ -69,8 +71,30 @@ class SchedulerTelemetry:
         """A waiting request moved to its fallback model."""
         self.metrics.fallbacks.labels(request.tier.value, model).inc()
 
+    def variant_chosen(self, model: str, variant: str | None) -> None:
+        """A request was queued for a variant of its model (None: the baseline)."""
+        self.metrics.variant_requests.labels(model, variant or BASELINE).inc()
+
+    def to_baseline(self, model: str, variant: str) -> None:
+        """A waiting request moved from a variant without a live worker to the baseline."""
+        self.metrics.variant_fallbacks.labels(model, variant).inc()
+
+    def shares(self, rollout: ModelRollout) -> None:
+        """A model's rollout as the scheduler now routes by it."""
+        for name, percent in rollout.weights().items():
+            self.metrics.variant_share.labels(rollout.model, name or BASELINE).set(percent)
+
+    def waiting_by_model(self, waiting: Mapping[str | None, int]) -> None:
+        """How many requests wait for each model now (None: any worker); a model no longer
+        waited for shows 0, so its scaling signal reads 0 rather than nothing."""
+        now = {model or "": count for model, count in waiting.items()}
+        for model in self._models | now.keys():
+            self.metrics.model_queue_depth.labels(model).set(now.get(model, 0))
+        self._models |= now.keys()
+
     def refused(self, request: QueuedRequest) -> None:
-        """A waiting request answered with an error (its model is unknown)."""
+        """A waiting request answered with an error (its model is unknown, or has no live
+        worker and the request cannot wait for one)."""
         self._leave(request.request_id)
 
     def released(self, request: QueuedRequest) -> None:

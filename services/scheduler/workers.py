@@ -71,12 +71,18 @@ class WorkerRegistry:
         True if it registers a worker: a new id, or a new incarnation of a known one.
         """
         state = self._workers.get(beat.worker_id)
+        if state is not None and beat.started_at < state.beat.started_at:
+            return False  # a late copy from an incarnation already replaced (ADR 0056)
         if state is None or state.beat.started_at != beat.started_at:
             # New, or a new incarnation of the id.
             state = self._workers[beat.worker_id] = WorkerState(beat, now, heard_live=not replayed)
             if not replayed:
                 state.observe_held(beat.held, now)
             return True
+        if beat.sent_at <= state.beat.sent_at:
+            # Each beat is on every partition of the topic (ADR 0056): its other copies, and
+            # a copy held back by a node away, say nothing newer.
+            return False
         # A worker declared dead that beats again was only slow: it is alive again (what it
         # held has been handed back; `handed_back` keeps that from happening twice).
         state.dead_at = None
@@ -105,6 +111,7 @@ class WorkerRegistry:
                 s.beat.total_slots,
                 s.beat.queued_tokens,
                 model=s.beat.model,
+                variant=s.beat.variant,
                 service_s=s.service_s,
             )
             for worker_id, s in sorted(self._workers.items())

@@ -2,8 +2,8 @@
 
 A short wiring of its parts: `batches.py` (the batch loop), `runner.py` and
 `request_state.py` (one state per running request), `outbox.py` (results in batches),
-`cancel.py` (cancels), `heartbeat.py` and `liveness.py` (heartbeats and self-fencing,
-`fence.py`), `drain.py` (SIGTERM), `answers.py` (error answers, dead letters).
+`cancel.py` (cancels), `heartbeat.py`, `beat_producers.py` and `liveness.py` (heartbeats
+and self-fencing, `fence.py`), `drain.py` (SIGTERM), `answers.py` (errors, dead letters).
 """
 
 from __future__ import annotations
@@ -18,15 +18,16 @@ from aiokafka import AIOKafkaConsumer
 
 from services.worker.answers import Answers
 from services.worker.batches import BatchLoop
+from services.worker.beat_producers import BeatProducers
 from services.worker.cache_writes import CacheWriter
 from services.worker.cancel import CancelBook, CancelListener, control_consumer
 from services.worker.drain import Drain
 from services.worker.engines.base import Engine
 from services.worker.engines.factory import static_engine
-from services.worker.fence import Fence
 from services.worker.heartbeat import Heartbeats
 from services.worker.intake import BatchIntake
 from services.worker.liveness import Liveness
+from services.worker.load_time import load_seconds, process_started_at
 from services.worker.outbox import ResultOutbox
 from services.worker.request_state import RunningRequests
 from services.worker.runner import RequestRunner
@@ -58,10 +59,11 @@ class Worker:
         intake = BatchIntake(s)
         # Renewed if an outage breaks its sequence numbers (shared/producers.py).
         producer = RenewingProducer(lambda: make_producer(s, client_id=f"worker-{s.worker_id}"))
+        beats = BeatProducers(s)  # the heartbeats', one per partition (ADR 0056)
         batches = intake.consumer()
         control = control_consumer(s, topics)
         async with contextlib.AsyncExitStack() as stack:  # stops what started, in reverse
-            for client in (producer, control, batches):
+            for client in (producer, beats, control, batches):
                 await client.start()
                 stack.push_async_callback(client.stop)
             await intake.start(batches, producer)
@@ -69,7 +71,7 @@ class Worker:
             # Minutes for a real model; /healthz answers meanwhile, /readyz once it is loaded.
             await self.engine.start()
             self._reading = batches
-            await self._serve(producer, intake, batches, control, topics)
+            await self._serve(producer, beats, intake, batches, control)
 
     async def readiness(self) -> Readiness:
         """`/readyz` (shared/health.py): batch partition assigned, broker answering."""
@@ -80,22 +82,19 @@ class Worker:
     async def _serve(
         self,
         producer: RenewingProducer,
+        beats: BeatProducers,
         intake: BatchIntake,
         batches: AIOKafkaConsumer,
         control: AIOKafkaConsumer,
-        topics: Topics,
     ) -> None:
-        s, engine = self.settings, self.engine
-        interval = s.worker_heartbeat_ms / 1000.0
-        telemetry = WorkerTelemetry()
+        s, engine, topics = self.settings, self.engine, Topics(self.settings.topic_prefix)
+        load_s = load_seconds(time.time(), process_started_at())
+        telemetry, runs = WorkerTelemetry(), RunningRequests(engine)
         drain = self._drain = Drain(s.worker_drain_timeout_s)
-        runs = RunningRequests(engine)
-        liveness = Liveness(
-            Fence(s.fence_after_beats * interval, time.monotonic()), intake, runs, s.worker_id
-        )
+        liveness = Liveness.starting(s, intake, runs)  # starting up is no silence
         answers = Answers(producer, s)
         early_cancels = CancelBook()
-        heartbeats = Heartbeats(s, producer, engine, intake, liveness, drain, telemetry)
+        heartbeats = Heartbeats(s, beats, engine, intake, liveness, drain, telemetry, load_s=load_s)
         cancels = CancelListener(engine, early_cancels, answers)
         if self._drain_on_sigterm:
             # SIGTERM drains (SIGINT still cancels at once, via run_service).
@@ -103,11 +102,12 @@ class Worker:
         log.info(
             "worker.started",
             worker_id=s.worker_id,
+            variant=s.worker_variant,
             engine=engine.name,
             batch_mode=s.worker_batch_mode,
             context_length=engine.context_length,
+            load_s=round(load_s, 3),
         )
-        liveness.stored(time.monotonic())  # starting up is no silence
         async with ResultOutbox(producer, resend_s=s.worker_result_resend_s) as outbox:
             runner = RequestRunner(
                 engine,
@@ -120,6 +120,7 @@ class Worker:
                 epoch_now=liveness.epoch_now,
                 write_timeout_s=s.worker_result_write_timeout_s,
                 model=s.worker_model,
+                variant=s.worker_variant,
                 cache=CacheWriter(outbox, topics.cache, s.worker_model),
             )
             loop = BatchLoop(

@@ -1,4 +1,11 @@
-"""The worker's heartbeats: what it can take, what it holds; soon after a slot frees."""
+"""The worker's heartbeats: what it can take, what it holds; soon after a slot frees.
+
+Each beat goes to every partition of `tokenbus.workers`, one copy each, spread over the
+broker nodes, each by a producer of its own (`beat_producers.py`, ADR 0056): a node that
+is away holds back only its own partition, and the beat is proof of life as soon as any
+partition stores it. A partition whose last beat is still on its way gets none more until
+it is (beats never pile up behind a node away).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +16,7 @@ import time
 import structlog
 from aiokafka.structs import RecordMetadata
 
+from services.worker.beat_producers import BeatProducers
 from services.worker.drain import Drain
 from services.worker.engines.base import Capacity, Engine
 from services.worker.intake import BatchIntake
@@ -17,7 +25,6 @@ from services.worker.settings import WorkerSettings
 from services.worker.telemetry import WorkerTelemetry
 from shared.kafka import encode
 from shared.messages import Capabilities, Heartbeat
-from shared.producers import RenewingProducer
 from shared.results import WRITE_ERRORS
 from shared.topics import Topics
 
@@ -27,6 +34,9 @@ log = structlog.get_logger()
 # refill the slot without waiting for the regular interval. A static worker whose batch
 # has just ended sends at once (`Heartbeats._min_gap`).
 HEARTBEAT_MIN_GAP_S = 0.05
+# A partition's beat still unsettled after this long no longer holds the next one back (a
+# renewed producer may never settle its predecessor's futures).
+UNSETTLED_AT_MOST_S = 10.0
 
 
 def free_slots(cap: Capacity, held: int, *, one_batch_at_a_time: bool) -> int:
@@ -48,22 +58,26 @@ class Heartbeats:
     def __init__(
         self,
         settings: WorkerSettings,
-        producer: RenewingProducer,
+        producers: BeatProducers,
         engine: Engine,
         intake: BatchIntake,
         liveness: Liveness,
         drain: Drain,
         telemetry: WorkerTelemetry,
+        load_s: float | None = None,
     ) -> None:
         self._settings = settings
         self._topic = Topics(settings.topic_prefix).workers
         self._key = settings.worker_id.encode()
-        self._producer = producer
+        self._producers = producers
         self._engine = engine
         self._intake = intake
         self._liveness = liveness
         self._drain = drain
         self._telemetry = telemetry
+        self._load_s = load_s  # process start to ready (load_time.py): in every beat
+        # By partition: the newest beat sent there (its monotonic send time) until stored.
+        self._unsettled: dict[int, tuple[asyncio.Future[RecordMetadata], float]] = {}
 
     async def run(self) -> None:
         interval = self._settings.worker_heartbeat_ms / 1000.0
@@ -109,19 +123,31 @@ class Heartbeats:
 
     async def send(self) -> None:
         self._liveness.epoch_now()  # after a pause, fence before telling anyone we are alive
-        beat = self._beat()
+        value = encode(self._beat())
         sent_at = time.monotonic()
-        try:
-            future = await self._producer.send(self._topic, encode(beat), key=self._key)
-        except WRITE_ERRORS as exc:
-            log.warning("heartbeat.send_failed", error=repr(exc))
-            return
 
         def stored(f: asyncio.Future[RecordMetadata]) -> None:
             if not f.cancelled() and f.exception() is None:
                 self._liveness.stored(sent_at)
 
-        future.add_done_callback(stored)
+        for partition, producer in self._producers.by_partition.items():
+            if self._held_back(partition, sent_at):
+                continue  # its node is slow or away: the other partitions carry this beat
+            try:
+                future = await producer.send(self._topic, value, key=self._key, partition=partition)
+            except WRITE_ERRORS as exc:
+                log.warning("heartbeat.send_failed", partition=partition, error=repr(exc))
+                continue
+            self._unsettled[partition] = (future, sent_at)
+            future.add_done_callback(stored)
+
+    def _held_back(self, partition: int, now: float) -> bool:
+        """Whether the last beat sent to `partition` is still on its way (and not too old)."""
+        unsettled = self._unsettled.get(partition)
+        if unsettled is None:
+            return False
+        future, sent_at = unsettled
+        return not future.done() and now - sent_at < UNSETTLED_AT_MOST_S
 
     def _beat(self) -> Heartbeat:
         s, engine, intake = self._settings, self._engine, self._intake
@@ -131,6 +157,7 @@ class Heartbeats:
         return Heartbeat(
             worker_id=s.worker_id,
             model=s.worker_model,
+            variant=s.worker_variant,
             total_slots=cap.total_slots,
             # A draining worker takes nothing new.
             free_slots=self._free_now(),
@@ -148,4 +175,5 @@ class Heartbeats:
             kv_cache_usage=cap.kv_cache_usage,
             max_model_len=engine.context_length,
             capabilities=Capabilities(engine=engine.name, sampling=engine.sampling_fields),
+            load_s=self._load_s,
         )

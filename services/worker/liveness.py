@@ -15,6 +15,7 @@ import structlog
 from services.worker.fence import Fence
 from services.worker.intake import BatchIntake
 from services.worker.request_state import RunningRequests
+from services.worker.settings import WorkerSettings
 from shared.messages import Batch
 
 log = structlog.get_logger()
@@ -38,6 +39,15 @@ class Liveness:
         # that declared us dead: such batches go back too, they are not run here.
         self._stale_before = 0.0
         self._stopping: set[asyncio.Task[None]] = set()
+
+    @classmethod
+    def starting(
+        cls, settings: WorkerSettings, intake: BatchIntake, runs: RunningRequests
+    ) -> Liveness:
+        """A worker's liveness as it starts: its fence from the settings, alive from now."""
+        interval_s = settings.worker_heartbeat_ms / 1000.0
+        fence = Fence(settings.fence_after_beats * interval_s, time.monotonic())
+        return cls(fence, intake, runs, settings.worker_id)
 
     def stored(self, sent_at: float) -> None:
         """A heartbeat sent at `sent_at` (monotonic) is stored."""

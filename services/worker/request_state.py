@@ -80,6 +80,7 @@ class RequestState:
     writer: ReplyWriter
     coalescer: Coalescer
     model: str | None = None  # the model that answers (the worker's), in `DoneResult`
+    variant: str | None = None  # the variant of it that answers (None: the baseline)
     started: float = field(default_factory=time.time)
     seq: int = 0
     first_token_at: float | None = None
@@ -165,6 +166,7 @@ class RequestState:
             seq=self.seq,
             finish_reason=finish.finish_reason,
             model=self.model,
+            variant=self.variant,
             tool_calls=None if finish.tool_calls is None else list(finish.tool_calls),
             content=finish.content,
             usage=Usage(

@@ -110,12 +110,14 @@ class RequestRunner:
         epoch_now: Callable[[], int] = lambda: 0,
         write_timeout_s: float = 10.0,
         model: str | None = None,
+        variant: str | None = None,
         cache: CacheWriter | None = None,
     ) -> None:
         self._engine = engine
         # Pushed to from its step loop where it can (the sim engine), else its streams read.
         self._push = engine if isinstance(engine, PushEngine) else None
         self._model = model  # the model this worker serves: named in every answer
+        self._variant = variant  # and the variant of it (None: the baseline)
         self._cache = cache
         self._outbox = outbox
         self._telemetry = telemetry
@@ -167,6 +169,7 @@ class RequestRunner:
             writer,
             coalescer,
             model=self._model,
+            variant=self._variant,
         )
         self.runs.start(state)
         try:

@@ -8,6 +8,7 @@ from typing import Literal, Self
 
 from pydantic import Field, model_validator
 
+from shared.messages import VARIANT_NAME
 from shared.settings import TokenbusSettings
 
 
@@ -33,6 +34,13 @@ class WorkerSettings(TokenbusSettings):
         default="sim", pattern="^(sim|vllm|transformers)$", description="sim, vllm or transformers."
     )
     worker_model: str = Field(default="sim-8b", description="Model name in heartbeats.")
+    worker_variant: str | None = Field(
+        default=None,
+        pattern=VARIANT_NAME,
+        description="The variant of the model this worker runs (a revision, engine,"
+        " quantization or worker group; `tokenbus models rollout` sets its share); unset:"
+        " the model's baseline.",
+    )
     worker_max_num_seqs: int = Field(default=64, ge=1, description="Sequences run at once.")
     worker_flush_ms: float = Field(default=20.0, gt=0, description="Longest a token waits.")
     worker_flush_tokens: int = Field(default=16, ge=1, description="Send a chunk at this size.")

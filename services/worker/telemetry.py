@@ -230,6 +230,8 @@ class WorkerTelemetry:
                 context=run.context,
                 attributes={semconv.STAGE: stage, **common},
             )
+        if state.variant is not None:
+            span.set_attribute(semconv.VARIANT, state.variant)
         if isinstance(final, DoneResult):
             span.set_attributes(
                 {

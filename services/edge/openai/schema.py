@@ -216,6 +216,9 @@ class ChatCompletion(Body):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    # OpenAI's "backend configuration that the model runs with": the variant of the model
+    # that answered (ADR 0054), on the bodies made once it is known; absent: the baseline.
+    system_fingerprint: str | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class ChunkDelta(Body):
@@ -238,6 +241,9 @@ class ChatCompletionChunk(Body):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    # OpenAI's "backend configuration that the model runs with": the variant of the model
+    # that answered (ADR 0054), on the bodies made once it is known; absent: the baseline.
+    system_fingerprint: str | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class CompletionChoice(Body):
@@ -256,6 +262,9 @@ class Completion(Body):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    # OpenAI's "backend configuration that the model runs with": the variant of the model
+    # that answered (ADR 0054), on the bodies made once it is known; absent: the baseline.
+    system_fingerprint: str | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class ModelCard(Body):

@@ -211,6 +211,7 @@ class Identity:
     logprobs: bool = False  # asked for: each choice carries `logprobs` (else null)
     # The tool answers it may get (`tool_calls.tool_answer`); None: it calls no tool.
     tools: tool_calls.ToolAnswer | None = None
+    variant: str | None = None  # the variant that answered, once known (`answered_by`)
 
     @property
     def id(self) -> str:
@@ -219,10 +220,9 @@ class Identity:
 
 def answered_by(ident: Identity, done: DoneFrame) -> Identity:
     """The identity the last bodies carry: the model that answered, if it was another
-    (the request ran on its fallback model)."""
-    if done.model is None or done.model == ident.model:
-        return ident
-    return replace(ident, model=done.model)
+    (the request ran on its fallback model), and the variant of it that answered."""
+    model = ident.model if done.model is None else done.model
+    return replace(ident, model=model, variant=done.variant)
 
 
 @dataclass
@@ -267,13 +267,19 @@ class Answer:
                 finish_reason=tool_calls.finish_reason(i.tools, finish, calls),
             )
             return ChatCompletion(
-                id=i.id, created=i.created, model=i.model, choices=[choice], usage=usage
+                id=i.id,
+                created=i.created,
+                model=i.model,
+                system_fingerprint=i.variant,
+                choices=[choice],
+                usage=usage,
             )
         logprobs = completion_logprobs(self.logprobs, 0) if i.logprobs else None
         return Completion(
             id=i.id,
             created=i.created,
             model=i.model,
+            system_fingerprint=i.variant,
             choices=[CompletionChoice(text=text, logprobs=logprobs, finish_reason=finish)],
             usage=usage,
         )
@@ -394,19 +400,43 @@ class SseStream:
         i = self.ident
         legacy = None if tokens is None else completion_logprobs(tokens, self._text_sent)
         choice = CompletionChoice(text=text or "", logprobs=legacy, finish_reason=finish)
-        return Completion(id=i.id, created=i.created, model=i.model, choices=[choice])
+        return Completion(
+            id=i.id,
+            created=i.created,
+            model=i.model,
+            system_fingerprint=i.variant,
+            choices=[choice],
+        )
 
     def _chat_chunk(
         self, delta: ChunkDelta, finish: str | None, logprobs: ChatLogprobs | None = None
     ) -> ChatCompletionChunk:
         i = self.ident
         choice = ChatChunkChoice(delta=delta, logprobs=logprobs, finish_reason=finish)
-        return ChatCompletionChunk(id=i.id, created=i.created, model=i.model, choices=[choice])
+        return ChatCompletionChunk(
+            id=i.id,
+            created=i.created,
+            model=i.model,
+            system_fingerprint=i.variant,
+            choices=[choice],
+        )
 
     def _usage_chunk(self, usage: Usage) -> ChatCompletionChunk | Completion:
         i = self.ident
         if i.kind == "chat":
             return ChatCompletionChunk(
-                id=i.id, created=i.created, model=i.model, choices=[], usage=usage
+                id=i.id,
+                created=i.created,
+                model=i.model,
+                system_fingerprint=i.variant,
+                choices=[],
+                usage=usage,
             )
-        return Completion(id=i.id, created=i.created, model=i.model, choices=[], usage=usage)
+        return Completion(
+            id=i.id,
+            created=i.created,
+            model=i.model,
+            system_fingerprint=i.variant,
+            choices=[],
+            usage=usage,
+        )
