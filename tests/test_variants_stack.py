@@ -136,15 +136,15 @@ def conversation(i: int, turn: int) -> dict[str, Any]:
 def openai_fingerprints(stack: Stack, i: int) -> list[str | None]:
     """The `system_fingerprint` of conversation `i`'s next turn over the OpenAI API (with
     the `openai` SDK): of the whole answer, then of a stream's finishing chunk."""
-    sdk = openai_sdk(stack)
     ask: dict[str, Any] = {
         "model": MODEL,
         "messages": [{"role": "user", "content": f"conversation {i}, over the OpenAI API"}],
         "max_tokens": 3,
         "extra_body": {"conversation_id": f"conversation-{i}"},
     }
-    whole = sdk.chat.completions.create(**ask)
-    chunks = list(sdk.chat.completions.create(stream=True, **ask))
+    with openai_sdk(stack) as sdk:  # its connections closed here, not whenever it is freed
+        whole = sdk.chat.completions.create(**ask)
+        chunks = list(sdk.chat.completions.create(stream=True, **ask))
     finishing = [c for c in chunks if c.choices and c.choices[0].finish_reason is not None]
     assert len(finishing) == 1, chunks
     return [whole.system_fingerprint, finishing[0].system_fingerprint]
