@@ -8,7 +8,7 @@ PYTHON ?= $(shell for p in python3.13 python3.12 python3.11 python3; do \
 	$$p -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null && { echo $$p; break; }; \
 	done)
 
-.PHONY: venv run check unit test chaos lint bench bench-capacity bench-policies bench-static bench-affinity bench-cache bench-cold-start bench-real bench-vllm-serve profile
+.PHONY: venv run check unit test chaos lint bench bench-capacity bench-policies bench-static bench-affinity bench-cache bench-cold-start bench-cascade bench-real bench-vllm-serve profile
 
 venv: $(VENV)/.installed
 
@@ -57,8 +57,8 @@ lint: venv
 # Every benchmark, one after the other, each rewriting its own block of docs/benchmarks.md
 # (and its JSON under bench/out/, its plot under docs/img/); each starts a private broker
 # unless KAFKA_BOOTSTRAP_SERVERS is set. ~12-15 min on 2 cores.
-bench: bench-capacity bench-static bench-affinity bench-cache bench-cold-start bench-real \
-	bench-vllm-serve
+bench: bench-capacity bench-static bench-affinity bench-cache bench-cold-start bench-cascade \
+	bench-real bench-vllm-serve
 
 # The capacity benchmark (issue 12) in docs/benchmarks.md: `fixed` and `direct` on the fast
 # constant profile climb a rate ladder; CPU per request of every process from /proc; the
@@ -97,6 +97,13 @@ bench-cold-start: venv
 	$(VENV)/bin/tokenbus bench cold-start --json bench/out/cold_start.json --docs docs/benchmarks.md
 	$(VENV)/bin/tokenbus bench cold-start --engine vllm --requests 10 --cold 2 \
 		--json bench/out/cold_start_vllm.json --docs docs/benchmarks.md
+
+# Cascades (issue 28 point 4) in docs/benchmarks.md: the share a small model answers, the
+# GPU-seconds saved against sending everything to the large one, the quality kept
+# (bench/cascade.py; ~1 min).
+bench-cascade: venv
+	$(VENV)/bin/tokenbus bench cascade --json bench/out/cascade.json \
+		--plot docs/img/cascade.png --docs docs/benchmarks.md
 
 # The real engine (issue 23) in docs/benchmarks.md: SmolLM2 on vLLM's CPU build, the same
 # requests straight to AsyncLLM and through tokenbus (1, 4 and 16 clients), then the

@@ -17,8 +17,10 @@ def configure_logging(
     """`console` renders `timestamp=… level=… event=… key=value…` (what people and tests
     grep); `json` one object per line with the same keys, for a log pipeline."""
     logging.basicConfig(stream=sys.stderr, level=level.upper(), format="%(message)s")
-    # aiokafka is chatty at INFO about group joins; keep its warnings.
+    # aiokafka is chatty at INFO; keep its warnings, and its group coordinator's joins,
+    # syncs and assignments: a rebalance that never ends is otherwise silent.
     logging.getLogger("aiokafka").setLevel(logging.WARNING)
+    logging.getLogger("aiokafka.consumer.group_coordinator").setLevel(logging.INFO)
     renderer: structlog.typing.Processor = (
         structlog.processors.JSONRenderer(default=repr)
         if log_format == "json"

@@ -376,6 +376,14 @@ class ChatRequest(Model):
         description="Names a conversation whose turns share a prompt prefix: the scheduler"
         " sends them to the worker that last served it (prefix-affinity routing).",
     )
+    variant: str | None = Field(
+        default=None,
+        pattern=VARIANT_NAME,
+        exclude_if=_unset,
+        description="Pins the variant of `model` that runs it ('baseline': the workers without"
+        " a variant) instead of the rollout's choice; held while no worker of it is live, never"
+        " run elsewhere, never cached. Over the edge only keys with the pin_variant scope may.",
+    )
     # Bounded so every service can turn it into a float deadline (~24.8 days at most).
     deadline_ms: int | None = Field(
         default=None, ge=1, le=2**31 - 1, description="Budget from acceptance."
@@ -533,6 +541,7 @@ class ChatRequest(Model):
         format, which its key does not hold)."""
         return (
             self.cache
+            and self.variant is None  # pinned: an eval or a gold run wants its own answer
             and self.deterministic
             and self.logprobs is None
             and not self.tools
@@ -549,6 +558,14 @@ class RequestRecord(ChatRequest):
     created_at: float = Field(
         default_factory=time.time, allow_inf_nan=False, description="Unix time, seconds."
     )
+    plan: str | None = Field(
+        default=None,
+        pattern=r"^[A-Za-z0-9._-]{1,64}$",
+        exclude_if=_unset,
+        description="The plan of the API key that sent it (`tokenbus keys create --plan`),"
+        " stamped by the edge; a route's rules may start it on another model by it"
+        " (TOKENBUS_ROUTES). A record on an application's own topic may not set it.",
+    )
 
 
 def over_budget(prompt_tokens: int, max_tokens: int, budget: int | None) -> str | None:
@@ -564,6 +581,20 @@ def over_budget(prompt_tokens: int, max_tokens: int, budget: int | None) -> str 
     )
 
 
+class Judged(Model):
+    """The answer a shadow validation's gold run is scored against: the original request's,
+    as its variant gave it (shared/shadows.py)."""
+
+    request_id: str = Field(pattern=REQUEST_ID, description="The original request's id.")
+    model: str = Field(min_length=1, max_length=200)
+    variant: str | None = Field(
+        default=None,
+        pattern=VARIANT_NAME,
+        description="The variant that answered; None: the baseline.",
+    )
+    text: str = Field(description="The answer's text, as its stream carried it.")
+
+
 class QueuedRequest(RequestRecord):
     """A validated request on a tier topic, with what the scheduler needs to place it."""
 
@@ -577,11 +608,33 @@ class QueuedRequest(RequestRecord):
         description="W3C trace context (traceparent, tracestate) of the request's latest span;"
         " set by the scheduler in a batch, so a worker continues each request's own trace.",
     )
+    cascade_step: int | None = Field(
+        default=None,
+        ge=0,
+        exclude_if=_unset,
+        description="A request for a route (TOKENBUS_ROUTES): the position in its cascade of the"
+        " model that runs this attempt; set by the scheduler that first queues it (the route's"
+        " rules), raised by a worker whose answer failed the route's verifier.",
+    )
     cache_key: str | None = Field(
         default=None,
         pattern=r"^[0-9a-f]{64}$",
         description="Set by ingest on a cacheable request that missed the response cache: the"
         " worker stores a complete answer under this key on the cache topic.",
+    )
+    shadow_gold: str | None = Field(
+        default=None,
+        pattern=VARIANT_NAME,
+        exclude_if=_unset,
+        description="Set by the scheduler on a request sampled for shadow validation (its"
+        " model's rollout `shadow`): the gold variant ('baseline': the workers without one)."
+        " The worker that answers it then queues a copy pinned to the gold, with `judged`.",
+    )
+    judged: Judged | None = Field(
+        default=None,
+        exclude_if=_unset,
+        description="On a shadow validation's gold run (written by the worker that answered"
+        " the original): the answer it is scored against once it is done (ShadowScore).",
     )
 
     @property
@@ -888,6 +941,41 @@ class Capabilities(Model):
     sampling: frozenset[Annotated[str, Field(max_length=64)]] = Field(max_length=64)
 
 
+# The TTFT buckets of a worker's outcome counts (`Outcomes.ttft`): upper bounds in seconds,
+# log-spaced by 1.25 from 5 ms to about 38 s (each bucket ~12 % wide around its middle), and
+# a last bucket for anything longer. Fixed: workers and schedulers must bucket alike, so a
+# change is a change of the heartbeat's schema.
+OUTCOME_TTFT_BOUNDS_S: tuple[float, ...] = tuple(round(0.005 * 1.25**i, 6) for i in range(41))
+
+
+class Outcomes(Model):
+    """In a heartbeat: what the worker's requests came to since its process started.
+
+    Cumulative, so a lost, late or repeated beat loses or adds nothing: a scheduler takes
+    the difference from the same incarnation's largest counts so far (ADR 0058).
+    """
+
+    answered: int = Field(default=0, ge=0, description="Requests answered (`done`).")
+    failed: int = Field(
+        default=0,
+        ge=0,
+        description="Requests that ended in an error the worker answers for (`internal`: the"
+        " engine failed them); a cancel or a refused request is neither.",
+    )
+    ttft: list[int] = Field(
+        default_factory=lambda: [0] * (len(OUTCOME_TTFT_BOUNDS_S) + 1),
+        description="Answered requests by time to first token (created_at -> first token),"
+        " one count per bucket of `OUTCOME_TTFT_BOUNDS_S` and a last one for longer.",
+    )
+
+    @field_validator("ttft")
+    @classmethod
+    def _one_count_per_bucket(cls, ttft: list[int]) -> list[int]:
+        if len(ttft) != len(OUTCOME_TTFT_BOUNDS_S) + 1 or min(ttft) < 0:
+            raise ValueError(f"{len(OUTCOME_TTFT_BOUNDS_S) + 1} counts, none negative")
+        return ttft
+
+
 class Heartbeat(Model):
     """On `tokenbus.workers`: what a worker can take now."""
 
@@ -967,6 +1055,12 @@ class Heartbeat(Model):
         ge=0.0,
         description="Seconds from this worker's process start to ready (its model loaded, its"
         " batch partition read): what a cold start of its model costs (None: not measured).",
+    )
+    outcomes: Outcomes | None = Field(
+        default=None,
+        exclude_if=_unset,
+        description="What its requests came to since it started (None: a worker from before"
+        " outcomes were counted); schedulers judge canaries by them (ADR 0058).",
     )
 
 

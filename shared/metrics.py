@@ -354,7 +354,7 @@ class WorkerMetrics:
             ),
             Counter(
                 "tokenbus_worker_requests",
-                "Requests run, by outcome (stop|length|cancelled|handed_back|failed).",
+                "Requests run, by outcome (stop|length|cancelled|handed_back|escalated|failed).",
                 ["tier", "outcome"],
                 registry=registry,
             ),

@@ -1,4 +1,5 @@
 """Where every service runs its event loop: uvloop, until SIGINT/SIGTERM, then a clean stop.
+SIGUSR1 and SIGUSR2 dump where its tasks and threads wait (shared/stacks.py).
 
 uvloop's loop (libuv, in C) costs less CPU per callback, socket read and timer than the
 standard library's; the services are all callbacks, socket reads and timers. Services
@@ -17,6 +18,8 @@ from collections.abc import Awaitable, Coroutine
 from typing import Any
 
 import uvloop
+
+from shared.stacks import dump_on_signals
 
 # How long closing a TLS connection waits for the peer's close_notify before it drops the
 # connection. uvloop's default is 30 s, and a Kafka broker whose response is on its way
@@ -57,6 +60,7 @@ def run_service(main: Coroutine[Any, Any, None]) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, task.cancel)
+        dump_on_signals(loop)
         with contextlib.suppress(asyncio.CancelledError):
             await main
 

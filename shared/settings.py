@@ -7,6 +7,7 @@ from typing import Annotated, Literal, Self
 from pydantic import AliasChoices, Field, FilePath, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from shared.cascades import Route, check_route_names
 from shared.messages import RequestLimits
 from shared.topics import Topics
 
@@ -132,6 +133,22 @@ class TokenbusSettings(BaseSettings):
         " held while a worker starts, not refused as an unknown model. `tokenbus up"
         " --workers` sets it.",
     )
+
+    # Cascades (docs/lifecycle.md "Cascades", shared/cascades.py): names clients may ask for
+    # as a model, each running a cascade of models with a verifier.
+    routes: dict[str, Route] = Field(
+        default={},
+        description="Routes (JSON object, name -> route): a model name clients may ask for"
+        ' that runs `cascade` (2 or more models, fastest first), e.g. {"auto": {"cascade":'
+        ' ["small", "large"], "verifiers": [{"kind": "refusal"}], "rules": [{"start":'
+        ' "large", "min_prompt_tokens": 2000}]}}; an answer failing a verifier goes on to the'
+        " next model. Every service must be given the same.",
+    )
+
+    @model_validator(mode="after")
+    def _routes_are_names(self) -> Self:
+        check_route_names(self.routes, self.served_models)
+        return self
 
     @model_validator(mode="after")
     def _kafka_security_is_whole(self) -> Self:

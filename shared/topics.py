@@ -79,6 +79,24 @@ class Topics:
         (ADR 0054)."""
         return f"{self.prefix}.variants"
 
+    @property
+    def verdicts(self) -> str:
+        """Compacted log of the schedulers' latest canary verdicts, keyed by model name
+        (ADR 0058): what `tokenbus models status` shows and a promotion is checked against."""
+        return f"{self.prefix}.verdicts"
+
+    @property
+    def scores(self) -> str:
+        """Shadow validation's scores (shared/shadows.py `ShadowScore`), keyed by model name:
+        written by gold workers, read by every scheduler (ADR 0057)."""
+        return f"{self.prefix}.scores"
+
+    @property
+    def shadow(self) -> str:
+        """Where shadow validation's gold runs stream their answers: read by nobody (their
+        worker scores them itself), so kept briefly."""
+        return f"{self.prefix}.shadow"
+
     def app_requests(self, app: str) -> str:
         """The requests topic of one outside application: only its principal may WRITE it,
         so the topic a record was read from names who wrote it (ADR 0044)."""
@@ -117,6 +135,9 @@ class Topics:
             self.control: 1,
             self.cache: 4,
             self.variants: 1,
+            self.verdicts: 1,
+            self.scores: 3,
+            self.shadow: 3,
         }
 
     def configs(
@@ -134,4 +155,10 @@ class Topics:
             },
             # The latest rollout of each model, kept for ever: a restart forgets nothing.
             self.variants: {"cleanup.policy": "compact"},
+            # The latest verdicts of each model; the schedulers rewrite them every few seconds.
+            self.verdicts: {"cleanup.policy": "compact"},
+            # Read as they come (a scheduler starts at the end): a day is plenty to look back.
+            self.scores: {"retention.ms": str(24 * 3600 * 1000)},
+            # Nobody reads the gold runs' streams: gone within the hour.
+            self.shadow: {"retention.ms": str(3600 * 1000), "segment.ms": str(600 * 1000)},
         }

@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from pydantic import Field, field_validator, model_validator
 
 from shared.messages import VARIANT_NAME, Model
+from shared.verdicts import RolledBack
 
 # What the model's workers without a variant are called where a name is needed (status,
 # metrics, the hash); no variant may take it.
@@ -46,6 +47,11 @@ class Variant(Model):
     engine: str | None = Field(default=None, max_length=64)
     quantization: str | None = Field(default=None, max_length=64)
     worker_group: str | None = Field(default=None, max_length=200)
+    rolled_back: RolledBack | None = Field(
+        default=None,
+        description="Set by the scheduler that rolled the variant back (its share to 0) on a"
+        " regression: why and when (ADR 0058); cleared by the next `models rollout` of it.",
+    )
 
     @field_validator("name")
     @classmethod
@@ -53,6 +59,22 @@ class Variant(Model):
         if name == BASELINE:
             raise ValueError(f"{BASELINE!r} names the model's workers without a variant")
         return name
+
+
+class Shadow(Model):
+    """A model's shadow validation (ADR 0057): `percent` of its requests that run on another
+    variant than `gold` are also run on `gold`, and the two answers scored."""
+
+    gold: str = Field(
+        pattern=VARIANT_NAME,
+        description=f"The variant whose answers are the reference; {BASELINE!r}: the baseline.",
+    )
+    percent: float = Field(
+        ge=0.0,
+        le=100.0,
+        allow_inf_nan=False,
+        description="Share of the model's requests not on the gold also run on it, 0-100.",
+    )
 
 
 class ModelRollout(Model):
@@ -64,6 +86,11 @@ class ModelRollout(Model):
     model: str = Field(min_length=1, max_length=200)
     variants: list[Variant] = Field(default_factory=list, max_length=MAX_VARIANTS)
     updated_at: float = Field(default_factory=time.time, description="Unix time, seconds.")
+    shadow: Shadow | None = Field(
+        default=None,
+        exclude_if=lambda v: v is None,
+        description="Shadow validation (`tokenbus models shadow`); None: off.",
+    )
 
     @model_validator(mode="after")
     def _shares_add_up(self) -> ModelRollout:
@@ -87,7 +114,12 @@ class ModelRollout(Model):
         """This rollout with `variant` added or replaced (a share of 0 keeps it listed);
         raises ValueError (pydantic's) when the shares would exceed 100 %."""
         rest = [v for v in self.variants if v.name != variant.name]
-        return ModelRollout(model=self.model, variants=[*rest, variant], updated_at=now)
+        variants = [*rest, variant]
+        return ModelRollout(model=self.model, variants=variants, updated_at=now, shadow=self.shadow)
+
+    def with_shadow(self, shadow: Shadow | None, now: float) -> ModelRollout:
+        """This rollout with its shadow validation set (None: off)."""
+        return self.model_copy(update={"shadow": shadow, "updated_at": now})
 
 
 def choose(key: str, weights: Mapping[str | None, float]) -> str | None:

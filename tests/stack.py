@@ -31,6 +31,7 @@ from shared.settings import TokenbusSettings
 from shared.topics import Topics
 
 ROOT = Path(__file__).resolve().parent.parent
+CLI = "import sys; from tokenbus.cli import main; sys.exit(main())"  # `tokenbus`, by -c
 SERVICES = ("ingest", "scheduler", "worker", "edge")
 # Every stack's keys file has a key for each of these tenants; `default` is in `ws_url`.
 TENANTS = ("default", "alice", "bob", "mallory")
@@ -125,6 +126,22 @@ class Stack:
     @property
     def http_url(self) -> str:
         return f"http://127.0.0.1:{self.edge_port}"
+
+    def tokenbus(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        """`tokenbus ARGS` (the CLI), run as an operator would, against this stack's broker."""
+        return subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import sys; from tokenbus.cli import main; sys.exit(main())",
+                *args,
+            ],
+            cwd=ROOT,
+            env=self.env(),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
 
     def env(self) -> dict[str, str]:
         env = dict(os.environ)

@@ -585,3 +585,33 @@ def test_the_overhead_warm_up_runs_in_windows_as_long_as_the_counted_run() -> No
     assert windows(30) == [10, 10, 10]
     assert windows(25) == [10, 10, 5]
     assert windows(0) == []
+
+
+@pytest.mark.kafka
+def test_bench_cascade_escalates_the_declined_prompts_and_prices_each_arm(
+    bootstrap: str, tmp_path: Path
+) -> None:
+    out, doc, plot = tmp_path / "cascade.json", tmp_path / "benchmarks.md", tmp_path / "c.png"
+    doc.write_text("# Benchmarks\n\nA section someone else wrote.\n")
+    _bench(
+        "cascade",
+        *("--requests", "20", "--concurrency", "4", "--refuse-share", "0.3"),
+        *("--json", str(out), "--plot", str(plot), "--docs", str(doc)),
+        *("--log-dir", str(tmp_path / "logs")),
+        bootstrap=bootstrap,
+    )
+    report = json.loads(out.read_text())
+    rows, samples = report["summary"], report["samples"]
+    assert set(rows) == {"large only", "small only", "cascade"}
+    assert {s["model"] for s in samples["large only"]} == {"large"}
+    # Exactly the declined prompts went on to the large model, each after one reset.
+    escalated = [s for s in samples["cascade"] if s["discarded"]]
+    assert escalated
+    assert all(s["model"] == "large" and len(s["discarded"]) == 1 for s in escalated)
+    assert rows["cascade"]["escalated"] == len(escalated)
+    assert rows["large only"]["gpu_s"] > rows["cascade"]["gpu_s"] > rows["small only"]["gpu_s"]
+    assert rows["cascade"]["quality"] > rows["small only"]["quality"]
+    assert plot.stat().st_size > 0
+    text = doc.read_text()
+    assert "A section someone else wrote." in text
+    assert text.count("tokenbus-cascade:begin") == text.count("tokenbus-cascade:end") == 1

@@ -12,8 +12,9 @@ also reports TTFT per fault window against steady state and the time to recover)
 
 Faults come from a seed printed at the start; run `TOKENBUS_CHAOS_SEED=<seed> pytest
 tests/test_chaos.py` to play the same plan again (`TOKENBUS_CHAOS_KINDS=ingest,edge,edge`
-narrows the faults, for a diagnosis only). The report of the last run is written to
-`.tokenbus/chaos/last-run.md`.
+narrows the faults, and `TOKENBUS_CHAOS_HANG=coordinator` hangs the node coordinating the
+scheduler's group instead of a partition's leader, both for a diagnosis only). The report
+of the last run is written to `.tokenbus/chaos/last-run.md`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import json
 import logging
 import os
 import random
+import re
 import shutil
 import time
 from collections.abc import Callable, Iterator
@@ -188,6 +190,9 @@ def test_no_acknowledged_request_is_lost_or_answered_twice_under_kill_9(
     # The report (seed, faults played, table) and the timeline's end in the failure itself:
     # CI keeps the test's output, not the run directory.
     timeline = (run_dir / "chaos.log").read_text().splitlines()[-25:]
+    if not summary.passed or unavailable:
+        # Where each service waits now (a wedge logs nothing), at the end of the failure.
+        timeline += _stacks(system.dump_stacks(), run_dir / "stacks.txt")
     assert summary.passed, "\n" + report + "\n" + "\n".join(timeline)
     assert not unavailable, "\n".join(["", *unavailable, "", report, *timeline])
     assert summary.done >= summary.acknowledged // 2, "most requests should complete"
@@ -290,3 +295,19 @@ def _report(
         f"What the faults showed: {', '.join(f'{k}={v}' for k, v in seen.items())}\n"
         + (f"\nFirst failed requests:\n```\n{failed}\n```\n" if failed else "")
     )
+
+
+def _stacks(stacks: dict[str, list[str]], path: Path) -> list[str]:
+    """The services' task stacks, written whole to `path`; their tasks and frames returned."""
+    path.write_text("".join(f"## {name}\n" + "\n".join(ls) + "\n" for name, ls in stacks.items()))
+    out = ["", "Where each service's tasks wait (SIGUSR2, SIGUSR1: shared/stacks.py):"]
+    for name, lines in stacks.items():
+        out.append(f"{name}:")
+        for line in lines:
+            task = re.search(r"task='([^']*)'", line)
+            frames = re.search(r"frames='([^']*)'", line)
+            if task and frames:
+                out.append(f"  {task.group(1)}: {frames.group(1)}")
+            elif "task.stack" not in line:  # a thread's stack (faulthandler), as written
+                out.append(f"  {line}")
+    return out

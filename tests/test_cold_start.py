@@ -186,8 +186,19 @@ def test_the_edge_lets_a_named_model_through_while_none_of_its_workers_is_live()
     assert models.unknown(fallback, now=104.0) is None
     assert models.unknown(ChatRequest(prompt="hi", model="gpt-9"), now=104.0) == (
         "model",
-        "model 'gpt-9' is not served here; available models: small",
+        "model 'gpt-9' is not served here; available models: big, small",
     )
+
+
+def test_the_edge_lists_a_pools_model_with_or_without_a_live_worker() -> None:
+    models = ModelDirectory(
+        stale_s=10, listening_since=50.0, grace_s=3.0, pooled=frozenset({"big"})
+    )
+    assert models.served(now=60.0) == {"big": 50}  # scaled to zero: listed all the same
+    models.observe(beat("w1", "big", 100.0))
+    models.observe(beat("w2", "small", 100.0))
+    assert models.served(now=101.0) == {"big": 100, "small": 100}
+    assert models.served(now=120.0) == {"big": 50}  # its workers gone: still a pool's model
 
 
 def test_the_scheduler_knows_a_named_model_with_no_worker() -> None:

@@ -196,5 +196,100 @@ def test_a_replay_attached_is_not_refused_when_its_consumer_stops_slowly(
         )
         assert attached == [replayed]
         assert [r.seq for r in replayed.records] == list(range(10))
+        await replays.aclose()
+
+    asyncio.run(scenario())
+
+
+def _streams(count: int, deltas: int) -> list[DeltaResult]:
+    """`deltas` deltas of each of `count` streams, interleaved."""
+    return [
+        DeltaResult(request_id=f"s{n}", attempt=0, seq=seq, text=f"{n}.{seq} ")
+        for seq in range(deltas)
+        for n in range(count)
+    ]
+
+
+class _Counted:
+    """A consumer factory that counts the consumers it built."""
+
+    def __init__(self, bootstrap: str) -> None:
+        self.settings = _settings(bootstrap)
+        self.built = 0
+
+    def __call__(self) -> AIOKafkaConsumer:
+        self.built += 1
+        return make_consumer(self.settings, group_id=None, client_id="replay-test")
+
+
+def test_every_resume_of_a_partition_shares_one_consumer(bootstrap: str) -> None:
+    """An edge's clients coming back after a kill resume many streams of one partition at
+    once: one consumer reads it for all (chaos seed 294815970: a consumer each read the
+    same records a hundred times over, and resumes were refused for minutes)."""
+
+    async def scenario() -> None:
+        tp = await _topic_with(bootstrap, _streams(30, 20))
+        factory = _Counted(bootstrap)
+        replays = Replays(factory, timeout_s=10.0, max_records=10_000, concurrency=1)
+        attached: list[str] = []
+        results = await asyncio.gather(
+            *(
+                replays.read(
+                    tp,
+                    f"s{n}",
+                    start=n,  # each stream's first record
+                    end=600,
+                    live=lambda: None,
+                    attach=lambda r, n=n: attached.append(f"s{n}"),
+                )
+                for n in range(30)
+            )
+        )
+        for n, replayed in enumerate(results):
+            assert [r.seq for r in replayed.records] == list(range(20)), n
+            assert {r.request_id for r in replayed.records} == {f"s{n}"}
+            assert replayed.position == 600
+            assert replayed.scanned == 600 - n
+        assert sorted(attached) == sorted(f"s{n}" for n in range(30))
+        assert factory.built == 1
+        await replays.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_a_resume_from_behind_a_running_read_is_served_in_a_round_of_its_own(
+    bootstrap: str,
+) -> None:
+    async def scenario() -> None:
+        tp = await _topic_with(bootstrap, _mixed(100))
+        factory = _Counted(bootstrap)
+        replays = Replays(factory, timeout_s=20.0, max_records=10_000, concurrency=1)
+        # The first resume waits for a shared reader position the log has not reached, so
+        # its round reads on at the log end while the second comes, from offset 0.
+        far: dict[str, int | None] = {"live": 10_000}
+        looked = 0
+
+        def first_live() -> int | None:
+            nonlocal looked
+            looked += 1
+            return far["live"]
+
+        first = asyncio.create_task(
+            replays.read(tp, "theirs", start=101, end=200, live=first_live, attach=lambda r: None)
+        )
+        deadline = time.monotonic() + 10
+        while looked < 3:  # the round has fetched (2000 records a fetch: all 200) twice
+            assert time.monotonic() < deadline, "the first replay never read"
+            await asyncio.sleep(0.02)
+        second = asyncio.create_task(
+            replays.read(tp, "ours", start=0, end=200, live=lambda: None, attach=lambda r: None)
+        )
+        await asyncio.sleep(0)  # registered while the first round stands at the log end
+        far["live"] = None
+        behind, ahead = await second, await first
+        assert [r.seq for r in behind.records] == list(range(100))
+        assert [r.seq for r in ahead.records] == list(range(50, 100))
+        assert factory.built == 1  # the next round seeks back on the same consumer
+        await replays.aclose()
 
     asyncio.run(scenario())

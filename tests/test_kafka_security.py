@@ -268,11 +268,23 @@ def test_each_service_gets_only_what_it_uses() -> None:
     assert not may("ingest", write, topics.cache)
     assert not any(may(r, read, topics.cache) for r in ("edge", "scheduler", "worker"))
     assert not any(may(r, write, topics.cache) for r in ("edge", "scheduler"))
-    # Rollouts (ADR 0054): every scheduler reads them; only the operator (admin) writes them.
+    # Rollouts (ADR 0054): every scheduler reads them; the operator (admin) writes them, and
+    # a scheduler only to roll a regressed canary back (ADR 0058), as it publishes verdicts.
     assert may("scheduler", read, topics.variants)
-    roles = ("edge", "ingest", "scheduler", "worker")
-    assert not any(may(r, write, topics.variants) for r in roles)
-    assert not any(may(r, read, topics.variants) for r in ("edge", "ingest", "worker"))
+    assert may("scheduler", write, topics.variants)
+    assert may("scheduler", write, topics.verdicts)
+    for topic in (topics.variants, topics.verdicts):
+        assert not any(may(r, write, topic) for r in ("edge", "ingest", "worker"))
+        assert not any(may(r, read, topic) for r in ("edge", "ingest", "worker"))
+    # Shadow validation (ADR 0057): gold workers write scores, schedulers read them; gold
+    # runs' streams go to the shadow topic like any reply (worker, scheduler errors).
+    assert may("worker", write, topics.scores)
+    assert may("scheduler", read, topics.scores)
+    assert not any(may(r, write, topics.scores) for r in ("edge", "ingest", "scheduler"))
+    assert not any(may(r, read, topics.scores) for r in ("edge", "ingest", "worker"))
+    for role in ("worker", "scheduler"):
+        assert may(role, write, topics.shadow)
+    assert not any(may(r, a, topics.shadow) for r in ("edge", "ingest") for a in (read, write))
     # Only the edge makes and removes topics; every other topic change is the admin's.
     makers = {a.principal for a in acls if a.operation in (Operation.CREATE, Operation.DELETE)}
     assert makers == {"User:edge"}

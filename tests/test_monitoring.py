@@ -69,6 +69,7 @@ def test_the_alerts_cover_slo_burn_dead_letters_dead_workers_and_lag() -> None:
     assert "tokenbus_dead_letters_total" in alerts["TokenbusDeadLettersGrowing"]["expr"]
     assert 'component="worker"' in alerts["TokenbusWorkerDown"]["expr"]
     assert "consumer_lag" in alerts["TokenbusConsumerLagHigh"]["expr"]
+    assert "tokenbus_scheduler_rollbacks_total" in alerts["TokenbusCanaryRolledBack"]["expr"]
 
 
 def dashboard_queries() -> list[tuple[str, str]]:
@@ -86,6 +87,7 @@ def test_the_dashboard_shows_what_an_operator_needs() -> None:
     for needed in (
         "TTFT", "TPOT", "Queue depth", "Queue wait", "Batch size", "Batch fill", "Tokens/s",
         "Errors by code", "Consumer lag", "Worker slots", "Variant shares",
+        "Variant TTFT p99", "Variant error rate", "Variant quality score", "rollbacks",
     ):  # fmt: skip
         assert needed in titles, needed
     tiers = [q for title, q in dashboard_queries() if title.startswith(("TTFT", "TPOT"))]

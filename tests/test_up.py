@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import re
 import signal
@@ -10,7 +11,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from shared.kafka import delete_topics, wait_for_broker
 from shared.messages import Heartbeat
 from shared.settings import TokenbusSettings
 from shared.topics import Topics
-from tests.chat_client import run_requests
+from tests.chat_client import ChatSession, run_requests
 from tests.processes import cmdline, descendants, free_port_pair, running
 from tests.stack import free_port, new_prefix, read_topic, wait_until
 
@@ -281,6 +282,119 @@ def test_up_keeps_each_models_warm_pool_and_tells_every_service_the_models(
                 environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
                 assert b'TOKENBUS_SERVED_MODELS=["warm", "cold"]' in environ, service
             chat_works(edge_port, key)
+            assert up.poll() is None, log.read_text()
+    finally:
+        asyncio.run(delete_topics(settings(bootstrap, prefix), Topics(prefix).partitions()))
+
+
+def incarnations(bootstrap: str, prefix: str, since: float) -> dict[str, set[float]]:
+    """Worker id -> the process starts (`started_at`) its heartbeats after `since` name."""
+    topic = Topics(prefix).workers
+    partitions = Topics(prefix).partitions()[topic]
+    values = asyncio.run(read_topic(settings(bootstrap, prefix), topic, partitions))
+    out: dict[str, set[float]] = {}
+    for value in values:
+        beat = Heartbeat.model_validate_json(value)
+        if beat.sent_at > since:
+            out.setdefault(beat.worker_id, set()).add(beat.started_at)
+    return out
+
+
+async def ask_all(
+    port: int,
+    key: str,
+    count: int,
+    tag: str,
+    max_tokens: int = 8,
+    midway: Callable[[], None] | None = None,
+) -> list[str]:
+    """`count` requests for the pool's model at once, `midway()` called once the first
+    answer streams; the final frame type of each, checked to be its one final."""
+    async with websockets.connect(
+        f"ws://127.0.0.1:{port}/v1/chat", additional_headers={"Authorization": f"Bearer {key}"}
+    ) as ws:
+        session = ChatSession(ws)
+        for i in range(count):
+            prompt = f"{tag} {i}"
+            await session.send(
+                {"client_id": prompt, "prompt": prompt, "model": "warm", "max_tokens": max_tokens}
+            )
+        if midway is not None:
+            await session.until(
+                lambda: any(t.deltas for t in session.by_client.values()), within=60
+            )
+            await asyncio.to_thread(midway)
+        await session.until(session.all_ended, within=120)
+    out: list[str] = []
+    for t in session.by_client.values():  # one final each: nothing answered twice
+        assert sum(f["type"] in ("chat.done", "error") for f in t.frames) == 1, t.frames
+        assert t.final is not None
+        out.append(t.final["type"])
+    return out
+
+
+IDLE_S = 5.0  # traffic gone for longer than a worker's heartbeats take to count it dead
+
+
+def test_a_warm_pool_keeps_its_minimum_loaded_through_a_scale_down(
+    tmp_path: Path, bootstrap: str
+) -> None:
+    """Issue 28, point 6: load comes and goes, and the pool stays at its minimum, loaded.
+
+    When the traffic stops, both workers of `warm=2` stay up and loaded: the same processes,
+    the same incarnations, serving the next request without a start. When one is stopped as
+    a scale-down stops a pod (SIGTERM: it drains) while requests run, every request ends
+    once, `up` starts it again (the pool's minimum), and the other never restarted.
+    """
+    prefix, edge_port = new_prefix(), free_port()
+    env = dict(
+        os.environ,
+        KAFKA_BOOTSTRAP_SERVERS=bootstrap,
+        TOKENBUS_TOPIC_PREFIX=prefix,
+        TOKENBUS_EDGE_KEYS_FILE=str(tmp_path / "keys.json"),
+    )
+    log = tmp_path / "up.log"
+
+    def pool_since(since: float) -> dict[str, set[float]]:
+        """The pool's workers beating after `since`: worker id (host-pid) -> incarnations."""
+        return incarnations(bootstrap, prefix, since)
+
+    try:
+        with tokenbus_up(log, env, "--port", str(edge_port), "--workers", "warm=2") as up:
+            key = wait_ready(up, edge_port, log)
+            began = time.time()
+            wait_until(lambda: len(pool_since(began)) == 2, 60, "both workers beating")
+            # 1) Load, then none: the pool idles at its minimum, loaded.
+            assert asyncio.run(ask_all(edge_port, key, 16, "busy")) == ["chat.done"] * 16
+            loaded = pool_since(began)
+            assert all(len(starts) == 1 for starts in loaded.values()), loaded
+            idle_from = time.time()
+            wait_until(
+                lambda: set(pool_since(idle_from + IDLE_S)) == set(loaded),
+                IDLE_S + 30,
+                f"both workers still beating after {IDLE_S} s without traffic",
+            )
+            assert pool_since(idle_from) == loaded  # the same processes, never restarted
+            assert [len(pool_pids(log, f"worker-warm-{i}")) for i in (1, 2)] == [1, 1]
+            assert asyncio.run(ask_all(edge_port, key, 2, "after-idle")) == ["chat.done"] * 2
+            assert pool_since(idle_from) == loaded
+
+            # 2) A scale-down stops one worker mid-load: it drains, every request ends once,
+            # and the pool is back at its minimum.
+            (victim,) = pool_pids(log, "worker-warm-2")
+            victim_id = next(w for w in loaded if w.endswith(f"-{victim}"))
+            stop = functools.partial(os.kill, victim, signal.SIGTERM)
+            drained = ask_all(edge_port, key, 12, "drain", max_tokens=40, midway=stop)
+            assert asyncio.run(drained) == ["chat.done"] * 12
+            wait_until(lambda: len(pool_pids(log, "worker-warm-2")) == 2, 60, "warm-2 again")
+            assert f"worker-warm-2 (pid {victim}) exited with code 0" in log.read_text()
+            restarted_at = time.time()
+            wait_until(lambda: len(pool_since(restarted_at)) == 2, 60, "the pool back at two")
+            after = pool_since(restarted_at)
+            (survivor,) = set(loaded) - {victim_id}
+            assert after[survivor] == loaded[survivor]  # never restarted
+            assert victim_id not in after  # its replacement is a new process
+            assert len(pool_pids(log, "worker-warm-1")) == 1
             assert up.poll() is None, log.read_text()
     finally:
         asyncio.run(delete_topics(settings(bootstrap, prefix), Topics(prefix).partitions()))

@@ -2,7 +2,8 @@
 is not up yet. A request whose deadline can wait a load is held and answered once a worker
 of the model starts; one whose deadline cannot is refused `overloaded` with the load time as
 its `retry_after_ms` (WebSocket frame, and the OpenAI API's 503 with its retry headers).
-The worker that started keeps its model: later batches run on it, loaded once."""
+The worker that started keeps its model: later batches run on it, loaded once. `/v1/models`
+lists every model of the pools, those with no live worker too."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from tests.chat_client import ChatSession, openai_sdk
 from tests.stack import Stack, new_prefix, wait_until
 
 COLD, WARM, MEASURED = "cold", "warm", "measured"
+IDLE = "idle"  # a pool scaled to zero the whole time: no worker of it ever starts
 LOAD_S = 20.0  # the scheduler's default load time: no worker of COLD has measured one
 
 
@@ -33,7 +35,7 @@ def pool(bootstrap: str, log_dir: Path) -> Iterator[Stack]:
         prefix=new_prefix(),
         log_dir=log_dir,
         env_overrides={
-            "TOKENBUS_SERVED_MODELS": json.dumps([COLD, WARM, MEASURED]),
+            "TOKENBUS_SERVED_MODELS": json.dumps([COLD, WARM, MEASURED, IDLE]),
             "TOKENBUS_SCHEDULER_MODEL_LOAD_S": str(LOAD_S),
             # A scheduler takes nothing for cold before it has listened to heartbeats this
             # long (a 2 s deadline would expire first): short, so the tests need not wait.
@@ -67,6 +69,18 @@ def final(session: ChatSession, client_id: str) -> dict[str, Any]:
     frame = session.by_client[client_id].final
     assert frame is not None, session.by_client[client_id].frames
     return frame
+
+
+def test_v1_models_lists_the_pools_models_while_none_of_their_workers_is_live(
+    pool: Stack,
+) -> None:
+    with openai_sdk(pool) as sdk:
+        assert {m.id for m in sdk.models.list()} == {COLD, WARM, MEASURED, IDLE}
+        card = sdk.models.retrieve(IDLE)
+        assert (card.id, card.owned_by) == (IDLE, "tokenbus")
+        assert card.created > 0
+        with pytest.raises(openai.NotFoundError, match="available models: cold, idle, measured"):
+            sdk.models.retrieve("gpt-9")
 
 
 def test_a_cold_model_over_the_openai_api_is_a_503_with_the_load_time(pool: Stack) -> None:

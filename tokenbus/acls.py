@@ -241,7 +241,25 @@ def grants(topics: Topics) -> dict[str, list[Grant]]:
                 why="batches addressed to workers; read: restarts and recovery",
             ),
             _topic(topics.workers, read, why="heartbeats: free slots and liveness"),
-            _topic(topics.variants, read, why="each model's variants and shares, read whole"),
+            _topic(
+                topics.variants,
+                read,
+                write,
+                why="each model's variants and shares, read whole; write: a rollback (ADR 0058)",
+            ),
+            _topic(
+                topics.verdicts,
+                read,
+                write,
+                why="the canaries' verdicts, published for `tokenbus models` (ADR 0058)",
+            ),
+            _topic(topics.scores, read, why="shadow validation's scores (ADR 0057)"),
+            _topic(
+                topics.shadow,
+                read,
+                write,
+                why="gold runs' streams (ADR 0057); read: whether one was answered already",
+            ),
             _topic(topics.dlq, write, why="records it cannot read (poison)"),
             *results_out("errors of requests that expire before dispatch; resets before a re-run"),
             *results_in,  # recovery: requests already answered are not handed back
@@ -262,6 +280,13 @@ def grants(topics: Topics) -> dict[str, list[Grant]]:
             *results_out("each request's stream, to its `reply_to`; resets before a hand-back"),
             *results_in,  # a take-over of a former process's batches skips what it answered
             _topic(topics.cache, write, why="complete deterministic answers (response cache)"),
+            _topic(topics.scores, write, why="a gold run's score (shadow validation, ADR 0057)"),
+            _topic(
+                topics.shadow,
+                read,
+                write,
+                why="gold runs' streams (ADR 0057); read: whether one was answered already",
+            ),
         ],
     }
 

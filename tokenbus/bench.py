@@ -201,6 +201,28 @@ def register(commands: Subcommands) -> None:
     cold.add_argument("--docs", type=Path, default=None, help="Markdown file to update")
     cold.add_argument("--log-dir", type=Path, default=Path("bench/out/logs"))
     cold.set_defaults(handler=_cold_start)
+    cascade = actions.add_parser(
+        "cascade",
+        help="cascades: the share a small model answers, the GPU-seconds saved and the quality"
+        " kept, on one sim stack with a small and a large model (make bench-cascade, ~1 min)",
+        description="The same prompts to the large model, the small one and the route `auto`"
+        " = [small, large] with the refusal verifier; the small worker declines and"
+        " mis-answers set shares. Broker: KAFKA_BOOTSTRAP_SERVERS, else a private one.",
+    )
+    cascade.add_argument("--requests", type=int, default=120, help="prompts per arm (120)")
+    cascade.add_argument("--concurrency", type=int, default=16, help="requests at once (16)")
+    cascade.add_argument("--max-tokens", type=int, default=48, help="max_tokens of each (48)")
+    cascade.add_argument(
+        "--refuse-share", type=float, default=0.2, help="small: share of prompts declined (0.2)"
+    )
+    cascade.add_argument(
+        "--wrong-share", type=float, default=0.05, help="small: share answered wrongly (0.05)"
+    )
+    cascade.add_argument("--json", type=Path, default=Path("bench/out/cascade.json"))
+    cascade.add_argument("--plot", type=Path, default=None, help="PNG of GPU-s and quality")
+    cascade.add_argument("--docs", type=Path, default=None, help="Markdown file to update")
+    cascade.add_argument("--log-dir", type=Path, default=Path("bench/out/logs"))
+    cascade.set_defaults(handler=_cascade)
     real = actions.add_parser(
         "real",
         help="the real engine (SmolLM2 on vLLM's CPU build) through tokenbus, side by side"
@@ -458,6 +480,12 @@ def _capacity(args: argparse.Namespace) -> int:
         print(f"tokenbus bench: error: stacks failed: {', '.join(failed)}", file=sys.stderr)
         return 1
     return 0
+
+
+def _cascade(args: argparse.Namespace) -> int:
+    from bench import cascade
+
+    return cascade.run(args, _command())
 
 
 def _cold_start(args: argparse.Namespace) -> int:

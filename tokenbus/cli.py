@@ -7,7 +7,19 @@ from collections.abc import Sequence
 from importlib.metadata import version
 from typing import Any
 
-from tokenbus import acl_table, bench, config, kafka, keys, models_cli, schema, topics, trace, up
+from tokenbus import (
+    acl_table,
+    bench,
+    config,
+    eval_cli,
+    kafka,
+    keys,
+    models_cli,
+    schema,
+    topics,
+    trace,
+    up,
+)
 from tokenbus.commands import Handler
 
 
@@ -61,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
         acl_table.register,
         keys.register,
         models_cli.register,
+        eval_cli.register,
         schema.register,
     ):
         register(commands)

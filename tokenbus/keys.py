@@ -6,7 +6,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, get_args
 
 from pydantic import ValidationError
 
@@ -75,6 +75,20 @@ def register(commands: Subcommands) -> None:
             default=None,
             help=f"the tenant's {flag} limit (default: kept, or the built-in default)",
         )
+    create.add_argument(
+        "--scope",
+        action="append",
+        choices=get_args(keyfile.Scope),
+        default=[],
+        help="what the key may do beyond asking (repeatable): pin_variant, name the variant"
+        " its requests run on (for `tokenbus eval` through the edge)",
+    )
+    create.add_argument(
+        "--plan",
+        default=None,
+        help="the key's plan, stamped on its requests: a route's rules may start them on"
+        " another model of its cascade (TOKENBUS_ROUTES; docs/lifecycle.md)",
+    )
     create.set_defaults(handler=_create)
     listing = actions.add_parser("list", help="keys (ids, tenants) and limits; no secrets")
     listing.set_defaults(handler=_list)
@@ -92,7 +106,9 @@ def _create(args: argparse.Namespace) -> int:
     path = _path(args)
     limits = {f: getattr(args, f) for f in LIMIT_FLAGS if getattr(args, f) is not None}
     try:
-        keys, key, entry = keyfile.add_key(keyfile.load(path), args.tenant, limits, time.time())
+        keys, key, entry = keyfile.add_key(
+            keyfile.load(path), args.tenant, limits, time.time(), args.scope, args.plan
+        )
     except ValidationError as exc:
         print(f"tokenbus keys create: {exc.errors()[0]['msg']}", file=sys.stderr)
         return 2
@@ -109,7 +125,9 @@ def _list(args: argparse.Namespace) -> int:
     print(f"{len(keys.keys)} key(s) in {path}")
     for entry in keys.keys:
         created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(entry.created_at))
-        print(f"{entry.id}  tenant={entry.tenant}  created={created}")
+        scopes = f"  scopes={','.join(entry.scopes)}" if entry.scopes else ""
+        plan = f"  plan={entry.plan}" if entry.plan else ""
+        print(f"{entry.id}  tenant={entry.tenant}  created={created}{scopes}{plan}")
     for tenant, limits in sorted(keys.tenants.items()):
         shown = " ".join(f"{k}={v}" for k, v in limits.model_dump(exclude={"burst"}).items())
         print(f"tenant {tenant}: {shown} (burst={limits.request_burst})")

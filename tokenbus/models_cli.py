@@ -5,7 +5,14 @@ model's traffic goes.
 conversations (the baseline takes what the variants leave) by writing the model's rollout to
 the compacted variants topic, which every scheduler follows (ADR 0054); `--percent 0` rolls
 it back. `tokenbus models status` prints each model's shares and the live workers of each
-variant (from their heartbeats).
+variant (from their heartbeats). `tokenbus models shadow NAME --gold G --percent P` also runs
+P % of the model's requests not on variant G on G, and scores the answers' agreement
+(shadow validation, ADR 0057; `--percent 0` turns it off).
+
+The schedulers judge each variant against the baseline and roll a regressed one back
+(ADR 0058): `status` shows each variant's window (requests, TTFT p99, errors, quality,
+verdict) and why a variant was rolled back; `rollout` raises a share only on the evidence
+of an `ok` verdict, unless `--force` (tokenbus/promotion.py).
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ import contextlib
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -38,7 +45,9 @@ from shared.logs import configure_logging
 from shared.messages import Heartbeat, error_message
 from shared.settings import TokenbusSettings
 from shared.topics import Topics
-from shared.variants import BASELINE, ModelRollout, Variant
+from shared.variants import BASELINE, ModelRollout, Shadow, Variant
+from shared.verdicts import ModelVerdicts, VariantEvidence
+from tokenbus.promotion import evidence_line, read_verdicts, refusal
 
 if TYPE_CHECKING:
     from tokenbus.commands import Subcommands
@@ -79,7 +88,26 @@ def register(commands: Subcommands) -> None:
             default=None,
             help=f"what sets the variant apart: its {name.replace('_', ' ')} (default: kept)",
         )
+    rollout.add_argument(
+        "--force",
+        action="store_true",
+        help="raise the share without the schedulers' evidence (a recent verdict with enough"
+        " requests and no regression); says what it overrode",
+    )
     rollout.set_defaults(handler=_rollout)
+    shadow = actions.add_parser(
+        "shadow",
+        help="run a share of a model's requests not on its gold variant on the gold too, and"
+        " score the answers' agreement (0: off)",
+    )
+    shadow.add_argument("model", metavar="NAME", help="the served model name")
+    shadow.add_argument(
+        "--gold", required=True, help=f"the reference variant ({BASELINE!r}: the baseline)"
+    )
+    shadow.add_argument(
+        "--percent", required=True, type=float, help="share of its requests also run, 0-100"
+    )
+    shadow.set_defaults(handler=_shadow)
     status = actions.add_parser("status", help="each model's variants, shares and live workers")
     status.add_argument("model", metavar="NAME", nargs="?", help="only this model")
     status.add_argument("--json", action="store_true", help="print JSON instead of text")
@@ -92,6 +120,8 @@ class VariantStatus:
     percent: float
     workers: list[str] = field(default_factory=list)
     described: dict[str, str] = field(default_factory=dict)
+    evidence: dict[str, Any] | None = None  # its canary window (a VariantEvidence)
+    rolled_back: str | None = None  # why a scheduler rolled it back
 
 
 @dataclass
@@ -99,18 +129,25 @@ class ModelStatus:
     model: str
     variants: list[VariantStatus]
     updated_at: float | None = None
+    shadow: Shadow | None = None
 
     def as_json(self) -> dict[str, Any]:
         return {
             "model": self.model,
             "updated_at": self.updated_at,
             "variants": [v.__dict__ for v in self.variants],
+            "shadow": None if self.shadow is None else self.shadow.model_dump(),
         }
 
 
-def statuses(rollouts: Rollouts, beats: Sequence[Heartbeat]) -> list[ModelStatus]:
-    """Per model (of a rollout or a live worker), each variant's share and live workers;
-    the baseline first, then the rollout's variants, then variants only workers name."""
+def statuses(
+    rollouts: Rollouts,
+    beats: Sequence[Heartbeat],
+    verdicts: Mapping[str, ModelVerdicts] | None = None,
+) -> list[ModelStatus]:
+    """Per model (of a rollout or a live worker), each variant's share, live workers and
+    canary evidence; the baseline first, then the rollout's variants, then variants only
+    workers name."""
     models = sorted({r.model for r in rollouts.all()} | {b.model for b in beats})
     out: list[ModelStatus] = []
     for model in models:
@@ -119,12 +156,18 @@ def statuses(rollouts: Rollouts, beats: Sequence[Heartbeat]) -> list[ModelStatus
         for v in rollout.variants:
             described = {k: str(getattr(v, k)) for k in DESCRIBED if getattr(v, k) is not None}
             rows[v.name] = VariantStatus(v.name, v.percent, described=described)
+            if v.rolled_back is not None:
+                rows[v.name].rolled_back = v.rolled_back.reason
         for beat in beats:
             if beat.model == model:
                 name = beat.variant or BASELINE
                 rows.setdefault(name, VariantStatus(name, 0.0)).workers.append(beat.worker_id)
+        judged = (verdicts or {}).get(model)
+        for row in rows.values():
+            found = None if judged is None else judged.of(row.name)
+            row.evidence = None if found is None else found.model_dump(mode="json")
         updated = rollout.updated_at if rollouts.get(model) is not None else None
-        out.append(ModelStatus(model, list(rows.values()), updated))
+        out.append(ModelStatus(model, list(rows.values()), updated, rollout.shadow))
     return out
 
 
@@ -136,19 +179,30 @@ def _rollout(args: argparse.Namespace) -> int:
         return 2
     settings = _settings()
     try:
-        rollouts, beats = asyncio.run(_read(settings))
+        rollouts, beats = asyncio.run(read_deployment(settings))
         current = rollouts.get(args.model) or ModelRollout(model=args.model)
         old = next((v for v in current.variants if v.name == wanted.name), None)
         kept = {} if old is None else {k: getattr(old, k) for k in DESCRIBED}
         given = {k: getattr(args, k) for k in DESCRIBED if getattr(args, k) is not None}
         variant = Variant(name=wanted.name, percent=wanted.percent, **(kept | given))
         rollout = current.with_variant(variant, time.time())
+        raising = wanted.percent > (0.0 if old is None else old.percent)
+        judged = asyncio.run(read_verdicts(settings)).get(args.model) if raising else None
     except ValidationError as exc:
         print(f"tokenbus models rollout: {error_message(exc)}", file=sys.stderr)
         return 2
     except (TimeoutError, KafkaError, KafkaLoginRefused, TopicMissing) as exc:
         print(f"tokenbus models rollout: {exc}", file=sys.stderr)
         return 1
+    # A promotion needs the schedulers' evidence (tokenbus/promotion.py, ADR 0058).
+    why = refusal(args.model, old, variant.percent, judged, time.time())
+    if why is not None:
+        print(
+            f"tokenbus models rollout: {'forced' if args.force else 'refused'}: {why}",
+            file=sys.stderr,
+        )
+        if not args.force:
+            return 2
     try:
         asyncio.run(_write(settings, rollout))
     except (TimeoutError, KafkaError) as exc:
@@ -168,14 +222,55 @@ def _rollout(args: argparse.Namespace) -> int:
     return 0
 
 
+def _shadow(args: argparse.Namespace) -> int:
+    """Set the model's shadow validation (ADR 0057); 0 % turns it off."""
+    try:
+        wanted = Shadow(gold=args.gold, percent=args.percent)
+    except ValidationError as exc:
+        print(f"tokenbus models shadow: {error_message(exc)}", file=sys.stderr)
+        return 2
+    settings = _settings()
+    try:
+        rollouts, beats = asyncio.run(read_deployment(settings))
+    except (TimeoutError, KafkaError, KafkaLoginRefused, TopicMissing) as exc:
+        print(f"tokenbus models shadow: {exc}", file=sys.stderr)
+        return 1
+    current = rollouts.get(args.model) or ModelRollout(model=args.model)
+    rollout = current.with_shadow(wanted if wanted.percent > 0 else None, time.time())
+    try:
+        asyncio.run(_write(settings, rollout))
+    except (TimeoutError, KafkaError) as exc:
+        print(f"tokenbus models shadow: not stored: {exc}", file=sys.stderr)
+        return 1
+    print(f"{args.model}: {shadow_line(rollout.shadow)}", flush=True)
+    gold = None if wanted.gold == BASELINE else wanted.gold
+    if rollout.shadow is not None and not any(
+        b.model == args.model and b.variant == gold for b in beats
+    ):
+        print(
+            f"note: no live worker runs {wanted.gold!r} of {args.model!r} yet: its gold runs"
+            " wait for one (5 minutes at most each)",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def shadow_line(shadow: Shadow | None) -> str:
+    """How `status` says a model's shadow validation."""
+    if shadow is None:
+        return "shadow validation off"
+    return f"shadow: {shadow.percent:g} % of requests not on {shadow.gold} also run on it"
+
+
 def _status(args: argparse.Namespace) -> int:
     settings = _settings()
     try:
-        rollouts, beats = asyncio.run(_read(settings))
+        rollouts, beats = asyncio.run(read_deployment(settings))
+        verdicts = asyncio.run(read_verdicts(settings))
     except (TimeoutError, KafkaError, KafkaLoginRefused, TopicMissing) as exc:
         print(f"tokenbus models status: {exc}", file=sys.stderr)
         return 1
-    found = [s for s in statuses(rollouts, beats) if args.model in (None, s.model)]
+    found = [s for s in statuses(rollouts, beats, verdicts) if args.model in (None, s.model)]
     if args.json:
         print(json.dumps([s.as_json() for s in found], indent=2))
     elif not found:
@@ -195,13 +290,19 @@ def _settings() -> TokenbusSettings:
 def _print(found: Sequence[ModelStatus]) -> None:
     for s in found:
         print(f"model {s.model}")
+        if s.shadow is not None:
+            print(f"  {shadow_line(s.shadow)}")
         for v in s.variants:
             what = " ".join(f"{k}={val}" for k, val in v.described.items())
             workers = ", ".join(v.workers) or "none live"
             print(f"  {v.name:<20} {v.percent:6.2f} %  workers: {workers}  {what}".rstrip())
+            if v.evidence is not None:
+                print(f"  {'':<20} {evidence_line(VariantEvidence.model_validate(v.evidence))}")
+            if v.rolled_back is not None:
+                print(f"  {'':<20} rolled back: {v.rolled_back}")
 
 
-async def _read(settings: TokenbusSettings) -> tuple[Rollouts, list[Heartbeat]]:
+async def read_deployment(settings: TokenbusSettings) -> tuple[Rollouts, list[Heartbeat]]:
     """Every model's rollout, and the latest heartbeat of each live worker."""
     await wait_for_broker(settings, timeout_s=BROKER_TIMEOUT_S)
     topics = Topics(settings.topic_prefix)

@@ -32,9 +32,11 @@ from shared.messages import (
     ResultRecord,
     Tier,
 )
+from shared.shadows import ShadowScore
 from shared.telemetry import SENT_AT_HEADER
 from shared.topics import Topics
 from shared.variants import ModelRollout
+from shared.verdicts import ModelVerdicts
 
 if TYPE_CHECKING:
     from tokenbus.commands import Subcommands
@@ -111,6 +113,8 @@ SCHEMAS: dict[str, tuple[Any, JsonSchemaMode]] = {
     "LeaseRecord": (LeaseRecord, "serialization"),
     "CacheEntry": (CacheEntry, "serialization"),
     "ModelRollout": (ModelRollout, "serialization"),
+    "ShadowScore": (ShadowScore, "serialization"),
+    "ModelVerdicts": (ModelVerdicts, "serialization"),
 }
 
 REQUEST = Message(
@@ -195,6 +199,25 @@ ROLLOUT = Message(
     "One model's variants and their shares of its conversations (the baseline takes the"
     " rest); the latest record per model is the rollout every scheduler routes by.",
     "ModelRollout",
+    "The served model name (UTF-8).",
+    headers={},
+)
+VERDICTS = Message(
+    "modelVerdicts",
+    "Canary verdicts",
+    "A scheduler's latest judgement of one model's variants against its baseline (each"
+    " window's requests, TTFT p99, error rate, quality and verdict); the latest per model is"
+    " what `tokenbus models status` shows and a promotion is checked against.",
+    "ModelVerdicts",
+    "The served model name (UTF-8).",
+    headers={},
+)
+SCORE = Message(
+    "shadowScore",
+    "Shadow score",
+    "One answer of a model's variant scored against its gold variant's answer to the same"
+    " request (exact match, token F1, ROUGE-L, quality), by the gold's worker.",
+    "ShadowScore",
     "The served model name (UTF-8).",
     headers={},
 )
@@ -303,13 +326,46 @@ def channels(topics: Topics) -> tuple[Channel, ...]:
         Channel(
             "variants",
             topics.variants,
-            "Compacted log of each model's rollout, written by `tokenbus models rollout`;"
-            " every scheduler reads all of it (docs/decisions/0054-model-variants-and-sticky"
-            "-canaries.md).",
+            "Compacted log of each model's rollout, written by `tokenbus models rollout` and"
+            " by a scheduler rolling a regressed canary back; every scheduler reads all of it"
+            " (docs/decisions/0054-model-variants-and-sticky-canaries.md).",
             (ROLLOUT,),
-            ("operator",),
+            ("operator", "scheduler"),
             ("scheduler",),
             parts[topics.variants],
+        ),
+        Channel(
+            "verdicts",
+            topics.verdicts,
+            "Compacted log of each model's canary verdicts, written by the schedulers when one"
+            " changes and every few seconds; read by `tokenbus models` (docs/decisions/0058-"
+            "canary-verdicts-and-automatic-rollback.md).",
+            (VERDICTS,),
+            ("scheduler",),
+            ("operator",),
+            parts[topics.verdicts],
+        ),
+        Channel(
+            "scores",
+            topics.scores,
+            "Shadow validation's scores, written by the gold variant's workers; every scheduler"
+            " reads those written since it started into per-variant quality metrics and its"
+            " canary windows"
+            " (docs/decisions/0057-shadow-validation.md).",
+            (SCORE,),
+            ("worker",),
+            ("scheduler",),
+            parts[topics.scores],
+        ),
+        Channel(
+            "shadow",
+            topics.shadow,
+            "The streams of shadow validation's gold runs (their reply_to): read by nobody, as"
+            " the gold's worker scores its answer itself; kept an hour.",
+            (RESULT,),
+            ("worker", "scheduler"),
+            (),
+            parts[topics.shadow],
         ),
         Channel(
             "workers",

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pydantic import Field
+from pydantic import Field, ValidationError
 
 from deploy.kafka import launcher
 from shared.health import health_port
@@ -444,7 +444,13 @@ def register(commands: Subcommands) -> None:
 
 def _up(args: argparse.Namespace) -> int:
     overrides = {"edge_host": args.host, "edge_port": args.port}
-    settings = UpSettings(**{k: v for k, v in overrides.items() if v is not None})
+    try:  # every service reads the same settings: a bad one (TOKENBUS_ROUTES) stops us here
+        settings = UpSettings(**{k: v for k, v in overrides.items() if v is not None})
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        print(f"tokenbus up: error: {where}: {first['msg']}", file=sys.stderr)
+        return 2
     try:
         cluster = launcher.Cluster.resolve(args.kafka_port, nodes=args.kafka_nodes)
     except launcher.LauncherError as exc:

@@ -69,7 +69,11 @@ class Edge:
             self.guard,
             lambda: self.gateway,
             settings.limits(),
-            ModelDirectory(settings.edge_models_stale_s, pooled=frozenset(settings.served_models)),
+            ModelDirectory(
+                settings.edge_models_stale_s,
+                pooled=frozenset(settings.served_models),
+                routes=settings.routes,
+            ),
         )
 
     @contextlib.asynccontextmanager

@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 
 import structlog
 
-from services.edge.keys import KeyStore, Principal
+from services.edge.keys import PIN_VARIANT, KeyStore, Principal
 from services.edge.protocol import (
     AuthFrame,
     ChatRequestFrame,
@@ -188,6 +188,19 @@ def unauthorized(message: str, client_id: str | None = None) -> ErrorFrame:
     return ErrorFrame(code=ErrorCode.unauthorized, message=message, client_id=client_id)
 
 
+def not_permitted(principal: Principal, request: ChatRequest) -> ErrorFrame | None:
+    """A request that does what its key may not: name its variant without the key's
+    `pin_variant` scope (services/scheduler/pinned.py)."""
+    if request.variant is None or PIN_VARIANT in principal.scopes:
+        return None
+    return ErrorFrame(
+        code=ErrorCode.invalid_request,
+        message=f"variant: this API key may not pin a variant (it lacks the {PIN_VARIANT}"
+        f" scope: `tokenbus keys create --scope {PIN_VARIANT}`)",
+        client_id=request.client_id,
+    )
+
+
 # -- the guard: one per edge process -------------------------------------------------------------
 
 
@@ -264,11 +277,15 @@ class Guard:
 
     def admit(self, principal: Principal, frame: ChatRequest, request_id: str) -> ErrorFrame | None:
         """Decide one request before anything of it reaches Kafka: the key is still valid,
-        and the tenant's quotas (as the keys file says now) have room."""
+        may do what the request asks (`not_permitted`), and the tenant's quotas (as the keys
+        file says now) have room."""
         current = self.keys.current(principal)
         if current is None:
             log.info("auth.revoked_key_used", key_id=principal.key_id)
             return unauthorized("the socket's API key was revoked", frame.client_id)
+        if refused := not_permitted(current, frame):
+            log.info("auth.not_permitted", key_id=principal.key_id, field="variant")
+            return refused
         refusal = self.quotas.admit(
             current.tenant, current.limits, request_id, request_tokens(frame)
         )

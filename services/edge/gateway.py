@@ -80,12 +80,23 @@ RESUME_TIMEOUT_S = 10.0
 
 
 def request_record(
-    request: ChatRequest, *, request_id: str, tenant: str, reply_to: ReplyTo
+    request: ChatRequest,
+    *,
+    request_id: str,
+    tenant: str,
+    reply_to: ReplyTo,
+    plan: str | None = None,
 ) -> RequestRecord:
-    """The request record of a validated request, built without validating it again."""
+    """The request record of a validated request, built without validating it again;
+    `plan`: its key's (`RequestRecord.plan`)."""
     fields = {name: getattr(request, name) for name in ChatRequest.model_fields}
     record = RequestRecord.model_construct(
-        **fields, request_id=request_id, tenant=tenant, reply_to=reply_to, created_at=time.time()
+        **fields,
+        request_id=request_id,
+        tenant=tenant,
+        reply_to=reply_to,
+        created_at=time.time(),
+        plan=plan,
     )
     record.carry_estimate(request)
     return record
@@ -171,7 +182,12 @@ class Gateway:
             return None
         tenant = self.guard.tenant_id(principal)
         return await self.open_stream(
-            request, request_id=request_id, tenant=tenant, client=client, parent=parent
+            request,
+            request_id=request_id,
+            tenant=tenant,
+            client=client,
+            parent=parent,
+            plan=principal.plan,
         )
 
     async def open_stream(
@@ -182,6 +198,7 @@ class Gateway:
         tenant: str,
         client: Client,
         parent: Mapping[str, str] | None = None,
+        plan: str | None = None,
     ) -> ResultStream | None:
         """Queue a request `submit` admitted, and open its stream to `client`.
 
@@ -189,7 +206,8 @@ class Gateway:
 
         The client is sent `chat.accepted` and then the stream's frames, or one `overloaded`
         ErrorFrame (None returned) if the request could not be queued. `parent`: headers
-        that may carry the caller's `traceparent`.
+        that may carry the caller's `traceparent`; `plan`: its key's plan, stamped on the
+        record (routes' rules match it: shared/cascades.py).
         """
         tier = request.priority or Tier.interactive
         flight = self.telemetry.begin(
@@ -230,7 +248,9 @@ class Gateway:
                 )
             )
             return None
-        record = request_record(request, request_id=request_id, tenant=tenant, reply_to=reply_to)
+        record = request_record(
+            request, request_id=request_id, tenant=tenant, reply_to=reply_to, plan=plan
+        )
         followed = reply_tp(reply_to) if self.topology.followed(reply_to) else None
         stream = self.router.open(request_id, client, followed=followed, flight=flight)
         self.metrics.streams_open.set(len(self.router))

@@ -11,6 +11,7 @@ import hashlib
 import os
 import secrets
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -19,12 +20,17 @@ import structlog
 from pydantic import Field, ValidationError
 
 from services.edge.quotas import TenantLimits
+from shared.cascades import PLAN_NAME
 from shared.messages import Model
 
 log = structlog.get_logger()
 
 KEY_PREFIX = "tb-"  # lets secret scanners and people recognise a tokenbus key
 TENANT_NAME = r"^[A-Za-z0-9._-]{1,64}$"
+# What a key may do beyond asking: `pin_variant`, name the variant of a model its requests
+# run on (`ChatRequest.variant`: offline evaluations, services/scheduler/pinned.py).
+Scope = Literal["pin_variant"]
+PIN_VARIANT: Scope = "pin_variant"
 
 
 class KeyEntry(Model):
@@ -32,6 +38,16 @@ class KeyEntry(Model):
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="SHA-256 of the key, hex.")
     tenant: str = Field(pattern=TENANT_NAME)
     created_at: float = Field(description="Unix time, seconds.")
+    scopes: list[Scope] = Field(
+        default_factory=list,
+        description="What the key may do beyond asking: pin_variant (name a request's variant).",
+    )
+    plan: str | None = Field(
+        default=None,
+        pattern=PLAN_NAME,
+        description="The key's plan, stamped on its requests: a route's rules may match it"
+        " (TOKENBUS_ROUTES); unset: none.",
+    )
 
 
 class KeysFile(Model):
@@ -75,14 +91,25 @@ def save(path: Path, keys: KeysFile) -> None:
 
 
 def add_key(
-    keys: KeysFile, tenant: str, limits: dict[str, object], now: float
+    keys: KeysFile,
+    tenant: str,
+    limits: dict[str, object],
+    now: float,
+    scopes: Sequence[Scope] = (),
+    plan: str | None = None,
 ) -> tuple[KeysFile, str, KeyEntry]:
-    """A new key for `tenant`; `limits` (fields of TenantLimits) update the tenant's limits."""
+    """A new key for `tenant`, with `scopes`; `limits` (fields of TenantLimits) update the
+    tenant's limits."""
     current = keys.tenants.get(tenant, TenantLimits())
     updated = TenantLimits.model_validate({**current.model_dump(), **limits})
     key = new_key()
     entry = KeyEntry(
-        id="k-" + secrets.token_hex(6), sha256=hash_key(key), tenant=tenant, created_at=now
+        id="k-" + secrets.token_hex(6),
+        sha256=hash_key(key),
+        tenant=tenant,
+        created_at=now,
+        scopes=sorted(set(scopes)),
+        plan=plan,
     )
     result = KeysFile(tenants={**keys.tenants, tenant: updated}, keys=[*keys.keys, entry])
     return result, key, entry
@@ -98,12 +125,15 @@ def revoke(keys: KeysFile, id_or_key: str) -> tuple[KeysFile, list[KeyEntry]]:
 
 @dataclass(frozen=True)
 class Principal:
-    """Who a valid key speaks for: the tenant's name, the key's id, the tenant's limits now."""
+    """Who a valid key speaks for: the tenant's name, the key's id, the tenant's limits now,
+    and what the key may do beyond asking."""
 
     tenant: str
     key_id: str
     key_sha256: str
     limits: TenantLimits
+    scopes: frozenset[str] = frozenset()
+    plan: str | None = None  # stamped on its requests (RequestRecord.plan)
 
 
 class KeyStore:
@@ -155,6 +185,9 @@ class KeyStore:
             return
         limits = {e.tenant: keys.tenants.get(e.tenant, TenantLimits()) for e in keys.keys}
         self._by_hash = {
-            e.sha256: Principal(e.tenant, e.id, e.sha256, limits[e.tenant]) for e in keys.keys
+            e.sha256: Principal(
+                e.tenant, e.id, e.sha256, limits[e.tenant], frozenset(e.scopes), e.plan
+            )
+            for e in keys.keys
         }
         log.info("keys.loaded", path=str(self.path), keys=len(self._by_hash))

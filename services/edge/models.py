@@ -8,8 +8,10 @@ with its one consumer (`ResultReader`'s side partitions).
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
+from shared.cascades import Route
 from shared.messages import (
     BASE_SAMPLING,
     Capabilities,
@@ -49,8 +51,11 @@ class ModelDirectory:
         listening_since: float | None = None,
         grace_s: float = UNKNOWN_AFTER_S,
         pooled: frozenset[str] = frozenset(),
+        routes: Mapping[str, Route] | None = None,
     ) -> None:
         self.stale_s = stale_s
+        # Routes (TOKENBUS_ROUTES): names taken as models, each running its cascade's models.
+        self.routes = dict(routes or {})
         # Known while none of their workers is live: the scheduler holds their requests
         # while a worker starts (`served_models`, services/scheduler/cold_start.py).
         self.pooled = pooled
@@ -69,13 +74,25 @@ class ModelDirectory:
         self._first_seen.setdefault(beat.model, beat.sent_at)
 
     def served(self, now: float) -> dict[str, int]:
-        """Model name -> when it was first seen (Unix seconds), for every live worker's model."""
+        """Model name -> when it was first seen (Unix seconds; a pool's model without a live
+        worker: when this directory started), for every live worker's model and every
+        model the deployment names (`pooled`)."""
         for worker_id in [w for w, s in self._workers.items() if now - s.last_at > self.stale_s]:
             del self._workers[worker_id]
         live = {s.model for s in self._workers.values()}
         for model in [m for m in self._first_seen if m not in live]:
             del self._first_seen[model]
-        return {m: int(self._first_seen[m]) for m in sorted(live)}
+        served = {m: int(self._first_seen[m]) for m in live}
+        for model in self.pooled:
+            # A pool's model is served while none of its workers is live (scaled to zero, a
+            # worker restarting): its requests are held while one starts (cold_start.py).
+            served.setdefault(model, int(self.listening_since))
+        for name, route in self.routes.items():
+            # A route is served while a model of its cascade is: listed since the first one.
+            since = [served[m] for m in route.cascade if m in served]
+            if since:
+                served[name] = min(since)
+        return dict(sorted(served.items()))
 
     def max_model_len(self, now: float) -> dict[str, int]:
         """Model name -> the context its live workers take (the smallest, where they differ),
@@ -85,7 +102,7 @@ class ModelDirectory:
             known = [
                 s.max_model_len
                 for s in self._workers.values()
-                if s.model == model and s.max_model_len is not None
+                if self._runs(model, s.model) and s.max_model_len is not None
             ]
             if known:
                 lengths[model] = min(known)
@@ -98,7 +115,7 @@ class ModelDirectory:
         known = [
             s.max_model_len
             for s in self._workers.values()
-            if model in (None, s.model) and s.max_model_len is not None
+            if self._runs(model, s.model) and s.max_model_len is not None
         ]
         return min(known, default=None)
 
@@ -106,7 +123,15 @@ class ModelDirectory:
         """What each live worker that may run a request for `model` honours (None: the
         deployment's default model, which the edge does not know: every live worker)."""
         self.served(now)  # forgets the workers gone quiet
-        return [s.capabilities for s in self._workers.values() if model in (None, s.model)]
+        return [s.capabilities for s in self._workers.values() if self._runs(model, s.model)]
+
+    def _runs(self, model: str | None, worker_model: str) -> bool:
+        """Whether a worker of `worker_model` may run a request for `model` (a route: any
+        model of its cascade)."""
+        route = self.routes.get(model) if model is not None else None
+        if route is not None:
+            return worker_model in route.cascade
+        return model is None or model == worker_model
 
     def unknown(self, request: ChatRequest, now: float) -> tuple[str, str] | None:
         """(field, message) if the request names a model (or fallback) no live worker
@@ -116,6 +141,7 @@ class ModelDirectory:
             return None
         served = self.served(now)
         for field, model in (("model", request.model), ("fallback_model", request.fallback_model)):
-            if model is not None and model not in served and model not in self.pooled:
+            known = served.keys() | self.pooled | self.routes.keys()
+            if model is not None and model not in known:
                 return field, unknown_model_message(model, served)
         return None

@@ -42,6 +42,7 @@ from shared.messages import ReplyTo
 from shared.process import for_life
 from shared.producers import RenewingProducer
 from shared.retry import Backoff, retrying
+from shared.stacks import dump_on_signals
 from shared.topics import Topics
 
 log = structlog.get_logger()
@@ -76,6 +77,7 @@ class EdgeParts(Protocol):
 async def running(parts: EdgeParts, on_lease_lost: Callable[[], None]) -> AsyncIterator[Gateway]:
     """The gateway, with every client and loop it needs started; all stopped on exit."""
     s, topics, edge_id = parts.settings, parts.topics, parts.edge_id
+    dump_on_signals(asyncio.get_running_loop())
     async with contextlib.AsyncExitStack() as stack:
         producer = RenewingProducer(lambda: make_producer(s, client_id=edge_id))
         await producer.start()
@@ -114,7 +116,16 @@ async def running(parts: EdgeParts, on_lease_lost: Callable[[], None]) -> AsyncI
             TopicPartition(topics.control, 0),
             # Every partition: each carries every beat, but one may be away (ADR 0056).
             side=dict.fromkeys(
-                await topic_partitions(admin, topics.workers, topics.partitions()[topics.workers]),
+                # Retried like the lease: a node down at start answers NodeNotReadyError
+                # (stop 15's clean clone: edge-a exited with code 3, restarted 13 s later).
+                await retrying(
+                    lambda: topic_partitions(
+                        admin, topics.workers, topics.partitions()[topics.workers]
+                    ),
+                    within_s=None,
+                    what="heartbeat_partitions",
+                    retry_on=(KafkaError, TimeoutError),
+                ),
                 parts.openai.heartbeat,
             ),
         )
@@ -134,6 +145,19 @@ async def running(parts: EdgeParts, on_lease_lost: Callable[[], None]) -> AsyncI
             retention_s = s.edge_result_topic_retention_s
             topology = TopicTopology(topics, admin, reader, retention_s, parts.metrics)
             await reader.start(None, models_since)
+        replays = Replays(
+            lambda: make_consumer(
+                s,
+                group_id=None,
+                client_id=f"{edge_id}-replay",
+                fetch_max_wait_ms=REPLAY_FETCH_WAIT_MS,
+                request_timeout_ms=REPLAY_REQUEST_TIMEOUT_MS,
+            ),
+            timeout_s=s.edge_resume_timeout_s,
+            max_records=s.edge_resume_max_records,
+            concurrency=s.edge_resume_replays,
+        )
+        stack.push_async_callback(replays.aclose)  # after the resumes' handlers ended
         gateway = Gateway(
             s,
             topics,
@@ -146,18 +170,7 @@ async def running(parts: EdgeParts, on_lease_lost: Callable[[], None]) -> AsyncI
             metrics=parts.metrics,
             resume_keys=parts.resume_keys,
             models=parts.openai.models,
-            replays=Replays(
-                lambda: make_consumer(
-                    s,
-                    group_id=None,
-                    client_id=f"{edge_id}-replay",
-                    fetch_max_wait_ms=REPLAY_FETCH_WAIT_MS,
-                    request_timeout_ms=REPLAY_REQUEST_TIMEOUT_MS,
-                ),
-                timeout_s=s.edge_resume_timeout_s,
-                max_records=s.edge_resume_max_records,
-                concurrency=s.edge_resume_replays,
-            ),
+            replays=replays,
         )
         sweeper = TopicSweeper(
             admin,

@@ -151,7 +151,10 @@ class EdgeSettings(KeysSettings):
         " a stream further back is refused `not_found`.",
     )
     edge_resume_replays: int = Field(
-        default=16, ge=1, description="Resume replays running at once on this edge; more wait."
+        default=16,
+        ge=1,
+        description="Result partitions replayed at once for resumes on this edge, each by one"
+        " consumer for all its resumes; more wait.",
     )
     edge_models_stale_s: float = Field(
         default=10.0,

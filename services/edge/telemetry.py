@@ -226,6 +226,8 @@ class EdgeTelemetry:
             )
             if frame.variant is not None:
                 flight.root.set_attribute(semconv.VARIANT, frame.variant)
+            if frame.model is not None:  # the model that answered (a cascade's: ADR 0059)
+                flight.root.set_attribute(semconv.GEN_AI_RESPONSE_MODEL, frame.model)
             self._end(flight, outcome=frame.finish_reason, now=now)
         else:
             self._end(flight, outcome=frame.code.value, error=frame.code.value, now=now)

@@ -53,6 +53,7 @@ class Reason(StrEnum):
     reply_to_forbidden = "reply_to_forbidden"  # invalid name, internal, not authorised, or
     # (an application's record) not the application's own reply topic
     tenant_forbidden = "tenant_forbidden"  # an application's record claims another tenant
+    plan_forbidden = "plan_forbidden"  # an application's record claims a key's plan
     rate_limited = "rate_limited"  # an application over its quota (ingest_app_rps)
     not_forwarded = "not_forwarded"  # the tier topic refused it for good
     internal = "internal"  # ingest failed on it (a defect): dead-lettered, not retried
@@ -270,6 +271,9 @@ def _claims_of(body: dict[str, object], app: App) -> tuple[Reason, str] | None:
     tenant = body.get("tenant")
     if tenant is not None and tenant != app.tenant:
         return Reason.tenant_forbidden, f"tenant: app {app.name} may write as {app.tenant} only"
+    if body.get("plan") is not None:
+        # Plans belong to the edge's keys (ADR 0059): an application's requests have none.
+        return Reason.plan_forbidden, f"plan: app {app.name} has no plan; plans are API keys'"
     raw = body.get("reply_to")
     if raw is not None:
         try:

@@ -1,12 +1,11 @@
 """The scheduler process: tier topics in, batches addressed to workers out, restart-safe commits.
 
-Five tasks share one event loop: the tier reader (intake.py: records into admission,
-admitted ones into the policy), the heartbeat reader (heartbeats.py), the steps (steps.py:
-run the policy, carry out its plan through dispatch.py, commit), the liveness watch
-(liveness.py: declares workers dead and, on the one scheduler that owns interactive
-partition 0, hands their unfinished requests back) and the variants reader (variants.py:
-each model's rollout, read whole before the first request). The group's rebalances go to
-ownership.py; the Kafka clients are clients.py's.
+Tasks on one event loop: the tier reader (intake.py: records into admission, admitted
+ones into the policy), the heartbeat reader (heartbeats.py), the steps (steps.py: run the
+policy, carry out its plan through dispatch.py, commit), the liveness watch (liveness.py:
+declares workers dead; the owner of interactive partition 0 hands their requests back),
+the variants reader (variants.py: each model's rollout, read before the first request),
+the canary judge (rollback.py). Rebalances: ownership.py; Kafka clients: clients.py.
 
 Nothing read stops the flow: a tier record or heartbeat that cannot be handled is
 dead-lettered (a request answered with `invalid_request` where its `reply_to` can be
@@ -38,6 +37,7 @@ from services.scheduler.models import ModelCheck
 from services.scheduler.ownership import Ownership
 from services.scheduler.policy import Policy
 from services.scheduler.recovery import Recovery
+from services.scheduler.rollback import CanaryJudge
 from services.scheduler.settings import SchedulerSettings
 from services.scheduler.steps import Steps
 from services.scheduler.telemetry import SchedulerTelemetry
@@ -95,13 +95,13 @@ class Scheduler:
             clients.variants, rollouts, clients.admin, topics.variants, telemetry.shares
         )
         self._dead_letter = answerer.dead_letter
+        self.canaries = CanaryJudge(s, rollouts, clients.producer, clients.scores)  # rollback.py
         self.intake = TierIntake(
             s, ledger, admission, policy, answerer, telemetry, steps.hand_on, wake, rollouts
         )
         self.ownership = Ownership(s, clients.admin, self.intake, self.steps, batch_log, log_lock)
-        self.heartbeats = HeartbeatReader(
-            clients.beats, workers, answerer, lambda: set(self._start_ends), topics.batches, wake
-        )
+        beats = (clients.beats, workers, answerer, lambda: set(self._start_ends), topics.batches)
+        self.heartbeats = HeartbeatReader(*beats, wake, self.canaries.beat)
         recovery = Recovery(s, clients.admin, batch_log, clients.producer, log_lock)
         grace_s = s.scheduler_recovery_grace_ms / 1000.0
         self.liveness = Liveness(grace_s, workers, recovery, self.leads_recovery, wake)
@@ -124,6 +124,7 @@ class Scheduler:
             tg.create_task(for_life("steps", self.steps.run()))
             tg.create_task(for_life("liveness", self.liveness.run()))
             tg.create_task(for_life("variants reader", self.rollouts.run(self._dead_letter)))
+            tg.create_task(for_life("canary judge", self.canaries.run()))
 
     async def _start(self) -> None:
         parts = await self._partitions(self.topics.batches)

@@ -53,6 +53,7 @@ class Passenger(Generic[T]):
     fallback: str | None = None  # the model it may run on instead (models.py)
     prefix: str | None = None  # prefix key (shared/prefixes.py): prefix-affinity routing
     variant: str | None = None  # the variant of `model` it runs on; None: the baseline
+    pinned: bool = False  # its variant was named by the request: it never moves off it
 
 
 class Lane(Generic[T]):
@@ -165,6 +166,7 @@ class Backlog(Generic[T]):
         fallback: str | None = None,
         prefix: str | None = None,
         variant: str | None = None,
+        pinned: bool = False,
     ) -> Passenger[T]:
         key = self.lane_of(tier, prompt_tokens, model, variant)
         number = next(self._numbers)
@@ -181,6 +183,7 @@ class Backlog(Generic[T]):
             fallback=fallback,
             prefix=prefix,
             variant=variant,
+            pinned=pinned,
         )
         self._enter(key, p)
         return p

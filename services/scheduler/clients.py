@@ -12,6 +12,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 from services.scheduler.settings import SchedulerSettings
 from shared.kafka import make_admin, make_consumer, make_producer
 from shared.producers import RenewingProducer
+from shared.topics import Topics
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,7 @@ class Clients:
     beats: AIOKafkaConsumer  # heartbeats, assigned
     log_reader: AIOKafkaConsumer  # the batches topic, read at take-over and recovery
     variants: AIOKafkaConsumer  # the models' rollouts, assigned, read whole (variants.py)
+    scores: AIOKafkaConsumer  # shadow scores, every partition from the end (scores.py)
     admin: AIOKafkaAdminClient
 
     @classmethod
@@ -52,6 +54,14 @@ class Clients:
             ),
             log_reader=make_consumer(s, group_id=None, client_id=f"{client_id}-log"),
             variants=make_consumer(s, group_id=None, client_id=f"{client_id}-variants"),
+            scores=make_consumer(
+                s,
+                Topics(s.topic_prefix).scores,
+                group_id=None,  # subscribed without a group: every partition, found anew
+                client_id=f"{client_id}-scores",
+                auto_offset_reset="latest",
+                long_poll=True,
+            ),
             admin=make_admin(s, client_id=client_id),
         )
 
@@ -63,7 +73,7 @@ class Clients:
             stack.push_async_callback(self.producer.stop)
             await self.admin.start()
             stack.push_async_callback(self.admin.close)
-            for consumer in (self.log_reader, self.beats, self.variants):
+            for consumer in (self.log_reader, self.beats, self.variants, self.scores):
                 await consumer.start()
                 stack.push_async_callback(consumer.stop)
             stack.push_async_callback(self.tiers.stop)

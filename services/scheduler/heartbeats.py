@@ -36,6 +36,7 @@ class HeartbeatReader:
         batch_partitions: Callable[[], set[int]],
         batches_topic: str,
         wake: asyncio.Event,
+        observe: Callable[[Heartbeat], None] = lambda _: None,
     ) -> None:
         self._consumer = consumer
         self._workers = workers
@@ -43,6 +44,7 @@ class HeartbeatReader:
         self._batch_partitions = batch_partitions
         self._batches_topic = batches_topic
         self._wake = wake
+        self._observe = observe  # told every usable beat, replayed ones too (the canaries')
         self._live_from: dict[TopicPartition, int] = {}  # heartbeats below: replayed
 
     async def seek_recent(self, tps: list[TopicPartition]) -> None:
@@ -74,6 +76,7 @@ class HeartbeatReader:
                         log.error("heartbeat.invalid", offset=record.offset, error=problem)
                         await self._answerer.dead_letter(record, f"invalid heartbeat: {problem}")
                         continue
+                    self._observe(beat)
                     # Read back at start-up: proof of life only if it is this fresh.
                     stale = now - beat.sent_at > beat.interval_ms / 1000.0
                     replayed = record.offset < live_from and stale

@@ -19,9 +19,12 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from services.scheduler.admission import Admission, Answer, Poison, Queue, Skip, Waiting
 from services.scheduler.answers import Answerer
+from services.scheduler.cascades import on_route
 from services.scheduler.ledger import Ledger
+from services.scheduler.pinned import placement
 from services.scheduler.policy import Policy
 from services.scheduler.settings import SchedulerSettings
+from services.scheduler.shadows import shadowed
 from services.scheduler.telemetry import SchedulerTelemetry
 from services.scheduler.variants import Rollouts
 from shared.fetches import Fetched, fetches
@@ -105,14 +108,20 @@ class TierIntake:
             self._wake.set()
 
     def _queue(self, w: Waiting, now: float) -> None:
-        request = w.request
-        self.telemetry.arrived(request)
+        self.telemetry.arrived(w.request)
         s = self.settings
-        model = request.model or s.scheduler_default_model
+        # A route's request runs on the model of its cascade step (cascades.py, ADR 0059).
+        w, model = on_route(w, w.request.model or s.scheduler_default_model, s.routes)
+        request = w.request
         # The conversation's key (its prefix key) picks its variant: the same on every turn
-        # and every scheduler while the model's shares stay as they are (ADR 0054).
+        # and every scheduler while the model's shares stay as they are (ADR 0054); a
+        # request that names its variant runs on that one only (pinned.py).
         key = prefix_key(request, request.tenant)
-        variant = self.rollouts.variant_of(model, key)
+        fallback = request.fallback_model or s.fallback_model(request.tier)
+        placed = placement(self.rollouts, model, key, request.variant, fallback)
+        variant = placed.variant
+        # A sample is also run on the model's gold variant, and scored (shadows.py).
+        w = shadowed(w, self.rollouts, model, variant)
         if model is not None:
             self.telemetry.variant_chosen(model, variant)
         self.policy.add(
@@ -124,9 +133,10 @@ class TierIntake:
             deadline_at=request.deadline_at,
             tenant=request.tenant,
             model=model,
-            fallback=request.fallback_model or s.fallback_model(request.tier),
+            fallback=placed.fallback,
             prefix=key if self.policy.router.mode == "prefix" else None,
             variant=variant,
+            pinned=placed.pinned,
         )
 
     def _owned(self, consumer: AIOKafkaConsumer, fetched: Fetched) -> Fetched:

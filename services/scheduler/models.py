@@ -64,7 +64,8 @@ def to_baseline(backlog: Backlog[T], live: Iterable[Serving]) -> list[tuple[Pass
 
     `live`: every live worker's model and variant (full ones too: a variant whose workers
     are busy keeps its requests). Where neither has a live worker, the requests wait on
-    their variant (its worker may be starting).
+    their variant (its worker may be starting). A request pinned to its variant (its own
+    `variant` field) never moves: it waits for the variant's worker until its deadline.
     """
     serving = set(live)
     out: list[tuple[Passenger[T], str]] = []
@@ -75,6 +76,8 @@ def to_baseline(backlog: Backlog[T], live: Iterable[Serving]) -> list[tuple[Pass
         if not any(serves_lane(w, key._replace(variant=None)) for w in serving):
             continue
         for p in list(lane):
+            if p.pinned:
+                continue
             backlog.to_baseline(p)
             out.append((p, key.variant))
     return out

@@ -119,6 +119,7 @@ class Policy(Generic[T]):
         fallback: str | None = None,
         prefix: str | None = None,
         variant: str | None = None,
+        pinned: bool = False,
     ) -> Passenger[T] | None:
         """Queue a request; None if it can never ride (larger than its tier's token budget)."""
         if cost > self.config.tiers[tier].max_batch_tokens:
@@ -135,6 +136,7 @@ class Policy(Generic[T]):
             fallback=fallback if fallback != model else None,
             prefix=prefix,
             variant=variant,
+            pinned=pinned,
         )
 
     def plan(self, now: float, workers: Sequence[WorkerSlots]) -> Plan[T]:

@@ -8,6 +8,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from services.scheduler.canary import CanaryRule
 from services.scheduler.departure import AdaptiveRule, CostModel, DepartureRule, FixedRule
 from services.scheduler.limits import PolicyConfig, TierLimits
 from services.scheduler.routing import DEFAULT_HOLD_S, DEFAULT_LOAD_FACTOR, Router, RoutingMode
@@ -174,6 +175,66 @@ class SchedulerSettings(TokenbusSettings):
         " its `retry_after_ms`; the others are held while a worker starts.",
     )
 
+    # Canaries (ADR 0058): each variant's window against its baseline's.
+    scheduler_canary_window_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="The sliding window a canary is judged over (its workers' outcomes and"
+        " its shadow scores), seconds.",
+    )
+    scheduler_canary_min_requests: int = Field(
+        default=50,
+        ge=1,
+        description="Requests a variant and its baseline must each have ended in the window"
+        " before their TTFT p99 and error rates are compared (and a promotion allowed).",
+    )
+    scheduler_canary_min_scores: int = Field(
+        default=20,
+        ge=1,
+        description="Shadow scores a variant must have in the window before its quality is"
+        " compared with the baseline's.",
+    )
+    scheduler_canary_ttft_p99_ratio: float = Field(
+        default=1.5,
+        gt=1.0,
+        description="A variant regresses on latency when its TTFT p99 is above the baseline's"
+        " times this (and by more than scheduler_canary_ttft_min_excess_ms).",
+    )
+    scheduler_canary_ttft_min_excess_ms: float = Field(
+        default=100.0,
+        ge=0,
+        description="A variant regresses on latency only if its TTFT p99 is also this much"
+        " above the baseline's (a few ms more on a fast model is noise, not a regression).",
+    )
+    scheduler_canary_error_rate_excess: float = Field(
+        default=0.02,
+        ge=0,
+        le=1,
+        description="A variant regresses on errors when its error rate (`internal` errors"
+        " over requests ended) is above the baseline's by more than this (0.02: 2 points).",
+    )
+    scheduler_canary_quality_drop: float = Field(
+        default=0.1,
+        ge=0,
+        le=1,
+        description="A variant regresses on quality when its mean shadow score is below the"
+        " baseline's (1 where the baseline is the gold) by more than this.",
+    )
+    scheduler_canary_rollback: bool = Field(
+        default=True,
+        description="Roll a regressed variant back (its share to 0 on the variants topic);"
+        " false: judge, publish and count only.",
+    )
+    scheduler_canary_judge_ms: float = Field(
+        default=1000.0, gt=0, description="How often the canaries are judged."
+    )
+    scheduler_canary_publish_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="Verdicts are written to the verdicts topic when one changes, and this"
+        " often while none does (what `tokenbus models status` shows).",
+    )
+
     @model_validator(mode="after")
     def _valid_policy(self) -> SchedulerSettings:
         self.policy_config()  # raises ValueError on inconsistent limits
@@ -200,6 +261,17 @@ class SchedulerSettings(TokenbusSettings):
             bucket_edges=self.scheduler_bucket_edges,
             fair_share=self.scheduler_fair_share,
             tenant_weights=dict(self.scheduler_tenant_weights),
+        )
+
+    def canary_rule(self) -> CanaryRule:
+        return CanaryRule(
+            window_s=self.scheduler_canary_window_s,
+            min_requests=self.scheduler_canary_min_requests,
+            min_scores=self.scheduler_canary_min_scores,
+            ttft_p99_ratio=self.scheduler_canary_ttft_p99_ratio,
+            ttft_min_excess_s=self.scheduler_canary_ttft_min_excess_ms / 1000.0,
+            error_rate_excess=self.scheduler_canary_error_rate_excess,
+            quality_drop=self.scheduler_canary_quality_drop,
         )
 
     def fallback_model(self, tier: Tier) -> str | None:

@@ -83,6 +83,10 @@ class Steps:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(min(sleep, LONGEST_SLEEP_S)):
                         await self._wake.wait()
+            # A step due at once (or a set wake) awaits nothing up to here, and a step that
+            # sends nothing awaits nothing either: without this the loop could hold the
+            # event loop for good (finding 16), and no rebalance, heartbeat or read ran.
+            await asyncio.sleep(0)
             self._wake.clear()
             async with self.lock:
                 now = time.time()
@@ -200,6 +204,8 @@ class Steps:
         if only is not None:
             entries = {tp: e for tp, e in entries.items() if tp in only}
         if not entries:
+            if only is None:  # nothing moved since the last commit: none is due
+                self._handed_on = False
             return
         try:
             await self._tiers.commit(entries)

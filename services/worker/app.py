@@ -21,6 +21,7 @@ from services.worker.batches import BatchLoop
 from services.worker.beat_producers import BeatProducers
 from services.worker.cache_writes import CacheWriter
 from services.worker.cancel import CancelBook, CancelListener, control_consumer
+from services.worker.cascade import Cascade
 from services.worker.drain import Drain
 from services.worker.engines.base import Engine
 from services.worker.engines.factory import static_engine
@@ -55,13 +56,12 @@ class Worker:
 
     async def run(self) -> None:
         s = self.settings
-        topics = Topics(s.topic_prefix)
         intake = BatchIntake(s)
         # Renewed if an outage breaks its sequence numbers (shared/producers.py).
         producer = RenewingProducer(lambda: make_producer(s, client_id=f"worker-{s.worker_id}"))
         beats = BeatProducers(s)  # the heartbeats', one per partition (ADR 0056)
         batches = intake.consumer()
-        control = control_consumer(s, topics)
+        control = control_consumer(s, Topics(s.topic_prefix))
         async with contextlib.AsyncExitStack() as stack:  # stops what started, in reverse
             for client in (producer, beats, control, batches):
                 await client.start()
@@ -92,8 +92,7 @@ class Worker:
         telemetry, runs = WorkerTelemetry(), RunningRequests(engine)
         drain = self._drain = Drain(s.worker_drain_timeout_s)
         liveness = Liveness.starting(s, intake, runs)  # starting up is no silence
-        answers = Answers(producer, s)
-        early_cancels = CancelBook()
+        answers, early_cancels = Answers(producer, s), CancelBook()
         heartbeats = Heartbeats(s, beats, engine, intake, liveness, drain, telemetry, load_s=load_s)
         cancels = CancelListener(engine, early_cancels, answers)
         if self._drain_on_sigterm:
@@ -122,6 +121,8 @@ class Worker:
                 model=s.worker_model,
                 variant=s.worker_variant,
                 cache=CacheWriter(outbox, topics.cache, s.worker_model),
+                cascade=Cascade.of(s, outbox, liveness.epoch_now),
+                topics=topics,  # shadow validation's writes (shadow.py)
             )
             loop = BatchLoop(
                 intake,

@@ -214,7 +214,7 @@ class BatchLoop:
         except BaseException:
             self._intake.finished(request)
             raise
-        if outcome in ("answered", "superseded"):
+        if outcome in ("answered", "superseded", "escalated"):
             self._intake.finished(request)
         return outcome
 

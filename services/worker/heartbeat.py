@@ -176,4 +176,5 @@ class Heartbeats:
             max_model_len=engine.context_length,
             capabilities=Capabilities(engine=engine.name, sampling=engine.sampling_fields),
             load_s=self._load_s,
+            outcomes=self._telemetry.outcomes.snapshot(),
         )

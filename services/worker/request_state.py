@@ -88,7 +88,9 @@ class RequestState:
     final_sent_at: float | None = None
     stopping: Stopping | None = None
     gaps: ChunkGaps = field(default_factory=ChunkGaps)
-    chunks: list[str] = field(default_factory=list)  # kept only for the response cache
+    chunks: list[str] = field(default_factory=list)  # kept for the response cache, or:
+    keep_answer: bool = False  # a cascade's verifier reads the answer (services/worker/cascade.py)
+    logprobs: list[float] = field(default_factory=list)  # the answer's, where kept and given
     exited: asyncio.Event = field(default_factory=asyncio.Event)
     _timer: asyncio.TimerHandle | None = None
     _ended: asyncio.Future[EngineFinish] | None = None  # push mode: the run waits on it
@@ -213,8 +215,10 @@ class RequestState:
         coalescer = self.coalescer
         self.gaps.chunk(time.monotonic(), coalescer.last_wait, coalescer.last_overdue)
         self.writer.send_encoded(self._frames.encode(self.seq, text, coalescer.last_logprobs))
-        if self.request.cache_key is not None:
+        if self.request.cache_key is not None or self.keep_answer:
             self.chunks.append(text)
+        if self.keep_answer and coalescer.last_logprobs:
+            self.logprobs.extend(t.logprob for t in coalescer.last_logprobs)
         self.seq += 1
 
     def _arm(self) -> None:

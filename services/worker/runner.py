@@ -17,6 +17,7 @@ from typing import Literal, cast
 import structlog
 
 from services.worker.cache_writes import CacheWriter
+from services.worker.cascade import Cascade
 from services.worker.coalesce import Coalescer
 from services.worker.engines.base import (
     ChatTurn,
@@ -30,10 +31,12 @@ from services.worker.engines.base import (
 from services.worker.outbox import ResultOutbox
 from services.worker.replies import Fenced, ReplyFailed, ReplyWriter
 from services.worker.request_state import RequestState, RunningRequests
+from services.worker.shadow import Shadows
 from services.worker.telemetry import RunTrace, WorkerTelemetry
 from shared.messages import DoneResult, ErrorCode, ErrorResult, QueuedRequest, Tier
 from shared.prefixes import cache_salt
 from shared.telemetry import carrier
+from shared.topics import Topics
 
 log = structlog.get_logger()
 
@@ -41,8 +44,10 @@ log = structlog.get_logger()
 # be run again as the next attempt: "handed_back" (asked to stop: a drain or a fencing),
 # "rerun" (its own records could not be written, or its worker was fenced meanwhile); or
 # "superseded": a later attempt of the same request came to this worker (it had been
-# declared dead while it ran this one), so this one stops without a word and is done.
-RunOutcome = Literal["answered", "handed_back", "rerun", "superseded"]
+# declared dead while it ran this one), so this one stops without a word and is done; or
+# "escalated": its answer failed its route's verifier and its next attempt, on the
+# cascade's next model, is stored on its tier topic (cascade.py).
+RunOutcome = Literal["answered", "handed_back", "rerun", "superseded", "escalated"]
 
 
 def engine_request(
@@ -112,6 +117,8 @@ class RequestRunner:
         model: str | None = None,
         variant: str | None = None,
         cache: CacheWriter | None = None,
+        cascade: Cascade | None = None,
+        topics: Topics | None = None,
     ) -> None:
         self._engine = engine
         # Pushed to from its step loop where it can (the sim engine), else its streams read.
@@ -119,6 +126,11 @@ class RequestRunner:
         self._model = model  # the model this worker serves: named in every answer
         self._variant = variant  # and the variant of it (None: the baseline)
         self._cache = cache
+        self._cascade = cascade  # None: no route configured
+        # Shadow validation's gold runs and scores (shadow.py); None: not written (unit tests).
+        self._shadows = (
+            None if topics is None or model is None else Shadows(outbox, topics, model, variant)
+        )
         self._outbox = outbox
         self._telemetry = telemetry
         self._epoch_now = epoch_now
@@ -170,6 +182,8 @@ class RequestRunner:
             coalescer,
             model=self._model,
             variant=self._variant,
+            keep_answer=(self._cascade is not None and self._cascade.watches(request))
+            or (self._shadows is not None and self._shadows.keeps(request)),
         )
         self.runs.start(state)
         try:
@@ -212,6 +226,10 @@ class RequestRunner:
             return await self._stop_for_hand_back(state)
         if failure is None:
             state.flush_rest()
+        # A route's answer that fails its verifier is not sent: the next model answers.
+        if failure is None and self._cascade and (up := self._cascade.decide(state, finish)):
+            await self._cascade.escalate(state, up, trace)
+            return "escalated"
         final = state.final(finish, failure)
         state.final_sent_at = time.time()
         # The final record carries the request's trace context on to the edge.
@@ -220,6 +238,8 @@ class RequestRunner:
         if self._cache is not None and isinstance(final, DoneResult):
             # Only now: a complete answer whose every record is stored.
             self._cache.store(request, state.chunks, final)
+        if self._shadows is not None and isinstance(final, DoneResult):
+            await self._shadows.answered(request, state.chunks, final)  # gold run, or score
         self._telemetry.answered(trace, state, final)
         state.log_finished(final, finish)
         return "answered"

@@ -104,9 +104,10 @@ class WorkerSettings(TokenbusSettings):
     # sim engine
     worker_sim_profile: str = Field(
         default="constant",
-        pattern="^(constant|llama3-8b-h100|llama3-8b-h200|smollm2-cpu)$",
-        description="constant: worker_sim_token_rate per sequence; llama3-8b-*: GPU cost"
-        " models; smollm2-cpu: fitted to SmolLM2 on vLLM's CPU build (docs/sim-profiles.md).",
+        pattern="^(constant|llama3-8b-h100|llama3-8b-h200|llama3-70b-fp8-h200|smollm2-cpu)$",
+        description="constant: worker_sim_token_rate per sequence; llama3-8b-*,"
+        " llama3-70b-fp8-h200: GPU cost models; smollm2-cpu: fitted to SmolLM2 on vLLM's CPU"
+        " build (docs/sim-profiles.md).",
     )
     worker_sim_token_rate: float = Field(default=50.0, gt=0, description="sim: tokens/s/seq.")
     worker_sim_prefix_cache_tokens: int | None = Field(
@@ -126,6 +127,23 @@ class WorkerSettings(TokenbusSettings):
         min_length=8,
         description="sim scripted answers (tests only; unset in production): a request whose"
         " prompt contains this text is answered with the prompt's text after it, verbatim.",
+    )
+
+    worker_sim_refuse_share: float = Field(
+        default=0.0,
+        ge=0.0,
+        le=1.0,
+        description="sim (tests and benches of cascades; 0 in production): the share of prompts"
+        " (chosen by a hash of the prompt) answered with a refusal the cascade's refusal"
+        " verifier catches (services/worker/engines/sim_refusals.py).",
+    )
+    worker_sim_wrong_share: float = Field(
+        default=0.0,
+        ge=0.0,
+        le=1.0,
+        description="sim (tests and canary drills of shadow validation; 0 in production): the"
+        " share of prompts (chosen by a hash of the prompt) answered with other text than a"
+        " faithful sim worker gives (services/worker/engines/sim_wrong.py).",
     )
 
     # vllm and transformers engines

@@ -29,6 +29,7 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Link, Span, SpanContext, SpanKind, Status, StatusCode
 
+from services.worker.outcomes import OutcomeCounts
 from services.worker.request_state import RequestState
 from shared import semconv
 from shared.messages import Batch, DoneResult, ErrorCode, ErrorResult, QueuedRequest
@@ -81,6 +82,7 @@ class WorkerTelemetry:
         self._recording = tracing_on() if recording is None else recording
         self._received: OrderedDict[str, SpanContext] = OrderedDict()
         self._engine_cpu_s = 0.0
+        self.outcomes = OutcomeCounts()  # carried by every heartbeat (ADR 0058)
 
     def batch_received(self, batch: Batch, record: Any, consumer: Any, partition: Any) -> None:
         """A batch record was read: count it, and record its `receive` span in the batch's trace."""
@@ -162,8 +164,8 @@ class WorkerTelemetry:
     def run_ended(self, run: RunTrace, request: QueuedRequest, outcome: str) -> None:
         if run.span is not None:
             run.span.set_attribute(semconv.RUN_OUTCOME, outcome)
-        if outcome == "handed_back":
-            self._metrics.requests.labels(request.tier.value, "handed_back").inc()
+        if outcome in ("handed_back", "escalated"):  # escalated: on to a cascade's next model
+            self._metrics.requests.labels(request.tier.value, outcome).inc()
 
     @staticmethod
     def final_headers(run: RunTrace, sent_at: float) -> Headers:
@@ -174,6 +176,7 @@ class WorkerTelemetry:
         """The final record is stored: record the request's worker stages and its metrics."""
         tier = state.request.tier.value
         metrics = self._metrics
+        self.outcomes.record(state.request, final)
         if isinstance(final, DoneResult):
             usage = final.usage
             metrics.observe_done(
@@ -232,6 +235,8 @@ class WorkerTelemetry:
             )
         if state.variant is not None:
             span.set_attribute(semconv.VARIANT, state.variant)
+        if state.model is not None:  # the model that answered (a cascade's: ADR 0059)
+            span.set_attribute(semconv.GEN_AI_RESPONSE_MODEL, state.model)
         if isinstance(final, DoneResult):
             span.set_attributes(
                 {

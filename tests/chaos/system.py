@@ -17,6 +17,7 @@ import time
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 from deploy.kafka import launcher
@@ -49,6 +50,8 @@ class Brokers(Protocol):
 
     def leader(self, topic: str, partition: int) -> int: ...
 
+    def coordinator(self, group: str) -> int: ...
+
     def kill(self, node: int) -> None: ...
 
     def restart(self, node: int) -> None: ...
@@ -77,6 +80,22 @@ def _healthy(port: int) -> bool:
 async def _create_topics(stack: Stack) -> None:
     await wait_for_broker(stack.settings, timeout_s=60)
     await create_topics(stack.settings, stack.topics.partitions())
+
+
+def _lines_since(path: Path, start: int) -> list[str]:
+    """The lines a log got after its first `start` bytes."""
+    with path.open("rb") as f:
+        f.seek(start)
+        return f.read().decode(errors="replace").splitlines()
+
+
+async def _coordinator(bootstrap: str, group: str) -> int:
+    admin = make_admin(TokenbusSettings(KAFKA_BOOTSTRAP_SERVERS=bootstrap))
+    await admin.start()
+    try:
+        return int(await admin.find_coordinator(group))
+    finally:
+        await admin.close()
 
 
 @dataclass(frozen=True)
@@ -113,6 +132,9 @@ class LocalCluster:
 
     def leader(self, topic: str, partition: int) -> int:
         return asyncio.run(_leader(self.cluster.bootstrap_servers, topic, partition))
+
+    def coordinator(self, group: str) -> int:
+        return asyncio.run(_coordinator(self.cluster.bootstrap_servers, group))
 
     def kill(self, node: int) -> None:
         launcher.kill_node(self.cluster, node)
@@ -222,6 +244,37 @@ class ChaosSystem:
     def kill(self, name: str) -> None:
         self.stack.stop_service(self.services[name].key, signal.SIGKILL)
 
+    def dump_stacks(self, timeout_s: float = 10.0) -> dict[str, list[str]]:
+        """Where every task of every running service waits (shared/stacks.py): SIGUSR2 and
+        SIGUSR1 to each, then what its log got since (threads' stacks, `task.stack` lines),
+        by service."""
+        logs: dict[str, tuple[Path, int]] = {}
+        for name, service in self.services.items():
+            proc = self.stack.processes.get(service.key)
+            path = self.stack.log_dir / f"{self.stack.prefix}-{service.key}.log"
+            if proc is None or proc.poll() is not None or not path.exists():
+                continue
+            logs[name] = (path, path.stat().st_size)
+            os.kill(proc.pid, signal.SIGUSR2)  # threads, even with the loop blocked
+            os.kill(proc.pid, signal.SIGUSR1)  # tasks
+        stacks: dict[str, list[str]] = {}
+        deadline = time.monotonic() + timeout_s
+        while logs and time.monotonic() < deadline:
+            for name, (path, start) in list(logs.items()):
+                lines = _lines_since(path, start)
+                if any("task.stacks_dumped" in line for line in lines):
+                    stacks[name] = [
+                        line
+                        for line in lines
+                        if "task.stack" in line
+                        or line.startswith(("Thread ", "Current thread", "  File"))
+                    ]
+                    del logs[name]
+            time.sleep(0.2)
+        for name, (path, start) in logs.items():  # the loop is blocked: its threads say where
+            stacks[name] = ["(no answer to SIGUSR1)", *_lines_since(path, start)[:60]]
+        return stacks
+
     def workers_heard(self) -> set[str]:
         values = self.stack.read(self.stack.topics.workers)
         return {Heartbeat.model_validate_json(v).worker_id for v in values}
@@ -321,7 +374,15 @@ class Injector:
         topic_kind, partition = fault.target.split("/")
         topics = self.system.stack.topics
         topic = topics.requests if topic_kind == "requests" else topics.results
-        node = await asyncio.to_thread(brokers.leader, topic, int(partition))
+        if fault.kind in HANG_KINDS and os.environ.get("TOKENBUS_CHAOS_HANG") == "coordinator":
+            # For a diagnosis: hang the node coordinating the scheduler's group instead
+            # (findings 14 and 16 showed only when the hung node was that one).
+            group = f"{self.system.stack.prefix}.scheduler"
+            node = await asyncio.to_thread(brokers.coordinator, group)
+            of = f"coordinator of {group}"
+        else:
+            node = await asyncio.to_thread(brokers.leader, topic, int(partition))
+            of = f"leader of {fault.target}"
         struck = time.monotonic() - zero
         if fault.kind in BROKER_KINDS:
             await asyncio.to_thread(brokers.kill, node)
@@ -345,7 +406,7 @@ class Injector:
                 await asyncio.to_thread(self.network.clear, node)
             what = f"{fault.kind} on node {node} for {fault.down_s:.1f}s"
         label = f"{fault.kind} (node {node})"
-        self._played(f"t={struck:5.1f}s {what} (leader of {fault.target})", zero, label, struck)
+        self._played(f"t={struck:5.1f}s {what} ({of})", zero, label, struck)
 
     def _played(self, what: str, zero: float, label: str, struck: float) -> None:
         ended = time.monotonic() - zero

@@ -33,6 +33,12 @@ from tests.processes import free_port_run
 
 START_TIMEOUT_S = 10.0
 API_TIMEOUT_S = 5.0
+# Adding or removing a toxic waits, under the proxy's lock, until every connection's toxic
+# goroutine takes the change; one blocked writing to a peer that reads slowly (a 32 KB/s
+# bandwidth toxic draining a big fetch answer) holds it for tens of seconds. The server
+# finishes the change whatever the client does, so the client waits it out (chaos seed
+# 294815970: a 5 s DELETE of `bandwidth_downstream` timed out and ended the run).
+CHANGE_TIMEOUT_S = 120.0
 
 Stream = Literal["upstream", "downstream"]
 Direction = Literal["upstream", "downstream", "both"]
@@ -194,7 +200,9 @@ class Toxiproxy:
         """Remove every toxic of `node`'s proxy: its traffic flows freely again."""
         link = self._link(node)
         for toxic in self.toxics(node):
-            self._call("DELETE", f"/proxies/{link.name}/toxics/{toxic.name}")
+            self._call(
+                "DELETE", f"/proxies/{link.name}/toxics/{toxic.name}", timeout_s=CHANGE_TIMEOUT_S
+            )
 
     def clear_all(self) -> None:
         """Remove every toxic of every proxy."""
@@ -240,22 +248,35 @@ class Toxiproxy:
                 "attributes": attributes,
             }
             try:
-                self._call("POST", f"/proxies/{link.name}/toxics", toxic)
+                self._call(
+                    "POST", f"/proxies/{link.name}/toxics", toxic, timeout_s=CHANGE_TIMEOUT_S
+                )
             except _Conflict:  # played before: the same toxic with new attributes
-                self._call("POST", f"/proxies/{link.name}/toxics/{toxic['name']}", toxic)
+                self._call(
+                    "POST",
+                    f"/proxies/{link.name}/toxics/{toxic['name']}",
+                    toxic,
+                    timeout_s=CHANGE_TIMEOUT_S,
+                )
 
     def _link(self, node: int) -> _Link:
         if node not in self._links:
             raise ValueError(f"no proxy for node {node}: the nodes are {sorted(self._links)}")
         return self._links[node]
 
-    def _call(self, method: str, path: str, body: Mapping[str, Any] | None = None) -> Any:
+    def _call(
+        self,
+        method: str,
+        path: str,
+        body: Mapping[str, Any] | None = None,
+        timeout_s: float = API_TIMEOUT_S,
+    ) -> Any:
         data = None if body is None else json.dumps(body).encode()
         request = urllib.request.Request(
             self._api + path, data=data, method=method, headers={"Content-Type": "application/json"}
         )
         try:
-            with urllib.request.urlopen(request, timeout=API_TIMEOUT_S) as response:
+            with urllib.request.urlopen(request, timeout=timeout_s) as response:
                 text = response.read().decode()
         except urllib.error.HTTPError as exc:
             detail = exc.read().decode(errors="replace").strip()

@@ -2,8 +2,10 @@
 
 One stack: edge, ingest and scheduler, two vLLM workers (`smollm2`), a continuous and a
 static transformers worker (`smollm2-hf`, `smollm2-hf-static`), all loading the same model
-folder. A WebSocket client and the official `openai` SDK ask; the answers are the model's.
-The kill -9 test ends one vLLM worker, so it runs last.
+folder, and a vLLM worker of `smollm2`'s variant `fp32` (float32 where the others run
+bfloat16), which takes no traffic but what is pinned to it (`tokenbus eval`). A WebSocket
+client and the official `openai` SDK ask; the answers are the model's. The kill -9 test
+ends one vLLM worker, so it runs last.
 """
 
 from __future__ import annotations
@@ -26,9 +28,10 @@ from tests.stack import Stack, new_prefix, wait_until
 from tokenbus.local_engine import MAX_MODEL_LEN, MODEL_NAME, LocalEngine
 
 VLLM_WORKERS = ("vllm-a", "vllm-b")
+FP32, FP32_WORKER = "fp32", "vllm-fp32"  # a variant of the model: float32, not bfloat16
 HF = "smollm2-hf"
 HF_STATIC = "smollm2-hf-static"
-# Loading a model takes 30-90 s per worker on 2 cores, four at once.
+# Loading a model takes 30-90 s per worker on 2 cores, five at once.
 LOAD_TIMEOUT_S = 420.0
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -39,6 +42,12 @@ pytestmark = pytest.mark.timeout(600)
 def bus(bootstrap: str, log_dir: Path, local_engine: LocalEngine) -> Iterator[Stack]:
     workers = {
         key: {**local_engine.worker_env("vllm"), "TOKENBUS_WORKER_ID": key} for key in VLLM_WORKERS
+    }
+    workers[FP32_WORKER] = {
+        **local_engine.worker_env("vllm"),
+        "TOKENBUS_WORKER_ID": FP32_WORKER,
+        "TOKENBUS_WORKER_VARIANT": FP32,
+        "TOKENBUS_WORKER_DTYPE": "float32",
     }
     workers["hf"] = {
         **local_engine.worker_env("transformers", model=HF, max_num_seqs=4),
@@ -460,6 +469,49 @@ def events(stack: Stack, key: str, request_id: str) -> list[dict[str, Any]]:
             if event.get("request_id") == request_id:
                 found.append(event)
     return found
+
+
+EVAL_SET: list[dict[str, Any]] = [
+    {"id": "france", "messages": FRANCE, "reference": "The capital of France is Paris."},
+    {"id": "colours", "prompt": "The three primary colours are", "max_tokens": 16},
+    {"id": "bus", "messages": [{"role": "user", "content": "What is a bus? One sentence."}]},
+    {"id": "count", "messages": [{"role": "user", "content": "Count from 1 to 5."}]},
+    {"id": "haiku", "messages": [{"role": "user", "content": "Write a haiku about Kafka."}]},
+    {"id": "seeded", "prompt": "Once upon a time", "temperature": 0.8, "seed": 7},
+]
+
+
+def test_eval_reports_float32_against_bfloat16_on_the_models_own_text(
+    bus: Stack, tmp_path: Path
+) -> None:
+    """`tokenbus eval` on two real variants: the baseline (bfloat16, the suite's own vLLM
+    workers) and `fp32` (float32), each item pinned to each, straight through Kafka."""
+    path = tmp_path / "set.jsonl"
+    path.write_text("".join(json.dumps({"max_tokens": 24, **item}) + "\n" for item in EVAL_SET))
+    out = tmp_path / "report"
+    args = ["--set", str(path), "--variants", f"baseline,{FP32}", "--out", str(out)]
+    done = bus.tokenbus("eval", *args, "--model", MODEL_NAME, "--concurrency", "4", timeout=300)
+    assert done.returncode == 0, done.stderr
+    report = json.loads((out / "report.json").read_text())
+    print(f"\n{(out / 'report.md').read_text()}")
+    items = {item["id"]: item for item in report["items"]}
+    for item in items.values():
+        for variant, answer in item["answers"].items():
+            assert answer["answered_by"] == variant, item
+            assert answer["text"], item  # the model's own words, on both
+    for variant in ("baseline", FP32):
+        assert "Paris" in items["france"]["answers"][variant]["text"]
+        assert items["france"]["against_expected"][variant]["f1"] > 0
+    [fp32] = [s for s in report["summary"] if s["variant"] == FP32]
+    scores = fp32["against_reference_variant"]
+    assert scores["compared"] == len(EVAL_SET)
+    for name in ("exact_share", "f1", "rouge_l", "quality"):
+        assert 0.0 <= scores[name] <= 1.0, scores
+    # One model in two precisions: greedy answers start alike, and may part later.
+    assert scores["rouge_l"] >= 0.25, scores
+    for item in items.values():  # every item is greedy or seeded: quality is exact match
+        agreement = item["against_reference_variant"][FP32]
+        assert agreement["quality"] == (1.0 if agreement["exact"] else 0.0), item
 
 
 def test_kill_9_of_the_serving_vllm_worker_reruns_on_the_other(bus: Stack) -> None:

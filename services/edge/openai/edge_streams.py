@@ -83,6 +83,9 @@ class EdgeStreams:
     def unknown_model(self, request: ChatRequest) -> tuple[str, str] | None:
         return self._models.unknown(request, time.time())
 
+    def routes(self) -> frozenset[str]:
+        return frozenset(self._models.routes)
+
     def heartbeat(self, value: bytes) -> None:
         """One record of the workers topic."""
         try:

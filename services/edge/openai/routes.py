@@ -109,6 +109,10 @@ class Streams(Protocol):
         """(field, message) if the request names a model no live worker serves."""
         ...
 
+    def routes(self) -> frozenset[str]:
+        """The routes' names (TOKENBUS_ROUTES): models whose answer a cascade may replace."""
+        ...
+
     async def open(
         self, principal: Principal, request: ChatRequest, client: HttpClient, headers: Headers
     ) -> None:
@@ -442,6 +446,7 @@ class OpenAIApi:
                         options is not None and options.include_usage,
                         after,
                         event_ids=event_ids,
+                        hold=model in self._streams.routes(),
                     )
                     return SseResponse(
                         self._streams, client, disconnect, sse, head, on_end, self._keepalive_s

@@ -95,11 +95,13 @@ class SamplingFields(OpenAIModel):
     stop_token_ids: list[int] | None = None
     # Extensions, as vLLM's `priority`: the tier, a deadline from acceptance, the model the
     # request may run on instead when its deadline cannot be met on `model`, and the
-    # conversation whose turns share a prompt prefix (prefix-affinity routing).
+    # conversation whose turns share a prompt prefix (prefix-affinity routing); the variant
+    # of `model` it is pinned to (keys with the pin_variant scope: `tokenbus eval`).
     priority: Priority | None = None
     deadline_ms: int | None = None
     fallback_model: str | None = None
     conversation_id: str | None = None
+    variant: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields):

@@ -88,6 +88,7 @@ def to_chat_request(body: OpenAIRequest, limits: RequestLimits) -> ChatRequest |
         "model": body.model,
         "fallback_model": body.fallback_model,
         "conversation_id": body.conversation_id,
+        "variant": body.variant,
         # Unset stays unset: the engine applies the model's defaults.
         "temperature": body.temperature,
         "top_p": body.top_p,
@@ -292,11 +293,15 @@ class SseStream:
     `after`: where a resumed client stands (its `Last-Event-ID`); None for a new request.
     `event_ids`: each event carries `id: <attempt>:<seq>` (asked for, or a resume).
     `cancel`: set when the request must be cancelled (a new attempt after text was sent).
+    `hold`: every delta is held until the answer ends, as a tool answer's are: a route's
+    answer may be replaced by a later model of its cascade (a `reset`, ADR 0059), and text
+    sent over this API cannot be taken back.
     """
 
     ident: Identity
     include_usage: bool
     after: EventId | None = None
+    hold: bool = False
     event_ids: bool = True
     ended: bool = False
     cancel: bool = False
@@ -334,7 +339,7 @@ class SseStream:
         if isinstance(frame, ErrorFrame):
             return self._error(frame_error(frame))
         out = self._opening()
-        if isinstance(frame, DeltaFrame) and self.ident.tools is not None:
+        if isinstance(frame, DeltaFrame) and (self.ident.tools is not None or self.hold):
             self._held.append(frame)
             return out
         if isinstance(frame, DeltaFrame):
@@ -345,7 +350,7 @@ class SseStream:
             return out
         self.ended = True
         self.ident = answered_by(self.ident, frame)
-        if self.ident.tools is not None:
+        if self.ident.tools is not None or self.hold:
             return out + self._tool_answer(frame)
         out.append(event(self._chunk(None, frame.finish_reason), self._id()))
         if self.include_usage:

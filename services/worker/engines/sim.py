@@ -47,7 +47,9 @@ from services.worker.engines.base import (
 )
 from services.worker.engines.sim_cache import ANSWER_HEADER, PrefixCache
 from services.worker.engines.sim_profiles import SimProfile
+from services.worker.engines.sim_refusals import refusal, refuses
 from services.worker.engines.sim_text import Completion, complete, echo
+from services.worker.engines.sim_wrong import answered_as
 from shared.tokens import sim_split, sim_tokens
 
 SimMode = Literal["continuous", "static"]
@@ -152,12 +154,16 @@ class SimEngine:
         *,
         fail_marker: str | None = None,
         echo_marker: str | None = None,
+        refuse_share: float = 0.0,
+        wrong_share: float = 0.0,
     ) -> None:
         self.profile = profile or SimProfile()
         self.mode = mode
         self.context_length: int | None = self.profile.context_length
         self.fail_marker = fail_marker or None
         self.echo_marker = echo_marker or None
+        self.refuse_share = refuse_share  # cascades' tests and benches: sim_refusals.py
+        self.wrong_share = wrong_share  # shadow validation's tests: sim_wrong.py
         self._waiting: list[tuple[int, int, _Sequence]] = []
         self._running: dict[str, _Sequence] = {}
         self._batch: _StaticBatch | None = None
@@ -239,8 +245,10 @@ class SimEngine:
         scripted = (
             echo(request.prompt, self.echo_marker, limit) if self.echo_marker is not None else None
         )
+        if scripted is None and refuses(request.prompt, self.refuse_share):
+            scripted = refusal(limit)
         plan = scripted or complete(
-            request.prompt,
+            answered_as(request.prompt, self.wrong_share),
             limit,
             request.stop,
             request.temperature,

@@ -175,6 +175,32 @@ PROFILES: dict[str, SimProfile] = {
 }
 
 
+# Llama-3-70B with FP8 weights (config.json of meta-llama/Meta-Llama-3-70B; docs/sim-profiles.md,
+# "Llama-3-70B"), bf16 KV cache, on one H200: the large model of a cascade's benchmark
+# (`make bench-cascade`), on the same GPU as `llama3-8b-h200` so their GPU-seconds compare.
+LLAMA3_70B_PARAMS = 70.55e9
+LLAMA3_70B_FP8_WEIGHT_BYTES = LLAMA3_70B_PARAMS * 1  # fp8
+LLAMA3_70B_KV_BYTES_PER_TOKEN = 2 * 80 * 8 * 128 * 2  # K and V, 80 layers, 8 KV heads x 128, bf16
+H200_FP8_DENSE_FLOPS = 1979 * TERA  # NVIDIA H200 datasheet: FP8 3,958 TFLOPS with sparsity
+PROFILES["llama3-70b-fp8-h200"] = SimProfile(
+    name="llama3-70b-fp8-h200",
+    cost=CostModel(
+        weight_bytes=LLAMA3_70B_FP8_WEIGHT_BYTES,
+        kv_bytes_per_token=LLAMA3_70B_KV_BYTES_PER_TOKEN,
+        flops_per_token=2 * LLAMA3_70B_PARAMS,
+        memory_bandwidth=4.8 * TERA,
+        peak_flops=H200_FP8_DENSE_FLOPS,
+        bandwidth_efficiency=BANDWIDTH_EFFICIENCY,
+        compute_efficiency=COMPUTE_EFFICIENCY,
+        step_overhead_s=STEP_OVERHEAD_S,
+    ),
+    prefix_cache_tokens=int(
+        (141 * GB * GPU_MEMORY_UTILIZATION - LLAMA3_70B_FP8_WEIGHT_BYTES)
+        // LLAMA3_70B_KV_BYTES_PER_TOKEN
+    ),
+)
+
+
 # SmolLM2-135M-Instruct on vLLM 0.32's CPU build, bf16, 2 cores (AVX2): fitted by
 # `make bench-real` (bench/real_engine.py) to direct AsyncLLM runs; the fit and its runs are
 # in docs/sim-profiles.md ("smollm2-cpu"), the check against the real engine in
