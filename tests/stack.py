@@ -29,6 +29,7 @@ from shared.messages import Heartbeat, Tier
 from shared.resets import SETTLE_REASON
 from shared.settings import TokenbusSettings
 from shared.topics import Topics
+from tests.stack_dumps import dump_stacks
 
 ROOT = Path(__file__).resolve().parent.parent
 CLI = "import sys; from tokenbus.cli import main; sys.exit(main())"  # `tokenbus`, by -c
@@ -271,6 +272,10 @@ class Stack:
     def log(self, key: str) -> Path:
         """The log file of the service started under `key`."""
         return self.log_dir / f"{self.prefix}-{key}.log"
+
+    def dump_stacks(self) -> dict[str, list[str]]:
+        """Where every task of every running service waits (tests/stack_dumps.py), by key."""
+        return dump_stacks({key: (proc, self.log(key)) for key, proc in self.processes.items()})
 
     def stop(self) -> None:
         for key in list(self.processes):

@@ -23,6 +23,7 @@ from websockets.exceptions import ConnectionClosed
 from deploy.kafka import launcher
 from services.worker.engines.sim_text import complete
 from shared.kafka import create_topics
+from tests import stack_dumps
 from tests.chat_client import recv_json
 from tests.processes import free_port_pair
 from tests.stack import SERVICES, Stack, free_port, new_prefix, wait_until
@@ -35,6 +36,7 @@ STREAM_TOKENS = 500  # the sim's answer ends first (100+ tokens for these prompt
 PROMPTS = ("outage stream 0", "outage stream 9", "outage stream 11")
 REFUSED_WITHIN_S = 5.0  # a request in the outage is answered this fast
 RECOVERED_WITHIN_S = 30.0  # a new request succeeds this soon after the broker is back
+LAST_EVENTS = 12  # per service, in a failure's message
 
 Frame = dict[str, Any]
 
@@ -257,5 +259,20 @@ async def scenario(stack: Stack, outage: Outage) -> None:
 
 # A fresh broker per variant, started twice in `restart`: slow on a loaded machine.
 @pytest.mark.timeout(900)
-def test_a_30s_broker_outage_is_survived_in_place(outage_stack: Stack, outage: Outage) -> None:
-    asyncio.run(scenario(outage_stack, outage))
+def test_a_30s_broker_outage_is_survived_in_place(
+    outage_stack: Stack, outage: Outage, tmp_path: Path
+) -> None:
+    try:
+        asyncio.run(scenario(outage_stack, outage))
+    except (AssertionError, TimeoutError) as exc:
+        raise AssertionError(diagnosis(outage_stack, tmp_path)) from exc
+
+
+def diagnosis(stack: Stack, tmp_path: Path) -> str:
+    """What CI can show of a failure: each service's last events and where its tasks wait
+    (the logs themselves stay on the machine that ran it)."""
+    lines = ["the outage was not survived; each service's last events:"]
+    for key in SERVICES:
+        events = [line for line in stack.log(key).read_text().splitlines() if "event=" in line]
+        lines += [f"{key}:", *(f"  {line[:300]}" for line in events[-LAST_EVENTS:])]
+    return "\n".join(lines + stack_dumps.summary(stack.dump_stacks(), tmp_path / "stacks.txt"))

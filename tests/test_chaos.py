@@ -24,7 +24,6 @@ import json
 import logging
 import os
 import random
-import re
 import shutil
 import time
 from collections.abc import Callable, Iterator
@@ -36,6 +35,7 @@ import pytest
 from bench.loadgen import warm_up
 from deploy.kafka import launcher
 from shared.kafka import create_topics
+from tests import stack_dumps
 from tests.chaos import availability
 from tests.chaos.checker import failures, judge, summarize, table
 from tests.chaos.faults import NODE_KINDS, SERVICE_KINDS, Fault, last_end_s, plan
@@ -192,7 +192,7 @@ def test_no_acknowledged_request_is_lost_or_answered_twice_under_kill_9(
     timeline = (run_dir / "chaos.log").read_text().splitlines()[-25:]
     if not summary.passed or unavailable:
         # Where each service waits now (a wedge logs nothing), at the end of the failure.
-        timeline += _stacks(system.dump_stacks(), run_dir / "stacks.txt")
+        timeline += stack_dumps.summary(system.dump_stacks(), run_dir / "stacks.txt")
     assert summary.passed, "\n" + report + "\n" + "\n".join(timeline)
     assert not unavailable, "\n".join(["", *unavailable, "", report, *timeline])
     assert summary.done >= summary.acknowledged // 2, "most requests should complete"
@@ -295,19 +295,3 @@ def _report(
         f"What the faults showed: {', '.join(f'{k}={v}' for k, v in seen.items())}\n"
         + (f"\nFirst failed requests:\n```\n{failed}\n```\n" if failed else "")
     )
-
-
-def _stacks(stacks: dict[str, list[str]], path: Path) -> list[str]:
-    """The services' task stacks, written whole to `path`; their tasks and frames returned."""
-    path.write_text("".join(f"## {name}\n" + "\n".join(ls) + "\n" for name, ls in stacks.items()))
-    out = ["", "Where each service's tasks wait (SIGUSR2, SIGUSR1: shared/stacks.py):"]
-    for name, lines in stacks.items():
-        out.append(f"{name}:")
-        for line in lines:
-            task = re.search(r"task='([^']*)'", line)
-            frames = re.search(r"frames='([^']*)'", line)
-            if task and frames:
-                out.append(f"  {task.group(1)}: {frames.group(1)}")
-            elif "task.stack" not in line:  # a thread's stack (faulthandler), as written
-                out.append(f"  {line}")
-    return out

@@ -17,7 +17,6 @@ import time
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Protocol
 
 from deploy.kafka import launcher
@@ -28,6 +27,7 @@ from tests.chaos.availability import FaultWindow
 from tests.chaos.faults import BROKER_KINDS, HANG_KINDS, Fault
 from tests.chaos.toxiproxy import Toxiproxy
 from tests.stack import Stack, free_port
+from tests.stack_dumps import dump_stacks
 
 WORKERS = ("worker-a", "worker-b")
 
@@ -80,13 +80,6 @@ def _healthy(port: int) -> bool:
 async def _create_topics(stack: Stack) -> None:
     await wait_for_broker(stack.settings, timeout_s=60)
     await create_topics(stack.settings, stack.topics.partitions())
-
-
-def _lines_since(path: Path, start: int) -> list[str]:
-    """The lines a log got after its first `start` bytes."""
-    with path.open("rb") as f:
-        f.seek(start)
-        return f.read().decode(errors="replace").splitlines()
 
 
 async def _coordinator(bootstrap: str, group: str) -> int:
@@ -245,35 +238,13 @@ class ChaosSystem:
         self.stack.stop_service(self.services[name].key, signal.SIGKILL)
 
     def dump_stacks(self, timeout_s: float = 10.0) -> dict[str, list[str]]:
-        """Where every task of every running service waits (shared/stacks.py): SIGUSR2 and
-        SIGUSR1 to each, then what its log got since (threads' stacks, `task.stack` lines),
-        by service."""
-        logs: dict[str, tuple[Path, int]] = {}
-        for name, service in self.services.items():
-            proc = self.stack.processes.get(service.key)
-            path = self.stack.log_dir / f"{self.stack.prefix}-{service.key}.log"
-            if proc is None or proc.poll() is not None or not path.exists():
-                continue
-            logs[name] = (path, path.stat().st_size)
-            os.kill(proc.pid, signal.SIGUSR2)  # threads, even with the loop blocked
-            os.kill(proc.pid, signal.SIGUSR1)  # tasks
-        stacks: dict[str, list[str]] = {}
-        deadline = time.monotonic() + timeout_s
-        while logs and time.monotonic() < deadline:
-            for name, (path, start) in list(logs.items()):
-                lines = _lines_since(path, start)
-                if any("task.stacks_dumped" in line for line in lines):
-                    stacks[name] = [
-                        line
-                        for line in lines
-                        if "task.stack" in line
-                        or line.startswith(("Thread ", "Current thread", "  File"))
-                    ]
-                    del logs[name]
-            time.sleep(0.2)
-        for name, (path, start) in logs.items():  # the loop is blocked: its threads say where
-            stacks[name] = ["(no answer to SIGUSR1)", *_lines_since(path, start)[:60]]
-        return stacks
+        """Where every task of every running service waits (tests/stack_dumps.py), by name."""
+        running = {
+            name: (proc, self.stack.log(service.key))
+            for name, service in self.services.items()
+            if (proc := self.stack.processes.get(service.key)) is not None
+        }
+        return dump_stacks(running, timeout_s)
 
     def workers_heard(self) -> set[str]:
         values = self.stack.read(self.stack.topics.workers)

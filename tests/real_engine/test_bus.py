@@ -14,6 +14,8 @@ import asyncio
 import json
 import os
 import signal
+import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -514,30 +516,41 @@ def test_eval_reports_float32_against_bfloat16_on_the_models_own_text(
         assert agreement["quality"] == (1.0 if agreement["exact"] else 0.0), item
 
 
+KILLED_ANSWER_TOKENS = 1500
+
+
 def test_kill_9_of_the_serving_vllm_worker_reruns_on_the_other(bus: Stack) -> None:
     """e. The worker streaming an answer is killed (with its vLLM engine core); the
     scheduler runs the request again on the other vLLM worker. The client sees `chat.reset`,
-    then one whole answer: every `seq` once and in order, within each attempt."""
-    prompt = [{"role": "user", "content": "Count from 1 to 100, one number per line."}]
+    then one whole answer: every `seq` once and in order, within each attempt.
 
-    async def go() -> list[dict[str, Any]]:
+    The answer is made long (`ignore_eos`, 1,500 tokens): the kill must land while the first
+    worker still streams. Stop 16's CI saw a 400-token answer that could end first: done, no
+    reset."""
+    prompt = [{"role": "user", "content": "Count from 1 to 1000, one number per line."}]
+    request = chat("k", prompt, max_tokens=KILLED_ANSWER_TOKENS, ignore_eos=True)
+
+    async def go() -> tuple[list[dict[str, Any]], float]:
         async with websockets.connect(bus.ws_url) as ws:
-            await ws.send(json.dumps({"type": "chat.request", **chat("k", prompt, max_tokens=400)}))
+            await ws.send(json.dumps({"type": "chat.request", **request}))
             frames = [await recv_json(ws, 120)]
             rid = frames[0]["request_id"]
             while sum(f["type"] == "chat.delta" for f in frames) < 3:
                 frames.append(await recv_json(ws, 120))
+            started = time.monotonic()
             victim = await asyncio.to_thread(holder, bus, rid)
             proc = bus.processes[victim]
             os.killpg(proc.pid, signal.SIGKILL)  # the worker and its vLLM engine core
+            found_s = time.monotonic() - started
             while frames[-1]["type"] not in ("chat.done", "error"):
                 frames.append(await recv_json(ws, 180))
-            return frames
+            return frames, found_s
 
-    frames = asyncio.run(go())
+    frames, found_s = asyncio.run(go())
     assert frames[-1]["type"] == "chat.done", frames[-3:]
     resets = [i for i, f in enumerate(frames) if f["type"] == "chat.reset"]
-    assert len(resets) == 1, [f["type"] for f in frames]
+    kinds = Counter(f["type"] for f in frames)
+    assert len(resets) == 1, f"{kinds}; the holder was found and killed {found_s:.1f} s in"
     before = [f for f in frames[: resets[0]] if f["type"] == "chat.delta"]
     after = [f for f in frames[resets[0] :] if f["type"] == "chat.delta"]
     assert [f["seq"] for f in before] == list(range(len(before)))
@@ -545,7 +558,7 @@ def test_kill_9_of_the_serving_vllm_worker_reruns_on_the_other(bus: Stack) -> No
     whole = "".join(f["text"] for f in after)
     partial = "".join(f["text"] for f in before)
     assert whole.startswith(partial), (partial, whole)  # greedy: the same answer, whole
-    assert frames[-1]["usage"]["completion_tokens"] > 0
+    assert frames[-1]["usage"]["completion_tokens"] == KILLED_ANSWER_TOKENS
 
 
 def holder(stack: Stack, request_id: str) -> str:
