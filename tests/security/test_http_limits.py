@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import select
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +22,7 @@ from tests.stack import UNLIMITED, Stack, new_prefix, wait_until
 MODEL = "sim-8b"
 ECHO = "ECHO-51c0de::"
 BODY_LIMIT = 1 << 20  # TOKENBUS_EDGE_MAX_FRAME_BYTES's default: the body limit
+SEND_BUFFER = 1 << 16  # the attacker's socket's
 TOKEN_RATE = 400
 TENANTS: dict[str, dict[str, object]] = {
     "two_streams": {**UNLIMITED, "sockets": 2},
@@ -71,20 +74,43 @@ def long_text(tokens: int) -> str:
     return ("abcd" * tokens)[: tokens * 4]
 
 
-async def raw_exchange(port: int, head: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(head)
-    await writer.drain()
-    return reader, writer
+def flood(port: int, head: bytes, framed: bytes, most: int) -> tuple[bytes, int]:
+    """Send `head`, then `framed` over and over until the edge answers (or `most` bytes went,
+    or a send fails: the edge closed); return the answer, read to its end, and the bytes sent.
+
+    A plain socket, not asyncio's streams: once a send fails, asyncio's transport closes
+    the socket and drops an answer it had not read yet (the edge's 413 arrives just before
+    its reset, while the sender is still writing); a plain socket still reads it.
+    """
+    sent = 0
+    pending = memoryview(framed)  # what is left of the frame in hand (sends may be partial)
+    with socket.socket() as sock:
+        # A small send buffer: what counts as sent is what the edge could have read, give
+        # or take its own receive buffer.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)
+        sock.settimeout(10)
+        sock.connect(("127.0.0.1", port))
+        sock.sendall(head)
+        while sent < most:
+            readable, writable, _ = select.select([sock], [sock], [], 5)
+            if readable or not writable:
+                break
+            try:
+                n = sock.send(pending)
+            except OSError:  # reset or broken pipe: the edge answered and closed
+                break
+            sent += n
+            pending = pending[n:] or memoryview(framed)
+        return whole_answer(sock), sent
 
 
-async def whole_answer(reader: asyncio.StreamReader, first: bytes) -> bytes:
-    """An HTTP answer read on from its `first` bytes until its body is whole: the head and
-    the body may arrive in separate reads. Ends early, with what came, on the connection's
-    end (a reset included: the answer announced its close)."""
-    data = first
+def whole_answer(sock: socket.socket) -> bytes:
+    """An HTTP answer read until its body is whole: the head and the body may arrive in
+    separate reads. Ends early, with what came, on the connection's end (a reset included:
+    the answer announced its close)."""
+    data = b""
     deadline = time.monotonic() + 10
-    while True:
+    while time.monotonic() < deadline:
         head, sep, body = data.partition(b"\r\n\r\n")
         lengths = [
             int(line.split(b":", 1)[1])
@@ -92,43 +118,31 @@ async def whole_answer(reader: asyncio.StreamReader, first: bytes) -> bytes:
             if line.startswith(b"content-length:")
         ]
         if sep and lengths and len(body) >= lengths[0]:
-            return data
+            break
         try:
-            more = await asyncio.wait_for(reader.read(65536), deadline - time.monotonic())
-        except ConnectionError:
-            return data
+            more = sock.recv(65536)
+        except OSError:
+            break
         if not more:
-            return data
+            break
         data += more
+    return data
 
 
 # -- a body without end -------------------------------------------------------------------------
 
 
-async def test_a_chunked_body_without_end_gets_413_before_it_is_read(api: Stack) -> None:
+def test_a_chunked_body_without_end_gets_413_before_it_is_read(api: Stack) -> None:
     """The attacker streams chunks for ever; the edge answers 413 once past its limit and
     closes the connection, having read about the limit, not what was sent."""
     head = (
         "POST /v1/chat/completions HTTP/1.1\r\nHost: edge\r\nContent-Type: application/json\r\n"
         f"Authorization: Bearer {api.keys['default']}\r\nTransfer-Encoding: chunked\r\n\r\n"
     ).encode()
-    reader, writer = await raw_exchange(api.edge_port, head)
     chunk = b"[" * 65536
     framed = b"%x\r\n%s\r\n" % (len(chunk), chunk)
-    sent = 0
-    answer = asyncio.ensure_future(reader.read(65536))
-    try:
-        # Up to 64 MiB: the old edge read it all (and would read more) before answering.
-        while sent < 64 * BODY_LIMIT and not answer.done():
-            writer.write(framed)
-            try:
-                await asyncio.wait_for(writer.drain(), 5)
-            except (ConnectionError, TimeoutError):
-                break
-            sent += len(chunk)
-        data = await whole_answer(reader, await asyncio.wait_for(answer, 10))
-    finally:
-        writer.close()
+    # Up to 64 MiB: the old edge read it all (and would read more) before answering.
+    data, sent = flood(api.edge_port, head, framed, 64 * BODY_LIMIT)
     status_line, _, rest = data.partition(b"\r\n")
     assert status_line.startswith(b"HTTP/1.1 413"), data[:200]
     assert sent <= 8 * BODY_LIMIT, f"the edge read {sent} bytes before answering"
