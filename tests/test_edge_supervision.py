@@ -128,3 +128,51 @@ async def test_a_client_that_fails_to_start_leaves_none_started_behind(
     assert stopped == list(reversed(started))  # every started client stopped, in reverse
     assert "producer" in started
     assert edge.gateway is None
+
+
+async def test_the_lease_is_renewed_while_the_edge_is_still_starting(
+    edge: Edge, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stop 17's clean clone: the reader's start took 2.3 s against a 3 s lease, the lease was
+    first renewed only once the edge served, and another edge took its partition. Keeping
+    the lease starts as soon as it is held."""
+    log: list[str] = []
+    keeping = asyncio.Event()
+    reader_started = asyncio.Event()
+
+    class FakeKeeper:
+        """Stands in for the lease keeper: says when its keeping began."""
+
+        partition = 0
+
+        def __init__(self, *_: object) -> None:
+            pass
+
+        async def keep(self) -> None:
+            keeping.set()
+            await asyncio.Event().wait()
+
+        async def release(self) -> None:
+            log.append("lease released")
+
+    async def slow_reader_start(*_: object) -> None:
+        await asyncio.wait_for(keeping.wait(), 5)  # a start that outlasts the lease
+        reader_started.set()
+
+    async def partitions(*_: object, **__: object) -> list[int]:
+        return [0]
+
+    async def leased(*_: object) -> int:
+        return 0
+
+    monkeypatch.setattr(runtime, "RenewingProducer", lambda _make: FakeClient("producer", log))
+    monkeypatch.setattr(runtime, "make_admin", lambda *_, **__: FakeClient("admin", log))
+    monkeypatch.setattr(runtime, "make_consumer", lambda *_, **__: FakeClient("consumer", log))
+    monkeypatch.setattr(runtime, "topic_partitions", partitions)
+    monkeypatch.setattr(runtime, "LeaseKeeper", FakeKeeper)
+    monkeypatch.setattr(runtime, "lease_partition", leased)
+    monkeypatch.setattr(runtime.ResultReader, "start", slow_reader_start)
+    assert edge.settings.edge_result_topology == "partition"
+    async with edge.lifespan(None):  # type: ignore[arg-type]
+        assert reader_started.is_set()  # the reader started only once the lease was kept
+    assert "lease released" in log

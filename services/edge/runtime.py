@@ -138,6 +138,11 @@ async def running(parts: EdgeParts, on_lease_lost: Callable[[], None]) -> AsyncI
             )
             stack.push_async_callback(keeper.release)
             partition = await lease_partition(s, topics, link, keeper)
+            # Renewed from now on, not once the edge serves: the start that follows can
+            # outlast a short lease (stop 17's clean clone: 2.3 s against a 3 s TTL, and
+            # another edge took the partition). Stopped before the release, on exit.
+            renewing = asyncio.create_task(keep_lease(keeper, on_lease_lost), name="edge-lease")
+            stack.push_async_callback(_cancel, [renewing])
             reply_to = ReplyTo(topic=topics.results, partition=partition)
             topology = PartitionTopology(reply_to, reader)
             await reader.start(reply_tp(reply_to), models_since)
@@ -183,8 +188,6 @@ async def running(parts: EdgeParts, on_lease_lost: Callable[[], None]) -> AsyncI
         )
         tasks: list[asyncio.Task[None]] = []
         stack.push_async_callback(_cancel, tasks)  # first to run on exit
-        if keeper is not None:
-            tasks.append(asyncio.create_task(keep_lease(keeper, on_lease_lost), name="edge-lease"))
         # Each keeps its state outside the coroutine, so a failed one is restarted.
         loops: dict[str, Callable[[], Awaitable[None]]] = {
             "edge-results": lambda: reader.run(gateway),
