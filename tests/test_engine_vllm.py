@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 import pytest
@@ -242,6 +242,16 @@ def test_engine_args_carry_the_settings_and_priority_scheduling() -> None:
         enable_prefix_caching=True,
         enforce_eager=False,
     )
+
+
+def test_on_vllms_cpu_build_the_rotary_embedding_is_pytorchs_own() -> None:
+    """The C++ rotary kernel of vLLM's CPU build turned the real model's answers to
+    gibberish under enforce_eager on an AVX-512 machine (ADR 0062); a GPU keeps vLLM's
+    kernels."""
+    cpu = replace(API, cpu=True)
+    args = engine_args(cpu, model="/models/x", max_num_seqs=2, enforce_eager=True)
+    assert args.kwargs["compilation_config"] == {"custom_ops": ["-rotary_embedding"]}
+    assert "compilation_config" not in engine_args(API, model="/models/x", max_num_seqs=2).kwargs
 
 
 def test_engine_args_need_a_model_path() -> None:

@@ -88,6 +88,7 @@ class VllmApi:
     delta_output_kind: Any  # RequestOutputKind.DELTA
     stat_logger_base: type = object  # vllm.v1.metrics.loggers.StatLoggerBase
     tools: VllmToolApi | None = None  # structured outputs and tool-call parsers
+    cpu: bool = False  # vLLM's CPU build (`current_platform.is_cpu()`)
 
 
 def load_vllm() -> VllmApi:
@@ -95,6 +96,7 @@ def load_vllm() -> VllmApi:
     from vllm.engine.arg_utils import (  # type: ignore[import-not-found,unused-ignore]
         AsyncEngineArgs,
     )
+    from vllm.platforms import current_platform  # type: ignore[import-not-found,unused-ignore]
     from vllm.sampling_params import (  # type: ignore[import-not-found,unused-ignore]
         RequestOutputKind,
         SamplingParams,
@@ -111,6 +113,7 @@ def load_vllm() -> VllmApi:
         RequestOutputKind.DELTA,
         StatLoggerBase,
         load_vllm_tools(),
+        cpu=bool(current_platform.is_cpu()),
     )
 
 
@@ -143,7 +146,14 @@ def engine_args(
     enforce_eager: bool = False,
 ) -> Any:
     """`AsyncEngineArgs` for a worker: priority scheduling, so tier priority is honoured;
-    prefix caching on (vLLM's default, said here: the affinity router counts on it)."""
+    prefix caching on (vLLM's default, said here: the affinity router counts on it).
+
+    On vLLM's CPU build the rotary embedding runs as PyTorch's own code, not vLLM's C++
+    kernel: on an AVX-512/AMX machine that kernel gave wrong rotations in bfloat16 under
+    `enforce_eager` (the model answered gibberish; ADR 0062). vLLM's compiled mode leaves
+    every custom op out on CPU anyway, so this changes nothing there.
+    """
+    cpu_ops = {"compilation_config": {"custom_ops": list(CPU_CUSTOM_OPS)}} if api.cpu else {}
     return api.engine_args(
         model=model,
         dtype=dtype,
@@ -155,7 +165,13 @@ def engine_args(
         scheduling_policy="priority",
         enable_prefix_caching=True,
         enforce_eager=enforce_eager,
+        **cpu_ops,
     )
+
+
+# vLLM's custom ops turned off on its CPU build (ADR 0062); vLLM adds its default ("all"
+# eager, "none" compiled) to the list.
+CPU_CUSTOM_OPS = ("-rotary_embedding",)
 
 
 # vLLM's neutral values of the fields a model's generation config may set, as its OpenAI
