@@ -57,6 +57,11 @@ def rollback_stack(bootstrap: str, log_dir: Path) -> Iterator[Stack]:
             "TOKENBUS_SCHEDULER_CANARY_MIN_SCORES": "20",
             "TOKENBUS_SCHEDULER_CANARY_JUDGE_MS": "250",
             "TOKENBUS_SCHEDULER_CANARY_PUBLISH_S": "1",
+            # The canary answers worse, not slower: its TTFT is the baseline's, give or take
+            # the machine. Stop 18's clean clone had the TTFT check roll it back first (p99
+            # 341 ms against 212 ms, on two cores shared with the broker and five services),
+            # before the quality check had its 20 scores; the TTFT check has its own tests.
+            "TOKENBUS_SCHEDULER_CANARY_TTFT_MIN_EXCESS_MS": "60000",
         },
         workers={
             BASE_WORKER: {"TOKENBUS_WORKER_ID": BASE_WORKER},

@@ -31,6 +31,7 @@ from collections.abc import Callable, Set
 import structlog
 from aiokafka import AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.errors import KafkaConnectionError
 
 from services.scheduler.batch_log import BatchLog, LoggedBatch
 from shared import finals, handover
@@ -115,11 +116,11 @@ class Recovery:
             client_id="scheduler-recovery",
             transactional_id=handover.transactional_id(self._topics, last.worker_id),
         )
-        await producer.start()
         try:
+            await start_fencing(producer)
             return await self._hand_back(producer, last, group, tp, exclude, still_dead)
         finally:
-            await producer.stop()
+            await producer.stop()  # a producer whose start failed too: its client is open
 
     async def _hand_back(
         self,
@@ -180,3 +181,20 @@ class Recovery:
             end=end,
         )
         return [(r.request_id, r.attempt) for r in requests]
+
+
+async def start_fencing(producer: AIOKafkaProducer) -> None:
+    """Start a recovery's transactional producer; a start that finds no broker is a
+    `KafkaConnectionError`, which the caller retries.
+
+    aiokafka asserts there (`coordinator_lookup`: "Did we not perform bootstrap?") when its
+    metadata names no broker at that moment. Stop 18's clean clone met it just after the only
+    broker's 30 s hang: the AssertionError went past the recovery's retry and ended the
+    scheduler, and the request the dead worker handed back was never run again.
+    """
+    try:
+        await producer.start()
+    except AssertionError as exc:
+        raise KafkaConnectionError(
+            f"no broker known to start the recovery's producer: {exc}"
+        ) from exc
