@@ -43,7 +43,11 @@ class BeatProducers:
         )
 
     async def start(self) -> None:
-        """Start a producer for each partition the cluster has (the first one learns them)."""
+        """Start a producer for each partition the cluster has (the first one learns them).
+
+        Each learns the topic's metadata here: a producer starts knowing no topic, and its
+        first send would otherwise ask for it then, from a node that may hang.
+        """
         await self._first.start()
         try:
             partitions = sorted(await self._first.partitions_for(self.topic))
@@ -52,6 +56,7 @@ class BeatProducers:
                 producer = self._make(f"beats-{partition}")
                 await producer.start()
                 self._by_partition[partition] = producer
+                await producer.partitions_for(self.topic)
         except BaseException:
             await self.stop()  # the caller stops only what started whole
             raise

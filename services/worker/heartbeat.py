@@ -5,6 +5,12 @@ broker nodes, each by a producer of its own (`beat_producers.py`, ADR 0056): a n
 is away holds back only its own partition, and the beat is proof of life as soon as any
 partition stores it. A partition whose last beat is still on its way gets none more until
 it is (beats never pile up behind a node away).
+
+Each partition's beat is queued and awaited in a task of its own, never by the loop: a
+producer's `send` itself can wait, for its metadata, on a node that hangs (up to the
+request timeout, 3 s). Awaited in turn, one such send held back every partition's beat, and
+a worker in its first second, whose producers had not yet sent, was declared dead when a
+node hung (found in stop 18; `tests/test_cluster.py`).
 """
 
 from __future__ import annotations
@@ -14,7 +20,6 @@ import contextlib
 import time
 
 import structlog
-from aiokafka.structs import RecordMetadata
 
 from services.worker.beat_producers import BeatProducers
 from services.worker.drain import Drain
@@ -25,6 +30,7 @@ from services.worker.settings import WorkerSettings
 from services.worker.telemetry import WorkerTelemetry
 from shared.kafka import encode
 from shared.messages import Capabilities, Heartbeat
+from shared.producers import RenewingProducer
 from shared.results import WRITE_ERRORS
 from shared.topics import Topics
 
@@ -34,8 +40,8 @@ log = structlog.get_logger()
 # refill the slot without waiting for the regular interval. A static worker whose batch
 # has just ended sends at once (`Heartbeats._min_gap`).
 HEARTBEAT_MIN_GAP_S = 0.05
-# A partition's beat still unsettled after this long no longer holds the next one back (a
-# renewed producer may never settle its predecessor's futures).
+# A partition's beat still unsettled after this long is given up and no longer holds the
+# next one back (a renewed producer may never settle its predecessor's futures).
 UNSETTLED_AT_MOST_S = 10.0
 
 
@@ -76,8 +82,8 @@ class Heartbeats:
         self._drain = drain
         self._telemetry = telemetry
         self._load_s = load_s  # process start to ready (load_time.py): in every beat
-        # By partition: the newest beat sent there (its monotonic send time) until stored.
-        self._unsettled: dict[int, tuple[asyncio.Future[RecordMetadata], float]] = {}
+        # By partition: the newest beat's delivery there and its monotonic send time.
+        self._unsettled: dict[int, tuple[asyncio.Task[None], float]] = {}
 
     async def run(self) -> None:
         interval = self._settings.worker_heartbeat_ms / 1000.0
@@ -122,32 +128,42 @@ class Heartbeats:
         return 0 if self._drain.requested.is_set() else free
 
     async def send(self) -> None:
+        """Send a beat to every partition not still busy with the last one; waits for none."""
         self._liveness.epoch_now()  # after a pause, fence before telling anyone we are alive
         value = encode(self._beat())
         sent_at = time.monotonic()
-
-        def stored(f: asyncio.Future[RecordMetadata]) -> None:
-            if not f.cancelled() and f.exception() is None:
-                self._liveness.stored(sent_at)
-
         for partition, producer in self._producers.by_partition.items():
             if self._held_back(partition, sent_at):
                 continue  # its node is slow or away: the other partitions carry this beat
-            try:
-                future = await producer.send(self._topic, value, key=self._key, partition=partition)
-            except WRITE_ERRORS as exc:
-                log.warning("heartbeat.send_failed", partition=partition, error=repr(exc))
-                continue
-            self._unsettled[partition] = (future, sent_at)
-            future.add_done_callback(stored)
+            delivery = asyncio.create_task(self._deliver(partition, producer, value, sent_at))
+            self._unsettled[partition] = (delivery, sent_at)
+
+    async def _deliver(
+        self, partition: int, producer: RenewingProducer, value: bytes, sent_at: float
+    ) -> None:
+        """Queue one beat on `partition` and wait until it is stored, for at most
+        `UNSETTLED_AT_MOST_S`; a stored beat is proof of life (`Liveness.stored`)."""
+        try:
+            async with asyncio.timeout(UNSETTLED_AT_MOST_S):
+                try:
+                    future = await producer.send(
+                        self._topic, value, key=self._key, partition=partition
+                    )
+                except WRITE_ERRORS as exc:
+                    log.warning("heartbeat.send_failed", partition=partition, error=repr(exc))
+                    return
+                await future
+        except Exception:  # late, lost with its node, or its producer stopped: worth nothing
+            return
+        self._liveness.stored(sent_at)
 
     def _held_back(self, partition: int, now: float) -> bool:
         """Whether the last beat sent to `partition` is still on its way (and not too old)."""
         unsettled = self._unsettled.get(partition)
         if unsettled is None:
             return False
-        future, sent_at = unsettled
-        return not future.done() and now - sent_at < UNSETTLED_AT_MOST_S
+        delivery, sent_at = unsettled
+        return not delivery.done() and now - sent_at < UNSETTLED_AT_MOST_S
 
     def _beat(self) -> Heartbeat:
         s, engine, intake = self._settings, self._engine, self._intake
