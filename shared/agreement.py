@@ -10,9 +10,13 @@ reference variant's in `tokenbus eval`) and the other is judged against it:
 - `rouge_l`: the ROUGE-L F-measure (Lin 2004: the longest common subsequence of tokens), by
   Google's `rouge-score` package, on lower-cased word tokens (any script's: its default
   tokenizer keeps only ASCII letters and digits, which would score other languages 0).
+- `embedding`: where an embedding model is configured (shared/embeddings.py), the cosine
+  similarity of the two texts' embeddings, -1 to 1; None otherwise.
 - `quality`: the one number rollbacks and metrics compare: `exact` as 1.0 or 0.0 for a
   deterministic request (greedy or seeded: a faithful variant gives the same text), else
-  `rouge_l` (sampled answers differ in wording even when both are right).
+  `embedding` (below 0 counted as 0) where there is one, else `rouge_l` (sampled answers
+  differ in wording even when both are right; an embedding tells a paraphrase from a
+  wrong answer better than shared words do).
 
 Two texts that both have no tokens agree (1.0); one empty against one not scores 0.0.
 ROUGE-L reads the first `MAX_LCS_WORDS` words of each text: its longest common subsequence
@@ -43,21 +47,38 @@ class Agreement(Model):
     exact: bool = Field(description="Equal text, whitespace aside.")
     f1: float = Field(ge=0.0, le=1.0, description="Token-level F1, SQuAD style.")
     rouge_l: float = Field(ge=0.0, le=1.0, description="ROUGE-L F-measure.")
+    embedding: float | None = Field(
+        default=None,
+        ge=-1.0,
+        le=1.0,
+        description="Cosine similarity of the texts' embeddings; None: no embedding model.",
+    )
     quality: float = Field(
-        ge=0.0, le=1.0, description="Exact match (1 or 0) if deterministic, else rouge_l."
+        ge=0.0,
+        le=1.0,
+        description="Exact match (1 or 0) if deterministic, else the embedding similarity"
+        " (at least 0) where there is one, else rouge_l.",
     )
 
 
-def score(reference: str, candidate: str, *, deterministic: bool) -> Agreement:
+def score(
+    reference: str, candidate: str, *, deterministic: bool, embedding: float | None = None
+) -> Agreement:
     """`candidate` judged against `reference`; `deterministic`: the request was greedy
-    (temperature 0) or seeded, so a faithful model repeats the reference exactly."""
+    (temperature 0) or seeded, so a faithful model repeats the reference exactly;
+    `embedding`: the texts' embedding similarity, where an embedding model gave one."""
     exact = _squash(reference) == _squash(candidate)
     rouge_l = _rouge_l(reference, candidate)
+    if deterministic:
+        quality = 1.0 if exact else 0.0
+    else:
+        quality = rouge_l if embedding is None else max(0.0, embedding)
     return Agreement(
         exact=exact,
         f1=token_f1(reference, candidate),
         rouge_l=rouge_l,
-        quality=(1.0 if exact else 0.0) if deterministic else rouge_l,
+        embedding=embedding,
+        quality=quality,
     )
 
 

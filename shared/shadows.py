@@ -35,10 +35,19 @@ class ShadowScore(Model):
     exact: bool
     f1: float = Field(ge=0.0, le=1.0)
     rouge_l: float = Field(ge=0.0, le=1.0)
+    embedding: float | None = Field(
+        default=None,
+        ge=-1.0,
+        le=1.0,
+        exclude_if=lambda v: v is None,  # readers from before it still read the record
+        description="Cosine similarity of the two answers' embeddings, where the gold worker"
+        " has an embedding model (shared/embeddings.py); absent otherwise.",
+    )
     quality: float = Field(
         ge=0.0,
         le=1.0,
-        description="Exact match (1 or 0) if deterministic, else rouge_l.",
+        description="Exact match (1 or 0) if deterministic, else the embedding similarity"
+        " (at least 0) where there is one, else rouge_l.",
     )
     deterministic: bool = Field(description="The request was greedy or seeded.")
     scored_at: float = Field(default_factory=time.time, description="Unix time, seconds.")

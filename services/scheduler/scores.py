@@ -39,6 +39,7 @@ class ScoreMetrics:
 
     quality: Histogram
     scores: Counter
+    embedding: Histogram
 
     @classmethod
     def build(cls, registry: CollectorRegistry = REGISTRY) -> ScoreMetrics:
@@ -46,8 +47,9 @@ class ScoreMetrics:
             Histogram(
                 "tokenbus_scheduler_shadow_quality",
                 "Shadow validation: quality (agreement with the gold variant's answer to the same"
-                " request, 0-1: exact match if deterministic, else ROUGE-L) of each variant's"
-                " sampled answers (variant `baseline`: the workers without one).",
+                " request, 0-1: exact match if deterministic, else the embedding similarity"
+                " where the gold worker has an embedding model, else ROUGE-L) of each"
+                " variant's sampled answers (variant `baseline`: the workers without one).",
                 ["model", "variant"],
                 buckets=QUALITY_BUCKETS,
                 registry=registry,
@@ -59,6 +61,15 @@ class ScoreMetrics:
                 ["model", "variant", "gold", "exact"],
                 registry=registry,
             ),
+            Histogram(
+                "tokenbus_scheduler_shadow_embedding",
+                "Shadow validation: the cosine similarity of the embeddings of each variant's"
+                " sampled answer and the gold's (shared/embeddings.py); only scores made by a"
+                " gold worker with an embedding model.",
+                ["model", "variant"],
+                buckets=QUALITY_BUCKETS,
+                registry=registry,
+            ),
         )
 
     def observe(self, score: ShadowScore) -> None:
@@ -66,6 +77,8 @@ class ScoreMetrics:
         self.quality.labels(score.model, variant).observe(score.quality)
         exact = "true" if score.exact else "false"
         self.scores.labels(score.model, variant, score.gold, exact).inc()
+        if score.embedding is not None:
+            self.embedding.labels(score.model, variant).observe(score.embedding)
 
 
 @functools.cache

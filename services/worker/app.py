@@ -1,9 +1,8 @@
 """The worker process: takes batches, runs them on the engine, obeys cancels, heartbeats.
 
-A short wiring of its parts: `batches.py` (the batch loop), `runner.py` and
-`request_state.py` (one state per running request), `outbox.py` (results in batches),
-`cancel.py` (cancels), `heartbeat.py`, `beat_producers.py` and `liveness.py` (heartbeats
-and self-fencing, `fence.py`), `drain.py` (SIGTERM), `answers.py` (errors, dead letters).
+Wiring of `batches.py` (the batch loop), `runner.py` and `request_state.py` (a state per
+run), `outbox.py`, `cancel.py`, `shadow.py`, `heartbeat.py`, `beat_producers.py` and
+`liveness.py` (heartbeats, self-fencing: `fence.py`), `drain.py`, `answers.py` (errors).
 """
 
 from __future__ import annotations
@@ -33,6 +32,7 @@ from services.worker.outbox import ResultOutbox
 from services.worker.request_state import RunningRequests
 from services.worker.runner import RequestRunner
 from services.worker.settings import WorkerSettings
+from services.worker.shadow import Shadows
 from services.worker.telemetry import WorkerTelemetry
 from shared.health import Readiness, consumer_readiness
 from shared.kafka import make_producer
@@ -122,7 +122,7 @@ class Worker:
                 variant=s.worker_variant,
                 cache=CacheWriter(outbox, topics.cache, s.worker_model),
                 cascade=Cascade.of(s, outbox, liveness.epoch_now),
-                topics=topics,  # shadow validation's writes (shadow.py)
+                shadows=Shadows.of(s, outbox, topics),  # shadow validation (shadow.py)
             )
             loop = BatchLoop(
                 intake,

@@ -36,7 +36,6 @@ from services.worker.telemetry import RunTrace, WorkerTelemetry
 from shared.messages import DoneResult, ErrorCode, ErrorResult, QueuedRequest, Tier
 from shared.prefixes import cache_salt
 from shared.telemetry import carrier
-from shared.topics import Topics
 
 log = structlog.get_logger()
 
@@ -118,7 +117,7 @@ class RequestRunner:
         variant: str | None = None,
         cache: CacheWriter | None = None,
         cascade: Cascade | None = None,
-        topics: Topics | None = None,
+        shadows: Shadows | None = None,
     ) -> None:
         self._engine = engine
         # Pushed to from its step loop where it can (the sim engine), else its streams read.
@@ -128,9 +127,7 @@ class RequestRunner:
         self._cache = cache
         self._cascade = cascade  # None: no route configured
         # Shadow validation's gold runs and scores (shadow.py); None: not written (unit tests).
-        self._shadows = (
-            None if topics is None or model is None else Shadows(outbox, topics, model, variant)
-        )
+        self._shadows = shadows
         self._outbox = outbox
         self._telemetry = telemetry
         self._epoch_now = epoch_now

@@ -6,7 +6,7 @@ import os
 import socket
 from typing import Literal, Self
 
-from pydantic import Field, model_validator
+from pydantic import Field, SecretStr, model_validator
 
 from shared.messages import VARIANT_NAME
 from shared.settings import TokenbusSettings
@@ -101,6 +101,21 @@ class WorkerSettings(TokenbusSettings):
         " (ADR 0048).",
     )
 
+    # Shadow validation on a gold worker (services/worker/shadow.py)
+    worker_embedding_url: str | None = Field(
+        default=None,
+        pattern=r"^https?://",
+        description="An OpenAI-compatible embeddings API (its base, e.g."
+        " http://127.0.0.1:8001/v1): a gold worker adds the embedding similarity of the two"
+        " answers to each shadow score (shared/embeddings.py). None: no embedding score.",
+    )
+    worker_embedding_model: str | None = Field(
+        default=None, min_length=1, description="The embedding model's name at that API."
+    )
+    worker_embedding_api_key: SecretStr | None = Field(
+        default=None, description="Bearer key for the embeddings API, if it needs one."
+    )
+
     # sim engine
     worker_sim_profile: str = Field(
         default="constant",
@@ -183,6 +198,15 @@ class WorkerSettings(TokenbusSettings):
         present = {name.upper() for name in os.environ} & RETIRED.keys()
         if present:
             raise ValueError("; ".join(f"{name}: {RETIRED[name]}" for name in sorted(present)))
+        return self
+
+    @model_validator(mode="after")
+    def _embedding_needs_both(self) -> Self:
+        if (self.worker_embedding_url is None) != (self.worker_embedding_model is None):
+            raise ValueError(
+                "TOKENBUS_WORKER_EMBEDDING_URL and TOKENBUS_WORKER_EMBEDDING_MODEL go together:"
+                " set both (shadow scores add an embedding similarity) or neither"
+            )
         return self
 
     @property

@@ -11,7 +11,9 @@ Caller: the runner, after a run's `done` is stored (`answered`), and at a run's 
    `GOLD_DEADLINE_MS`), no cache, never sampled again.
 2. `shadow_score`: a gold run (`judged` set) scores its own answer, the reference, against
    the judged one (shared/agreement.py, in a thread) and writes a `ShadowScore` to the
-   scores topic, keyed by model.
+   scores topic, keyed by model. Where the worker has an embedding model
+   (`TOKENBUS_WORKER_EMBEDDING_URL`, shared/embeddings.py), the score has the two answers'
+   embedding similarity too; an embedding that fails leaves it out (logged and counted).
 
 Both writes go through the result outbox without waiting, after the user's final record is
 stored: they never delay nor fail an answer. A write that fails is logged and counted
@@ -31,7 +33,9 @@ import structlog
 from prometheus_client import Counter
 
 from services.worker.outbox import ResultOutbox
+from services.worker.settings import WorkerSettings
 from shared.agreement import score
+from shared.embeddings import EmbeddingError, EmbeddingSimilarity
 from shared.kafka import encode, key_of
 from shared.messages import DoneResult, Judged, QueuedRequest, ReplyTo, Tier
 from shared.shadows import ShadowScore
@@ -95,15 +99,20 @@ def gold_run(
 
 
 def shadow_score(
-    request: QueuedRequest, text: str, *, variant: str | None, now: float
+    request: QueuedRequest,
+    text: str,
+    *,
+    variant: str | None,
+    now: float,
+    embedding: float | None = None,
 ) -> ShadowScore | None:
-    """The score of a gold run that this worker (of `variant`) answered `text`; None for
-    any other request."""
+    """The score of a gold run that this worker (of `variant`) answered `text` (`embedding`:
+    the two answers' embedding similarity, if known); None for any other request."""
     judged = request.judged
     if judged is None:
         return None
     deterministic = request.deterministic
-    agreement = score(text, judged.text, deterministic=deterministic)
+    agreement = score(text, judged.text, deterministic=deterministic, embedding=embedding)
     return ShadowScore.of(
         agreement,
         model=judged.model,
@@ -126,6 +135,16 @@ def writes_counter() -> Counter:
     )
 
 
+@functools.cache
+def embeddings_counter() -> Counter:
+    return Counter(
+        "tokenbus_worker_shadow_embeddings",
+        "Shadow validation on a gold worker with an embedding model: the answers' embedding"
+        " similarities asked for, by outcome (scored, failed: the score goes without it).",
+        ["outcome"],
+    )
+
+
 class Shadows:
     """Caller: the runner (`keeps` at a run's start, `answered` once its done is stored).
 
@@ -139,7 +158,9 @@ class Shadows:
         model: str,
         variant: str | None,
         clock: Callable[[], float] = time.time,
+        embedding: EmbeddingSimilarity | None = None,
     ) -> None:
+        self._embedding = embedding  # None: scores without an embedding similarity
         self._outbox = outbox
         self._tier = ReplyTo(topic=topics.tier(GOLD_TIER))
         self._shadow = ReplyTo(topic=topics.shadow)
@@ -147,6 +168,19 @@ class Shadows:
         self._model = model
         self._variant = variant
         self._clock = clock
+
+    @classmethod
+    def of(cls, settings: WorkerSettings, outbox: ResultOutbox, topics: Topics) -> Shadows:
+        """A worker's, with the embedding model its settings name (if any)."""
+        s = settings
+        embedding = (
+            None
+            if s.worker_embedding_url is None or s.worker_embedding_model is None
+            else EmbeddingSimilarity(
+                s.worker_embedding_url, s.worker_embedding_model, s.worker_embedding_api_key
+            )
+        )
+        return cls(outbox, topics, s.worker_model, s.worker_variant, embedding=embedding)
 
     @staticmethod
     def keeps(request: QueuedRequest) -> bool:
@@ -180,13 +214,12 @@ class Shadows:
             reply_to=self._shadow,
             now=now,
         )
-        scored = (
-            None
-            if request.judged is None
-            else await asyncio.to_thread(
-                shadow_score, request, text, variant=self._variant, now=now
+        scored = None
+        if request.judged is not None:
+            embedding = await self._similarity(request.request_id, text, request.judged.text)
+            scored = await asyncio.to_thread(
+                shadow_score, request, text, variant=self._variant, now=now, embedding=embedding
             )
-        )
         # 2) Act.
         if run is not None:
             ticket = _Counted("gold_run", request.request_id)
@@ -201,7 +234,20 @@ class Shadows:
                 variant=scored.variant,
                 gold=scored.gold,
                 quality=round(scored.quality, 4),
+                embedding=None if scored.embedding is None else round(scored.embedding, 4),
             )
+
+    async def _similarity(self, request_id: str, reference: str, judged: str) -> float | None:
+        if self._embedding is None:
+            return None
+        try:
+            similarity = await self._embedding(reference, judged)
+        except EmbeddingError as exc:
+            embeddings_counter().labels("failed").inc()
+            log.warning("shadow.embedding_failed", request_id=request_id, error=str(exc)[:300])
+            return None
+        embeddings_counter().labels("scored").inc()
+        return similarity
 
 
 class _Counted:

@@ -1,0 +1,221 @@
+"""Shadow validation with an embedding model (issue 28): a gold worker asks a real embedding
+model, SmolLM2 on vLLM's own server as a pooling model, how close each judged answer is to
+its own, and the score carries that similarity, as quality for sampled requests.
+
+One model with three sim workers, as tests/test_shadow_stack.py has them: the baseline (the
+gold, the only one with `TOKENBUS_WORKER_EMBEDDING_URL`), a faithful variant `good` and a
+variant `bad` that answers half its prompts wrongly. Sampled requests (temperature above 0,
+no seed): a faithful answer is the gold's text again (the sim's text is a function of the
+prompt and settings), so its embedding similarity is 1; a wrong one's is lower. Every score
+has the similarity, and the scheduler's embedding histogram counts them per variant.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import websockets
+
+from services.worker.engines.sim_wrong import answers_wrong
+from shared.embeddings import EmbeddingSimilarity
+from shared.kafka import encode, make_producer
+from shared.shadows import ShadowScore
+from shared.variants import ModelRollout, Shadow, Variant
+from tests.chat_client import run_requests
+from tests.stack import Stack, free_port, new_prefix, wait_until
+from tokenbus.local_engine import KV_CACHE_GIB, LocalEngine
+
+pytestmark = pytest.mark.timeout(600)
+
+MODEL, EMBEDDER = "m", "smollm2-embed"
+GOOD, BAD = "good", "bad"
+WRONG_SHARE = 0.5
+REQUESTS = 40
+LOAD_TIMEOUT_S = 300.0
+
+
+@pytest.fixture(scope="module")
+def embedding_url(local_engine: LocalEngine, log_dir: Path) -> Iterator[str]:
+    """vLLM's OpenAI server with SmolLM2 converted to an embedding model (its last token's
+    hidden state, normalised), float32 (eager bf16 meets ADR 0062's kernel)."""
+    port = free_port()
+    command = [
+        str(local_engine.python), "-m", "vllm.entrypoints.openai.api_server",
+        "--host", "127.0.0.1", "--port", str(port),
+        "--model", str(local_engine.model_path), "--served-model-name", EMBEDDER,
+        "--runner", "pooling", "--convert", "embed",
+        "--dtype", "float32", "--max-model-len", "512", "--enforce-eager",
+    ]  # fmt: skip
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB)}
+    with open(log_dir / "embedding-server.log", "wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + LOAD_TIMEOUT_S
+        while not answers(f"{base}/v1/models"):
+            assert process.poll() is None, f"vLLM's embedding server exited ({process.returncode})"
+            assert time.monotonic() < deadline, f"{base} did not answer in {LOAD_TIMEOUT_S} s"
+            time.sleep(1.0)
+        yield f"{base}/v1"
+    finally:
+        process.terminate()
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+def answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2):
+            return True
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+@pytest.fixture(scope="module")
+def embedding_stack(bootstrap: str, log_dir: Path, embedding_url: str) -> Iterator[Stack]:
+    stack = Stack(
+        bootstrap=bootstrap,
+        prefix=new_prefix(),
+        log_dir=log_dir,
+        env_overrides={
+            "TOKENBUS_WORKER_MODEL": MODEL,
+            "TOKENBUS_SCHEDULER_CANARY_ROLLBACK": "false",  # this test watches the scores
+        },
+        workers={
+            "worker": {
+                "TOKENBUS_WORKER_ID": "worker",
+                "TOKENBUS_WORKER_EMBEDDING_URL": embedding_url,
+                "TOKENBUS_WORKER_EMBEDDING_MODEL": EMBEDDER,
+            },
+            "worker-good": {
+                "TOKENBUS_WORKER_ID": "worker-good",
+                "TOKENBUS_WORKER_BATCH_PARTITION": "1",
+                "TOKENBUS_WORKER_VARIANT": GOOD,
+            },
+            "worker-bad": {
+                "TOKENBUS_WORKER_ID": "worker-bad",
+                "TOKENBUS_WORKER_BATCH_PARTITION": "2",
+                "TOKENBUS_WORKER_VARIANT": BAD,
+                "TOKENBUS_WORKER_SIM_WRONG_SHARE": str(WRONG_SHARE),
+            },
+        },
+    )
+    try:
+        stack.start()
+        want = {"worker", "worker-good", "worker-bad"}
+        wait_until(lambda: stack.workers_heard() == want, 60, "the three workers")
+        yield stack
+    finally:
+        stack.stop()
+
+
+def scheduler_metric(stack: Stack, name: str, variant: str) -> float | None:
+    pattern = rf'^{name}\{{model="{MODEL}",variant="{variant}"\}} (\S+)$'
+    with contextlib.suppress(OSError):
+        found = re.search(pattern, stack.metrics("scheduler"), re.MULTILINE)
+        return None if found is None else float(found.group(1))
+    return None
+
+
+async def roll_out(stack: Stack) -> None:
+    """Both variants take a share; every answer of theirs is run again on the baseline."""
+    rollout = ModelRollout(
+        model=MODEL,
+        variants=[Variant(name=GOOD, percent=40.0), Variant(name=BAD, percent=40.0)],
+        shadow=Shadow(gold="baseline", percent=100.0),
+    )
+    producer = make_producer(stack.settings, "embedding-shadow-test")
+    await producer.start()
+    try:
+        await producer.send_and_wait(stack.topics.variants, encode(rollout), key=MODEL.encode())
+    finally:
+        await producer.stop()
+
+
+def request(i: int) -> dict[str, Any]:
+    return {
+        "client_id": f"c{i}",
+        "conversation_id": f"conversation-{i}",
+        "prompt": f"embedding question {i}: what does the bus carry?",
+        "model": MODEL,
+        "max_tokens": 16,
+        "temperature": 0.8,  # sampled, no seed: quality is the embedding similarity
+    }
+
+
+async def test_the_embedding_model_tells_identical_text_from_other_text(embedding_url: str) -> None:
+    similarity = EmbeddingSimilarity(embedding_url, EMBEDDER)
+    same = await similarity("The bus carries tokens.", "The bus carries tokens.")
+    other = await similarity("The bus carries tokens.", "Seven green turtles sleep.")
+    assert same == pytest.approx(1.0, abs=1e-4)
+    assert other < same - 1e-3, other
+
+
+async def test_shadow_scores_carry_the_embedding_similarity(embedding_stack: Stack) -> None:
+    stack = embedding_stack
+    await roll_out(stack)
+    await asyncio.to_thread(
+        wait_until,
+        lambda: scheduler_metric(stack, "tokenbus_scheduler_variant_share_percent", BAD) == 40,
+        30,
+        "the scheduler routing by the rollout",
+    )
+    requests = [request(i) for i in range(REQUESTS)]
+    async with websockets.connect(stack.ws_url) as ws:
+        transcripts = await run_requests(ws, requests, timeout=120)
+    judged: dict[str, tuple[str, bool]] = {}  # request id -> (variant, answered wrongly)
+    for r in requests:
+        t = transcripts[r["client_id"]]
+        [final] = [f for f in t.frames if f["type"] in ("chat.done", "error")]
+        assert final["type"] == "chat.done", final
+        variant = final.get("variant", "baseline")
+        if variant in (GOOD, BAD) and t.request_id is not None:
+            wrongly = variant == BAD and answers_wrong(r["prompt"], WRONG_SHARE)
+            judged[t.request_id] = (variant, wrongly)
+    wrong = {rid for rid, (_, w) in judged.items() if w}
+    assert len(judged) >= 10, judged
+    assert 0 < len(wrong) < len(judged), judged
+
+    def scores() -> list[ShadowScore]:
+        return [ShadowScore.model_validate_json(v) for v in stack.read(stack.topics.scores)]
+
+    await asyncio.to_thread(
+        wait_until, lambda: len(scores()) >= len(judged), 120, "every shadow score"
+    )
+    found = await asyncio.to_thread(scores)
+    assert sorted(s.request_id for s in found) == sorted(judged)
+    for s in found:
+        assert s.embedding is not None, s
+        assert not s.deterministic
+        assert s.quality == pytest.approx(max(0.0, s.embedding))
+        if s.request_id in wrong:
+            assert not s.exact
+            assert s.embedding < 0.999, s
+        else:
+            assert s.exact
+            assert s.embedding == pytest.approx(1.0, abs=1e-4), s
+    faithful = min(s.embedding or 0.0 for s in found if s.request_id not in wrong)
+    assert max(s.embedding or 1.0 for s in found if s.request_id in wrong) < faithful
+
+    # The scheduler's embedding histogram counts each variant's scores.
+    for variant in (GOOD, BAD):
+        n = sum(1 for s in found if s.variant == variant)
+
+        def counted(variant: str = variant, n: int = n) -> bool:
+            name = "tokenbus_scheduler_shadow_embedding_count"
+            return scheduler_metric(stack, name, variant) == n
+
+        await asyncio.to_thread(wait_until, counted, 30, f"the scheduler's {variant} count")
