@@ -36,6 +36,7 @@ from typing import Any
 from bench.doc_block import replace_block
 from bench.stacks import PipelineStack, free_port, private_broker
 from bench.vllm_serve_client import RESULT
+from services.worker.engines.vllm import CPU_CUSTOM_OPS
 from tokenbus.local_engine import (
     DEPLOYMENT_ENV,
     DTYPE,
@@ -133,6 +134,8 @@ async def vllm_server(local: LocalEngine, log_dir: Path) -> AsyncIterator[str]:
         "--dtype", DTYPE, "--max-model-len", str(MAX_MODEL_LEN),
         "--max-num-seqs", str(MAX_NUM_SEQS), "--enforce-eager",
         "--scheduling-policy", "priority", "--enable-prefix-caching",
+        # As the worker runs it on vLLM's CPU build (ADR 0062: the C++ rotary kernel).
+        "--compilation-config", json.dumps({"custom_ops": list(CPU_CUSTOM_OPS)}),
     ]  # fmt: skip
     process = await asyncio.to_thread(spawn, command, env, log_dir / "vllm-serve-server.log")
     try:

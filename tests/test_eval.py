@@ -24,7 +24,7 @@ from shared.messages import (
 from tokenbus.cli import main
 from tokenbus.eval_bus import Stream
 from tokenbus.eval_cli import Refused, check_variants, choose_model, variant_list
-from tokenbus.eval_report import Answer, build_report, markdown
+from tokenbus.eval_report import Answer, build_report, compared, markdown
 from tokenbus.eval_set import EvalItem, EvalSetError, load_set
 
 
@@ -194,6 +194,44 @@ def test_the_report_judges_each_candidate_against_the_reference_variant() -> Non
     assert json.loads(report.model_dump_json())["reference_variant"] == "baseline"
 
 
+def test_embedding_similarities_join_the_scores_of_the_pairs_they_were_asked_for() -> None:
+    answers = {
+        ("same", "baseline"): ok("the cat sat", "baseline"),
+        ("same", "fp8"): ok("the cat sat", "fp8"),
+        ("apart", "baseline"): ok("a dog ran far away", "baseline"),
+        ("apart", "fp8"): ok("a dog walked", "fp8"),
+        ("late", "baseline"): ok("anything", "baseline"),
+        ("late", "fp8"): Answer(error="timeout: no answer within 5 s", seconds=20.0),
+    }
+    variants = ["baseline", "fp8"]
+    pairs = compared(items(), variants, answers)
+    # Each candidate against the reference variant, each variant against the set's reference.
+    assert pairs == {
+        ("the cat sat", "the cat sat"),
+        ("a dog ran far away", "a dog walked"),
+    }
+    report = build_report(
+        model="m",
+        variants=variants,
+        set_name="set.jsonl",
+        items=items(),
+        answers=answers,
+        created_at=0.0,
+        similarity={("a dog ran far away", "a dog walked"): 0.8},  # one pair the API failed
+    )
+    same, apart, _ = report.items
+    assert same.against_reference_variant["fp8"].embedding is None
+    assert apart.against_reference_variant["fp8"].embedding == 0.8
+    [fp8] = [s for s in report.summary if s.variant == "fp8"]
+    assert fp8.against_reference_variant is not None
+    assert fp8.against_reference_variant.embedding == 0.8  # the mean of those it has
+    assert "Embedding similarity vs baseline (mean; quality of sampled items):" in markdown(report)
+    plain = build_report(
+        model="m", variants=variants, set_name="s", items=items(), answers=answers, created_at=0
+    )
+    assert "Embedding similarity" not in markdown(plain)
+
+
 # -- what the command refuses before Kafka ------------------------------------------------------
 
 
@@ -236,3 +274,8 @@ def test_the_command_refuses_a_bad_set_or_list_with_exit_2(
     args = ["eval", "--set", str(good), "--variants", "a,b", "--concurrency", "0"]
     assert main(args) == 2
     assert "--concurrency: at least 1" in capsys.readouterr().err
+    half = ["eval", "--set", str(good), "--variants", "a,b", "--embedding-url", "http://e/v1"]
+    assert main(half) == 2
+    assert "--embedding-url and --embedding-model go together" in capsys.readouterr().err
+    assert main([*half[:-1], "e:1", "--embedding-model", "x"]) == 2
+    assert "--embedding-url: an http(s) URL" in capsys.readouterr().err

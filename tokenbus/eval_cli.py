@@ -5,14 +5,16 @@ documented before it takes traffic (docs/lifecycle.md, "Offline evaluation").
 The first variant is the reference; `baseline` names the model's workers without a variant.
 Each item runs once per variant, pinned to it (services/scheduler/pinned.py), at most
 `--concurrency` at a time; an item that fails or times out on a variant is reported as such,
-and the run goes on. Exit 2: a bad set, variant list or option, or a variant with no live
-worker; 1: the broker cannot be reached.
+and the run goes on. With `--embedding-url` and `--embedding-model`, each compared pair of
+answers also gets its embedding similarity (`eval_embeddings.py`). Exit 2: a bad set,
+variant list or option, or a variant with no live worker; 1: the broker cannot be reached.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import re
 import sys
 import time
@@ -20,13 +22,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from aiokafka.errors import KafkaError
+from pydantic import SecretStr
 
+from shared.embeddings import EmbeddingSimilarity
 from shared.kafka import KafkaLoginRefused
 from shared.logs import configure_logging
 from shared.messages import VARIANT_NAME, Tier
 from shared.settings import TokenbusSettings
 from tokenbus.eval_bus import RunConfig, run_set
-from tokenbus.eval_report import Answer, build_report, markdown
+from tokenbus.eval_embeddings import similarities
+from tokenbus.eval_report import Answer, build_report, compared, markdown
 from tokenbus.eval_set import EvalItem, EvalSetError, load_set
 from tokenbus.models_cli import TopicMissing, read_deployment, statuses
 
@@ -88,7 +93,29 @@ def register(commands: Subcommands) -> None:
         default=Tier.background.value,
         help="the tier the items ride in",
     )
+    parser.add_argument(
+        "--embedding-url",
+        default=None,
+        metavar="URL",
+        help="an OpenAI-compatible embeddings API (http://host:port/v1): each compared pair"
+        " of answers also gets its embedding similarity (key: TOKENBUS_EVAL_EMBEDDING_API_KEY)",
+    )
+    parser.add_argument(
+        "--embedding-model", default=None, metavar="NAME", help="the embedding model's name"
+    )
     parser.set_defaults(handler=_eval)
+
+
+def embedding_of(args: argparse.Namespace) -> EmbeddingSimilarity | None:
+    url, model = args.embedding_url, args.embedding_model
+    if url is None and model is None:
+        return None
+    if url is None or model is None:
+        raise Refused("--embedding-url and --embedding-model go together")
+    if not re.match(r"^https?://", url):
+        raise Refused(f"--embedding-url: an http(s) URL, not {url!r}")
+    key = os.environ.get("TOKENBUS_EVAL_EMBEDDING_API_KEY")
+    return EmbeddingSimilarity(url, model, None if key is None else SecretStr(key))
 
 
 def variant_list(text: str) -> list[str]:
@@ -137,6 +164,7 @@ def _eval(args: argparse.Namespace) -> int:
         if not 0 < args.timeout <= 86_400:
             raise Refused("--timeout: seconds, above 0 and at most a day")
         items = load_set(args.set_file)
+        embedding = embedding_of(args)
     except (Refused, EvalSetError) as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 2
@@ -174,7 +202,12 @@ def _eval(args: argparse.Namespace) -> int:
             raise
         print(f"{PROG}: {broker.exceptions[0]}", file=sys.stderr)
         return 1
-    return _write(args, model, variants, items, answers)
+    sims = (
+        {}
+        if embedding is None
+        else asyncio.run(similarities(compared(items, variants, answers), embedding, PROG))
+    )
+    return _write(args, model, variants, items, answers, sims)
 
 
 def _write(
@@ -183,9 +216,15 @@ def _write(
     variants: list[str],
     items: list[EvalItem],
     answers: dict[tuple[str, str], Answer],
+    similarity: dict[tuple[str, str], float],
 ) -> int:
     report = build_report(
-        model=model, variants=variants, set_name=str(args.set_file), items=items, answers=answers
+        model=model,
+        variants=variants,
+        set_name=str(args.set_file),
+        items=items,
+        answers=answers,
+        similarity=similarity,
     )
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(report.created_at))
     out: Path = args.out or Path(f"eval-{re.sub(r'[^A-Za-z0-9._-]', '_', model)}-{stamp}")
@@ -202,6 +241,7 @@ def _write(
             "reference"
             if vs is None or vs.exact_share is None
             else f"exact {100 * vs.exact_share:.1f} %, F1 {vs.f1:.3f}, ROUGE-L {vs.rouge_l:.3f}"
+            + ("" if vs.embedding is None else f", embedding {vs.embedding:.3f}")
         )
         print(f"{s.variant:<20} answered {s.answered}/{s.answered + s.failed}  {against}")
     print(f"report: {out / 'report.md'} and {out / 'report.json'}")

@@ -60,17 +60,22 @@ class Scores(Record):
     f1: float | None = None
     rouge_l: float | None = None
     quality: float | None = None
+    embedding: float | None = Field(
+        default=None, description="Mean embedding similarity, where an embedding model gave one."
+    )
 
     @classmethod
     def of(cls, found: Sequence[Agreement]) -> Scores:
         if not found:
             return cls(compared=0)
+        embedded = [a.embedding for a in found if a.embedding is not None]
         return cls(
             compared=len(found),
             exact_share=fmean(1.0 if a.exact else 0.0 for a in found),
             f1=fmean(a.f1 for a in found),
             rouge_l=fmean(a.rouge_l for a in found),
             quality=fmean(a.quality for a in found),
+            embedding=fmean(embedded) if embedded else None,
         )
 
 
@@ -114,11 +119,14 @@ def build_report(
     items: Sequence[EvalItem],
     answers: Mapping[tuple[str, str], Answer],
     created_at: float | None = None,
+    similarity: Mapping[tuple[str, str], float] | None = None,
 ) -> EvalReport:
     """The report of `items` run on each of `variants` (the first is the reference);
-    `answers` by (item id, variant), every pair present."""
+    `answers` by (item id, variant), every pair present; `similarity`: the embedding
+    similarity of (reference text, judged text) pairs (`compared`), where known."""
     reference, candidates = variants[0], list(variants[1:])
-    reports = [_item_report(item, variants, answers) for item in items]
+    sims = similarity or {}
+    reports = [_item_report(item, variants, answers, sims) for item in items]
     summary = [_summary(v, v == reference, reports) for v in variants]
     differences = [
         Difference(id=r.id, variant=v, f1=a.f1, rouge_l=a.rouge_l)
@@ -139,24 +147,52 @@ def build_report(
     )
 
 
+def compared(
+    items: Sequence[EvalItem],
+    variants: Sequence[str],
+    answers: Mapping[tuple[str, str], Answer],
+) -> set[tuple[str, str]]:
+    """Every (reference text, judged text) pair the report scores: what an embedding
+    model is asked about (`tokenbus eval --embedding-url`)."""
+    pairs = set()
+    for item in items:
+        texts = {v: answers[(item.id, v)].text for v in variants}
+        base = texts[variants[0]]
+        for v, text in texts.items():
+            if text is None:
+                continue
+            if base is not None and v != variants[0]:
+                pairs.add((base, text))
+            if item.reference is not None:
+                pairs.add((item.reference, text))
+    return pairs
+
+
 def _item_report(
-    item: EvalItem, variants: Sequence[str], answers: Mapping[tuple[str, str], Answer]
+    item: EvalItem,
+    variants: Sequence[str],
+    answers: Mapping[tuple[str, str], Answer],
+    sims: Mapping[tuple[str, str], float],
 ) -> ItemReport:
     mine = {v: answers[(item.id, v)] for v in variants}
     base = mine[variants[0]].text
     det = item.deterministic
+
+    def judged(reference: str, text: str) -> Agreement:
+        return score(reference, text, deterministic=det, embedding=sims.get((reference, text)))
+
     return ItemReport(
         id=item.id,
         deterministic=det,
         reference=item.reference,
         answers=mine,
         against_reference_variant={
-            v: score(base, text, deterministic=det)
+            v: judged(base, text)
             for v in variants[1:]
             if base is not None and (text := mine[v].text) is not None
         },
         against_expected={
-            v: score(item.reference, text, deterministic=det)
+            v: judged(item.reference, text)
             for v in variants
             if item.reference is not None and (text := mine[v].text) is not None
         },
@@ -189,7 +225,8 @@ def markdown(report: EvalReport) -> str:
         f"Set `{report.set}`, {len(report.items)} items, run {when}. Each item ran once on"
         f" each variant (pinned); a candidate's answer is judged against {ref}'s answer to"
         " the same item (exact match, token F1, ROUGE-L; quality: exact match for greedy or"
-        " seeded items, else ROUGE-L), and against the item's `reference` where it has one.",
+        " seeded items, else the embedding similarity where an embedding model was given,"
+        " else ROUGE-L), and against the item's `reference` where it has one.",
         "",
         "## Summary",
         "",
@@ -202,6 +239,14 @@ def markdown(report: EvalReport) -> str:
         against = ["—"] * 4 if v is None else [_share(v.exact_share), *_means(v)]
         expected = [_share(e.exact_share), _num(e.f1), _num(e.rouge_l)]
         out.append(_row([s.variant, str(s.answered), str(s.failed), *against, *expected]))
+    embedded = [
+        f"{s.variant} {_num(v.embedding)}"
+        for s in report.summary
+        if (v := s.against_reference_variant) is not None and v.embedding is not None
+    ]
+    if embedded:
+        out += ["", f"Embedding similarity vs {ref} (mean; quality of sampled items):"]
+        out.append(", ".join(embedded) + ".")
     out += ["", f"## Where the candidates differ from {ref} most", ""]
     if not report.most_different:
         out.append(f"Every answer compared is exactly {ref}'s.")

@@ -26,6 +26,7 @@ import websockets
 
 from shared.messages import Heartbeat
 from tests.chat_client import Transcript, recv_json, run_requests
+from tests.real_engine.conftest import EMBEDDER
 from tests.stack import Stack, new_prefix, wait_until
 from tokenbus.local_engine import MAX_MODEL_LEN, MODEL_NAME, LocalEngine
 
@@ -488,15 +489,19 @@ EVAL_SET: list[dict[str, Any]] = [
 
 
 def test_eval_reports_float32_against_bfloat16_on_the_models_own_text(
-    bus: Stack, tmp_path: Path
+    bus: Stack, tmp_path: Path, embedding_url: str
 ) -> None:
     """`tokenbus eval` on two real variants: the baseline (bfloat16, the suite's own vLLM
-    workers) and `fp32` (float32), each item pinned to each, straight through Kafka."""
+    workers) and `fp32` (float32), each item pinned to each, straight through Kafka; each
+    pair of answers also scored by an embedding model (the same SmolLM2, as one)."""
     path = tmp_path / "set.jsonl"
     path.write_text("".join(json.dumps({"max_tokens": 24, **item}) + "\n" for item in EVAL_SET))
     out = tmp_path / "report"
     args = ["--set", str(path), "--variants", f"baseline,{FP32}", "--out", str(out)]
-    done = bus.tokenbus("eval", *args, "--model", MODEL_NAME, "--concurrency", "4", timeout=300)
+    embedding = ["--embedding-url", embedding_url, "--embedding-model", EMBEDDER]
+    done = bus.tokenbus(
+        "eval", *args, *embedding, "--model", MODEL_NAME, "--concurrency", "4", timeout=300
+    )
     assert done.returncode == 0, done.stderr
     report = json.loads((out / "report.json").read_text())
     print(f"\n{(out / 'report.md').read_text()}")
@@ -518,6 +523,13 @@ def test_eval_reports_float32_against_bfloat16_on_the_models_own_text(
     for item in items.values():  # every item is greedy or seeded: quality is exact match
         agreement = item["against_reference_variant"][FP32]
         assert agreement["quality"] == (1.0 if agreement["exact"] else 0.0), item
+        # The embedding similarity of the two answers: 1 where they are the same text.
+        similarity = agreement["embedding"]
+        assert -1.0 <= similarity <= 1.0, item
+        if item["answers"]["baseline"]["text"] == item["answers"][FP32]["text"]:
+            assert similarity == pytest.approx(1.0, abs=1e-4), item
+    assert -1.0 <= scores["embedding"] <= 1.0, scores
+    assert "Embedding similarity vs baseline" in (out / "report.md").read_text()
 
 
 KILLED_ANSWER_TOKENS = 1500

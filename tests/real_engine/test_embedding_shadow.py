@@ -14,12 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import re
-import subprocess
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,55 +28,15 @@ from shared.kafka import encode, make_producer
 from shared.shadows import ShadowScore
 from shared.variants import ModelRollout, Shadow, Variant
 from tests.chat_client import run_requests
-from tests.stack import Stack, free_port, new_prefix, wait_until
-from tokenbus.local_engine import KV_CACHE_GIB, LocalEngine
+from tests.real_engine.conftest import EMBEDDER
+from tests.stack import Stack, new_prefix, wait_until
 
 pytestmark = pytest.mark.timeout(600)
 
-MODEL, EMBEDDER = "m", "smollm2-embed"
+MODEL = "m"
 GOOD, BAD = "good", "bad"
 WRONG_SHARE = 0.5
 REQUESTS = 40
-LOAD_TIMEOUT_S = 300.0
-
-
-@pytest.fixture(scope="module")
-def embedding_url(local_engine: LocalEngine, log_dir: Path) -> Iterator[str]:
-    """vLLM's OpenAI server with SmolLM2 converted to an embedding model (its last token's
-    hidden state, normalised), float32 (eager bf16 meets ADR 0062's kernel)."""
-    port = free_port()
-    command = [
-        str(local_engine.python), "-m", "vllm.entrypoints.openai.api_server",
-        "--host", "127.0.0.1", "--port", str(port),
-        "--model", str(local_engine.model_path), "--served-model-name", EMBEDDER,
-        "--runner", "pooling", "--convert", "embed",
-        "--dtype", "float32", "--max-model-len", "512", "--enforce-eager",
-    ]  # fmt: skip
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB)}
-    with open(log_dir / "embedding-server.log", "wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-    try:
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + LOAD_TIMEOUT_S
-        while not answers(f"{base}/v1/models"):
-            assert process.poll() is None, f"vLLM's embedding server exited ({process.returncode})"
-            assert time.monotonic() < deadline, f"{base} did not answer in {LOAD_TIMEOUT_S} s"
-            time.sleep(1.0)
-        yield f"{base}/v1"
-    finally:
-        process.terminate()
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-
-
-def answers(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2):
-            return True
-    except (urllib.error.URLError, OSError):
-        return False
 
 
 @pytest.fixture(scope="module")
