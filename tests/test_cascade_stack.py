@@ -3,7 +3,9 @@ verifier; the small sim worker declines a share of prompts (by a hash of the pro
 
 A cascade escalates exactly the failing answers: the requests whose prompt the small
 worker declines show its stream, a `reset`, and the large model's answer, and end once,
-on `large`; every other one ends on `small` with no reset. The OpenAI API answers with
+on `large`; every other one ends on `small` with no reset. A run the small model's engine
+fails (a marker in the prompt makes the sim fail after its first token) goes on to `large`
+as well, instead of ending in an error. The OpenAI API answers with
 the model that answered, whole or streamed. Routing rules start a request on `large`
 by its prompt's length or its key's plan.
 """
@@ -43,6 +45,7 @@ ROUTES = {
     }
 }
 MAX_TOKENS = 12
+ENGINE_BREAKS = "engine-breaks-here"  # the small worker's engine fails such a prompt
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +60,7 @@ def cascade(bootstrap: str, log_dir: Path) -> Iterator[Stack]:
                 "TOKENBUS_WORKER_ID": "worker-small",
                 "TOKENBUS_WORKER_MODEL": SMALL,
                 "TOKENBUS_WORKER_SIM_REFUSE_SHARE": str(REFUSE_SHARE),
+                "TOKENBUS_WORKER_SIM_FAIL_MARKER": ENGINE_BREAKS,
             },
             "worker-large": {"TOKENBUS_WORKER_ID": "worker-large", "TOKENBUS_WORKER_MODEL": LARGE},
         },
@@ -99,13 +103,13 @@ def text_of(frames: list[dict[str, Any]]) -> str:
     return "".join(f["text"] for f in frames if f["type"] == "chat.delta")
 
 
-def escalations(stack: Stack) -> float:
+def escalations(stack: Stack, reason: str = "refusal") -> float:
     for line in stack.metrics("worker-small").splitlines():
         if line.startswith("tokenbus_worker_cascade_escalations_total{"):
             assert f'route="{ROUTE}"' in line
             assert f'from_model="{SMALL}"' in line
-            assert 'reason="refusal"' in line
-            return float(line.rsplit(" ", 1)[1])
+            if f'reason="{reason}"' in line:
+                return float(line.rsplit(" ", 1)[1])
     return 0.0
 
 
@@ -147,6 +151,32 @@ async def test_a_cascade_escalates_exactly_the_answers_the_small_model_declines(
     assert {rid: finals[rid] for rid in ids} == dict.fromkeys(ids, 1)
     wait_until(
         lambda: escalations(cascade) - before == len(expected), 10, "the escalations counted"
+    )
+
+
+async def test_a_run_the_small_models_engine_fails_goes_on_to_the_large_model(
+    cascade: Stack,
+) -> None:
+    sent = [f"{p} {ENGINE_BREAKS}" for p in prompts(4, "broken")]
+    before = escalations(cascade, "engine_error")
+    async with websockets.connect(cascade.ws_url) as ws:
+        results = await run_requests(ws, [ask(p, f"e{i}") for i, p in enumerate(sent)], timeout=60)
+    for i, prompt in enumerate(sent):
+        t = results[f"e{i}"]
+        assert t.final is not None, t.frames
+        assert t.final["type"] == "chat.done", t.frames  # no `internal` error shown
+        assert t.resets == [1], t.frames
+        small, large = attempts(t)
+        assert text_of(small), small  # the small engine's first token, then its failure
+        assert text_of(large) == complete(prompt, MAX_TOKENS).text
+        assert t.final["model"] == LARGE
+    ids = {results[f"e{i}"].request_id for i in range(len(sent))}
+    finals = await finals_per_request(cascade)
+    assert {rid: finals[rid] for rid in ids} == dict.fromkeys(ids, 1)
+    wait_until(
+        lambda: escalations(cascade, "engine_error") - before == len(sent),
+        10,
+        "the escalations counted",
     )
 
 

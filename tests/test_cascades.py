@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 import string
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 from aiokafka import TopicPartition
@@ -23,7 +24,7 @@ from services.ingest.admission import Admitted, Reason, Rejected, admit
 from services.ingest.apps import Apps
 from services.scheduler.admission import Waiting
 from services.scheduler.cascades import on_route
-from services.worker.cascade import escalation, route_ahead
+from services.worker.cascade import Cascade, escalation, route_ahead
 from services.worker.engines.sim_refusals import REFUSAL_TEXT, refusal, refuses
 from services.worker.verifiers import Answer, failing, unjudged
 from services.worker.verifiers import refuses as opens_with_refusal
@@ -31,6 +32,8 @@ from shared.cascades import REFUSAL_PHRASES, Route, RouteRule
 from shared.messages import (
     Capabilities,
     ChatRequest,
+    ErrorCode,
+    ErrorResult,
     Heartbeat,
     QueuedRequest,
     ReplyTo,
@@ -277,6 +280,21 @@ def test_the_last_model_and_requests_of_no_route_always_answer() -> None:
     assert escalation(table, queued(step=1), refusal_text) is None
     assert escalation(table, queued(model="small", step=None), refusal_text) is None
     assert escalation(table, queued(step=None), refusal_text) is None  # never queued by a route
+
+
+def test_a_run_the_engine_failed_goes_on_but_a_request_refused_ends() -> None:
+    cascade = Cascade(routes(auto=AUTO), Topics("t"), cast(Any, None), lambda: 0, 1.0)
+    state = cast(Any, SimpleNamespace(request=queued(step=0)))
+    broke = ErrorResult.for_request(state.request, ErrorCode.internal, "the engine failed")
+    up = cascade.failed(state, broke)
+    assert up is not None
+    assert (up.from_model, up.to_model, up.reason) == ("small", "large", "engine_error")
+    assert up.next_attempt.cascade_step == 1
+    # A request refused (too long, a field not honoured): not an engine failure.
+    refused = ErrorResult.for_request(state.request, ErrorCode.invalid_request, "too long")
+    assert cascade.failed(state, refused) is None
+    last = cast(Any, SimpleNamespace(request=queued(step=1)))  # the cascade's last model
+    assert cascade.failed(last, broke) is None
 
 
 # -- the sim's refusals -------------------------------------------------------------------

@@ -3,7 +3,9 @@
 Caller: the runner, when a run of a route's request (`QueuedRequest.cascade_step` set, a
 model after it in the cascade) has streamed its whole answer and before its final record.
 `decide` judges the answer with the route's verifiers (verifiers.py); on a failure the run
-does not answer. `escalate`, in order:
+does not answer. A run the engine failed (`failed`: an `internal` error, as a crashed
+generation gives) goes on to the next model the same way, rather than ending in an error
+the next model may well not make. `escalate`, in order:
 
 1. waits until the answer's deltas are stored, and writes a `reset` of the next attempt to
    `reply_to` (the client drops what it was shown and waits for the next model);
@@ -37,7 +39,7 @@ from services.worker.verifiers import Answer, failing, unjudged
 from shared import semconv
 from shared.cascades import Route, Routes
 from shared.kafka import encode
-from shared.messages import QueuedRequest, ReplyTo, ResetResult
+from shared.messages import ErrorCode, ErrorResult, QueuedRequest, ReplyTo, ResetResult
 from shared.topics import Topics
 
 log = structlog.get_logger()
@@ -63,13 +65,24 @@ def route_ahead(routes: Routes, request: QueuedRequest) -> Route | None:
     return route
 
 
+# The reason an escalation gives when the engine failed the run (no verifier's kind).
+ENGINE_ERROR = "engine_error"
+
+
 def escalation(routes: Routes, request: QueuedRequest, answer: Answer) -> Escalation | None:
     """Where a finished answer goes: None (it answers), or on to the next model."""
     route = route_ahead(routes, request)
-    if route is None or request.cascade_step is None or request.model is None:
+    if route is None:
         return None
     reason = failing(route.verifiers, answer)
-    if reason is None:
+    return None if reason is None else onwards(routes, request, reason)
+
+
+def onwards(routes: Routes, request: QueuedRequest, reason: str) -> Escalation | None:
+    """The request handed on to its route's next model for `reason`; None where no model
+    of its cascade comes after the one running it."""
+    route = route_ahead(routes, request)
+    if route is None or request.cascade_step is None or request.model is None:
         return None
     step = request.cascade_step
     raised = request.model_copy(update={"cascade_step": step + 1})
@@ -88,7 +101,7 @@ def escalations_counter() -> Counter:
     return Counter(
         "tokenbus_worker_cascade_escalations",
         "Answers of a route's model that failed its verifier, handed on to the cascade's next"
-        " model (reason: the verifier's kind).",
+        " model (reason: the verifier's kind, or engine_error where the engine failed the run).",
         ["route", "from_model", "reason"],
     )
 
@@ -141,6 +154,14 @@ class Cascade:
         if route is not None and unjudged(route.verifiers, answer):
             log.info("cascade.unjudged", request_id=state.request_id, why="no logprobs")
         return escalation(self._routes, state.request, answer)
+
+    def failed(self, state: RequestState, failure: ErrorResult) -> Escalation | None:
+        """A run the engine failed (`internal`) goes on to the next model; None: it ends
+        in `failure` (no model after this one, or another error: a request the next model
+        would refuse as well)."""
+        if failure.code != ErrorCode.internal:
+            return None
+        return onwards(self._routes, state.request, ENGINE_ERROR)
 
     async def escalate(self, state: RequestState, up: Escalation, trace: RunTrace) -> None:
         """Hand the request on to the next model (the module's steps 1 and 2); return once

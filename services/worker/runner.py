@@ -223,8 +223,13 @@ class RequestRunner:
             return await self._stop_for_hand_back(state)
         if failure is None:
             state.flush_rest()
-        # A route's answer that fails its verifier is not sent: the next model answers.
-        if failure is None and self._cascade and (up := self._cascade.decide(state, finish)):
+        # A route's answer that fails its verifier, or that the engine failed, is not sent:
+        # the next model answers.
+        if self._cascade and (
+            up := self._cascade.decide(state, finish)
+            if failure is None
+            else self._cascade.failed(state, failure)
+        ):
             await self._cascade.escalate(state, up, trace)
             return "escalated"
         final = state.final(finish, failure)
