@@ -24,7 +24,7 @@ class Clients:
     beats: AIOKafkaConsumer  # heartbeats, assigned
     log_reader: AIOKafkaConsumer  # the batches topic, read at take-over and recovery
     variants: AIOKafkaConsumer  # the models' rollouts, assigned, read whole (variants.py)
-    scores: AIOKafkaConsumer  # shadow scores, every partition from the end (scores.py)
+    scores: AIOKafkaConsumer  # shadow scores, every partition, a window back (scores.py)
     admin: AIOKafkaAdminClient
 
     @classmethod

@@ -65,7 +65,8 @@ class CanaryJudge:
         self._clock = clock
         # model -> (what its last published verdicts said, when they were published)
         self._published: dict[str, tuple[object, float]] = {}
-        self._scores = ScoreReader(scores, self.on_score)  # shadow scores (ADR 0057)
+        # Shadow scores (ADR 0057), from a window back: a restart keeps its evidence.
+        self._scores = ScoreReader(scores, self.on_score, rewind_s=self._rule.window_s)
 
     def beat(self, beat: Heartbeat) -> None:
         self.windows.beat(beat, self._clock())

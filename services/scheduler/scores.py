@@ -1,21 +1,26 @@
 """The scores reader: shadow validation's scores (shared/shadows.py), from the scores topic
 into per-variant quality metrics and the canary judge (ADR 0057).
 
-Every scheduler reads every partition of the topic (its own consumer, no group) from where
-it ends when the scheduler starts: a score is a sample of the recent past, and the canary
-windows it feeds are no older than their width. A topic made after the scheduler started
-is found by the consumer's metadata refresh. A record that cannot be read is logged and
-skipped (nothing is answered for it: nobody waits on a score).
+Every scheduler reads every partition of the topic (its own consumer, no group) from the
+scores stored in the last canary window before it started (`rewind`): a score is a sample
+of the recent past, the windows it feeds are no older than their width, and a restarted
+scheduler judges on the evidence its predecessor had rather than on none. Scores made
+before this process started feed the windows but not the metrics (its predecessor counted
+them). A topic made after the scheduler started is found by the consumer's metadata
+refresh. A record that cannot be read is logged and skipped (nobody waits on a score).
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import structlog
 from aiokafka import AIOKafkaConsumer
+from aiokafka.errors import KafkaError
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 from pydantic import ValidationError
 
@@ -27,6 +32,7 @@ from shared.variants import BASELINE
 log = structlog.get_logger()
 
 FETCH_MS = 1000  # longest one getmany waits
+ASSIGNED_WITHIN_S = 10.0  # the rewind waits this long for the consumer's partitions
 # Quality is 0-1; exact-match scores are 0 or 1, ROUGE-L ones anywhere between.
 QUALITY_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
 
@@ -107,12 +113,20 @@ class ScoreReader:
         consumer: AIOKafkaConsumer,
         on_score: OnScore,
         metrics: ScoreMetrics | None = None,
+        *,
+        rewind_s: float = 0.0,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self._consumer = consumer
         self._on_score = on_score
         self._metrics = metrics or score_metrics()
+        self._rewind_s = rewind_s  # how far back the first read starts (the canary window)
+        self._clock = clock
+        self._started_at = clock()
 
     async def run(self) -> None:
+        if self._rewind_s > 0:
+            await self.rewind()
         async for fetched in fetches(self._consumer, what="scores", timeout_ms=FETCH_MS):
             for records in fetched.values():
                 for record in records:
@@ -120,5 +134,32 @@ class ScoreReader:
                     if isinstance(score, str):
                         log.error("score.invalid", offset=record.offset, error=score)
                         continue
-                    self._metrics.observe(score)
+                    if score.scored_at >= self._started_at:
+                        self._metrics.observe(score)
                     self._on_score(score)
+
+    async def rewind(self) -> None:
+        """Start each partition at the first score stored in the last `rewind_s` seconds;
+        where that cannot be found (no partitions yet, the broker away), read from the end,
+        as before, and say so."""
+        for _ in range(int(ASSIGNED_WITHIN_S / 0.1)):
+            if self._consumer.assignment():  # its partitions come with its first metadata
+                break
+            await asyncio.sleep(0.1)  # aiokafka offers no event for a group-less assignment
+        partitions = self._consumer.assignment()
+        since_ms = int((self._clock() - self._rewind_s) * 1000)
+        try:
+            async with asyncio.timeout(ASSIGNED_WITHIN_S):
+                found = await self._consumer.offsets_for_times(dict.fromkeys(partitions, since_ms))
+        except (KafkaError, TimeoutError) as exc:
+            log.warning("scores.rewind_failed", error=repr(exc))
+            return
+        for tp, at in found.items():
+            if at is not None:
+                self._consumer.seek(tp, at.offset)
+        log.info(
+            "scores.rewound",
+            seconds=self._rewind_s,
+            partitions=len(partitions),
+            from_offsets={tp.partition: at.offset for tp, at in found.items() if at is not None},
+        )
