@@ -153,8 +153,9 @@ def ok(text: str, by: str) -> Answer:
     return Answer(text=text, answered_by=by, seconds=0.1)
 
 
-def test_the_report_judges_each_candidate_against_the_reference_variant() -> None:
-    answers = {
+def three_answers() -> dict[tuple[str, str], Answer]:
+    """`items()` on baseline and fp8: the same, apart, and one fp8 did not answer."""
+    return {
         ("same", "baseline"): ok("the cat sat", "baseline"),
         ("same", "fp8"): ok("the cat sat", "fp8"),
         ("apart", "baseline"): ok("a dog ran far away", "baseline"),
@@ -162,6 +163,10 @@ def test_the_report_judges_each_candidate_against_the_reference_variant() -> Non
         ("late", "baseline"): ok("anything", "baseline"),
         ("late", "fp8"): Answer(error="timeout: no answer within 5 s", seconds=20.0),
     }
+
+
+def test_the_report_judges_each_candidate_against_the_reference_variant() -> None:
+    answers = three_answers()
     report = build_report(
         model="m",
         variants=["baseline", "fp8"],
@@ -195,14 +200,7 @@ def test_the_report_judges_each_candidate_against_the_reference_variant() -> Non
 
 
 def test_embedding_similarities_join_the_scores_of_the_pairs_they_were_asked_for() -> None:
-    answers = {
-        ("same", "baseline"): ok("the cat sat", "baseline"),
-        ("same", "fp8"): ok("the cat sat", "fp8"),
-        ("apart", "baseline"): ok("a dog ran far away", "baseline"),
-        ("apart", "fp8"): ok("a dog walked", "fp8"),
-        ("late", "baseline"): ok("anything", "baseline"),
-        ("late", "fp8"): Answer(error="timeout: no answer within 5 s", seconds=20.0),
-    }
+    answers = three_answers()
     variants = ["baseline", "fp8"]
     pairs = compared(items(), variants, answers)
     # Each candidate against the reference variant, each variant against the set's reference.

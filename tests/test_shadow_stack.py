@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -27,84 +26,34 @@ import websockets
 
 from services.worker.engines.sim_text import complete
 from services.worker.engines.sim_wrong import answers_wrong
-from shared.kafka import encode, make_producer
 from shared.shadows import ShadowScore
-from shared.variants import ModelRollout, Shadow, Variant
 from tests.chat_client import run_requests
-from tests.stack import Stack, new_prefix, wait_until
+from tests.shadow_stack import (
+    BAD,
+    GOOD,
+    MODEL,
+    WRONG_SHARE,
+    roll_out,
+    scheduler_metric,
+)
+from tests.shadow_stack import shadow_stack as started
+from tests.stack import Stack, wait_until
 
 pytestmark = pytest.mark.kafka
 
-MODEL = "m"
-GOOD, BAD = "good", "bad"
-WRONG_SHARE = 0.5
 REQUESTS = 60
 MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
 def shadow_stack(bootstrap: str, log_dir: Path) -> Iterator[Stack]:
-    stack = Stack(
-        bootstrap=bootstrap,
-        prefix=new_prefix(),
-        log_dir=log_dir,
-        env_overrides={
-            "TOKENBUS_WORKER_MODEL": MODEL,
-            # Judge only: this test watches the scores, not what the canary judge does.
-            "TOKENBUS_SCHEDULER_CANARY_ROLLBACK": "false",
-        },
-        workers={
-            "worker": {"TOKENBUS_WORKER_ID": "worker"},
-            "worker-good": {
-                "TOKENBUS_WORKER_ID": "worker-good",
-                "TOKENBUS_WORKER_BATCH_PARTITION": "1",
-                "TOKENBUS_WORKER_VARIANT": GOOD,
-            },
-            "worker-bad": {
-                "TOKENBUS_WORKER_ID": "worker-bad",
-                "TOKENBUS_WORKER_BATCH_PARTITION": "2",
-                "TOKENBUS_WORKER_VARIANT": BAD,
-                "TOKENBUS_WORKER_SIM_WRONG_SHARE": str(WRONG_SHARE),
-            },
-        },
-    )
-    try:
-        stack.start()
-        want = {"worker", "worker-good", "worker-bad"}
-        wait_until(lambda: stack.workers_heard() == want, 60, "the three workers")
+    with started(bootstrap, log_dir) as stack:
         yield stack
-    finally:
-        stack.stop()
 
 
 def models(stack: Stack, *args: str) -> subprocess.CompletedProcess[str]:
     """`tokenbus models ARGS`, run as an operator would, against the stack's broker."""
     return stack.tokenbus("models", *args)
-
-
-def scheduler_metric(stack: Stack, name: str, variant: str) -> float | None:
-    pattern = rf'^{name}\{{model="{MODEL}",variant="{variant}"\}} (\S+)$'
-    try:
-        found = re.search(pattern, stack.metrics("scheduler"), re.MULTILINE)
-    except OSError:
-        return None
-    return None if found is None else float(found.group(1))
-
-
-async def roll_out(stack: Stack) -> None:
-    """The variants' shares, written as `tokenbus models rollout` would (its promotion
-    checks aside), keeping the shadow `tokenbus models shadow` set."""
-    rollout = ModelRollout(
-        model=MODEL,
-        variants=[Variant(name=GOOD, percent=40.0), Variant(name=BAD, percent=40.0)],
-        shadow=Shadow(gold="baseline", percent=100.0),
-    )
-    producer = make_producer(stack.settings, "shadow-test")
-    await producer.start()
-    try:
-        await producer.send_and_wait(stack.topics.variants, encode(rollout), key=MODEL.encode())
-    finally:
-        await producer.stop()
 
 
 def request(i: int) -> dict[str, Any]:

@@ -13,8 +13,6 @@ has the similarity, and the scheduler's embedding histogram counts them per vari
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,80 +22,33 @@ import websockets
 
 from services.worker.engines.sim_wrong import answers_wrong
 from shared.embeddings import EmbeddingSimilarity
-from shared.kafka import encode, make_producer
 from shared.shadows import ShadowScore
-from shared.variants import ModelRollout, Shadow, Variant
 from tests.chat_client import run_requests
 from tests.real_engine.conftest import EMBEDDER
-from tests.stack import Stack, new_prefix, wait_until
+from tests.shadow_stack import (
+    BAD,
+    GOOD,
+    MODEL,
+    WRONG_SHARE,
+    roll_out,
+    scheduler_metric,
+    shadow_stack,
+)
+from tests.stack import Stack, wait_until
 
 pytestmark = pytest.mark.timeout(600)
 
-MODEL = "m"
-GOOD, BAD = "good", "bad"
-WRONG_SHARE = 0.5
 REQUESTS = 40
 
 
 @pytest.fixture(scope="module")
 def embedding_stack(bootstrap: str, log_dir: Path, embedding_url: str) -> Iterator[Stack]:
-    stack = Stack(
-        bootstrap=bootstrap,
-        prefix=new_prefix(),
-        log_dir=log_dir,
-        env_overrides={
-            "TOKENBUS_WORKER_MODEL": MODEL,
-            "TOKENBUS_SCHEDULER_CANARY_ROLLBACK": "false",  # this test watches the scores
-        },
-        workers={
-            "worker": {
-                "TOKENBUS_WORKER_ID": "worker",
-                "TOKENBUS_WORKER_EMBEDDING_URL": embedding_url,
-                "TOKENBUS_WORKER_EMBEDDING_MODEL": EMBEDDER,
-            },
-            "worker-good": {
-                "TOKENBUS_WORKER_ID": "worker-good",
-                "TOKENBUS_WORKER_BATCH_PARTITION": "1",
-                "TOKENBUS_WORKER_VARIANT": GOOD,
-            },
-            "worker-bad": {
-                "TOKENBUS_WORKER_ID": "worker-bad",
-                "TOKENBUS_WORKER_BATCH_PARTITION": "2",
-                "TOKENBUS_WORKER_VARIANT": BAD,
-                "TOKENBUS_WORKER_SIM_WRONG_SHARE": str(WRONG_SHARE),
-            },
-        },
-    )
-    try:
-        stack.start()
-        want = {"worker", "worker-good", "worker-bad"}
-        wait_until(lambda: stack.workers_heard() == want, 60, "the three workers")
+    gold = {
+        "TOKENBUS_WORKER_EMBEDDING_URL": embedding_url,
+        "TOKENBUS_WORKER_EMBEDDING_MODEL": EMBEDDER,
+    }
+    with shadow_stack(bootstrap, log_dir, gold) as stack:
         yield stack
-    finally:
-        stack.stop()
-
-
-def scheduler_metric(stack: Stack, name: str, variant: str) -> float | None:
-    pattern = rf'^{name}\{{model="{MODEL}",variant="{variant}"\}} (\S+)$'
-    with contextlib.suppress(OSError):
-        found = re.search(pattern, stack.metrics("scheduler"), re.MULTILINE)
-        return None if found is None else float(found.group(1))
-    return None
-
-
-async def roll_out(stack: Stack) -> None:
-    """Both variants take a share; every answer of theirs is run again on the baseline."""
-    rollout = ModelRollout(
-        model=MODEL,
-        variants=[Variant(name=GOOD, percent=40.0), Variant(name=BAD, percent=40.0)],
-        shadow=Shadow(gold="baseline", percent=100.0),
-    )
-    producer = make_producer(stack.settings, "embedding-shadow-test")
-    await producer.start()
-    try:
-        await producer.send_and_wait(stack.topics.variants, encode(rollout), key=MODEL.encode())
-    finally:
-        await producer.stop()
 
 
 def request(i: int) -> dict[str, Any]:
