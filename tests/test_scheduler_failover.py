@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 import pytest
 import websockets
 
+from shared.messages import Heartbeat
 from tests.chat_client import ChatSession, check_complete
 from tests.factories import long_prompts
 from tests.stack import Stack, new_prefix, wait_until
@@ -105,10 +107,28 @@ async def test_a_scheduler_killed_mid_load_and_restarted_loses_no_request(
     assert events(stack.log("scheduler"), "request.already_dispatched")
 
 
+def idle_since(stack: Stack, since: float) -> set[str]:
+    """The workers with a heartbeat sent after `since` (Unix time) that has every slot free."""
+    beats = [Heartbeat.model_validate_json(v) for v in stack.read(stack.topics.workers)]
+    return {
+        b.worker_id
+        for b in beats
+        if b.sent_at > since and b.running == 0 and b.free_slots == b.total_slots
+    }
+
+
 async def test_a_worker_killed_mid_batch_has_its_requests_finished_by_another(
     two_workers: Stack,
 ) -> None:
     stack = two_workers
+    # After the test before (a scheduler restarted, requests just ended), start once both
+    # workers have said on the bus that they are idle: a scheduler that has only heard
+    # worker B busy sends every batch to A, and the kill of B proves nothing (stop 19's
+    # second clean clone).
+    since = time.time()
+    await asyncio.to_thread(
+        wait_until, lambda: idle_since(stack, since) == {WORKER_A, WORKER_B}, 30, "idle beats"
+    )
     requests: list[dict[str, Any]] = [
         {"client_id": f"w{i}", "prompt": prompt, "max_tokens": 500}
         for i, prompt in enumerate(long_prompts(8, 80, "kill the worker"))
