@@ -6,6 +6,7 @@ on the gold, tests/real_engine/test_embedding_shadow.py."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -71,7 +72,8 @@ def scheduler_metric(stack: Stack, name: str, variant: str) -> float | None:
 
 async def roll_out(stack: Stack) -> None:
     """The variants' shares, written as `tokenbus models rollout` would (its promotion
-    checks aside), with shadow validation at 100 % on the baseline."""
+    checks aside), with shadow validation at 100 % on the baseline; returns once the
+    scheduler routes by them."""
     rollout = ModelRollout(
         model=MODEL,
         variants=[Variant(name=GOOD, percent=40.0), Variant(name=BAD, percent=40.0)],
@@ -83,3 +85,8 @@ async def roll_out(stack: Stack) -> None:
         await producer.send_and_wait(stack.topics.variants, encode(rollout), key=MODEL.encode())
     finally:
         await producer.stop()
+
+    def routed() -> bool:
+        return scheduler_metric(stack, "tokenbus_scheduler_variant_share_percent", BAD) == 40
+
+    await asyncio.to_thread(wait_until, routed, 30, "the scheduler routing by the rollout")
