@@ -35,9 +35,10 @@ check: lint unit
 unit: venv
 	env -u KAFKA_BOOTSTRAP_SERVERS $(PY) -m pytest -q -m unit
 
-# `make check`, then the rest against a real Kafka (deploy/test.sh). PYTEST_ARGS passes
-# through to that second part, e.g. `make test PYTEST_ARGS='-k launcher'`.
-test: check
+# Lint and the unit tier (as `make check`), then the rest against a real Kafka, ending with
+# each tier's minutes (deploy/test.sh; docs/testing.md). PYTEST_ARGS passes through to the
+# broker and real-engine runs, e.g. `make test PYTEST_ARGS='-k launcher'`.
+test: venv
 	deploy/test.sh $(PYTEST_ARGS)
 
 # The chaos check alone (own three-node cluster, kill -9 of every service and of broker

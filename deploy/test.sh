@@ -1,14 +1,34 @@
 #!/usr/bin/env bash
-# `make test`, after `make check`: the suite but the unit tier (which `make check` ran)
-# against a real Kafka. Starts a dedicated local broker unless KAFKA_BOOTSTRAP_SERVERS names
-# one, always stops what it started, and fails when pytest collects nothing (exit 5): a
-# suite that runs no test proves nothing.
+# `make test`: lint and the unit tier (`make check`), then the rest against a real Kafka.
+# Starts a dedicated local broker unless KAFKA_BOOTSTRAP_SERVERS names one, always stops
+# what it started, and fails when pytest collects nothing (exit 5): a suite that runs no
+# test proves nothing. It ends with a table (deploy/test_report.py): each tier's minutes,
+# the 25 slowest tests, and the stacks, JVM nodes and model loads the run started.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PY=.venv/bin/python
 TEST_PORT=39092
 TEST_STATE=.tokenbus/test-kafka
+# What the closing table reads: phases.tsv (each tier's seconds), the JUnit XML of each
+# pytest run, and the ledger of starts every test process appends to (deploy/test_ledger.py).
+RUN_DIR="$PWD/.tokenbus/test-run"
+rm -rf "$RUN_DIR"
+mkdir -p "$RUN_DIR"
+export TOKENBUS_TEST_LEDGER="$RUN_DIR/ledger.jsonl"
+
+# `phase TIER COMMAND…`: runs it, appends "TIER seconds ok|failed" to phases.tsv, and
+# returns its status.
+phase() {
+  local name=$1 began rc=0
+  shift
+  began=$(date +%s)
+  "$@" || rc=$?
+  printf '%s\t%s\t%s\n' "$name" "$(($(date +%s) - began))" "$([ $rc -eq 0 ] && echo ok || echo failed)" \
+    >>"$RUN_DIR/phases.tsv"
+  return $rc
+}
+report() { "$PY" -m deploy.test_report --dir "$RUN_DIR" || true; }
 
 # The background builds, stopped at exit if still going (their process groups: setsid made
 # each one a group of its own; Go's build cache keeps what they compiled).
@@ -16,10 +36,29 @@ tools_build=""
 jaeger_build=""
 # shellcheck disable=SC2317 # called by the EXIT traps
 stop_builds() {
-  local group
-  for group in $tools_build $jaeger_build; do kill -- "-$group" 2>/dev/null || true; done
+  local group name
+  for group in $tools_build $jaeger_build; do
+    if kill -0 -- "-$group" 2>/dev/null; then
+      kill -- "-$group" 2>/dev/null || true
+      name=$([ "$group" = "$tools_build" ] && echo "tool builds" || echo "jaeger build")
+      printf '%s\t%s\tstopped unfinished\n' "$name" "$(($(date +%s) - builds_began))" \
+        >>"$RUN_DIR/phases.tsv"
+    fi
+  done
+  tools_build="" jaeger_build=""
 }
 trap stop_builds EXIT
+
+# The quick loop first, as `make check` runs it: lint, then the unit tier.
+status=0
+phase lint make --no-print-directory -s lint || status=$?
+[ "$status" -ne 0 ] || phase unit make --no-print-directory -s unit || status=$?
+if [ "$status" -ne 0 ]; then
+  report
+  exit "$status"
+fi
+setup_began=$(date +%s)
+builds_began=$setup_began
 
 # The manifest, monitoring and chaos checks run real tools (Toxiproxy, KEDA's CRDs, kustomize,
 # etcd, kube-apiserver, promtool): built from the Go module proxy once, then cached by version.
@@ -31,7 +70,9 @@ if ! deploy/tools/build.sh --check >/dev/null 2>&1; then
   mkdir -p .tokenbus
   echo "test.sh: building the missing Go tools in the background (log: .tokenbus/tools-build.out);" \
     "a test that needs one waits for it"
-  setsid nice -n 10 deploy/tools/build.sh >.tokenbus/tools-build.out 2>&1 &
+  setsid nice -n 10 bash -c 'began=$(date +%s); rc=0; deploy/tools/build.sh || rc=$?
+    printf "tool builds\t%s\t%s\n" "$(($(date +%s) - began))" "$([ $rc -eq 0 ] && echo ok || echo failed)" \
+      >>"$0"' "$RUN_DIR/phases.tsv" >.tokenbus/tools-build.out 2>&1 &
   tools_build=$!
 fi
 
@@ -59,7 +100,9 @@ fi
 # going (Go's build cache keeps what it compiled).
 if [ ! -x "${TOKENBUS_CACHE:-$HOME/.cache/tokenbus}/jaeger/v1.76.0/jaeger" ]; then
   mkdir -p .tokenbus
-  setsid nice -n 10 deploy/jaeger/build.sh >.tokenbus/jaeger-build.out 2>&1 &
+  setsid nice -n 10 bash -c 'began=$(date +%s); rc=0; deploy/jaeger/build.sh || rc=$?
+    printf "jaeger build\t%s\t%s\n" "$(($(date +%s) - began))" "$([ $rc -eq 0 ] && echo ok || echo failed)" \
+      >>"$0"' "$RUN_DIR/phases.tsv" >.tokenbus/jaeger-build.out 2>&1 &
   jaeger_build=$!
 fi
 
@@ -80,6 +123,8 @@ if [ -z "${KAFKA_BOOTSTRAP_SERVERS:-}" ]; then
   "$PY" -m deploy.kafka.launcher start --port "$TEST_PORT" --state-dir "$TEST_STATE"
   export KAFKA_BOOTSTRAP_SERVERS="127.0.0.1:$TEST_PORT"
 fi
+# apt, the vLLM environment and the model, the compose CLI, the broker: one tier.
+printf 'setup\t%s\tok\n' "$(($(date +%s) - setup_began))" >>"$RUN_DIR/phases.tsv"
 
 # PYTEST_ARGS that name tests/real_engine go to that suite alone; the rest to the main run.
 main_args=()
@@ -94,11 +139,12 @@ done
 # ran just before; arguments select tests themselves, unit ones included.
 [ $# -gt 0 ] || main_args=(-m "not unit")
 
-status=0
 if [ $# -eq 0 ] || [ ${#main_args[@]} -gt 0 ]; then
   # Everything but the unit tier, the chaos check included (tests/test_chaos.py, at most
-  # 5 minutes: its own three-node cluster; `make chaos` runs it alone).
-  "$PY" -m pytest -q "${main_args[@]}" || status=$?
+  # 5 minutes: its own three-node cluster; `make chaos` runs it alone). The table splits
+  # its minutes out of the main run's.
+  phase main "$PY" -m pytest -q --junitxml="$RUN_DIR/junit-main.xml" "${main_args[@]}" \
+    || status=$?
   if [ "$status" -eq 5 ]; then
     echo "test.sh: pytest collected no tests; that is a failure" >&2
   fi
@@ -107,10 +153,13 @@ fi
 # transformers engine serve SmolLM2 through the whole bus; about 3 min).
 if [ ${#real_args[@]} -gt 0 ]; then
   real_status=0
-  "$VLLM_PY" -m pytest -q -p no:cacheprovider "${real_args[@]}" || real_status=$?
+  phase "real engine" "$VLLM_PY" -m pytest -q -p no:cacheprovider \
+    --junitxml="$RUN_DIR/junit-real.xml" "${real_args[@]}" || real_status=$?
   if [ "$real_status" -eq 5 ]; then
     echo "test.sh: the real-engine suite collected no tests; that is a failure" >&2
   fi
   [ "$real_status" -eq 0 ] || status=$real_status
 fi
+stop_builds
+report
 exit "$status"

@@ -1,4 +1,4 @@
-"""Shared fixtures: a real broker for the session, a real service stack per module; and the
+"""Shared fixtures: a real broker for the session, a default service stack for the session; and the
 test tiers: the unit tier marked `unit`, guarded from starting processes (tests/tiers.py)."""
 
 from __future__ import annotations
@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 
 import services.ingest.handling as ingest_handling
+from deploy.kafka import launcher
 from tests.kafka_env import kafka_bootstrap
+from tests.processes import free_port_pair
 from tests.stack import Stack, new_prefix
 from tests.tiers import UNIT, ProcessGuard, is_unit
 
@@ -52,13 +54,41 @@ def log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("service-logs")
 
 
-@pytest.fixture(scope="module")
-def stack(bootstrap: str, log_dir: Path) -> Iterator[Stack]:
+@pytest.fixture(scope="session")
+def secured_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[launcher.Cluster]:
+    """One secured broker (SASL_SSL, client certificates, ACLs) for the session's security
+    modules: each provisions its own topic prefix and grants, so they share it."""
+    state = tmp_path_factory.mktemp("secured-kafka")
+    started, _ = launcher.start_cluster(
+        nodes=1, port=free_port_pair(), state_dir=state, secure=True
+    )
+    try:
+        yield started
+    finally:
+        launcher.stop(started)
+
+
+def _default_stack(bootstrap: str, log_dir: Path) -> Iterator[Stack]:
     s = Stack(bootstrap=bootstrap, prefix=new_prefix(), log_dir=log_dir)
     try:
         yield s.start()
     finally:
         s.stop()
+
+
+@pytest.fixture(scope="session")
+def stack(bootstrap: str, log_dir: Path) -> Iterator[Stack]:
+    """The default stack, one for the session (issue 36): the modules that ask for it
+    isolate their tests by request id, prompt and tenant, and leave every service running.
+    A module that restarts a service or reads a whole shared topic (the DLQ) takes its own:
+    it names `own_stack` in a `stack` fixture of its own."""
+    yield from _default_stack(bootstrap, log_dir)
+
+
+@pytest.fixture(scope="module")
+def own_stack(bootstrap: str, log_dir: Path) -> Iterator[Stack]:
+    """A default stack for one module alone."""
+    yield from _default_stack(bootstrap, log_dir)
 
 
 @pytest.fixture

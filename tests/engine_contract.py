@@ -18,6 +18,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from deploy import test_ledger
 from services.worker.engines.base import Engine, EngineRequest
 from services.worker.engines.sim import SimEngine
 from services.worker.engines.sim_profiles import sim_profile
@@ -137,6 +138,7 @@ def tiny_model_dir() -> str:
 def _transformers(max_num_seqs: int) -> Engine:
     from services.worker.engines.transformers import TransformersEngine
 
+    test_ledger.note(test_ledger.TRANSFORMERS_LOAD, where="engine contract")
     return TransformersEngine.from_pretrained(
         tiny_model_dir(), max_num_seqs=max_num_seqs, dtype="float32", device="cpu"
     )
@@ -146,6 +148,7 @@ def _vllm(max_num_seqs: int) -> Engine:
     from services.worker.engines.vllm import VllmEngine, engine_args, load_vllm
 
     api = load_vllm()
+    test_ledger.note(test_ledger.VLLM_LOAD, where="engine contract")
     args = engine_args(
         api,
         model=tiny_model_dir(),

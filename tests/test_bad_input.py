@@ -6,12 +6,20 @@ import json
 import time
 import uuid
 
+import pytest
 import websockets
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from shared.messages import ErrorResult
 from tests.chat_client import recv_json, run_requests
 from tests.stack import Stack
+
+
+@pytest.fixture(scope="module")
+def stack(own_stack: Stack) -> Stack:
+    """A stack of the module's own, not the session's: it reads the whole DLQ."""
+    return own_stack
+
 
 BAD_FRAMES: list[tuple[str, str | bytes, str]] = [
     ("not json", "this is not json", "frame"),

@@ -16,11 +16,21 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import pytest
+
 from shared.dead_letters import ERROR, REASON, REPLY, REQUEST_ID_HEADER, SOURCE, TRUNCATED
 from shared.kafka import create_topics, make_producer
 from tests.ingest_kafka import Results, read_all
 from tests.stack import Stack
 from tests.worker_logs import events
+
+
+@pytest.fixture(scope="module")
+def stack(own_stack: Stack) -> Stack:
+    """A stack of the module's own, not the session's: it reads the whole DLQ and checks
+    that no process restarted."""
+    return own_stack
+
 
 REPLIES_PARTITIONS = 4
 # Every poison record's prompt: it may appear in no DLQ header, no error, no log line.

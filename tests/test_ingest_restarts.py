@@ -39,6 +39,13 @@ from tests.ingest_kafka import Results, read_all
 from tests.stack import Stack, _create, new_prefix, wait_until
 from tests.worker_logs import events
 
+
+@pytest.fixture(scope="module")
+def stack(own_stack: Stack) -> Stack:
+    """A stack of the module's own, not the session's: it kills and restarts ingest."""
+    return own_stack
+
+
 REPLIES_PARTITIONS = 4
 
 

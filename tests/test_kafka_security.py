@@ -44,7 +44,6 @@ from shared.process import new_service_loop
 from shared.settings import TokenbusSettings
 from shared.topics import Topics
 from tests.chat_client import run_requests
-from tests.processes import free_port_pair
 from tests.stack import ROOT, SERVICES, Stack, new_prefix, settings_from_env, wait_until
 from tests.test_chat_e2e import check_transcript, make_request
 from tests.test_external_producer import kcat
@@ -351,15 +350,10 @@ def test_a_state_dir_does_not_change_sides(tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[launcher.Cluster]:
-    state = tmp_path_factory.mktemp("secured-kafka")
-    started, _ = launcher.start_cluster(
-        nodes=1, port=free_port_pair(), state_dir=state, secure=True
-    )
-    try:
-        yield started
-    finally:
-        launcher.stop(started)
+def cluster(secured_cluster: launcher.Cluster) -> launcher.Cluster:
+    """The session's secured broker (tests/conftest.py): tests/security/test_kafka_identity.py
+    imports this fixture, and both modules' tests share the one broker."""
+    return secured_cluster
 
 
 def settings_of(cluster: launcher.Cluster, user: str, prefix: str) -> TokenbusSettings:

@@ -6,11 +6,18 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
 import websockets
 
 from shared.messages import Batch, CacheEntry
 from tests.chat_client import Transcript, run_requests
 from tests.stack import Stack, wait_until
+
+
+@pytest.fixture(scope="module")
+def stack(own_stack: Stack) -> Stack:
+    """A stack of the module's own, not the session's: it restarts ingest and reads its log."""
+    return own_stack
 
 
 async def ask(stack: Stack, request: dict[str, Any]) -> Transcript:

@@ -13,8 +13,6 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import Iterator
-from pathlib import Path
 
 import openai
 import pytest
@@ -22,20 +20,16 @@ import websockets
 
 from shared.kafka import create_topics, make_consumer, make_producer
 from tests.chat_client import openai_sdk, served_models
-from tests.stack import Stack, new_prefix, wait_until
+from tests.stack import Stack, wait_until
 
 MODEL = "sim-8b"  # the worker's default `worker_model`
 
 
 @pytest.fixture(scope="module")
-def api(bootstrap: str, log_dir: Path) -> Iterator[Stack]:
-    stack = Stack(bootstrap=bootstrap, prefix=new_prefix(), log_dir=log_dir)
-    try:
-        stack.start()
-        wait_until(lambda: served_models(stack) == [MODEL], 30, "the model")
-        yield stack
-    finally:
-        stack.stop()
+def api(stack: Stack) -> Stack:
+    """The session's default stack (tests/conftest.py), once its worker serves the model."""
+    wait_until(lambda: served_models(stack) == [MODEL], 30, "the model")
+    return stack
 
 
 def ask(stack: Stack, **extra: object) -> openai.types.chat.ChatCompletion:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+from deploy import test_ledger
 from deploy.kafka import secure as secured
 
 KAFKA_VERSION = "4.1.1"
@@ -505,6 +506,7 @@ def _start_nodes(cluster: Cluster, wanted: Sequence[Node], timeout_s: float) -> 
                 cluster.node(node_id).pid_file.unlink(missing_ok=True)
             raise
         elapsed = time.monotonic() - began
+        test_ledger.note(test_ledger.JVM_NODE, len(spawned), str(cluster.state_dir))
         what = "broker" if cluster.size == 1 else f"{len(spawned)} of {cluster.size} nodes"
         print(f"{what} up at {cluster.bootstrap_servers} in {elapsed:.1f} s "
               f"({_pid_list(spawned)})", flush=True)  # fmt: skip

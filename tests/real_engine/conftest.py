@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from deploy import test_ledger
 from tests.stack import free_port
 from tokenbus.local_engine import KV_CACHE_GIB, LocalEngine, prepare
 
@@ -54,6 +55,7 @@ def embedding_url(local_engine: LocalEngine, log_dir: Path) -> Iterator[str]:
         "--dtype", "float32", "--max-model-len", "512", "--enforce-eager",
     ]  # fmt: skip
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB)}
+    test_ledger.note(test_ledger.VLLM_LOAD, where="embedding server")
     with open(log_dir / "embedding-server.log", "wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:

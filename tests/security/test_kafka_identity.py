@@ -1,10 +1,11 @@
 """Outside applications on a secured broker: each one is who its Kafka principal says.
 
-One secured cluster (SASL_SSL, client certificates, ACLs: tests/test_kafka_security.py's
-`cluster`) and one stack for the module; two applications, `app` (A, the victim) and
-`app2` (B, the attacker), each logged in as its own principal with only what
-`tokenbus topics create --acls --app app --app app2` grants. Each test is B's attack, sent
-as B would send it: to the one requests topic B may write, or to a topic it may not.
+One secured cluster (SASL_SSL, client certificates, ACLs: the session's, tests/conftest.py,
+through tests/test_kafka_security.py's `cluster`) and one stack for the module; two
+applications, `app` (A, the victim) and `app2` (B, the attacker), each logged in as its own
+principal with only what `tokenbus topics create --acls --app app --app app2` grants. Each
+test is B's attack, sent as B would send it: to the one requests topic B may write, or to
+a topic it may not.
 """
 
 from __future__ import annotations

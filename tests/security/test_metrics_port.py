@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import ipaddress
 import socket
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -23,7 +22,7 @@ import pytest
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from shared.telemetry import TelemetrySettings
-from tests.stack import Stack, new_prefix
+from tests.stack import Stack
 
 # What only the edge's registry holds: any of these in an answer is the leak.
 EDGE_SERIES = ("tokenbus_edge_", "tokenbus_genai_", "# TYPE ")
@@ -31,14 +30,11 @@ TCP_LISTEN = "0A"  # the state column of /proc/net/tcp{,6}
 
 
 @pytest.fixture(scope="module")
-def stack(bootstrap: str, log_dir: Path) -> Iterator[Stack]:
-    s = Stack(bootstrap=bootstrap, prefix=new_prefix(), log_dir=log_dir)
+def stack(stack: Stack) -> Stack:
+    """The session's default stack (tests/conftest.py)."""
     # The bind address under test is the default one, not one this shell chose.
-    assert "TOKENBUS_METRICS_HOST" not in s.env(), "unset TOKENBUS_METRICS_HOST to run this"
-    try:
-        yield s.start()
-    finally:
-        s.stop()
+    assert "TOKENBUS_METRICS_HOST" not in stack.env(), "unset TOKENBUS_METRICS_HOST to run this"
+    return stack
 
 
 def leaks(body: str) -> list[str]:

@@ -1,0 +1,153 @@
+"""`make test`'s closing table: each tier's minutes, the slowest tests, and what the run
+started (stacks, JVM nodes, model loads).
+
+deploy/test.sh writes what it reads: one line per tier it timed (`tier seconds status` in
+`phases`), pytest's JUnit XML of each run (each test's setup, call and teardown: a module
+fixture's start is in its first test), and the ledger of starts (deploy/test_ledger.py).
+Prints the table and writes it as JSON beside them. Stdlib only.
+
+    python -m deploy.test_report --dir .tokenbus/test-run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import xml.etree.ElementTree as ET
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from deploy import test_ledger
+
+SLOWEST = 25
+CHAOS_MODULE = "tests.test_chaos"  # JUnit's classname: the module, dotted (a class after it)
+# The tiers in the order the run meets them; `broker` is the main run less the chaos check.
+TIER_ORDER = (
+    "lint", "unit", "setup", "broker", "chaos", "real engine", "tool builds", "jaeger build"
+)  # fmt: skip
+BESIDE = ("tool builds", "jaeger build")  # run in the background: not added to the total
+COUNTED = {
+    test_ledger.STACK: "stack starts",
+    test_ledger.JVM_NODE: "JVM node starts",
+    test_ledger.VLLM_LOAD: "vLLM loads",
+    test_ledger.TRANSFORMERS_LOAD: "transformers loads",
+}
+
+
+@dataclass(frozen=True)
+class TestTime:
+    nodeid: str
+    seconds: float
+    outcome: str
+
+
+@dataclass(frozen=True)
+class Tier:
+    name: str
+    seconds: float
+    status: str  # "ok", "failed", "n/a" (not run) or a note
+
+
+def read_phases(path: Path) -> dict[str, Tier]:
+    tiers: dict[str, Tier] = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            name, seconds, status = line.split("\t")
+            tiers[name] = Tier(name, float(seconds), status)
+    return tiers
+
+
+def read_junit(path: Path, suite: str) -> list[TestTime]:
+    """Every test case of a JUnit XML file, its time and outcome; `suite` names the run."""
+    if not path.exists():
+        return []
+    found: list[TestTime] = []
+    for case in ET.parse(path).getroot().iter("testcase"):
+        name = f"{case.get('classname', '')}::{case.get('name', '')}"
+        outcome = "passed"
+        for tag in ("failure", "error", "skipped"):
+            if case.find(tag) is not None:
+                outcome = tag
+        found.append(TestTime(f"{suite}{name}", float(case.get("time", 0.0)), outcome))
+    return found
+
+
+def read_ledger(path: Path) -> Counter[str]:
+    counts: Counter[str] = Counter()
+    if path.exists():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                entry = json.loads(line)
+                counts[entry["kind"]] += int(entry["count"])
+    return counts
+
+
+def is_chaos(test: TestTime) -> bool:
+    module = test.nodeid.split("::")[0]
+    return module == CHAOS_MODULE or module.startswith(CHAOS_MODULE + ".")
+
+
+def split_chaos(tiers: dict[str, Tier], main_tests: list[TestTime]) -> dict[str, Tier]:
+    """The main run's wall time, split: the chaos check's tests, and the rest (broker)."""
+    main = tiers.pop("main", None)
+    if main is None:
+        return tiers
+    chaos = sum(t.seconds for t in main_tests if is_chaos(t))
+    chaos_failed = any(is_chaos(t) and t.outcome != "passed" for t in main_tests)
+    broker_failed = any(not is_chaos(t) and t.outcome in ("failure", "error") for t in main_tests)
+    tiers["broker"] = Tier(
+        "broker", main.seconds - chaos, "failed" if broker_failed or main.status != "ok" else "ok"
+    )
+    tiers["chaos"] = Tier("chaos", chaos, "failed" if chaos_failed else "ok")
+    return tiers
+
+
+def report(run_dir: Path) -> dict[str, object]:
+    main_tests = read_junit(run_dir / "junit-main.xml", "")
+    real_tests = read_junit(run_dir / "junit-real.xml", "[real] ")
+    tiers = split_chaos(read_phases(run_dir / "phases.tsv"), main_tests)
+    counts = read_ledger(run_dir / "ledger.jsonl")
+    tests = sorted(main_tests + real_tests, key=lambda t: t.seconds, reverse=True)
+    ordered = [tiers[n] for n in TIER_ORDER if n in tiers]
+    ordered += [t for n, t in tiers.items() if n not in TIER_ORDER]
+    return {
+        "tiers": [asdict(t) for t in ordered],
+        "total_s": sum(t.seconds for t in ordered if t.name not in BESIDE),
+        "tests": len(tests),
+        "slowest": [asdict(t) for t in tests[:SLOWEST]],
+        "counts": {COUNTED.get(k, k): counts.get(k, 0) for k in COUNTED},
+    }
+
+
+def render(data: dict[str, object]) -> str:
+    tiers = data["tiers"]
+    slowest = data["slowest"]
+    counts = data["counts"]
+    assert isinstance(tiers, list)
+    assert isinstance(slowest, list)
+    assert isinstance(counts, dict)
+    out = ["", "make test: minutes per tier", "", "| tier | minutes | status |", "|---|---:|---|"]
+    out += [f"| {t['name']} | {t['seconds'] / 60:.1f} | {t['status']} |" for t in tiers]
+    total = float(str(data["total_s"]))
+    out += [f"| **total** (tool builds run beside) | **{total / 60:.1f}** | |", ""]
+    out += [f"the {len(slowest)} slowest of {data['tests']} tests (setup + call + teardown):", ""]
+    out += ["| s | test |", "|---:|---|"]
+    out += [f"| {t['seconds']:.1f} | {t['nodeid']} |" for t in slowest]
+    out += ["", "started: " + ", ".join(f"{v} {k}" for k, v in counts.items()), ""]
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dir", type=Path, required=True, help="the run's files (test.sh)")
+    args = parser.parse_args(argv)
+    data = report(args.dir)
+    (args.dir / "report.json").write_text(json.dumps(data, indent=2) + "\n")
+    print(render(data), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""`make test`'s closing table (deploy/test_report.py) from files as deploy/test.sh writes
+them, and the ledger of starts it counts (deploy/test_ledger.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from deploy import test_ledger, test_report
+
+JUNIT = """<?xml version="1.0" encoding="utf-8"?>
+<testsuites><testsuite name="pytest">
+<testcase classname="tests.test_chat_e2e" name="test_one" time="12.5"/>
+<testcase classname="tests.test_chaos" name="test_the_system" time="240.0"/>
+<testcase classname="tests.test_auth_e2e" name="test_two" time="3.0">
+  <failure message="boom">boom</failure></testcase>
+</testsuite></testsuites>
+"""
+
+
+def test_the_ledger_counts_each_start_in_the_file_the_environment_names(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ledger = tmp_path / "ledger.jsonl"
+    test_ledger.note(test_ledger.STACK)  # no ledger named: nothing written, no error
+    monkeypatch.setenv(test_ledger.LEDGER_ENV, str(ledger))
+    test_ledger.note(test_ledger.STACK, where="a")
+    test_ledger.note(test_ledger.JVM_NODE, count=3, where="cluster")
+    test_ledger.note(test_ledger.VLLM_LOAD, count=0)  # nothing started: no line
+    assert test_report.read_ledger(ledger) == {"stack": 1, "jvm_node": 3}
+    assert test_ledger.engine_load("vllm") == test_ledger.VLLM_LOAD
+    assert test_ledger.engine_load("transformers") == test_ledger.TRANSFORMERS_LOAD
+    assert test_ledger.engine_load(None) is None
+
+
+def test_the_table_splits_the_chaos_check_out_and_adds_no_background_build(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "phases.tsv").write_text(
+        "lint\t30\tok\nunit\t60\tok\nsetup\t120\tok\nmain\t600\tfailed\n"
+        "real engine\t180\tok\ntool builds\t900\tok\n"
+    )
+    (tmp_path / "junit-main.xml").write_text(JUNIT)
+    monkeypatch.setenv(test_ledger.LEDGER_ENV, str(tmp_path / "ledger.jsonl"))
+    test_ledger.note(test_ledger.STACK, count=2)
+
+    data = test_report.report(tmp_path)
+
+    tiers = {t["name"]: (t["seconds"], t["status"]) for t in data["tiers"]}  # type: ignore[attr-defined]
+    assert tiers["chaos"] == (240.0, "ok")
+    assert tiers["broker"] == (360.0, "failed")  # the main run less the chaos check
+    assert "main" not in tiers
+    assert [t["name"] for t in data["tiers"]][:6] == [  # type: ignore[attr-defined]
+        "lint", "unit", "setup", "broker", "chaos", "real engine"
+    ]  # fmt: skip
+    assert data["total_s"] == 30 + 60 + 120 + 600 + 180  # the tool builds ran beside
+    assert data["slowest"][0]["nodeid"] == "tests.test_chaos::test_the_system"  # type: ignore[index]
+    assert data["counts"] == {
+        "stack starts": 2, "JVM node starts": 0, "vLLM loads": 0, "transformers loads": 0
+    }  # fmt: skip
+    table = test_report.render(data)
+    assert "| chaos | 4.0 | ok |" in table
+    assert "**16.5**" in table
+    assert "started: 2 stack starts, 0 JVM node starts" in table
+
+
+def test_a_run_that_stopped_early_still_gets_a_table(tmp_path: Path) -> None:
+    (tmp_path / "phases.tsv").write_text("lint\t31\tfailed\n")
+    data = test_report.report(tmp_path)
+    assert [(t["name"], t["status"]) for t in data["tiers"]] == [("lint", "failed")]  # type: ignore[attr-defined]
+    assert test_report.main(["--dir", str(tmp_path)]) == 0
+    assert (tmp_path / "report.json").exists()
