@@ -23,8 +23,10 @@ from tests.stack import Stack, new_prefix, wait_until
 
 # Slow enough that "mid-answer" lasts seconds: an answer of 80 tokens takes about 5 s.
 TOKEN_RATE = 15
-# The page sends no max_tokens: the sim's answer runs to its end, or its context's.
+# The page's max-tokens field, untouched: the sim's answer runs to its end, or to that bound
+# (or its context's end, which is further here).
 CONTEXT = SimProfile().context_length
+PAGE_MAX_TOKENS = 512
 
 
 @pytest.fixture(scope="module")
@@ -76,13 +78,17 @@ def expected(turns: list[tuple[str, str]]) -> str:
     """The sim's answer to a conversation: it depends on every turn's role and text."""
     messages = [ChatMessage(role=role, content=text) for role, text in turns]  # type: ignore[arg-type]
     prompt = ChatRequest(messages=messages).prompt_text()
-    return complete(prompt, CONTEXT - sim_tokens(prompt)).text
+    return complete(prompt, budget(prompt)).text
+
+
+def budget(prompt: str) -> int:
+    return min(PAGE_MAX_TOKENS, CONTEXT - sim_tokens(prompt))
 
 
 def tokens(turns: list[tuple[str, str]]) -> int:
     messages = [ChatMessage(role=role, content=text) for role, text in turns]  # type: ignore[arg-type]
     prompt = ChatRequest(messages=messages).prompt_text()
-    return complete(prompt, CONTEXT - sim_tokens(prompt)).completion_tokens
+    return complete(prompt, budget(prompt)).completion_tokens
 
 
 def open_page(browser: webdriver.Chrome, stack: Stack) -> None:
@@ -127,6 +133,30 @@ def test_a_typed_message_streams_its_answer_into_the_page(
     assert answers(browser)[0].get_property("innerHTML").startswith("<p>"), "rendered Markdown"
     assert not browser.find_elements(By.CSS_SELECTOR, "#log .error")
     assert browser.find_element(By.CSS_SELECTOR, "#log .user").text == prompt
+
+
+def test_the_page_shows_its_bound_and_the_answer_stops_there(
+    stack: Stack, browser: webdriver.Chrome
+) -> None:
+    """Issue 44: the page shows the max-tokens bound it sends (512 untouched) and leaves the
+    temperature to the model (blank, its placeholder says so); a lower bound cuts the answer
+    there, and the page says so."""
+    open_page(browser, stack)
+    bound = browser.find_element(By.ID, "max-tokens")
+    assert bound.get_property("value") == str(PAGE_MAX_TOKENS)
+    temperature = browser.find_element(By.ID, "temperature")
+    assert temperature.get_property("value") == ""
+    assert temperature.get_attribute("placeholder") == "model's"
+    prompt = "tell me about buses"
+    assert tokens([("user", prompt)]) > 5, "the sim's answer must be longer than the bound"
+    bound.clear()
+    bound.send_keys("5")
+    ask(browser, prompt)
+    wait_until(lambda: bool(timings(browser)), 30, "the answer's end")
+    line = timings(browser)[0]
+    assert line.text.startswith("5 tokens"), line.text
+    assert "cut at max tokens" in line.text
+    assert line.get_attribute("data-finish-reason") == "length"
 
 
 def test_the_second_answer_is_conditioned_on_the_first_turn(

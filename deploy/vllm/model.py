@@ -6,12 +6,19 @@ and the transformers engine load: weights, config, tokenizer and chat template. 
 downloaded at run time. Written once per package version into a cache shared by every
 checkout: ${TOKENBUS_CACHE:-~/.cache/tokenbus}/models/smollm2-135m-instruct/<version>/.
 Run with the vLLM worker's own Python (deploy/vllm/install.sh); prints the folder's path.
+
+The GGUF carries no sampling defaults, so the folder's `generation_config.json` gets
+`SAMPLING`: the temperature SmolLM2's authors recommend on its model card, and a narrower
+top_p than theirs for this quantized copy (ADR 0064). vLLM and the transformers engine
+apply them to a request that leaves a field unset. Written on every run, so a folder
+converted before they were added gains them.
 """
 
 from __future__ import annotations
 
 import fcntl
 import importlib.metadata
+import json
 import os
 import shutil
 import sys
@@ -30,6 +37,14 @@ CHAT_TEMPLATE = (
     " message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
     "{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+
+# SmolLM2-135M-Instruct's model card: `model.generate(inputs, temperature=0.2, top_p=0.9,
+# do_sample=True)`. Without any, vLLM samples at its neutral 1.0 / 1.0, and this small model
+# answers gibberish that often runs to the end of the context (issue 44). The copy served
+# here is the Q4_1 GGUF de-quantized, flatter than the card's: at the card's top_p 0.9 it
+# begins "L'Étoile…" instead of "The capital…" about one answer in four, so top_p is 0.5
+# (ADR 0064 has the measurements).
+SAMPLING = {"do_sample": True, "temperature": 0.2, "top_p": 0.5}
 
 
 def cache_root() -> Path:
@@ -78,6 +93,18 @@ def convert(gguf: Path, dest: Path) -> None:
     say(f"written to {dest}", began)
 
 
+def write_sampling_defaults(folder: Path) -> None:
+    """Merges `SAMPLING` into the folder's generation config (written beside, then renamed),
+    keeping what else it says (token ids); leaves a file that already has them untouched."""
+    path = folder / "generation_config.json"
+    config = json.loads(path.read_text()) if path.exists() else {}
+    if all(config.get(k) == v for k, v in SAMPLING.items()):
+        return
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps({**config, **SAMPLING}, indent=2, sort_keys=True) + "\n")
+    partial.rename(path)
+
+
 def main() -> None:
     version = importlib.metadata.version(PACKAGE)
     dest = cache_root() / "models" / NAME / version
@@ -86,6 +113,7 @@ def main() -> None:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one converts, the others wait and find it
         if not (dest / "config.json").exists():
             convert(gguf_file(), dest)
+        write_sampling_defaults(dest)
     print(dest)
 
 

@@ -17,6 +17,7 @@ import signal
 import time
 from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -206,6 +207,25 @@ def test_websocket_and_openai_sdk_get_the_models_answer(
     usage = chunks[-1].usage
     assert usage is not None
     assert usage.prompt_tokens == final["usage"]["prompt_tokens"]
+
+
+@pytest.mark.parametrize("model", [MODEL_NAME, HF], ids=["vllm", "transformers"])
+def test_a_request_without_sampling_fields_gets_the_models_own_defaults(
+    bus: Stack, model: str
+) -> None:
+    """Issue 44: no temperature, top_p or max_tokens, as a newcomer's first request. The
+    model folder's generation config (temperature 0.2, top_p 0.5: ADR 0064) applies,
+    so ten answers say "Paris" at least nine times, each ending on its own."""
+    client = sdk(bus)
+
+    def one(_: int) -> tuple[str, str | None]:
+        answer = client.chat.completions.create(model=model, messages=FRANCE)  # type: ignore[arg-type]
+        return answer.choices[0].message.content or "", answer.choices[0].finish_reason
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        runs = list(pool.map(one, range(10)))
+    assert all(reason == "stop" for _, reason in runs), runs
+    assert sum("Paris" in text for text, _ in runs) >= 9, runs
 
 
 def test_stop_max_tokens_and_seed_behave_as_vllm_defines_them(bus: Stack) -> None:

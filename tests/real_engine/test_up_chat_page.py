@@ -19,6 +19,7 @@ import pytest
 from selenium import webdriver
 from selenium.webdriver.common.by import By
 
+from deploy import test_ledger
 from tests.processes import descendants, running
 from tests.stack import free_port, new_prefix, wait_until
 from tests.test_chat_page import answers, browser, shown  # noqa: F401 (a fixture)
@@ -41,6 +42,7 @@ def up_vllm(bootstrap: str, tmp_path: Path, local_engine: LocalEngine) -> Iterat
         "TOKENBUS_EDGE_KEYS_FILE": str(tmp_path / "keys.json"),
     }
     log = tmp_path / "up.log"
+    test_ledger.note(test_ledger.VLLM_LOAD, where="tokenbus up --engine vllm")
     with open(log, "wb") as out:
         up = subprocess.Popen(
             [str(TOKENBUS), "up", "--engine", "vllm", "--port", str(port)],
@@ -77,22 +79,47 @@ def up_vllm(bootstrap: str, tmp_path: Path, local_engine: LocalEngine) -> Iterat
                 os.kill(pid, signal.SIGKILL)
 
 
-def test_the_chat_page_shows_the_real_models_answer(
+# Issue 44: a newcomer who types this and touches nothing else must get the right answer.
+FRANCE = "What is the capital of France?"
+CONVERSATIONS = 10
+
+
+def test_the_chat_page_with_its_defaults_answers_with_the_real_model(
     up_vllm: tuple[int, str],
     browser: webdriver.Chrome,  # noqa: F811
 ) -> None:
+    """The page's fields untouched (no temperature: the model's own sampling defaults; its
+    max-tokens bound), ten fresh conversations: "Paris" in at least nine, and every answer
+    ends on its own (finish_reason stop) within the page's bound."""
     port, key = up_vllm
-    browser.get(f"http://127.0.0.1:{port}/#key={key}")
-    status = browser.find_element(By.ID, "status")
-    wait_until(lambda: status.text.startswith("connected"), 20, "the page's WebSocket")
-    browser.find_element(By.ID, "temperature").send_keys("0")
-    browser.find_element(By.ID, "prompt").send_keys("What is the capital of France?")
-    browser.find_element(By.ID, "send").click()
-    wait_until(
-        lambda: bool(browser.find_elements(By.CSS_SELECTOR, "#log .timings")),
-        120,
-        "the answer to end",
-    )
-    text = shown(answers(browser)[0])
-    assert "Paris" in text, text
-    assert not browser.find_elements(By.CSS_SELECTOR, "#log .error")
+    ended: list[tuple[str, str, int]] = []  # (text, finish_reason, tokens)
+    for _ in range(CONVERSATIONS):
+        # A fresh page, a new conversation: the same URL again would only move to its
+        # fragment (the page stays, its conversation too), so leave it first.
+        browser.get("about:blank")
+        browser.get(f"http://127.0.0.1:{port}/#key={key}")
+        wait_until(
+            lambda: browser.find_element(By.ID, "status").text.startswith("connected"),
+            20,
+            "the page's WebSocket",
+        )
+        assert browser.find_element(By.ID, "temperature").get_property("value") == ""
+        bound = int(str(browser.find_element(By.ID, "max-tokens").get_property("value")))
+        browser.find_element(By.ID, "prompt").send_keys(FRANCE)
+        browser.find_element(By.ID, "send").click()
+        wait_until(
+            lambda: bool(browser.find_elements(By.CSS_SELECTOR, "#log .timings")),
+            120,
+            "the answer to end",
+        )
+        assert not browser.find_elements(By.CSS_SELECTOR, "#log .error")
+        assert len(answers(browser)) == 1, "a fresh conversation holds one answer"
+        line = browser.find_element(By.CSS_SELECTOR, "#log .timings")
+        tokens = int(line.text.split(" tokens", 1)[0])
+        ended.append(
+            (shown(answers(browser)[0]), str(line.get_attribute("data-finish-reason")), tokens)
+        )
+        assert tokens <= bound, ended[-1]
+    assert all(reason == "stop" for _, reason, _ in ended), ended
+    texts = [text for text, _, _ in ended]
+    assert sum("Paris" in text for text in texts) >= CONVERSATIONS - 1, texts

@@ -128,10 +128,12 @@ function timingsLine(a, f) {
   const t = f.timings, n = f.usage.completion_tokens;
   const decodeS = (t.total_ms - t.ttft_ms) / 1000;
   const rate = n > 1 && decodeS > 0 ? (n - 1) / decodeS : n / Math.max(t.total_ms / 1000, 1e-3);
+  const cut = f.finish_reason === "length" ? " · cut at max tokens" : "";
   const el = line("meta timings",
     `${n} tokens · TTFT ${Math.round(t.ttft_ms)} ms · ${rate.toFixed(1)} tokens/s` +
-    ` · queue ${Math.round(t.queue_ms)} ms · batch of ${t.batch_size}`);
+    ` · queue ${Math.round(t.queue_ms)} ms · batch of ${t.batch_size}${cut}`);
   el.dataset.requestId = f.request_id;
+  el.dataset.finishReason = f.finish_reason;
 }
 
 function onFrame(f) {
@@ -203,10 +205,14 @@ document.getElementById("form").onsubmit = (e) => {
   send(a.request);
   input.value = "";
 };
-// The temperature field, when filled in (0: greedy, the same answer every time).
+// The answer's bound (the max-tokens field, always set: an unbounded answer of a small model
+// can run to the end of its context) and the temperature, when filled in; blank, the model's
+// own sampling defaults apply (0: greedy, the same answer every time).
 function sampling() {
   const t = document.getElementById("temperature").value;
-  return t === "" ? {} : {temperature: Number(t)};
+  const fields = {max_tokens: Number(document.getElementById("max-tokens").value)};
+  if (t !== "") fields.temperature = Number(t);
+  return fields;
 }
 stopButton.onclick = () => { if (current) cancel(current); };
 connect();
