@@ -38,7 +38,8 @@ unit: venv
 # Lint and the unit tier (as `make check`), then the rest against a real Kafka, ending with
 # each tier's minutes (deploy/test.sh; docs/testing.md). PYTEST_ARGS passes through to the
 # broker and real-engine runs, e.g. `make test PYTEST_ARGS='-k launcher'`.
-test: venv
+# deploy/test.sh makes the venv itself (its first tier in the closing table).
+test:
 	deploy/test.sh $(PYTEST_ARGS)
 
 # The chaos check alone (own three-node cluster, kill -9 of every service and of broker

@@ -28,7 +28,12 @@ phase() {
     >>"$RUN_DIR/phases.tsv"
   return $rc
 }
-report() { "$PY" -m deploy.test_report --dir "$RUN_DIR" || true; }
+# The table's script is stdlib only: the system's Python reads it where the venv failed.
+report() {
+  local py=$PY
+  [ -x "$py" ] || py=python3
+  "$py" -m deploy.test_report --dir "$RUN_DIR" || true
+}
 
 # The background builds, stopped at exit if still going (their process groups: setsid made
 # each one a group of its own; Go's build cache keeps what they compiled).
@@ -49,9 +54,11 @@ stop_builds() {
 }
 trap stop_builds EXIT
 
-# The quick loop first, as `make check` runs it: lint, then the unit tier.
+# The services' environment (pip, minutes on a fresh clone), then the quick loop as `make
+# check` runs it: lint, then the unit tier.
 status=0
-phase lint make --no-print-directory -s lint || status=$?
+phase venv make --no-print-directory -s venv || status=$?
+[ "$status" -ne 0 ] || phase lint make --no-print-directory -s lint || status=$?
 [ "$status" -ne 0 ] || phase unit make --no-print-directory -s unit || status=$?
 if [ "$status" -ne 0 ]; then
   report
@@ -150,7 +157,7 @@ if [ $# -eq 0 ] || [ ${#main_args[@]} -gt 0 ]; then
   fi
 fi
 # The real-engine suite, in the vLLM worker's environment (tests/real_engine: vLLM and the
-# transformers engine serve SmolLM2 through the whole bus; about 3 min).
+# transformers engine serve SmolLM2 through the whole bus; about 7 min: docs/testing.md).
 if [ ${#real_args[@]} -gt 0 ]; then
   real_status=0
   phase "real engine" "$VLLM_PY" -m pytest -q -p no:cacheprovider \

@@ -25,7 +25,7 @@ SLOWEST = 25
 CHAOS_MODULE = "tests.test_chaos"  # JUnit's classname: the module, dotted (a class after it)
 # The tiers in the order the run meets them; `broker` is the main run less the chaos check.
 TIER_ORDER = (
-    "lint", "unit", "setup", "broker", "chaos", "real engine", "tool builds", "jaeger build"
+    "venv", "lint", "unit", "setup", "broker", "chaos", "real engine", "tool builds", "jaeger build"
 )  # fmt: skip
 BESIDE = ("tool builds", "jaeger build")  # run in the background: not added to the total
 COUNTED = {

@@ -4,8 +4,10 @@ One stack: edge, ingest and scheduler, two vLLM workers (`smollm2`), a continuou
 static transformers worker (`smollm2-hf`, `smollm2-hf-static`), all loading the same model
 folder, and a vLLM worker of `smollm2`'s variant `fp32` (float32 where the others run
 bfloat16), which takes no traffic but what is pinned to it (`tokenbus eval`). A WebSocket
-client and the official `openai` SDK ask; the answers are the model's. The kill -9 test
-ends one vLLM worker, so it runs last.
+client and the official `openai` SDK ask; the answers are the model's. The stack is the
+real-engine suite's `bus` (tests/real_engine/conftest.py), which tests/real_engine/
+test_clients.py asks too; the kill -9 test ends one of its vLLM workers, so the conftest
+runs it last of the session.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ import os
 import signal
 import time
 from collections import Counter
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -27,80 +28,20 @@ import websockets
 
 from shared.messages import Heartbeat
 from tests.chat_client import Transcript, recv_json, run_requests
-from tests.real_engine.conftest import EMBEDDER
-from tests.stack import Stack, new_prefix, wait_until
+from tests.real_engine.conftest import (
+    EMBEDDER,
+    FP32,
+    HF,
+    HF_STATIC,
+    VLLM_WORKERS,
+    served,
+)
+from tests.stack import Stack, wait_until
 from tokenbus.local_engine import MAX_MODEL_LEN, MODEL_NAME, LocalEngine
 
-VLLM_WORKERS = ("vllm-a", "vllm-b")
-FP32, FP32_WORKER = "fp32", "vllm-fp32"  # a variant of the model: float32, not bfloat16
-HF = "smollm2-hf"
-HF_STATIC = "smollm2-hf-static"
-# Loading a model takes 30-90 s per worker on 2 cores, five at once.
-LOAD_TIMEOUT_S = 420.0
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 
 pytestmark = pytest.mark.timeout(600)
-
-
-@pytest.fixture(scope="module")
-def bus(bootstrap: str, log_dir: Path, local_engine: LocalEngine) -> Iterator[Stack]:
-    workers = {
-        key: {**local_engine.worker_env("vllm"), "TOKENBUS_WORKER_ID": key} for key in VLLM_WORKERS
-    }
-    workers[FP32_WORKER] = {
-        **local_engine.worker_env("vllm"),
-        "TOKENBUS_WORKER_ID": FP32_WORKER,
-        "TOKENBUS_WORKER_VARIANT": FP32,
-        "TOKENBUS_WORKER_DTYPE": "float32",
-    }
-    workers["hf"] = {
-        **local_engine.worker_env("transformers", model=HF, max_num_seqs=4),
-        "TOKENBUS_WORKER_ID": "hf",
-    }
-    workers["hf-static"] = {
-        **local_engine.worker_env(
-            "transformers", model=HF_STATIC, max_num_seqs=4, batch_mode="static"
-        ),
-        "TOKENBUS_WORKER_ID": "hf-static",
-    }
-    stack = Stack(
-        bootstrap=bootstrap,
-        prefix=new_prefix(),
-        log_dir=log_dir,
-        workers=workers,
-        env_overrides={"TOKENBUS_EDGE_DISCONNECT_GRACE_S": "3", "TOKENBUS_LOG_FORMAT": "json"},
-    )
-    try:
-        stack.start()
-        # While vLLM loads (half a minute or more here), each vLLM worker's /healthz
-        # answers (its event loop is free) and /readyz says it is not ready yet. (The
-        # transformers workers load before their loop starts, in a second or two.)
-        alive_while_loading: set[str] = set()
-
-        def loaded() -> bool:
-            for key in workers:
-                if key not in alive_while_loading:
-                    health, _ = stack.health(key, "/healthz")
-                    ready, body = stack.health(key, "/readyz")
-                    if health == 200 and ready == 503 and body.get("reason") == "starting":
-                        alive_while_loading.add(key)
-            return {MODEL_NAME, HF, HF_STATIC} <= set(served(stack)) and all(
-                stack.health(k, "/readyz")[0] == 200 for k in workers
-            )
-
-        wait_until(loaded, LOAD_TIMEOUT_S, "every worker's model loaded", interval=0.5)
-        assert set(VLLM_WORKERS) <= alive_while_loading, "/healthz went silent as vLLM loaded"
-        yield stack
-    finally:
-        stack.stop()
-
-
-def served(stack: Stack) -> dict[str, dict[str, Any]]:
-    client = openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key=stack.keys["default"])
-    try:
-        return {m.id: m.model_dump() for m in client.models.list()}
-    except openai.APIConnectionError:
-        return {}
 
 
 def sdk(stack: Stack) -> openai.OpenAI:
@@ -555,6 +496,7 @@ def test_eval_reports_float32_against_bfloat16_on_the_models_own_text(
 KILLED_ANSWER_TOKENS = 1500
 
 
+@pytest.mark.ends_the_bus
 def test_kill_9_of_the_serving_vllm_worker_reruns_on_the_other(bus: Stack) -> None:
     """e. The worker streaming an answer is killed (with its vLLM engine core); the
     scheduler runs the request again on the other vLLM worker. The client sees `chat.reset`,

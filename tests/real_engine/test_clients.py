@@ -1,6 +1,7 @@
 """The clients people put in front of vLLM's OpenAI server, against tokenbus (issue 26).
 
-One stack with one vLLM worker serving SmolLM2-135M-Instruct on vLLM's CPU build. Each
+The real-engine suite's stack (`bus`, tests/real_engine/conftest.py: two vLLM workers
+serving SmolLM2-135M-Instruct on vLLM's CPU build, beside the transformers ones). Each
 client is the real package, as its users call it: the `openai` SDK, LangChain's
 `ChatOpenAI` and LiteLLM (`hosted_vllm/` and `openai/` providers). They are installed into
 this suite's environment by `make test` (deploy/vllm/test-requirements.txt).
@@ -9,21 +10,18 @@ this suite's environment by `make test` (deploy/vllm/test-requirements.txt).
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any, Literal
 
 import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.stack import Stack, new_prefix, wait_until
-from tokenbus.local_engine import MAX_MODEL_LEN, MODEL_NAME, LocalEngine
+from tests.stack import Stack
+from tokenbus.local_engine import MAX_MODEL_LEN, MODEL_NAME
 
 # LiteLLM fetches a price list from GitHub at import unless told to use its own copy.
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
-LOAD_TIMEOUT_S = 300.0
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 WEATHER_Q = "What is the weather like in Paris today? Answer in celsius."
 
@@ -45,30 +43,6 @@ WEATHER_TOOL: dict[str, Any] = {
 }
 
 pytestmark = pytest.mark.timeout(600)
-
-
-@pytest.fixture(scope="module")
-def bus(bootstrap: str, log_dir: Path, local_engine: LocalEngine) -> Iterator[Stack]:
-    stack = Stack(
-        bootstrap=bootstrap,
-        prefix=new_prefix(),
-        log_dir=log_dir,
-        workers={"vllm": {**local_engine.worker_env("vllm"), "TOKENBUS_WORKER_ID": "vllm"}},
-        env_overrides={"TOKENBUS_LOG_FORMAT": "json"},
-    )
-    try:
-        stack.start()
-
-        def loaded() -> bool:
-            try:
-                return MODEL_NAME in {m.id for m in sdk(stack).models.list()}
-            except openai.APIConnectionError:
-                return False
-
-        wait_until(loaded, LOAD_TIMEOUT_S, "the vLLM worker's model loaded", interval=0.5)
-        yield stack
-    finally:
-        stack.stop()
 
 
 def base_url(stack: Stack) -> str:

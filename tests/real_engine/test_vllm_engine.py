@@ -1,9 +1,7 @@
 """The vLLM adapter on real vLLM (the CPU build) with the real model, in this process.
 
 One engine with a single sequence slot, so vLLM keeps a queue: what it runs next shows
-its priority order, and when it starts the next shows that an abort freed the slot. It is
-loaded once for the module (one event loop for the module's async tests); each test checks
-after itself that nothing runs or waits in it (`idle`), so the next starts from a free slot.
+its priority order, and when it starts the next shows that an abort freed the slot.
 """
 
 from __future__ import annotations
@@ -16,7 +14,6 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
-import pytest_asyncio
 
 from deploy import test_ledger
 from services.worker.engines.base import ChatTurn, EngineDelta, EngineFinish, EngineRequest
@@ -37,8 +34,6 @@ pytestmark = [
     # vLLM's environment and its processes (importing vLLM starts one): not the unit tier.
     pytest.mark.integration,
     pytest.mark.timeout(600),
-    # The module's engine lives in the module's loop; its async tests run there.
-    pytest.mark.asyncio(loop_scope="module"),
     # vLLM's own imports warn (deprecations in its dependencies); not this project's.
     pytest.mark.filterwarnings("ignore::DeprecationWarning"),
     pytest.mark.filterwarnings("ignore::FutureWarning"),
@@ -46,42 +41,27 @@ pytestmark = [
 ]
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def engine(local_engine: LocalEngine) -> AsyncIterator[VllmEngine]:
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("VLLM_CPU_KVCACHE_SPACE", str(KV_CACHE_GIB))
-        api = load_vllm()
-        args = engine_args(
-            api,
-            model=str(local_engine.model_path),
-            max_num_seqs=1,
-            dtype=DTYPE,
-            max_model_len=MAX_MODEL_LEN,
-            enforce_eager=True,
-        )
-        loaded = VllmEngine(api, args)
-        test_ledger.note(test_ledger.VLLM_LOAD, where="test_vllm_engine")
-        await loaded.start()
+@pytest.fixture
+async def one_slot(
+    local_engine: LocalEngine, monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[VllmEngine]:
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", str(KV_CACHE_GIB))
+    api = load_vllm()
+    args = engine_args(
+        api,
+        model=str(local_engine.model_path),
+        max_num_seqs=1,
+        dtype=DTYPE,
+        max_model_len=MAX_MODEL_LEN,
+        enforce_eager=True,
+    )
+    engine = VllmEngine(api, args)
+    test_ledger.note(test_ledger.VLLM_LOAD, where="test_vllm_engine")
+    await engine.start()
     try:
-        yield loaded
+        yield engine
     finally:
-        await loaded.stop()
-
-
-@pytest_asyncio.fixture(loop_scope="module")
-async def one_slot(engine: VllmEngine) -> AsyncIterator[VllmEngine]:
-    """The module's engine, for one test: whatever the test left running is aborted after
-    it, and the next test starts once the engine runs and queues nothing."""
-    await until(lambda: idle(engine), "the engine to be idle")
-    yield engine
-    for request_id in list(engine._inflight):
-        await engine.abort(request_id)
-    await until(lambda: idle(engine), "the engine to be idle after the test")
-
-
-def idle(engine: VllmEngine) -> bool:
-    capacity = engine.capacity()
-    return (capacity.running, capacity.queued) == (0, 0)
+        await engine.stop()
 
 
 def turn(rid: str, text: str, max_tokens: int, priority: int) -> EngineRequest:
@@ -144,7 +124,6 @@ async def test_a_tenant_never_hits_another_tenants_prefix_cache(one_slot: VllmEn
     window = engine.scheduler.prefix_cache
     prompt = " ".join(f"Item {i}: the payroll of ACME for month {i} is sealed." for i in range(60))
     hits: list[int] = []
-    seen = window.totals[0]  # requests the module's engine ran before this test
     for n, tenant in enumerate(("t-victim", "t-attacker", "t-victim"), start=1):
         request = EngineRequest(
             f"salt-{n}",
@@ -156,7 +135,7 @@ async def test_a_tenant_never_hits_another_tenants_prefix_cache(one_slot: VllmEn
         )
         before = window.totals[2]
         _ = [out async for out in engine.generate(request)]
-        await until(lambda n=n: window.totals[0] >= seen + n, f"vLLM's stats of request {n}")
+        await until(lambda n=n: window.totals[0] >= n, f"vLLM's stats of request {n}")
         hits.append(window.totals[2] - before)
     assert hits[0] == 0, hits  # nothing cached yet
     assert hits[1] == 0, hits  # another tenant's probe: none of the victim's blocks
