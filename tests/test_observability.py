@@ -118,17 +118,24 @@ def wait_for_whole_trace(
     """Spans are written in the background, each process on its own clock: poll until the
     edge's last ones are there and every service on the request's path has written some
     (the worker's may land after the edge's: its run span ends once its records are
-    stored). Every stage's span must be there too."""
+    stored). Every stage's span must be there too, and every span's parent (stop 46's clean
+    clone saw the worker's four stage spans written before their parent)."""
     found: list[SpanRecord] = []
 
     def complete() -> bool:
         nonlocal found
         found = traced.request_spans(request_id)
         names = {s.name for s in found}
+        # A parent ends after its children and is written after them (the worker's request
+        # span after its stage spans): the trace is whole once every parent is there too.
+        traces = {s.trace_id for s in found if s.attributes.get(semconv.REQUEST_ID) == request_id}
+        ids = {s.span_id for s in found}
+        parents = {s.parent_span_id for s in found if s.trace_id in traces} - {None}
         return (
             semconv.SPAN_CHAT in names
             and {s.stage for s in found if s.stage} == set(semconv.STAGES)
             and {service(s) for s in found} >= services
+            and parents <= ids
         )
 
     wait_until(complete, 20, f"the spans of request {request_id}")
