@@ -45,8 +45,7 @@ ENDS_THE_BUS = "ends_the_bus"
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """A test that ends a worker of the suite's `bus` runs after every other test."""
-    last = [item for item in items if item.get_closest_marker(ENDS_THE_BUS)]
-    items[:] = [item for item in items if item not in last] + last
+    items.sort(key=lambda item: item.get_closest_marker(ENDS_THE_BUS) is not None)  # stable
 
 
 @pytest.fixture(scope="session")
