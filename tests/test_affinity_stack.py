@@ -16,12 +16,38 @@ from typing import Any
 import pytest
 import websockets
 
-from shared.messages import Batch, Heartbeat
+from services.edge.auth import tenant_id
+from services.scheduler.routing import rendezvous
+from shared.messages import Batch, ChatRequest, Heartbeat
+from shared.prefixes import prefix_key
 from tests.chat_client import run_requests
-from tests.stack import Stack, new_prefix, wait_until
+from tests.stack import TENANTS, Stack, new_prefix, wait_until
 
 TURNS = 4
 CONVERSATIONS = 6
+WORKERS = ("worker-a", "worker-b")
+RESUME_SECRET = "prefix-affinity-test-fixed-secret-036"
+
+
+def opening(number: int) -> list[dict[str, str]]:
+    return [
+        {"role": "system", "content": f"You are assistant number {number}, brief and exact."},
+        {"role": "user", "content": f"Question 0 of talk {number}?"},
+    ]
+
+
+def test_the_keys_split_evenly() -> None:
+    """The fixed secret and worker names put three of the six conversations on each worker
+    by rendezvous hashing, whichever tenant sends them: the stack test relies on it."""
+    for tenant in TENANTS:
+        tid = tenant_id(RESUME_SECRET.encode(), tenant)
+        firsts = []
+        for n in range(CONVERSATIONS):
+            request = ChatRequest(messages=opening(n), max_tokens=12)
+            if n % 2 == 0:
+                request = request.model_copy(update={"conversation_id": f"talk-{n}"})
+            firsts.append(rendezvous(prefix_key(request, tid), WORKERS))
+        assert sorted(firsts) == sorted(WORKERS * 3), (tenant, firsts)
 
 
 @pytest.fixture(scope="module")
@@ -34,10 +60,13 @@ def two_workers(bootstrap: str, log_dir: Path) -> Iterator[Stack]:
             "TOKENBUS_SCHEDULER_ROUTING": "prefix",
             "TOKENBUS_WORKER_HEARTBEAT_MS": "300",
         },
-        # Named: a conversation's first worker is chosen by hashing its key with the workers'
-        # ids. With a default id (from the process id) all six landed on one worker in 1.2 %
-        # of 20,000 ids tried; with these names three go to each.
-        workers={w: {"TOKENBUS_WORKER_ID": w} for w in ("worker-a", "worker-b")},
+        # A conversation's first worker is chosen by hashing its key with the workers' ids,
+        # and the key is salted with the tenant id, an HMAC under the resume secret. Stack's
+        # default secret is random, so with random keys all six conversations went to one
+        # worker in about 2 of 64 runs (stop 46's CI run was one). With these worker names
+        # and this secret three go to each, for every tenant (`test_the_keys_split_evenly`).
+        resume_secret=RESUME_SECRET,
+        workers={w: {"TOKENBUS_WORKER_ID": w} for w in WORKERS},
     )
     try:
         s.start()
@@ -55,9 +84,7 @@ def two_workers(bootstrap: str, log_dir: Path) -> Iterator[Stack]:
 async def converse(url: str, number: int) -> list[str]:
     """Four turns, each sent once the previous answer is in; the request id of each."""
     named = number % 2 == 0  # half name their conversation, half are keyed by their opening
-    messages: list[dict[str, str]] = [
-        {"role": "system", "content": f"You are assistant number {number}, brief and exact."},
-    ]
+    messages: list[dict[str, str]] = opening(number)[:1]
     ids: list[str] = []
     async with websockets.connect(url) as ws:
         for turn in range(TURNS):
