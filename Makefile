@@ -42,7 +42,7 @@ unit: venv
 test:
 	deploy/test.sh $(PYTEST_ARGS)
 
-# The chaos check alone (own three-node cluster, kill -9 of every service and of broker
+# The chaos check alone (a three-node cluster of its own, kill -9 of every service and of broker
 # leaders, a checker that counts): docs/reliability.md.
 chaos: venv
 	$(PY) -m pytest -q -m chaos tests/test_chaos.py $(PYTEST_ARGS)

@@ -148,8 +148,8 @@ done
 
 if [ $# -eq 0 ] || [ ${#main_args[@]} -gt 0 ]; then
   # Everything but the unit tier, the chaos check included (tests/test_chaos.py, at most
-  # 5 minutes: its own three-node cluster; `make chaos` runs it alone). The table splits
-  # its minutes out of the main run's.
+  # 5 minutes, last of all on the session's three-node cluster; `make chaos` runs it
+  # alone). The table splits its minutes out of the main run's.
   phase main "$PY" -m pytest -q --junitxml="$RUN_DIR/junit-main.xml" "${main_args[@]}" \
     || status=$?
   if [ "$status" -eq 5 ]; then

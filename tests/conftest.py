@@ -11,8 +11,9 @@ import pytest
 
 import services.ingest.handling as ingest_handling
 from deploy.kafka import launcher
+from tests.chaos.toxiproxy import ProxiedCluster, Toxiproxy
 from tests.kafka_env import kafka_bootstrap
-from tests.processes import free_port_pair
+from tests.processes import free_port_pair, free_port_run
 from tests.stack import Stack, new_prefix
 from tests.tiers import UNIT, ProcessGuard, is_unit
 
@@ -23,6 +24,11 @@ collect_ignore = [] if importlib.util.find_spec("vllm") else ["real_engine"]
 _guard = ProcessGuard()
 
 
+# The session's three-node cluster: the tests that use it run last, the chaos check last of
+# all (it kills nodes), so that the cluster lives only while they run.
+THREE_NODES = "three_nodes"
+
+
 # First, so that `-m unit` / `-m "not unit"` see the mark when they deselect.
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -30,6 +36,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         fixtures = getattr(item, "fixturenames", ())
         if is_unit(fixtures, (mark.name for mark in item.iter_markers())):
             item.add_marker(UNIT)
+    items.sort(key=_runs_late)  # stable: the order within each group stays
+
+
+def _runs_late(item: pytest.Item) -> tuple[bool, bool]:
+    return (
+        THREE_NODES in getattr(item, "fixturenames", ()),
+        item.get_closest_marker("chaos") is not None,
+    )
 
 
 @pytest.hookimpl(wrapper=True)
@@ -66,6 +80,27 @@ def secured_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[launch
         yield started
     finally:
         launcher.stop(started)
+
+
+@pytest.fixture(scope="session")
+def three_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProxiedCluster]:
+    """One proxied three-node cluster for the session (issue 36), with a Toxiproxy proxy
+    between the clients and each node: the cluster, Toxiproxy and chaos modules share it.
+    Each test takes it `whole()` (every node up, no toxic) and names its topics by a prefix
+    of its own. Waits for the Toxiproxy server if `make test` is still building it."""
+    state = tmp_path_factory.mktemp("three-nodes")
+    cluster = launcher.Cluster.resolve(
+        free_port_run(3 * launcher.ports_per_node(proxied=True)),
+        state / "kafka",
+        nodes=3,
+        proxied=True,
+    )
+    try:
+        with Toxiproxy.start(cluster, log_file=state / "toxiproxy.log") as proxy:
+            launcher.start(cluster)
+            yield ProxiedCluster(cluster, proxy)
+    finally:
+        launcher.stop(cluster)
 
 
 def _default_stack(bootstrap: str, log_dir: Path) -> Iterator[Stack]:

@@ -33,7 +33,6 @@ from pathlib import Path
 import pytest
 
 from bench.loadgen import warm_up
-from deploy.kafka import launcher
 from shared.kafka import create_topics
 from tests import stack_dumps
 from tests.chaos import availability
@@ -41,8 +40,7 @@ from tests.chaos.checker import failures, judge, summarize, table
 from tests.chaos.faults import NODE_KINDS, SERVICE_KINDS, Fault, last_end_s, plan
 from tests.chaos.load import KafkaRequester, LoadRun, WsUser, cancel_all, plan_load
 from tests.chaos.system import CHAOS_ENV, ChaosSystem, Injector, LocalCluster, ProxiedLinks
-from tests.chaos.toxiproxy import Toxiproxy
-from tests.processes import free_port_run
+from tests.chaos.toxiproxy import ProxiedCluster
 from tests.stack import ROOT, Stack, new_prefix
 
 # In `make test`; `make chaos` runs it alone (`-m chaos`).
@@ -83,8 +81,8 @@ WS_USERS = 6
 KINDS = (*SERVICE_KINDS, "worker", "edge", *NODE_KINDS)
 REPLY_PARTITIONS = 2
 REPORT = ROOT / ".tokenbus" / "chaos" / "last-run.md"
-# The last run's broker data, service logs and timeline (chaos.log), kept for a post-mortem;
-# each run clears it first.
+# The last run's service logs and timeline (chaos.log, which names the cluster's state dir
+# under pytest's temp dirs), kept for a post-mortem; each run clears it first.
 RUN_DIR = ROOT / ".tokenbus" / "chaos" / "run"
 
 
@@ -96,19 +94,12 @@ def run_dir() -> Path:
 
 
 @pytest.fixture
-def cluster(run_dir: Path) -> Iterator[LocalCluster]:
-    """Three KRaft nodes of our own: RF 3, min.insync.replicas 2 (the launcher's rule),
-    which the services reach through a Toxiproxy proxy per node."""
-    per_node = launcher.ports_per_node(proxied=True)
-    nodes = launcher.Cluster.resolve(
-        free_port_run(3 * per_node), run_dir / "kafka", nodes=3, proxied=True
-    )
-    with Toxiproxy.start(nodes, log_file=run_dir / "logs" / "toxiproxy.log") as proxy:
-        try:
-            launcher.start(nodes)
-            yield LocalCluster(nodes, ProxiedLinks(proxy))
-        finally:
-            launcher.stop(nodes)
+def cluster(three_nodes: ProxiedCluster) -> LocalCluster:
+    """The session's three KRaft nodes (tests/conftest.py; this test runs last of all, as
+    it kills them): RF 3, min.insync.replicas 2 (the launcher's rule), which the services
+    reach through a Toxiproxy proxy per node."""
+    whole = three_nodes.whole()
+    return LocalCluster(whole.cluster, ProxiedLinks(whole.proxy))
 
 
 @pytest.fixture
@@ -154,6 +145,7 @@ def test_no_acknowledged_request_is_lost_or_answered_twice_under_kill_9(
 
     load_s = max(MIN_LOAD_S, last_end_s(faults) + LOAD_TAIL_S)
     say(f"seed {seed} (replay: TOKENBUS_CHAOS_SEED={seed} pytest tests/test_chaos.py)")
+    say(f"cluster: {cluster.cluster.bootstrap_servers}, state dir {cluster.cluster.state_dir}")
     for fault in faults:
         say("planned: " + fault.describe())
 

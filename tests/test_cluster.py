@@ -1,6 +1,8 @@
 """A real three-node KRaft cluster from the launcher: replicated topics, and writes through a crash.
 
-The cluster is this module's own (free ports, a temp state dir), never the shared broker.
+The cluster is the session's three-node one (`three_nodes`, tests/conftest.py: clients reach
+each node through a Toxiproxy proxy with no toxic), never the shared broker; each test takes
+it with every node up, and names its topics by a prefix of its own.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -29,24 +31,22 @@ from shared.messages import DoneResult, QueuedRequest, ReplyTo, Tier, Timings, U
 from shared.results import send_result
 from shared.settings import TokenbusSettings
 from shared.topics import Topics
-from tests.processes import free_port_run, running
+from tests.built_tools import WAITS_FOR_BUILD
+from tests.chaos.toxiproxy import ProxiedCluster
+from tests.processes import running
 from tests.stack import Stack, new_prefix, read_partition, wait_until
 
-pytestmark = pytest.mark.integration
+# `three_nodes` waits for the Toxiproxy server if make test is still building it.
+pytestmark = [pytest.mark.integration, WAITS_FOR_BUILD]
 
 # The console script pyproject declares, from the environment running the tests.
 TOKENBUS = Path(sys.executable).parent / "tokenbus"
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[launcher.Cluster]:
-    state = tmp_path_factory.mktemp("cluster")
-    cluster, started = launcher.start_cluster(nodes=3, port=free_port_run(6), state_dir=state)
-    try:
-        assert set(started.pids) == {1, 2, 3}
-        yield cluster
-    finally:
-        launcher.stop(cluster)
+@pytest.fixture
+def cluster(three_nodes: ProxiedCluster) -> launcher.Cluster:
+    """The session's cluster with every node running, whatever an earlier test left dead."""
+    return three_nodes.whole().cluster
 
 
 def settings_for(cluster: launcher.Cluster) -> TokenbusSettings:
@@ -110,10 +110,9 @@ async def wait_for(what: str, timeout_s: float, check: Any) -> Any:
         await asyncio.sleep(0.2)
 
 
-def test_the_bootstrap_string_lists_every_node(cluster: launcher.Cluster) -> None:
-    port = cluster.port
-    expected = f"127.0.0.1:{port},127.0.0.1:{port + 2},127.0.0.1:{port + 4}"
-    assert cluster.bootstrap_servers == expected
+def test_every_node_runs_and_knows_the_other_two(cluster: launcher.Cluster) -> None:
+    # The bootstrap string of a plain cluster: tests/test_launcher.py; of a proxied one:
+    # tests/chaos/test_toxiproxy.py.
     assert set(launcher.running_pids(cluster)) == {1, 2, 3}
     assert all(launcher.broker_ids(n.port) == {1, 2, 3} for n in cluster.nodes)
 
@@ -150,15 +149,7 @@ async def test_an_explicit_replication_factor_wins_and_min_isr_follows(
         assert await topic_config(admin, topic, "min.insync.replicas") == "1"
 
 
-@pytest.fixture
-def whole(cluster: launcher.Cluster) -> launcher.Cluster:
-    """The cluster with every node running, whatever an earlier test left dead."""
-    launcher.start(cluster)
-    return cluster
-
-
-async def test_writes_survive_the_leaders_kill_and_its_restart(whole: launcher.Cluster) -> None:
-    cluster = whole
+async def test_writes_survive_the_leaders_kill_and_its_restart(cluster: launcher.Cluster) -> None:
     settings = settings_for(cluster)
     topic = f"{settings.topic_prefix}.through-a-crash"
     await create_topics(settings, {topic: 1})
@@ -208,14 +199,14 @@ async def test_writes_survive_the_leaders_kill_and_its_restart(whole: launcher.C
 
 
 async def test_a_final_behind_a_hung_replica_is_found_once_its_partition_is_settled(
-    whole: launcher.Cluster,
+    cluster: launcher.Cluster,
 ) -> None:
     """Finding 11 (ADR 0050). While a follower is hung, a record the leader holds is not
     readable (acks=all: the high watermark waits for every in-sync replica), so a hand-back
     that asked for finals then missed a `done` the worker had written, and announced the
     next attempt after it: the request was answered twice. Settled first (a reset of the
     running attempt, stored), the partition shows the `done`."""
-    settings = settings_for(whole)
+    settings = settings_for(cluster)
     topic = f"{settings.topic_prefix}.replies"
     await create_topics(settings, {topic: 1})
     request = QueuedRequest(
@@ -247,7 +238,7 @@ async def test_a_final_behind_a_hung_replica_is_found_once_its_partition_is_sett
         follower = next(n for n in partition["replicas"] if n != partition["leader"])
         for producer in (worker, scheduler):  # each knows the leader before a node hangs
             await producer.partitions_for(topic)
-        pid = launcher.running_pids(whole)[follower]
+        pid = launcher.running_pids(cluster)[follower]
         os.kill(pid, signal.SIGSTOP)
         try:
             stored = await send_result(worker, request.reply_to, done)
@@ -269,7 +260,7 @@ async def test_a_final_behind_a_hung_replica_is_found_once_its_partition_is_sett
         await wait_for(f"node {follower} back in sync", 90, all_in_sync)
 
 
-def test_a_hung_node_silences_no_worker(whole: launcher.Cluster, log_dir: Path) -> None:
+def test_a_hung_node_silences_no_worker(cluster: launcher.Cluster, log_dir: Path) -> None:
     """ADR 0056 (finding 11's reading, finding 13). With one replicated heartbeat partition, a
     hung node held back its high watermark (a replica away stalls acks=all until the
     controller fences the node, 6 s), so no beat was readable: the scheduler declared every
@@ -277,7 +268,7 @@ def test_a_hung_node_silences_no_worker(whole: launcher.Cluster, log_dir: Path) 
     beats on the other nodes' partitions carry on through the hang, and through a node's
     kill and restart."""
     stack = Stack(
-        bootstrap=whole.bootstrap_servers,
+        bootstrap=cluster.bootstrap_servers,
         prefix=new_prefix(),
         log_dir=log_dir,
         workers={k: {"TOKENBUS_WORKER_ID": k} for k in ("hang-a", "hang-b")},
@@ -298,7 +289,7 @@ def test_a_hung_node_silences_no_worker(whole: launcher.Cluster, log_dir: Path) 
             lambda: text(scheduler).count("worker.registered") >= 2, 120, "both workers heard"
         )
         # A node leading a heartbeat partition (each node leads one): node 2.
-        pid = launcher.running_pids(whole)[2]
+        pid = launcher.running_pids(cluster)[2]
         os.kill(pid, signal.SIGSTOP)
         try:
             # Hold the hang past the death threshold (1.5 s) and the controller's fencing
@@ -316,9 +307,9 @@ def test_a_hung_node_silences_no_worker(whole: launcher.Cluster, log_dir: Path) 
         # A node killed and started again: its partition has no leader meanwhile, and while
         # it starts its port opens before it answers (a refresh that asks it waits: one
         # producer for all partitions stalled every beat; `beat_producers.py`).
-        killed = launcher.kill_node(whole, 3)
+        killed = launcher.kill_node(cluster, 3)
         assert killed is not None
-        launcher.start_node(whole, 3)
+        launcher.start_node(cluster, 3)
         until = time.monotonic() + 8.0
         while time.monotonic() < until:
             assert not silenced(), silenced()
@@ -332,15 +323,14 @@ FENCED = ("worker.fenced", "worker.silent")
 
 
 def test_cli_status_names_a_dead_node_and_start_brings_it_back(
-    whole: launcher.Cluster, capsys: pytest.CaptureFixture[str]
+    cluster: launcher.Cluster, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    cluster = whole
     killed = launcher.kill_node(cluster, 3)
     assert killed is not None
     args = ["status", "--state-dir", str(cluster.state_dir)]
     assert launcher.main(args) == 1
     out = capsys.readouterr().out
-    assert f"node 3 at 127.0.0.1:{cluster.port + 4}: not running" in out
+    assert f"node 3 at {cluster.node(3).bootstrap_server}: not running" in out
     assert "2 of 3 nodes serving" in out
     assert launcher.main(["start", "--state-dir", str(cluster.state_dir)]) == 0
     assert "1 of 3 nodes up" in capsys.readouterr().out
@@ -349,9 +339,8 @@ def test_cli_status_names_a_dead_node_and_start_brings_it_back(
 
 
 def test_topics_create_cli_replicates_by_default_and_takes_a_factor(
-    whole: launcher.Cluster,
+    cluster: launcher.Cluster,
 ) -> None:
-    cluster = whole
 
     def topics_create(prefix: str, *args: str) -> str:
         env = dict(

@@ -1,6 +1,6 @@
 """Toxiproxy between Kafka clients and one node of a real three-node cluster.
 
-The cluster is this module's own (free ports, a temp state dir), proxied: clients reach each
+The cluster is the session's (`three_nodes`, tests/conftest.py), proxied: clients reach each
 node through its proxy only, while the brokers replicate directly. So a toxic on one node's
 proxy slows or cuts the clients' traffic to that node, and replication goes on.
 """
@@ -12,7 +12,6 @@ import re
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -23,41 +22,23 @@ from deploy.kafka import launcher
 from shared.kafka import create_topics, make_producer
 from shared.settings import TokenbusSettings
 from tests.built_tools import WAITS_FOR_BUILD
-from tests.chaos.toxiproxy import Toxiproxy
-from tests.processes import free_port_run
+from tests.chaos.toxiproxy import ProxiedCluster, Toxiproxy
 from tests.stack import new_prefix, read_partition
 
-# `proxied` waits for the Toxiproxy server if make test is still building it.
+# `three_nodes` waits for the Toxiproxy server if make test is still building it.
 pytestmark = [pytest.mark.integration, WAITS_FOR_BUILD]
 
 NODES = 3
 
 
-@dataclass(frozen=True)
-class Proxied:
-    cluster: launcher.Cluster
-    proxy: Toxiproxy
-
-
-@pytest.fixture(scope="module")
-def proxied(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proxied]:
-    state = tmp_path_factory.mktemp("proxied")
-    cluster = launcher.Cluster.resolve(
-        free_port_run(NODES * launcher.ports_per_node(proxied=True)),
-        state / "kafka",
-        nodes=NODES,
-        proxied=True,
-    )
-    try:
-        with Toxiproxy.start(cluster, log_file=state / "toxiproxy.log") as proxy:
-            launcher.start(cluster)
-            yield Proxied(cluster, proxy)
-    finally:
-        launcher.stop(cluster)
+@pytest.fixture
+def proxied(three_nodes: ProxiedCluster) -> ProxiedCluster:
+    """The session's proxied cluster, every node up and no toxic left."""
+    return three_nodes.whole()
 
 
 @pytest.fixture
-def toxiproxy(proxied: Proxied) -> Iterator[Toxiproxy]:
+def toxiproxy(proxied: ProxiedCluster) -> Iterator[Toxiproxy]:
     """The proxies, every toxic removed after the test whatever it left."""
     try:
         yield proxied.proxy
@@ -66,7 +47,7 @@ def toxiproxy(proxied: Proxied) -> Iterator[Toxiproxy]:
 
 
 @pytest.fixture
-def settings(proxied: Proxied) -> TokenbusSettings:
+def settings(proxied: ProxiedCluster) -> TokenbusSettings:
     return TokenbusSettings(
         KAFKA_BOOTSTRAP_SERVERS=proxied.cluster.bootstrap_servers, topic_prefix=new_prefix()
     )
@@ -140,7 +121,7 @@ async def timed_send(producer: AIOKafkaProducer, topic: str, partition: int) -> 
     return time.monotonic() - began
 
 
-def test_clients_are_told_the_proxies_and_the_brokers_each_other(proxied: Proxied) -> None:
+def test_clients_are_told_the_proxies_and_the_brokers_each_other(proxied: ProxiedCluster) -> None:
     for node in proxied.cluster.nodes:
         assert node.client_port not in (node.port, node.controller_port, node.broker_port)
         config = node.config_file.read_text()
@@ -153,7 +134,7 @@ def test_clients_are_told_the_proxies_and_the_brokers_each_other(proxied: Proxie
 
 
 async def test_a_record_goes_through_the_proxies_and_back(
-    proxied: Proxied, settings: TokenbusSettings
+    proxied: ProxiedCluster, settings: TokenbusSettings
 ) -> None:
     topic = await new_topic(settings, "round-trip", 1)
     async with producer_of(settings) as producer:
@@ -212,7 +193,7 @@ async def test_a_black_holed_leader_holds_its_writes_until_cleared(
 
 
 async def test_replication_bypasses_the_clients_proxies(
-    proxied: Proxied, toxiproxy: Toxiproxy, settings: TokenbusSettings
+    proxied: ProxiedCluster, toxiproxy: Toxiproxy, settings: TokenbusSettings
 ) -> None:
     topic = await new_topic(settings, "replication", 1)
     async with producer_of(settings) as producer:

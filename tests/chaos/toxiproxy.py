@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import signal
 import subprocess
 import time
 import urllib.error
@@ -316,3 +318,23 @@ def _check_at_least(low: int, **values: int) -> None:
     for name, value in values.items():
         if value < low:
             raise ValueError(f"{name} must be at least {low}, not {value}")
+
+
+@dataclass(frozen=True)
+class ProxiedCluster:
+    """A proxied three-node cluster with its Toxiproxy server: the session's one
+    (`three_nodes` in tests/conftest.py), which the cluster, Toxiproxy and chaos modules
+    share."""
+
+    cluster: launcher.Cluster
+    proxy: Toxiproxy
+
+    def whole(self) -> ProxiedCluster:
+        """Every node running and no toxic left, whatever an earlier test did to it."""
+        self.proxy.clear_all()
+        for node in self.cluster.nodes:
+            pid = launcher.running_pid(node)
+            if pid is not None:
+                os.kill(pid, signal.SIGCONT)  # a hang a failed test left behind
+        launcher.start(self.cluster)
+        return self
