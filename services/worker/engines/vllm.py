@@ -452,6 +452,10 @@ class VllmEngine:
         await self._cancel(flight)
         return True
 
+    def in_flight(self) -> list[str]:
+        """The ids of the requests handed to vLLM and not finished yet."""
+        return list(self._inflight)
+
     def capacity(self) -> Capacity:
         """Slots from what this worker handed vLLM, corrected by what vLLM's scheduler
         last reported: requests it keeps waiting (its KV cache full, say) take a slot each
