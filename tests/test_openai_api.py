@@ -43,6 +43,7 @@ REQUEST_ID = re.compile(r"^[0-9a-f]{32}$")
 TENANTS: dict[str, dict[str, object]] = {
     # Two requests, then one per 100 s: the third is refused however slow the test.
     "slow": {**UNLIMITED, "rps": 0.01, "burst": 2},
+    "metered": {**UNLIMITED, "tokens_per_min": 5000},
 }
 
 
@@ -396,6 +397,22 @@ def test_429_with_retry_after_past_the_tenant_quota(api: Stack) -> None:
         client.completions.create(model=MODEL, prompt="hi", max_tokens=2, stream=True)
     check_error(caught.value, 429, "rate_limit_exceeded")
     check_retry_hint(caught.value.response.headers)
+
+
+def test_400_not_429_for_a_request_no_wait_could_admit(api: Stack) -> None:
+    """Issue 37's regression: max_tokens 1,000,000,000 from a tenant with a tokens/min
+    limit was answered 429 ("it can never be admitted"), which the `openai` SDK retries by
+    default. A request that can never succeed is a 400 naming the field, as vLLM's is; so
+    is one that fits the model but not the tenant's whole minute."""
+    with openai_sdk(api, "metered") as client:
+        for max_tokens, says in ((10**9, "max_tokens"), (MODEL_LEN - 100, "tokens_per_min")):
+            with pytest.raises(openai.BadRequestError) as caught:
+                client.completions.create(model=MODEL, prompt="hi", max_tokens=max_tokens)
+            check_error(caught.value, 400, "invalid_request")
+            assert says in caught.value.body["message"], caught.value.body  # type: ignore[index]
+            assert "retry-after-ms" not in caught.value.response.headers
+        # The refusals charged nothing: a request within the minute is served at once.
+        assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices
 
 
 def test_504_when_the_deadline_passes_in_the_queue(api: Stack) -> None:

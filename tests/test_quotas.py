@@ -81,6 +81,7 @@ def test_a_request_above_the_whole_minute_is_refused_without_a_retry_hint(
     assert refusal is not None
     assert refusal.limit == "tokens_per_min"
     assert refusal.retry_after_ms is None
+    assert refusal.never  # told as invalid_request, not rate_limited (issue 37)
 
 
 def test_a_refusal_charges_nothing(clock: FakeClock) -> None:

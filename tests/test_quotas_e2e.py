@@ -110,11 +110,21 @@ async def test_tokens_per_minute(limited: Stack) -> None:
         frame = await recv_json(ws)
         check_rate_limited(frame, "b", "tokens_per_min")
         assert 1 <= frame["retry_after_ms"] <= 60_000
-        # More than the whole minute's budget: no retry helps, so no hint.
+        # More than the whole minute's budget: no retry helps, so it is the client's error
+        # (issue 37: a `rate_limited` told clients to retry what can never succeed).
         await send(ws, "c", huge, 200)
         frame = await recv_json(ws)
-        check_rate_limited(frame, "c", "tokens_per_min")
+        assert (frame["type"], frame["code"]) == ("error", "invalid_request"), frame
+        assert frame["client_id"] == "c"
+        assert "(tokens_per_min)" in frame["message"], frame
+        assert "max_tokens" in frame["message"], frame
         assert frame["retry_after_ms"] is None
+        # So is a max_tokens no batch could hold, whatever the tenant's limits: named as the
+        # batch budget's, not the quota's.
+        await send(ws, "d", huge, 10**6)
+        frame = await recv_json(ws)
+        assert (frame["type"], frame["code"]) == ("error", "invalid_request"), frame
+        assert "batch token budget" in frame["message"], frame
     on_kafka = await limited.requested_prompts()
     assert first in on_kafka
     assert second not in on_kafka

@@ -175,7 +175,15 @@ def request_tokens(request: ChatRequest) -> int:
     return request.prompt_token_bound() + request.effective_max_tokens
 
 
-def rate_limited(refusal: Refusal, client_id: str | None = None) -> ErrorFrame:
+def quota_refused(refusal: Refusal, client_id: str | None = None) -> ErrorFrame:
+    """The client's answer to a refusal: `rate_limited` with when to retry, or, when no
+    retry can help (`never`), `invalid_request`, as a request no model could run is."""
+    if refusal.never:
+        return ErrorFrame(
+            code=ErrorCode.invalid_request,
+            message=f"invalid_request ({refusal.limit}): {refusal.message}",
+            client_id=client_id,
+        )
     return ErrorFrame(
         code=ErrorCode.rate_limited,
         message=f"rate_limited ({refusal.limit}): {refusal.message}",
@@ -292,7 +300,7 @@ class Guard:
         if refusal is None:
             return None
         log.info("quota.refused", limit=refusal.limit, key_id=principal.key_id)
-        return rate_limited(refusal, frame.client_id)
+        return quota_refused(refusal, frame.client_id)
 
     def charge(self, principal: Principal, what: str) -> ErrorFrame | None:
         """Decide a frame that opens no stream (`what`: stream.resume, chat.cancel): the key
@@ -305,7 +313,7 @@ class Guard:
         if refusal is None:
             return None
         log.info("quota.refused", limit=refusal.limit, key_id=principal.key_id, frame=what)
-        return rate_limited(refusal)
+        return quota_refused(refusal)
 
     def hold(self, principal: Principal, request_id: str) -> ErrorFrame | None:
         """A concurrency slot for a stream resumed on this edge, until `release`."""
@@ -316,7 +324,7 @@ class Guard:
         if refusal is None:
             return None
         log.info("quota.refused", limit=refusal.limit, key_id=principal.key_id)
-        return rate_limited(refusal)
+        return quota_refused(refusal)
 
     def settle(self, request_id: str, usage: Usage) -> None:
         """A request ended with its real usage: its tokens charge is corrected to it."""

@@ -177,6 +177,24 @@ class Gateway:
             )
             return None
         request_id = uuid.uuid4().hex
+        # Invalid before it is charged: a request no batch could hold or no worker run is
+        # the client's error (`invalid_request`, naming the limit), never a quota's, which
+        # would tell it to retry what can never succeed.
+        if invalid := self._invalid(request):
+            outcome, message = invalid
+            flight = self.telemetry.begin(
+                request_id,
+                tier=(request.priority or Tier.interactive).value,
+                max_tokens=request.max_tokens,
+                parent=parent,
+            )
+            self.telemetry.end(flight, outcome=outcome)
+            client.send(
+                ErrorFrame(
+                    code=ErrorCode.invalid_request, message=message, client_id=request.client_id
+                )
+            )
+            return None
         if refused := self.guard.admit(principal, request, request_id):
             client.send(refused)
             return None
@@ -189,6 +207,21 @@ class Gateway:
             parent=parent,
             plan=principal.plan,
         )
+
+    def _invalid(self, request: ChatRequest) -> tuple[str, str] | None:
+        """(outcome, message) if no batch could ever hold the request or no worker run it."""
+        prompt_tokens = request.prompt_token_bound()  # never below the real count
+        if refusal := over_budget(prompt_tokens, request.effective_max_tokens, self.token_budget):
+            return "over_budget", refusal
+        # No live worker of its model honours a sampling field it sets.
+        capabilities = self.models.capabilities(request.model, time.time())
+        if refusal := unhonoured(request, capabilities):
+            return "not_honoured", refusal
+        # A max_tokens above its model's context, as vLLM's server refuses it.
+        context = self.models.context_length(request.model, time.time())
+        if refusal := max_tokens_over_context(request.max_tokens, context):
+            return "over_context", refusal
+        return None
 
     async def open_stream(
         self,
@@ -214,28 +247,6 @@ class Gateway:
             request_id, tier=tier.value, max_tokens=request.max_tokens, parent=parent
         )
         prompt_tokens = request.prompt_token_bound()  # never below the real count
-        refusal = over_budget(prompt_tokens, request.effective_max_tokens, self.token_budget)
-        outcome = "over_budget"
-        if refusal is None:
-            # No live worker of its model honours a sampling field it sets.
-            refusal = unhonoured(request, self.models.capabilities(request.model, time.time()))
-            outcome = "not_honoured"
-        if refusal is None:
-            # A max_tokens above its model's context, as vLLM's server refuses it.
-            context = self.models.context_length(request.model, time.time())
-            refusal = max_tokens_over_context(request.max_tokens, context)
-            outcome = "over_context"
-        if refusal is not None:
-            # No batch could ever hold it, or no worker run it: refused before anything is
-            # written.
-            self.telemetry.end(flight, outcome=outcome)
-            self.guard.release(request_id)
-            client.send(
-                ErrorFrame(
-                    code=ErrorCode.invalid_request, message=refusal, client_id=request.client_id
-                )
-            )
-            return None
         try:
             reply_to, offset = await self._reply_to(request_id)
         except (TopologyError, KafkaError, BrokerUnavailable) as exc:

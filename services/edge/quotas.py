@@ -46,11 +46,14 @@ class TenantLimits(Model):
 
 @dataclass(frozen=True)
 class Refusal:
-    """A limit said no: what the client is told (`rate_limited`) and when to try again."""
+    """A limit said no: what the client is told (`rate_limited`) and when to try again.
+    `never`: the request is above the limit's whole allowance, so no wait helps: the client
+    is told it is invalid (`invalid_request`), not to retry."""
 
     limit: Limit
     message: str
     retry_after_ms: int | None
+    never: bool = False
 
 
 @dataclass
@@ -110,9 +113,11 @@ class Quotas:
         if token_wait is None:
             return Refusal(
                 "tokens_per_min",
-                f"asks for {tokens} tokens (prompt + max_tokens), above the tenant's "
-                f"{limits.tokens_per_min} per minute: it can never be admitted",
+                f"prompt plus max_tokens is {tokens} tokens, above the tenant's "
+                f"{limits.tokens_per_min} tokens per minute: it can never be admitted;"
+                " lower max_tokens or shorten the prompt",
                 None,
+                never=True,
             )
         if token_wait > 0:
             return Refusal(
