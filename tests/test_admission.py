@@ -16,6 +16,7 @@ from services.ingest.admission import (
     Rejected,
     admit,
 )
+from services.ingest.apps import Apps
 from shared.dead_letters import (
     REASON,
     REPLY,
@@ -24,7 +25,7 @@ from shared.dead_letters import (
     ReplyStatus,
     Source,
 )
-from shared.messages import QueuedRequest, RequestLimits, Tier
+from shared.messages import ErrorCode, QueuedRequest, RequestLimits, Tier
 from shared.tokens import prompt_token_bound
 from shared.topics import Topics
 
@@ -213,3 +214,34 @@ def test_a_dead_letter_near_the_record_limit_is_truncated_and_says_so() -> None:
     )
     assert small.value == b"{}"
     assert TRUNCATED not in small.headers
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "reason"),
+    [
+        ("variant", "nope", Reason.variant_forbidden),
+        ("variant", "baseline", Reason.variant_forbidden),
+        ("created_at", 4102444800.0, Reason.created_at_forbidden),  # 2100: no deadline passes
+        ("created_at", 0.0, Reason.created_at_forbidden),  # 1970: every TTFT a failure
+    ],
+)
+def test_an_apps_record_may_not_pin_a_variant_or_set_its_clock(
+    field: str, value: object, reason: Reason
+) -> None:
+    """Issue 37, N3 and N7: an application's pin to a variant no worker declares was held for
+    ever, holding its tier partition for every tenant; its own `created_at` moved its
+    deadline and the TTFT a canary is judged by. Refused, `unauthorized`, to its own topic;
+    a trusted writer (the edge, on the shared topic) still sets both."""
+    body = {"request_id": "r1", "prompt": "hi", field: value}
+    raw = json.dumps(body).encode()
+    app = Apps(TOPICS, ["b"]).of_topic(TOPICS.app_requests("b"))
+    refused = admit(raw, None, TOPICS, RequestLimits(), set(), app=app)
+    assert isinstance(refused, Rejected), refused
+    assert refused.reason is reason
+    assert refused.code is ErrorCode.unauthorized
+    assert refused.message.startswith(f"{field}: app b ")
+    assert refused.reply_to is not None
+    assert refused.reply_to.topic == TOPICS.app_replies("b")
+    trusted = admit(raw, None, TOPICS, RequestLimits(), set())
+    assert isinstance(trusted, Admitted), trusted
+    assert getattr(trusted.request, field) == value

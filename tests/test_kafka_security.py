@@ -351,8 +351,8 @@ def test_a_state_dir_does_not_change_sides(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def cluster(secured_cluster: launcher.Cluster) -> launcher.Cluster:
-    """The session's secured broker (tests/conftest.py): tests/security/test_kafka_identity.py
-    imports this fixture, and both modules' tests share the one broker."""
+    """The session's secured broker (tests/conftest.py), which
+    tests/security/test_kafka_identity.py shares."""
     return secured_cluster
 
 

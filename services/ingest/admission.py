@@ -54,6 +54,8 @@ class Reason(StrEnum):
     # (an application's record) not the application's own reply topic
     tenant_forbidden = "tenant_forbidden"  # an application's record claims another tenant
     plan_forbidden = "plan_forbidden"  # an application's record claims a key's plan
+    variant_forbidden = "variant_forbidden"  # an application's record pins a variant
+    created_at_forbidden = "created_at_forbidden"  # an application's record sets its own clock
     rate_limited = "rate_limited"  # an application over its quota (ingest_app_rps)
     not_forwarded = "not_forwarded"  # the tier topic refused it for good
     internal = "internal"  # ingest failed on it (a defect): dead-lettered, not retried
@@ -263,7 +265,8 @@ def rate_limited(decision: Admitted, app: App, retry_after_ms: int) -> Rejected:
 
 
 def _claims_of(body: dict[str, object], app: App) -> tuple[Reason, str] | None:
-    """Why an application's record claims what is not its own (tenant, reply topic), if so.
+    """Why an application's record claims what is not its own (tenant, plan, reply topic) or
+    an operator's (a variant pin, its own clock), if so.
 
     Refused rather than overwritten: a claim of another identity is an attack or a
     misconfiguration, and either deserves a dead letter saying which.
@@ -274,6 +277,21 @@ def _claims_of(body: dict[str, object], app: App) -> tuple[Reason, str] | None:
     if body.get("plan") is not None:
         # Plans belong to the edge's keys (ADR 0059): an application's requests have none.
         return Reason.plan_forbidden, f"plan: app {app.name} has no plan; plans are API keys'"
+    if body.get("variant") is not None:
+        # A pin is an operator's (a key with the pin_variant scope, an eval): one to a variant
+        # no worker declares is held, and would hold its tier partition's commit for every
+        # tenant (issue 37, N3); a pinned request also counts in a canary's window (N7).
+        return (
+            Reason.variant_forbidden,
+            f"variant: app {app.name} may not pin a variant; the rollout chooses",
+        )
+    if body.get("created_at") is not None:
+        # Ingest stamps the time: deadlines and the TTFT a canary is judged by count from it
+        # (issue 37, N3 and N7).
+        return (
+            Reason.created_at_forbidden,
+            f"created_at: app {app.name} may not set it; ingest stamps the time it was read",
+        )
     raw = body.get("reply_to")
     if raw is not None:
         try:

@@ -1,7 +1,7 @@
 """Outside applications on a secured broker: each one is who its Kafka principal says.
 
-One secured cluster (SASL_SSL, client certificates, ACLs: the session's, tests/conftest.py,
-through tests/test_kafka_security.py's `cluster`) and one stack for the module; two
+One secured cluster (SASL_SSL, client certificates, ACLs: the session's `secured_cluster`,
+tests/conftest.py, which tests/test_kafka_security.py shares) and one stack for the module; two
 applications, `app` (A, the victim) and `app2` (B, the attacker), each logged in as its own
 principal with only what `tokenbus topics create --acls --app app --app app2` grants. Each
 test is B's attack, sent as B would send it: to the one requests topic B may write, or to
@@ -29,14 +29,22 @@ from shared.dead_letters import REASON, REPLY, SOURCE
 from shared.kafka import key_of, make_admin, make_consumer, make_producer
 from shared.settings import TokenbusSettings
 from shared.topics import Topics
-from tests.stack import SERVICES, Stack, new_prefix, read_records
-from tests.test_kafka_security import cluster, settings_of  # noqa: F401 (the module's broker)
+from tests.stack import SERVICES, Stack, new_prefix, read_records, settings_from_env
 from tokenbus.topics import ensure_topics, grant_acls
 
 pytestmark = pytest.mark.integration
 
 A, B = secured.APPS  # the victim and the attacker, each its own SCRAM user
 BURST = 6  # ingest_app_burst here: B's flood goes over it, the other tests stay under it
+
+
+@pytest.fixture(scope="module")
+def cluster(secured_cluster: launcher.Cluster) -> launcher.Cluster:
+    return secured_cluster
+
+
+def settings_of(cluster: launcher.Cluster, user: str, prefix: str) -> TokenbusSettings:
+    return settings_from_env(cluster.client_env(user), topic_prefix=prefix)
 
 
 @dataclass(frozen=True)
@@ -47,7 +55,7 @@ class Letter:
 
 
 @pytest.fixture(scope="module")
-def stack(cluster: launcher.Cluster, log_dir: Path) -> Iterator[Stack]:  # noqa: F811
+def stack(cluster: launcher.Cluster, log_dir: Path) -> Iterator[Stack]:
     """The four services, each as its own principal; ingest reads both apps' topics."""
     prefix = new_prefix()
     admin = settings_of(cluster, secured.ADMIN, prefix)
@@ -79,7 +87,7 @@ def stack(cluster: launcher.Cluster, log_dir: Path) -> Iterator[Stack]:  # noqa:
         stack.stop()
 
 
-def as_app(cluster: launcher.Cluster, app: str, stack: Stack) -> TokenbusSettings:  # noqa: F811
+def as_app(cluster: launcher.Cluster, app: str, stack: Stack) -> TokenbusSettings:
     return settings_of(cluster, app, stack.prefix)
 
 
@@ -143,7 +151,7 @@ def new_id() -> str:
 class Apps:
     """A's and B's logins and topics in one stack."""
 
-    def __init__(self, cluster: launcher.Cluster, stack: Stack) -> None:  # noqa: F811
+    def __init__(self, cluster: launcher.Cluster, stack: Stack) -> None:
         self.topics: Topics = stack.topics
         self.admin = stack.settings
         self.login = {app: as_app(cluster, app, stack) for app in (A, B)}
@@ -160,7 +168,7 @@ class Apps:
 
 
 @pytest.fixture(scope="module")
-def apps(cluster: launcher.Cluster, stack: Stack) -> Apps:  # noqa: F811
+def apps(cluster: launcher.Cluster, stack: Stack) -> Apps:
     return Apps(cluster, stack)
 
 
@@ -201,6 +209,38 @@ async def test_naming_another_apps_reply_topic_is_refused(apps: Apps) -> None:
     # Nothing of B's request reached A's reply topic.
     theirs = await apps.replies(A)
     assert not [b for b in bodies(theirs) if rid in b.get("request_id", "")]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("variant", "no-worker-declares-this"), ("created_at", 4102444800.0)],
+    ids=["variant", "created_at"],
+)
+async def test_an_app_cannot_pin_a_variant_or_set_its_own_clock(
+    apps: Apps, field: str, value: object
+) -> None:
+    """Issue 37, N3 and N7. B pins a variant no worker declares: before, ingest admitted it
+    and the scheduler held it for ever (no deadline), keeping its tier partition's commit
+    behind it until, 16,000 records later, the partition paused for every tenant. B stamps
+    its own `created_at` (the year 2100): before, admitted with a deadline that never comes
+    and a TTFT that a canary's verdict reads. Now each is dead-lettered with its reason, B
+    is told on its own topic, and A's request sent after it is answered."""
+    rid, victim = new_id(), new_id()
+    await apps.send(B, request(rid, "hold the partition", **{field: value}))
+    await apps.send(A, request(victim, "the victim's question"))
+    letters = await until(
+        apps.dead_letters, lambda ls: dead_letter_of(ls, rid) is not None, "B's dead letter"
+    )
+    letter = dead_letter_of(letters, rid)
+    assert letter is not None
+    assert letter.headers[REASON] == f"{field}_forbidden"
+    assert letter.headers[REPLY] == "delivered"
+    mine = await until(lambda: apps.replies(B), ended(f"{B}:{rid}"), "B's error")
+    [error] = of_request(mine, f"{B}:{rid}")
+    assert (error["kind"], error["code"]) == ("error", "unauthorized")
+    assert error["message"].startswith(f"{field}: ")
+    theirs = await until(lambda: apps.replies(A), ended(f"{A}:{victim}"), "A's answer", 90)
+    assert of_request(theirs, f"{A}:{victim}")[-1]["kind"] == "done"
 
 
 async def test_an_app_cannot_read_another_apps_replies(apps: Apps) -> None:
