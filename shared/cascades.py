@@ -18,6 +18,7 @@ import re
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal, Self
 
+import regex
 from jsonschema import SchemaError
 from jsonschema.validators import validator_for
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -65,7 +66,9 @@ class JsonSchemaVerifier(_Config):
 
 
 class RegexVerifier(_Config):
-    """The answer matches `pattern` (Python `re`, searched; anchor it for a whole match)."""
+    """The answer matches `pattern` (the `regex` package, as Python's `re` reads it; searched,
+    anchor it for a whole match; a search stops after services/worker/verifiers.py's
+    REGEX_TIMEOUT_S, and an answer not shown to match by then fails it)."""
 
     kind: Literal["regex"]
     pattern: str = Field(min_length=1, max_length=4096)
@@ -74,8 +77,8 @@ class RegexVerifier(_Config):
     @classmethod
     def _compiles(cls, pattern: str) -> str:
         try:
-            re.compile(pattern)
-        except re.error as exc:
+            regex.compile(pattern)
+        except regex.error as exc:
             raise ValueError(f"not a valid regular expression: {exc}") from None
         return pattern
 

@@ -3,6 +3,7 @@ decision, the scheduler's step, the sim's refusals, plans on keys, the edge's vi
 
 from __future__ import annotations
 
+import asyncio
 import json
 import string
 from pathlib import Path
@@ -24,7 +25,8 @@ from services.ingest.admission import Admitted, Reason, Rejected, admit
 from services.ingest.apps import Apps
 from services.scheduler.admission import Waiting
 from services.scheduler.cascades import on_route
-from services.worker.cascade import Cascade, escalation, route_ahead
+from services.worker.cascade import Cascade, Escalation, route_ahead
+from services.worker.engines.base import EngineFinish
 from services.worker.engines.sim_refusals import REFUSAL_TEXT, refusal, refuses
 from services.worker.verifiers import Answer, failing, unjudged
 from services.worker.verifiers import refuses as opens_with_refusal
@@ -257,10 +259,24 @@ def test_an_answer_without_logprobs_is_not_judged_by_the_logprob_verifier() -> N
 # -- the worker's decision ----------------------------------------------------------------
 
 
+def escalation(table: dict[str, Route], request: QueuedRequest, text: str) -> Escalation | None:
+    """What the worker's cascade decides of a finished answer `text` to `request`."""
+    cascade = Cascade(table, Topics("t"), cast(Any, None), lambda: 0, 1.0)
+    state = SimpleNamespace(
+        request=request,
+        request_id=request.request_id,
+        keep_answer=True,
+        chunks=[text],
+        logprobs=[],
+    )
+    finish = EngineFinish(finish_reason="stop", prompt_tokens=3, completion_tokens=3)
+    return asyncio.run(cascade.decide(cast(Any, state), finish))
+
+
 def test_a_failing_answer_goes_on_to_the_next_model_as_the_next_attempt() -> None:
     table = routes(auto=AUTO)
     request = queued(step=0)
-    up = escalation(table, request, answer("I'm sorry, but I can't."))
+    up = escalation(table, request, "I'm sorry, but I can't.")
     assert up is not None
     assert (up.route, up.from_model, up.to_model, up.reason) == (
         "auto",
@@ -270,12 +286,12 @@ def test_a_failing_answer_goes_on_to_the_next_model_as_the_next_attempt() -> Non
     )
     assert (up.next_attempt.attempt, up.next_attempt.cascade_step) == (1, 1)
     assert up.next_attempt.request_id == request.request_id
-    assert escalation(table, request, answer("Buses carry people.")) is None
+    assert escalation(table, request, "Buses carry people.") is None
 
 
 def test_the_last_model_and_requests_of_no_route_always_answer() -> None:
     table = routes(auto=AUTO)
-    refusal_text = answer("I'm sorry.")
+    refusal_text = "I'm sorry."
     assert route_ahead(table, queued(step=1)) is None
     assert escalation(table, queued(step=1), refusal_text) is None
     assert escalation(table, queued(model="small", step=None), refusal_text) is None

@@ -35,7 +35,7 @@ from services.worker.replies import ReplyWriter
 from services.worker.request_state import RequestState
 from services.worker.settings import WorkerSettings
 from services.worker.telemetry import RunTrace
-from services.worker.verifiers import Answer, failing, unjudged
+from services.worker.verifiers import Answer, judge, unjudged
 from shared import semconv
 from shared.cascades import Route, Routes
 from shared.kafka import encode
@@ -67,15 +67,6 @@ def route_ahead(routes: Routes, request: QueuedRequest) -> Route | None:
 
 # The reason an escalation gives when the engine failed the run (no verifier's kind).
 ENGINE_ERROR = "engine_error"
-
-
-def escalation(routes: Routes, request: QueuedRequest, answer: Answer) -> Escalation | None:
-    """Where a finished answer goes: None (it answers), or on to the next model."""
-    route = route_ahead(routes, request)
-    if route is None:
-        return None
-    reason = failing(route.verifiers, answer)
-    return None if reason is None else onwards(routes, request, reason)
 
 
 def onwards(routes: Routes, request: QueuedRequest, reason: str) -> Escalation | None:
@@ -141,8 +132,9 @@ class Cascade:
         """Whether the run must keep its answer for `decide` (a later model may take it)."""
         return route_ahead(self._routes, request) is not None
 
-    def decide(self, state: RequestState, finish: EngineFinish | None) -> Escalation | None:
-        """Judge a finished answer (all of it flushed to the state); None: it answers."""
+    async def decide(self, state: RequestState, finish: EngineFinish | None) -> Escalation | None:
+        """Judge a finished answer (all of it flushed to the state), off the event loop
+        (`verifiers.judge`); None: it answers."""
         if finish is None or finish.finish_reason == "cancelled" or not state.keep_answer:
             return None
         answer = Answer(
@@ -151,9 +143,12 @@ class Cascade:
             logprobs=state.logprobs or None,
         )
         route = route_ahead(self._routes, state.request)
-        if route is not None and unjudged(route.verifiers, answer):
+        if route is None:
+            return None
+        if unjudged(route.verifiers, answer):
             log.info("cascade.unjudged", request_id=state.request_id, why="no logprobs")
-        return escalation(self._routes, state.request, answer)
+        reason = await judge(route.verifiers, answer)
+        return None if reason is None else onwards(self._routes, state.request, reason)
 
     def failed(self, state: RequestState, failure: ErrorResult) -> Escalation | None:
         """A run the engine failed (`internal`) goes on to the next model; None: it ends

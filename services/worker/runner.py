@@ -226,7 +226,7 @@ class RequestRunner:
         # A route's answer that fails its verifier, or that the engine failed, is not sent:
         # the next model answers.
         if self._cascade and (
-            up := self._cascade.decide(state, finish)
+            up := await self._cascade.decide(state, finish)
             if failure is None
             else self._cascade.failed(state, failure)
         ):

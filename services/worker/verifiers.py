@@ -4,24 +4,32 @@
 None when it passes them all. Each check is a plain function of the answer:
 
 - `json_schema`: the text parses as JSON and is valid against the schema (`jsonschema`);
-- `regex`: `re.search` finds the pattern in the text;
+- `regex`: a search finds the pattern in the text, within `REGEX_TIMEOUT_S` (the `regex`
+  package, which can stop a search and releases the GIL while it runs: a pattern that
+  backtracks catastrophically on an answer a tenant steers neither blocks the worker nor
+  runs on; an answer not shown to match in time fails the verifier);
 - `length`: characters of the text, or its generated tokens, within [min, max];
 - `refusal`: the text does not open with one of the phrases (case-insensitive, after any
   leading whitespace, quotes and markdown emphasis; a curly apostrophe reads as `'`);
 - `logprob`: the mean log-probability of its tokens is at least `min_mean`. Only an answer
   with log-probs is judged (vLLM gives them when the request asks; the sim engine has none
   and refuses the field): without them this verifier passes it, and `unjudged` says so.
+
+`judge` runs them in a thread, off the worker's event loop (heartbeats, other runs): a JSON
+parse and a schema validation of a long answer take their time too (issue 37, N9). JSON
+nested past the parser's depth is not valid JSON, never an error that escapes.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import regex
 from jsonschema.validators import validator_for
 
 from shared.cascades import (
@@ -32,6 +40,9 @@ from shared.cascades import (
     RegexVerifier,
     Verifier,
 )
+
+# The longest a regex verifier searches one answer (it checks its clock as it goes).
+REGEX_TIMEOUT_S = 0.5
 
 # What may come before a refusal's first word: whitespace, quotes, markdown emphasis.
 _LEAD = " \t\r\n\"'`*_>#-"
@@ -44,6 +55,11 @@ class Answer:
     text: str
     completion_tokens: int
     logprobs: Sequence[float] | None = None  # one per generated token; None: none given
+
+
+async def judge(verifiers: Sequence[Verifier], answer: Answer) -> str | None:
+    """`failing`, in a thread: the event loop goes on meanwhile."""
+    return await asyncio.to_thread(failing, verifiers, answer)
 
 
 def failing(verifiers: Sequence[Verifier], answer: Answer) -> str | None:
@@ -63,7 +79,7 @@ def passes(verifier: Verifier, answer: Answer) -> bool:
     if isinstance(verifier, JsonSchemaVerifier):
         return valid_json(verifier.json_schema, answer.text)
     if isinstance(verifier, RegexVerifier):
-        return _compiled(verifier.pattern).search(answer.text) is not None
+        return searches(verifier.pattern, answer.text)
     if isinstance(verifier, LengthVerifier):
         return within(verifier, answer)
     if isinstance(verifier, RefusalVerifier):
@@ -71,12 +87,21 @@ def passes(verifier: Verifier, answer: Answer) -> bool:
     return mean_logprob_at_least(verifier.min_mean, answer.logprobs)
 
 
+def searches(pattern: str, text: str) -> bool:
+    """Whether `pattern` is found in `text` within `REGEX_TIMEOUT_S`."""
+    try:
+        found = _compiled(pattern).search(text, timeout=REGEX_TIMEOUT_S, concurrent=True)
+    except TimeoutError:
+        return False  # not shown to match in time
+    return found is not None
+
+
 def valid_json(schema: dict[str, Any], text: str) -> bool:
     try:
         instance = json.loads(text)
-    except ValueError:
+        return bool(_validator(json.dumps(schema, sort_keys=True)).is_valid(instance))
+    except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
         return False
-    return bool(_validator(json.dumps(schema, sort_keys=True)).is_valid(instance))
 
 
 def within(bound: LengthVerifier, answer: Answer) -> bool:
@@ -99,8 +124,8 @@ def mean_logprob_at_least(min_mean: float, logprobs: Sequence[float] | None) -> 
 
 
 @functools.lru_cache(maxsize=256)
-def _compiled(pattern: str) -> re.Pattern[str]:
-    return re.compile(pattern)
+def _compiled(pattern: str) -> regex.Pattern[str]:
+    return regex.compile(pattern)
 
 
 @functools.lru_cache(maxsize=64)

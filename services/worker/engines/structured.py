@@ -116,7 +116,7 @@ def guided_calls(request: EngineRequest, text: str) -> ParsedCalls:
     guided JSON (cut short) calls nothing."""
     try:
         value = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # nested past the parser's depth: not the guided JSON
         return NO_CALLS
     if tool_mode(request) == "named" and isinstance(request.tool_choice, NamedToolChoice):
         if not isinstance(value, dict):
@@ -184,6 +184,6 @@ def _parameters(tool: Tool) -> dict[str, Any]:
 def _object(function: FunctionCall) -> dict[str, Any]:
     try:
         value: object = json.loads(function.arguments) if function.arguments else {}
-    except ValueError:
+    except (ValueError, RecursionError):  # a tenant's arguments nested past the parser's depth
         return {}
     return dict(value) if isinstance(value, dict) else {}
