@@ -21,7 +21,7 @@ from pydantic import Field, ValidationError
 
 from services.edge.quotas import TenantLimits
 from shared.cascades import PLAN_NAME
-from shared.messages import Model
+from shared.messages import Model, error_message
 
 log = structlog.get_logger()
 
@@ -181,7 +181,12 @@ class KeyStore:
         try:
             keys = load(self.path)
         except (OSError, ValueError, ValidationError) as exc:
-            log.error("keys.file_invalid", path=str(self.path), error=str(exc)[:300], kept="last")
+            log.error(
+                "keys.file_invalid",
+                path=str(self.path),
+                error=error_message(exc)[:300],
+                kept="last",
+            )
             return
         limits = {e.tenant: keys.tenants.get(e.tenant, TenantLimits()) for e in keys.keys}
         self._by_hash = {

@@ -16,6 +16,7 @@ from aiokafka.structs import RecordMetadata
 
 from services.edge.leases import Lease, LeaseBook, LeaseRecord
 from shared.kafka import cluster_replication, encode, make_consumer, new_topic
+from shared.messages import error_message
 from shared.producers import RenewingProducer
 from shared.settings import TokenbusSettings
 
@@ -253,6 +254,6 @@ class LeaseKeeper:
                 try:
                     lease = LeaseRecord.model_validate_json(record.value or b"")
                 except ValueError as exc:
-                    log.error("lease.invalid", offset=record.offset, error=str(exc))
+                    log.error("lease.invalid", offset=record.offset, error=error_message(exc))
                     continue
                 book.apply(lease, record.timestamp)

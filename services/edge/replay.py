@@ -38,7 +38,7 @@ from aiokafka.errors import KafkaError
 from pydantic import TypeAdapter, ValidationError
 
 from shared.kafka import key_of
-from shared.messages import ErrorCode, ResultRecord
+from shared.messages import ErrorCode, ResultRecord, error_message
 
 log = structlog.get_logger()
 
@@ -306,7 +306,10 @@ class _Partition:
                 result = _results.validate_json(record.value or b"")
             except ValidationError as exc:
                 log.error(
-                    "result.invalid", topic=self.tp.topic, offset=record.offset, error=str(exc)
+                    "result.invalid",
+                    topic=self.tp.topic,
+                    offset=record.offset,
+                    error=error_message(exc),
                 )
                 continue
             for resume in mine:

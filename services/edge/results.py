@@ -17,7 +17,7 @@ import structlog
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 from pydantic import TypeAdapter, ValidationError
 
-from shared.messages import ResultRecord
+from shared.messages import ResultRecord, error_message
 
 log = structlog.get_logger()
 
@@ -259,7 +259,10 @@ class ResultReader:
                     parsed.append((record, _results.validate_json(record.value or b"")))
                 except ValidationError as exc:
                     log.error(
-                        "result.invalid", topic=tp.topic, offset=record.offset, error=str(exc)
+                        "result.invalid",
+                        topic=tp.topic,
+                        offset=record.offset,
+                        error=error_message(exc),
                     )
             if parsed:
                 sink.on_results(parsed)

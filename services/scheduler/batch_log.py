@@ -9,7 +9,7 @@ import structlog
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from pydantic import ValidationError
 
-from shared.messages import Batch
+from shared.messages import Batch, error_message
 
 log = structlog.get_logger()
 
@@ -59,7 +59,9 @@ class BatchLog:
                     try:
                         batch = Batch.model_validate_json(record.value or b"")
                     except ValidationError as exc:
-                        log.error("batch_log.invalid", offset=record.offset, error=str(exc))
+                        log.error(
+                            "batch_log.invalid", offset=record.offset, error=error_message(exc)
+                        )
                         continue
                     out.append(LoggedBatch(tp, record.offset, batch, record.timestamp))
             for tp in list(todo):

@@ -119,7 +119,7 @@ class CancelListener:
         try:
             control = _control_records.validate_json(record.value or b"")
         except ValidationError as exc:
-            log.error("control.invalid", offset=record.offset, error=str(exc)[:500])
+            log.error("control.invalid", offset=record.offset, error=error_message(exc)[:500])
             await self._answers.dead_letter(record, f"invalid control record: {error_message(exc)}")
             return
         if not isinstance(control, CancelRecord):

@@ -17,7 +17,7 @@ from services.edge.openai.routes import HttpClient
 from services.edge.openai.sse import EventId
 from services.edge.protocol import ErrorFrame, ServerFrame, StreamResumeFrame
 from services.edge.streams import ResultStream
-from shared.messages import ChatRequest, ErrorCode, Heartbeat, RequestLimits
+from shared.messages import ChatRequest, ErrorCode, Heartbeat, RequestLimits, error_message
 
 log = structlog.get_logger()
 
@@ -91,7 +91,7 @@ class EdgeStreams:
         try:
             beat = Heartbeat.model_validate_json(value)
         except ValueError as exc:
-            log.warning("heartbeat.invalid", error=str(exc)[:200])
+            log.warning("heartbeat.invalid", error=error_message(exc)[:200])
             return
         self._models.observe(beat)
 
