@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from shared.messages import Tier
@@ -9,6 +10,21 @@ from shared.messages import Tier
 # An outside application's name: its principal's user name, its tenant, and a part of its
 # topics' names (no dot, so a LITERAL ACL on its topic can match no other app's).
 APP_NAME = r"^[a-z0-9][a-z0-9-]{0,47}$"
+# Names an application may not take: the services' roles and the broker's admin user. An app
+# logs in as `User:<name>` by default, so an app named `edge` would be granted its ACLs on
+# the edge's own principal, and its tenant would read as a service's.
+RESERVED_APP_NAMES = frozenset({"edge", "ingest", "scheduler", "worker", "admin"})
+
+
+def app_name_problem(name: str) -> str | None:
+    """Why `name` cannot name an outside application, or None."""
+    if not re.fullmatch(APP_NAME, name):
+        return f"app name {name!r} does not match {APP_NAME}"
+    if name in RESERVED_APP_NAMES:
+        return (
+            f"app name {name!r} is a service's (reserved: {', '.join(sorted(RESERVED_APP_NAMES))})"
+        )
+    return None
 
 
 @dataclass(frozen=True)

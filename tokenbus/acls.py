@@ -14,7 +14,7 @@ from aiokafka.protocol.admin import CreateAclsRequest
 from shared.kafka import make_admin
 from shared.messages import Tier
 from shared.settings import TokenbusSettings
-from shared.topics import APP_NAME, Topics
+from shared.topics import APP_NAME, Topics, app_name_problem
 
 # Every service role that talks to Kafka. An outside application is not a role: each one
 # has its own principal and topics (`app_acls`), so none can act as another (ADR 0044).
@@ -310,8 +310,8 @@ def app_acls(topics: Topics, app: str, principal: str | None = None) -> list[Acl
     """What one outside application may do: WRITE its own requests topic (which names it to
     ingest), READ its own reply topic, and commit under its own consumer groups. Nothing on
     the shared requests topic or another application's topics (ADR 0044)."""
-    if not re.fullmatch(APP_NAME, app):
-        raise ValueError(f"app name {app!r} does not match {APP_NAME}")
+    if problem := app_name_problem(app):
+        raise ValueError(problem)
     who = principal or f"User:{app}"
     return [
         Acl(who, g.resource, g.name, g.pattern, op, g.permission)
@@ -353,8 +353,13 @@ def parse_apps(values: Iterable[str]) -> dict[str, str]:
         app, sep, principal = value.partition("=")
         if not re.fullmatch(APP_NAME, app) or (sep and not principal):
             raise ValueError(f"--app {value!r}: expected NAME or NAME=PRINCIPAL, NAME {APP_NAME}")
+        if problem := app_name_problem(app):
+            raise ValueError(f"--app {value!r}: {problem}")
         principal = principal or app
-        parsed[app] = principal if ":" in principal else f"User:{principal}"
+        principal = principal if ":" in principal else f"User:{principal}"
+        if principal in default_principals().values():
+            raise ValueError(f"--app {value!r}: {principal} is a service's principal")
+        parsed[app] = principal
     return parsed
 
 

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import re
-
 from pydantic import Field, field_validator, model_validator
 
 from shared.messages import RequestLimits
 from shared.settings import TokenbusSettings
-from shared.topics import APP_NAME
+from shared.topics import app_name_problem
 
 
 class IngestSettings(TokenbusSettings):
@@ -89,8 +87,8 @@ class IngestSettings(TokenbusSettings):
     @classmethod
     def _app_names(cls, value: str) -> str:
         for name in _names(value):
-            if not re.fullmatch(APP_NAME, name):
-                raise ValueError(f"app name {name!r} does not match {APP_NAME}")
+            if problem := app_name_problem(name):
+                raise ValueError(problem)
         return value
 
     @model_validator(mode="after")
