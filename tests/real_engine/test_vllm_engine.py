@@ -464,3 +464,10 @@ def test_the_hermes_parser_reads_an_auto_answer(local_engine: LocalEngine) -> No
         "unit": "celsius",
     }
     assert reader.read(request, "It is sunny.").tool_calls is None
+    # A call of a tool the request did not offer is no call (issue 37, Low); beside an
+    # offered one, it is dropped.
+    made_up = '<tool_call>{"name": "delete_account", "arguments": {}}</tool_call>'
+    assert reader.read(request, made_up).tool_calls is None
+    both = reader.read(request, text + made_up).tool_calls
+    assert both is not None
+    assert [c.function.name for c in both] == ["get_weather"]

@@ -111,13 +111,19 @@ class ToolCallReader:
         found = self._parser(self._tokenizer, asked.tools).extract_tool_calls(text, asked)
         if not found.tools_called or not found.tool_calls:
             return NO_CALLS
+        # Only the tools the request offered: a call the model made up (or that text the
+        # tenant steered names) is not passed on as a call the client never defined.
+        offered = {t.function.name for t in request.tools or ()}
         calls = tuple(
             ToolCall(
                 id=c.id or new_call_id(),
                 function=FunctionCall(name=c.function.name, arguments=c.function.arguments),
             )
             for c in found.tool_calls
+            if c.function.name in offered
         )
+        if not calls:
+            return NO_CALLS
         if request.parallel_tool_calls is False:  # one call at most, as asked
             calls = calls[:1]
         return ParsedCalls(calls, found.content or None)
