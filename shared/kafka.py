@@ -78,7 +78,7 @@ def make_producer(
     settings: TokenbusSettings,
     client_id: str,
     transactional_id: str | None = None,
-    request_timeout_ms: int = 30000,
+    request_timeout_ms: int | None = None,
     *,
     durable: bool = True,
 ) -> AIOKafkaProducer:
@@ -86,8 +86,11 @@ def make_producer(
 
     With `transactional_id` it is also transactional; starting it fences an older producer
     that used the same id. `durable=False`: acks=1 and no idempotence, for records that are
-    worth nothing once late (heartbeats: ADR 0056).
+    worth nothing once late (heartbeats: ADR 0056). `request_timeout_ms`: the
+    `kafka_producer_request_timeout_ms` setting unless the caller bounds its writes itself.
     """
+    if request_timeout_ms is None:
+        request_timeout_ms = settings.kafka_producer_request_timeout_ms
     return AIOKafkaProducer(
         bootstrap_servers=settings.bootstrap_servers,
         client_id=client_id,
@@ -130,6 +133,8 @@ def make_consumer(
         auto_offset_reset=auto_offset_reset,
         fetch_max_wait_ms=fetch_max_wait_ms,
         isolation_level=isolation_level,
+        session_timeout_ms=settings.kafka_session_timeout_ms,
+        heartbeat_interval_ms=settings.kafka_session_timeout_ms * 3 // 10,
         **client_security(settings),
         **extra,
     )

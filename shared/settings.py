@@ -58,6 +58,22 @@ class TokenbusSettings(BaseSettings):
     kafka_ssl_key_password: SecretStr | None = Field(
         default=None, description="Password of an encrypted `TOKENBUS_KAFKA_SSL_KEYFILE`."
     )
+    kafka_producer_request_timeout_ms: int = Field(
+        default=30000,
+        ge=1000,
+        description="Producers: longest a write waits for buffer room, its partition's leader"
+        " or the broker's answer; a batch whose partition has no leader this long expires"
+        " (aiokafka's request_timeout_ms). Producers that bound their writes themselves keep"
+        " their own: ingest's (TOKENBUS_INGEST_PUBLISH_TIMEOUT_MS), the workers' heartbeats.",
+    )
+    kafka_session_timeout_ms: int = Field(
+        default=10000,
+        ge=1000,
+        description="Consumer groups (the schedulers', ingest's): a member not heard from this"
+        " long leaves its group, and a member whose heartbeats fail this long looks for its"
+        " coordinator anew; heartbeats go every 3/10 of it. Within the broker's"
+        " group.min.session.timeout.ms and group.max.session.timeout.ms.",
+    )
     topic_prefix: str = Field(
         default="tokenbus",
         pattern=r"^[A-Za-z0-9._-]{1,100}$",

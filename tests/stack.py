@@ -46,6 +46,19 @@ UNLIMITED: dict[str, object] = {
     "tokens_per_min": 10**12,
     "sockets": 1_000_000,
 }
+# The timeouts a broker outage or hang must outlast to test what it is meant to (ADR 0065):
+# batches expire and producers break, group sessions and the edge's lease lapse, models go
+# stale, error answers give up. Short in the fault tests' stacks, so that a fault of
+# FAULT_WINDOW_S outlasts each of them twice over; the production defaults are 10-30 s.
+SHORT_CLIENT_TIMEOUTS: dict[str, str] = {
+    "TOKENBUS_KAFKA_PRODUCER_REQUEST_TIMEOUT_MS": "4000",
+    "TOKENBUS_INGEST_PUBLISH_TIMEOUT_MS": "4000",  # ingest's producer
+    "TOKENBUS_KAFKA_SESSION_TIMEOUT_MS": "6000",  # the broker's group.min.session.timeout.ms
+    "TOKENBUS_EDGE_LEASE_TTL_S": "4",
+    "TOKENBUS_EDGE_MODELS_STALE_S": "4",
+    "TOKENBUS_WORKER_RESULT_WRITE_TIMEOUT_S": "4",
+}
+FAULT_WINDOW_S = 12.0
 
 
 def free_port() -> int:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from aiokafka import AIOKafkaProducer
 
-from shared.kafka import make_producer
+from shared.kafka import make_consumer, make_producer
 from shared.settings import TokenbusSettings
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -122,3 +122,24 @@ async def test_make_producer_is_acks_all_and_idempotent(bootstrap: str) -> None:
         assert acks_all_and_idempotent(producer)
     finally:
         await producer.stop()
+
+
+async def test_the_client_timeouts_reach_aiokafka() -> None:
+    """TOKENBUS_KAFKA_PRODUCER_REQUEST_TIMEOUT_MS and TOKENBUS_KAFKA_SESSION_TIMEOUT_MS (the
+    fault tests set them short, ADR 0065) are what the factories' clients run with; a
+    producer given its own bound keeps it."""
+    settings = TokenbusSettings(
+        kafka_producer_request_timeout_ms=4000, kafka_session_timeout_ms=6000
+    )
+    producer = make_producer(settings, client_id="t")
+    own = make_producer(settings, client_id="t", request_timeout_ms=3000)
+    consumer = make_consumer(settings, "t.topic", group_id="g", client_id="t")
+    try:
+        assert producer.client._request_timeout_ms == 4000
+        assert own.client._request_timeout_ms == 3000
+        assert consumer._session_timeout_ms == 6000
+        assert consumer._heartbeat_interval_ms == 1800
+    finally:  # never started: closed all the same, as aiokafka warns otherwise
+        await producer.stop()
+        await own.stop()
+        await consumer.stop()

@@ -1,10 +1,13 @@
-"""A 30 s broker outage under a scheduler and a worker with a stream under way.
+"""A broker outage longer than the clients' timeouts under a scheduler and a worker with a
+stream under way.
 
 On a broker of the test's own (the shared one is never stopped): the scheduler and the
 worker keep running through the outage, and once the broker is back the stream that was
 running ends with exactly one final record of its last attempt, and a new request is
-answered in full. Requests go straight to the tier topic (no edge or ingest: their part
-of the outage is tested with them), their results to a topic the test reads.
+answered in full. The outage outlasts the producers' request timeout (batches expire and
+producers break), the scheduler's group session and the worker's heartbeats (ADR 0065).
+Requests go straight to the tier topic (no edge or ingest: their part of the outage is
+tested with them), their results to a topic the test reads.
 """
 
 from __future__ import annotations
@@ -27,12 +30,21 @@ from shared.messages import QueuedRequest, ReplyTo, Tier
 from shared.settings import TokenbusSettings
 from tests.factories import long_prompts
 from tests.processes import free_port_pair
-from tests.stack import ROOT, Stack, new_prefix, read_topic, wait_until
+from tests.stack import (
+    FAULT_WINDOW_S,
+    ROOT,
+    SHORT_CLIENT_TIMEOUTS,
+    Stack,
+    new_prefix,
+    read_topic,
+    wait_until,
+)
 from tests.worker_logs import events
 
 pytestmark = pytest.mark.integration
 
-OUTAGE_S = 30.0
+OUTAGE_S = FAULT_WINDOW_S
+TOKEN_RATE = 8  # sim tokens/s
 
 
 def launcher(*args: str) -> None:
@@ -117,14 +129,17 @@ def ended(records: list[dict[str, Any]]) -> bool:
 
 
 @pytest.mark.timeout(900)  # the broker's own restart can take minutes on two busy cores
-def test_scheduler_and_worker_ride_out_a_30_s_broker_outage(
+def test_scheduler_and_worker_ride_out_a_broker_outage_longer_than_their_timeouts(
     broker: OwnBroker, log_dir: Path
 ) -> None:
     stack = Stack(
         bootstrap=broker.bootstrap,
         prefix=new_prefix(),
         log_dir=log_dir,
-        env_overrides={"TOKENBUS_WORKER_SIM_TOKEN_RATE": "3"},
+        env_overrides={
+            **SHORT_CLIENT_TIMEOUTS,
+            "TOKENBUS_WORKER_SIM_TOKEN_RATE": str(TOKEN_RATE),
+        },
     )
     reply = f"{stack.prefix}.test.replies"
     settings = TokenbusSettings(KAFKA_BOOTSTRAP_SERVERS=broker.bootstrap)
@@ -135,7 +150,7 @@ def test_scheduler_and_worker_ride_out_a_30_s_broker_outage(
         pids = {key: p.pid for key, p in stack.processes.items()}
         wait_until(lambda: events(stack.log("scheduler"), "worker.registered"), 90, "a worker")
         tier = stack.topics.tier(Tier.interactive)
-        # 100+ tokens at 3 tokens/s: still streaming when the broker goes.
+        # 100+ tokens at TOKEN_RATE: 12+ s, still streaming when the broker goes.
         [long_prompt] = long_prompts(1, 100, "a stream across the outage")
         asyncio.run(produce(broker.bootstrap, tier, queued("before", long_prompt, reply, 500)))
         wait_until(
