@@ -19,6 +19,7 @@ from pydantic import (
     model_validator,
 )
 
+from shared.schema_bounds import schema_problem
 from shared.tokens import prompt_token_bound
 
 TOPIC_NAME = r"^[A-Za-z0-9._-]{1,249}$"
@@ -89,6 +90,14 @@ class ToolCall(Model):
     function: FunctionCall
 
 
+def _bounded_schema(schema: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A structured-output schema within the bounds an engine compiles safely
+    (shared/schema_bounds.py); else the validation error names the bound."""
+    if schema is not None and (problem := schema_problem(schema)):
+        raise ValueError(f"schema: {problem}")
+    return schema
+
+
 class FunctionDefinition(Model):
     """A function the model may call: `parameters` is its arguments' JSON schema."""
 
@@ -96,6 +105,11 @@ class FunctionDefinition(Model):
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _bounded(cls, schema: dict[str, Any] | None) -> dict[str, Any] | None:
+        return _bounded_schema(schema)
 
 
 class Tool(Model):
@@ -131,6 +145,11 @@ class JsonSchemaFormat(Model):
     # `schema` would shadow pydantic's own attribute: named so only in Python.
     json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = None
+
+    @field_validator("json_schema")
+    @classmethod
+    def _bounded(cls, schema: dict[str, Any] | None) -> dict[str, Any] | None:
+        return _bounded_schema(schema)
 
 
 class ResponseFormat(Model):
@@ -496,6 +515,9 @@ class ChatRequest(Model):
         """What a chat template may render beyond `prompt_text`: the tools' definitions and
         the assistants' tool calls, as JSON (counted in the prompt's bounds)."""
         parts = [json.dumps(t.model_dump(mode="json")) for t in self.tools or ()]
+        # Not rendered, but compiled into the engine's grammar: charged as prompt (N2).
+        if self.response_format is not None and self.response_format.json_schema is not None:
+            parts.append(json.dumps(self.response_format.json_schema.json_schema))
         for m in self.messages or ():
             parts += [c.model_dump_json() for c in m.tool_calls or ()]
             parts += [m.tool_call_id] if m.tool_call_id else []

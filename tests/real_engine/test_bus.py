@@ -308,6 +308,23 @@ def test_openai_sdk_gets_tool_calls_and_json_from_the_vllm_worker(bus: Stack) ->
     assert f"tools: not supported by the engine serving model '{HF}' (transformers)" in (
         caught.value.message
     )
+    # A schema past the bounds an engine compiles safely (issue 37, N2): a 400 naming the
+    # bound, before anything reaches the worker; so is one as vLLM's own `guided_json`.
+    too_deep = {"anyOf": [{"anyOf": [{"anyOf": [{"type": "string"}]}]}]}
+    for extra in (
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": too_deep},
+            }
+        },
+        {"extra_body": {"guided_json": too_deep}},
+    ):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(
+                model=MODEL_NAME, messages=WEATHER_Q, max_tokens=8, **extra
+            )
+        assert "schema: anyOf/oneOf/allOf nested 3 deep" in caught.value.message, caught.value
 
 
 def test_the_transformers_engine_serves_the_same_model_continuous_and_static(

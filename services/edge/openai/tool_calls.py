@@ -90,7 +90,7 @@ def _vllm_guide(body: ChatCompletionRequest) -> dict[str, Any] | HttpError | Non
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
-        except ValueError:
+        except (ValueError, RecursionError):  # nested past the parser's depth too
             return invalid("guided_json: not a JSON schema (invalid JSON)", "guided_json")
     return {"type": "json_schema", "json_schema": {"name": "guided_json", "schema": schema}}
 
