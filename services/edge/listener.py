@@ -5,13 +5,16 @@ and an idle keep-alive connection in time, and the number of connections and req
 (`limit_concurrency`, answered 503); it bounds no head in time: a client that trickles its
 head a byte at a time (slowloris) held its connection for ever; nor a write in time: a
 client that stops reading an SSE stream held it, its buffers and its place among the
-connections for ever. `TimedProtocol` adds both timeouts to uvicorn's h11 protocol (ADR 0045).
+connections for ever. `TimedProtocol` adds both timeouts to uvicorn's h11 protocol (ADR 0045),
+and a bound on the connections one client address holds at once (`max_per_ip`: its idle
+keep-alive and WebSocket connections count, which no request-level limit sees; issue 37, N10).
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+import weakref
+from typing import Any, ClassVar, cast
 
 import h11
 import structlog
@@ -37,12 +40,35 @@ class TimedProtocol(H11Protocol):
 
     header_timeout_s: float = 10.0  # set by `protocol_class`
     write_timeout_s: float = 10.0
+    max_per_ip: int = 0  # 0: no limit
+    # Client address -> its open connections' transports (one map per `protocol_class`, so
+    # per server). Weak: a transport leaves with its connection, whether it stayed HTTP or
+    # was handed to a WebSocket protocol (whose loss this protocol never hears of).
+    open_by_ip: ClassVar[dict[str, weakref.WeakSet[asyncio.BaseTransport]]] = {}
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)  # type: ignore[arg-type]
         self._header_deadline: asyncio.TimerHandle | None = None
         self._write_deadline: asyncio.TimerHandle | None = None
+        if self.max_per_ip and not self._admitted(cast(asyncio.Transport, transport)):
+            return
         self._await_head()
+
+    def _admitted(self, transport: asyncio.Transport) -> bool:
+        """Count the connection against its address; drop it if that is over its bound."""
+        ip = self.client[0] if self.client else ""
+        held = self.open_by_ip.setdefault(ip, weakref.WeakSet())
+        for other in [t for t in held if t.is_closing()]:
+            held.discard(other)
+        if len(held) >= self.max_per_ip:
+            log.info("listener.too_many_from_address", held=len(held), limit=self.max_per_ip)
+            transport.abort()
+            return False
+        held.add(transport)
+        if len(self.open_by_ip) > 4 * self.max_per_ip + 1024:  # forget addresses gone quiet
+            for address in [a for a, ts in self.open_by_ip.items() if not ts]:
+                del self.open_by_ip[address]
+        return True
 
     def pause_writing(self) -> None:
         super().pause_writing()
@@ -96,10 +122,17 @@ class TimedProtocol(H11Protocol):
             self.transport.close()
 
 
-def protocol_class(header_timeout_s: float, write_timeout_s: float) -> type[TimedProtocol]:
-    """`TimedProtocol` with these timeouts (uvicorn builds its protocol from a class)."""
-    timeouts = {"header_timeout_s": header_timeout_s, "write_timeout_s": write_timeout_s}
-    return type("TimedProtocol", (TimedProtocol,), timeouts)
+def protocol_class(
+    header_timeout_s: float, write_timeout_s: float, max_per_ip: int = 0
+) -> type[TimedProtocol]:
+    """`TimedProtocol` with these bounds (uvicorn builds its protocol from a class)."""
+    bounds = {
+        "header_timeout_s": header_timeout_s,
+        "write_timeout_s": write_timeout_s,
+        "max_per_ip": max_per_ip,
+        "open_by_ip": {},
+    }
+    return type("TimedProtocol", (TimedProtocol,), bounds)
 
 
 def uvicorn_options(settings: EdgeSettings) -> dict[str, Any]:
@@ -107,7 +140,11 @@ def uvicorn_options(settings: EdgeSettings) -> dict[str, Any]:
     return {
         "host": settings.edge_host,
         "port": settings.edge_port,
-        "http": protocol_class(settings.edge_header_timeout_s, settings.edge_http_write_timeout_s),
+        "http": protocol_class(
+            settings.edge_header_timeout_s,
+            settings.edge_http_write_timeout_s,
+            settings.edge_max_connections_per_ip,
+        ),
         "h11_max_incomplete_event_size": settings.edge_max_header_bytes,
         "timeout_keep_alive": settings.edge_keep_alive_timeout_s,
         "limit_concurrency": settings.edge_max_connections,

@@ -218,6 +218,14 @@ class EdgeSettings(KeysSettings):
         ge=1,
         description="Connections (and requests) at once; above it a request gets HTTP 503.",
     )
+    edge_max_connections_per_ip: int = Field(
+        default=0,
+        ge=0,
+        description="Connections at once from one client address (idle keep-alive and"
+        " WebSocket ones included); one more is dropped as it opens. 0: no limit (the default:"
+        " behind a load balancer or an ingress every client shares its address). Set it where"
+        " clients reach the edge directly.",
+    )
     edge_max_header_bytes: int = Field(
         default=16384,
         ge=1024,

@@ -225,3 +225,84 @@ async def test_a_client_that_stops_reading_is_dropped_within_the_write_timeout(
     finally:
         sock.close()
     assert took < WRITE_TIMEOUT_S + 10
+
+
+# -- one address holding every place ----------------------------------------------------------
+
+PER_IP = 4
+
+
+async def hello(scope: Scope, receive: Receive, send: Send) -> None:
+    """Answers HTTP with 200 and accepts a WebSocket, as the edge's health and chat do."""
+    if scope["type"] == "http":
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+    elif scope["type"] == "websocket":
+        await receive()  # websocket.connect
+        await send({"type": "websocket.accept"})
+        while (await receive())["type"] != "websocket.disconnect":
+            pass
+
+
+@pytest.fixture
+async def per_ip() -> AsyncIterator[int]:
+    port = free_port()
+    config = uvicorn.Config(
+        hello,
+        host="127.0.0.1",
+        port=port,
+        http=protocol_class(HEADER_TIMEOUT_S, WRITE_TIMEOUT_S, max_per_ip=PER_IP),
+        lifespan="off",
+        log_level="warning",
+    )
+    server = uvicorn.Server(config)
+    serving = asyncio.create_task(server.serve())
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline, "uvicorn did not start"
+        await asyncio.sleep(0.01)
+    try:
+        yield port
+    finally:
+        server.should_exit = True
+        await serving
+
+
+async def kept_alive(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
+    """A connection that asks once and then idles, kept alive; None if it was dropped."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"GET /healthz HTTP/1.1\r\nHost: edge\r\n\r\n")
+    try:
+        head = await asyncio.wait_for(reader.readuntil(b"ok"), 5)
+    except (asyncio.IncompleteReadError, ConnectionResetError):
+        writer.close()
+        return None
+    assert b" 200 " in head.split(b"\r\n")[0], head
+    return reader, writer
+
+
+async def test_one_address_cannot_hold_every_place(per_ip: int) -> None:
+    """Issue 37, N10: 4,096 idle keep-alive connections from one address (GET /healthz, no
+    key) held every place of the listener. Bounded per address: its idle keep-alive and its
+    WebSocket connections count; one more is dropped as it opens; a place freed is free."""
+    port = per_ip
+    held = [c for c in [await kept_alive(port) for _ in range(PER_IP - 1)] if c is not None]
+    assert len(held) == PER_IP - 1
+    async with websockets.connect(f"ws://127.0.0.1:{port}/v1/chat") as ws:
+        assert await kept_alive(port) is None  # the WebSocket took the last place
+        await ws.send("still here")  # and it serves on
+
+    async def freed() -> bool:
+        again = await kept_alive(port)
+        if again is not None:
+            held.append(again)
+        return again is not None
+
+    deadline = time.monotonic() + 10
+    while not await freed():  # the WebSocket's place, once its close is through
+        assert time.monotonic() < deadline, "the WebSocket's place was never freed"
+        await asyncio.sleep(0.1)
+    assert len(held) == PER_IP
+    assert await kept_alive(port) is None
+    for _, writer in held:
+        writer.close()
