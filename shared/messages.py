@@ -860,6 +860,13 @@ class ErrorResult(ResultBase):
         description="With `rate_limited` or `overloaded`: when the same request may be sent"
         " again (ms).",
     )
+    usage: Usage | None = Field(
+        default=None,
+        exclude_if=_unset,
+        description="What the run used before it ended, where the engine said (a cancelled"
+        " run's tokens): the edge settles the tenant's tokens-per-minute charge with it, as"
+        " with a `done`'s.",
+    )
 
     @classmethod
     def for_request(
@@ -870,6 +877,7 @@ class ErrorResult(ResultBase):
         *,
         seq: int = 0,
         retry_after_ms: int | None = None,
+        usage: Usage | None = None,
     ) -> ErrorResult:
         """The error that answers one attempt of a request; a bare id is its first attempt.
 
@@ -882,6 +890,7 @@ class ErrorResult(ResultBase):
                 code=code,
                 message=message,
                 retry_after_ms=retry_after_ms,
+                usage=usage,
             )
         return cls(
             request_id=request.request_id,
@@ -890,6 +899,7 @@ class ErrorResult(ResultBase):
             code=code,
             message=message,
             retry_after_ms=retry_after_ms,
+            usage=usage,
         )
 
 

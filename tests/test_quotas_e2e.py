@@ -16,6 +16,7 @@ import pytest
 import websockets
 from websockets.exceptions import ConnectionClosed
 
+from shared.tokens import sim_tokens
 from tests.chat_client import bearer, close_of, recv_json, run_requests
 from tests.stack import UNLIMITED, Stack, new_prefix
 
@@ -25,6 +26,7 @@ TENANTS: dict[str, dict[str, object]] = {
     "single": {**UNLIMITED, "concurrency": 1},
     "frugal": {**UNLIMITED, "tokens_per_min": 150},
     "twosockets": {**UNLIMITED, "sockets": 2},
+    "streamer": {**UNLIMITED, "tokens_per_min": 2000},
 }
 
 
@@ -129,6 +131,34 @@ async def test_tokens_per_minute(limited: Stack) -> None:
     assert first in on_kafka
     assert second not in on_kafka
     assert huge not in on_kafka
+
+
+async def test_a_cancelled_answer_is_charged_what_it_used(limited: Stack) -> None:
+    """Issue 37, N5: an unset max_tokens is charged the output estimate (256) at admission,
+    while the answer may run to the end of the context; only a `done` settled the charge,
+    so an answer cancelled after 1,500 tokens kept its 256-token charge and the tenant
+    could start the next at once. The cancelled run's final now carries its usage, and the
+    edge settles with it: the next large request waits for the bucket."""
+    async with websockets.connect(limited.ws_url_as(None), **bearer(limited, "streamer")) as ws:
+        request = {"client_id": "long", "prompt": marker(), "ignore_eos": True}
+        await ws.send(json.dumps({"type": "chat.request", **request}))
+        accepted = await recv_json(ws)
+        assert accepted["type"] == "chat.accepted", accepted
+        text = ""
+        while sim_tokens(text) < 1500:  # ~8 s at the stack's 200 tokens/s
+            frame = await recv_json(ws)
+            assert frame["type"] == "chat.delta", frame
+            text += frame["text"]
+        await ws.send(json.dumps({"type": "chat.cancel", "request_id": accepted["request_id"]}))
+        while (frame := await recv_json(ws))["type"] == "chat.delta":
+            pass
+        assert (frame["type"], frame["code"]) == ("error", "cancelled"), frame
+        # Charged ~1,500 of the minute's 2,000 (and ~300 refilled meanwhile): 1,200 more
+        # do not fit now. Before, ~1,700 were left and it was admitted.
+        await send(ws, "next", marker(), 1200)
+        frame = await recv_json(ws)
+        check_rate_limited(frame, "next", "tokens_per_min")
+        assert frame["retry_after_ms"] >= 1
 
 
 async def test_open_sockets(limited: Stack) -> None:

@@ -283,6 +283,7 @@ class StreamRouter:
                 )
             )
         else:
+            stream.usage = record.usage  # a cancelled run's, where the worker said
             stream.emit(
                 ErrorFrame(
                     code=record.code,

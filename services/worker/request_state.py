@@ -159,8 +159,12 @@ class RequestState:
             raise AssertionError("engine stream ended without a finish record")
         request = self.request
         if finish.finish_reason == "cancelled":
+            # With what it used: the edge settles the tenant's charge with it (issue 37, N5).
+            used = Usage(
+                prompt_tokens=finish.prompt_tokens, completion_tokens=finish.completion_tokens
+            )
             return ErrorResult.for_request(
-                request, ErrorCode.cancelled, "request cancelled", seq=self.seq
+                request, ErrorCode.cancelled, "request cancelled", seq=self.seq, usage=used
             )
         return DoneResult(
             request_id=request.request_id,
