@@ -231,7 +231,7 @@ class Guard:
         self.pending = 0  # sockets open without a key yet (`auth` frame awaited)
         self._resume_keys = resume_keys
         # Sockets open with a key -> how to close one whose key is revoked.
-        self._open: dict[SocketAuth, Callable[[], None]] = {}
+        self._open: dict[KeyHolder | SocketAuth, Callable[[], None]] = {}
         if not len(self.keys):
             log.warning(
                 "keys.none",
@@ -333,10 +333,11 @@ class Guard:
     def release(self, request_id: str) -> None:
         self.quotas.release(request_id)
 
-    def watch(self, auth: SocketAuth, on_revoked: Callable[[], None]) -> None:
+    def watch(self, auth: KeyHolder | SocketAuth, on_revoked: Callable[[], None]) -> None:
+        """Call `on_revoked` once `auth.principal`'s key is revoked (a socket, an HTTP answer)."""
         self._open[auth] = on_revoked
 
-    def unwatch(self, auth: SocketAuth) -> None:
+    def unwatch(self, auth: KeyHolder | SocketAuth) -> None:
         self._open.pop(auth, None)
 
     def revoked(self) -> list[Callable[[], None]]:
@@ -358,6 +359,13 @@ class Guard:
             await asyncio.sleep(REVOCATION_CHECK_S)
             for close in self.revoked():
                 close()
+
+
+class KeyHolder:
+    """An HTTP answer in progress, watched for its key's revocation as a socket is."""
+
+    def __init__(self, principal: Principal) -> None:
+        self.principal: Principal | None = principal
 
 
 class SocketAuth:

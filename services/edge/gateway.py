@@ -618,9 +618,10 @@ class Gateway:
         """The one way a stream ends on this edge, whatever ended it (`Ending`).
 
         The router forgets it; the tenant's quota is given back (a finished stream's tokens
-        charge settled to the real usage of its `done` first: an error has none, the charge
-        stands); the partition read for it alone is let go; and where it ended here (not
-        moved to another edge, nor refused), a per-request topic starts its retention.
+        charge settled to the real usage of its final first: a `done`'s, or a cancelled
+        run's error's; an error without usage leaves the charge as it stands); the
+        partition read for it alone is let go; and where it ended here (not moved to
+        another edge, nor refused), a per-request topic starts its retention.
         """
         if self.router.get(stream.request_id) is stream:
             self.router.close(stream.request_id)

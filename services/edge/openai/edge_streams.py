@@ -8,7 +8,7 @@ from collections.abc import Callable
 import structlog
 from starlette.datastructures import Headers
 
-from services.edge.auth import AmbiguousCredentials, Guard, key_from_headers
+from services.edge.auth import AmbiguousCredentials, Guard, KeyHolder, key_from_headers
 from services.edge.gateway import Gateway
 from services.edge.keys import Principal
 from services.edge.models import ModelDirectory
@@ -141,6 +141,11 @@ class EdgeStreams:
 
     def close_socket(self, principal: Principal) -> None:
         self._guard.close_socket(principal)
+
+    def watch(self, principal: Principal, client: HttpClient) -> Callable[[], None]:
+        watched = KeyHolder(principal)
+        self._guard.watch(watched, client.revoke)
+        return lambda: self._guard.unwatch(watched)
 
     def written(self, frame: ServerFrame, stream: object) -> None:
         gateway = self._gateway()

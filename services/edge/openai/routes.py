@@ -31,7 +31,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from services.edge.keys import Principal
-from services.edge.openai.errors import HttpError, invalid, too_large, unknown_model
+from services.edge.openai.errors import HttpError, http_error, invalid, too_large, unknown_model
 from services.edge.openai.ignored import ignored_fields
 from services.edge.openai.logprobs import wanted as logprobs_wanted
 from services.edge.openai.request_ids import note_request_id
@@ -53,7 +53,13 @@ from services.edge.openai.translate import (
     to_chat_request,
 )
 from services.edge.protocol import AcceptedFrame, ErrorFrame, ServerFrame, StreamResumedFrame
-from shared.messages import ChatRequest, RequestLimits, error_message, unknown_model_message
+from shared.messages import (
+    ChatRequest,
+    ErrorCode,
+    RequestLimits,
+    error_message,
+    unknown_model_message,
+)
 
 log = structlog.get_logger()
 
@@ -79,6 +85,11 @@ class HttpClient:
         # (frame, the stream it belongs to: reported back with `Streams.written`)
         self.frames: asyncio.Queue[tuple[ServerFrame, object]] = asyncio.Queue(max_frames)
         self.behind = asyncio.Event()
+        self.revoked = False  # its key was revoked: let go of, as one behind is
+
+    def revoke(self) -> None:
+        self.revoked = True
+        self.behind.set()
 
     def send(self, frame: ServerFrame, stream: object = None) -> None:
         if self.behind.is_set():
@@ -141,6 +152,11 @@ class Streams(Protocol):
         ...
 
     def close_socket(self, principal: Principal) -> None: ...
+
+    def watch(self, principal: Principal, client: HttpClient) -> Callable[[], None]:
+        """Revoke `client` when `principal`'s key is revoked, as a WebSocket is closed;
+        returns what stops the watch."""
+        ...
 
 
 class Disconnect:
@@ -244,6 +260,16 @@ class SseResponse(Response):
                 frame, stream = got
                 await self._write(send, self._sse.take(frame))
                 self._streams.written(frame, stream)
+            if self._client.revoked and not self._sse.ended:
+                # Its key was revoked: the request is cancelled now (no resume can follow),
+                # and the stream ends with the error, as a WebSocket closes with 1008.
+                self._sse.cancel = True
+                revoked = ErrorFrame(
+                    code=ErrorCode.unauthorized,
+                    message="the request's API key was revoked",
+                    request_id=self._sse.ident.request_id,
+                )
+                await self._write(send, self._sse.take(revoked))
             if self._sse.ended:
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         except OSError as exc:  # the client's connection broke mid-write
@@ -365,6 +391,35 @@ class OpenAIApi:
         token = request.headers.get(RESUME_TOKEN_HEADER)
         model = body.model or next(iter(served), "tokenbus")
         client = HttpClient(self._max_frames)
+        # Its key revoked mid-answer, the answer stops, as a WebSocket closes (issue 37).
+        unwatch = self._streams.watch(principal, client)
+        try:
+            response = await self._stream_or_answer(
+                request, principal, body, kind, model, token, client, unwatch, on_end
+            )
+        except BaseException:
+            unwatch()
+            raise
+        if not isinstance(response, SseResponse):
+            unwatch()
+        return response
+
+    async def _stream_or_answer(
+        self,
+        request: Request,
+        principal: Principal,
+        body: OpenAIRequest,
+        kind: Kind,
+        model: str,
+        token: str | None,
+        client: HttpClient,
+        unwatch: Callable[[], None],
+        on_end: Callable[[], None],
+    ) -> Response:
+        def ended() -> None:  # an SSE answer's end
+            unwatch()
+            on_end()
+
         # 3) Open (or resume) the stream; its first frame says whether it was accepted.
         if token is not None:
             after = self._after(request.headers)
@@ -386,7 +441,7 @@ class OpenAIApi:
         disconnect = Disconnect(request.receive)
         try:
             response = await self._answer(
-                request.scope, body, kind, model, client, disconnect, after, token, on_end
+                request.scope, body, kind, model, client, disconnect, after, token, ended
             )
         except BaseException:
             disconnect.stop()
@@ -417,6 +472,10 @@ class OpenAIApi:
             if got is None:
                 if disconnect.gone.is_set() or client.behind.is_set():
                     self._streams.detach(client)  # cancelled after the grace
+                    if client.revoked:
+                        return error_response(
+                            http_error(ErrorCode.unauthorized, "the request's API key was revoked")
+                        )
                     return Response(status_code=499)
                 continue
             frame, stream = got
