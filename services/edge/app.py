@@ -126,6 +126,8 @@ def build_app(edge: Edge) -> Starlette:
         settings.edge_max_frame_bytes,
         settings.edge_outbox_frames,
         keepalive_s=settings.edge_sse_keepalive_s,
+        body_timeout_s=settings.edge_body_timeout_s,
+        body_budget_bytes=settings.edge_body_budget_bytes,
     )
     return Starlette(
         routes=[

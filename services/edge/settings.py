@@ -218,6 +218,18 @@ class EdgeSettings(KeysSettings):
         ge=1,
         description="Connections (and requests) at once; above it a request gets HTTP 503.",
     )
+    edge_body_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="An HTTP request's body must arrive whole within this after its head;"
+        " else 408 and the connection is closed (uvicorn has no body timeout of its own).",
+    )
+    edge_body_budget_bytes: int = Field(
+        default=128 * 1024 * 1024,
+        ge=1024 * 1024,
+        description="Bytes of HTTP request bodies the edge holds while they arrive, all"
+        " clients together; a body that would pass it is refused with 503 and a retry hint.",
+    )
     edge_max_connections_per_ip: int = Field(
         default=0,
         ge=0,

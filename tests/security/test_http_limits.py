@@ -1,5 +1,6 @@
-"""Attacks on the OpenAI-compatible HTTP API: a body without end, JSON nested past the
-interpreter's stack, more streams than the tenant's `sockets`. Each is sent as an attacker
+"""Attacks on the OpenAI-compatible HTTP API: a body without end, a body that never ends
+(slow, or many held at once), JSON nested past the interpreter's stack, more streams than
+the tenant's `sockets`. Each is sent as an attacker
 would, over a real socket to a real edge. (A client that stops reading its stream:
 test_listener_limits.py.)"""
 
@@ -24,6 +25,8 @@ ECHO = "ECHO-51c0de::"
 BODY_LIMIT = 1 << 20  # TOKENBUS_EDGE_MAX_FRAME_BYTES's default: the body limit
 SEND_BUFFER = 1 << 16  # the attacker's socket's
 TOKEN_RATE = 400
+BODY_TIMEOUT_S = 2.0
+BODY_BUDGET = 2 << 20  # bytes of unfinished bodies the edge holds, all clients together
 TENANTS: dict[str, dict[str, object]] = {
     "two_streams": {**UNLIMITED, "sockets": 2},
     "one_stream": {**UNLIMITED, "sockets": 1},
@@ -41,6 +44,8 @@ def api(bootstrap: str, log_dir: Path) -> Iterator[Stack]:
             "TOKENBUS_WORKER_SIM_ECHO_MARKER": ECHO,
             "TOKENBUS_WORKER_SIM_TOKEN_RATE": str(TOKEN_RATE),
             "TOKENBUS_EDGE_DISCONNECT_GRACE_S": "2",
+            "TOKENBUS_EDGE_BODY_TIMEOUT_S": str(BODY_TIMEOUT_S),
+            "TOKENBUS_EDGE_BODY_BUDGET_BYTES": str(BODY_BUDGET),
         },
     )
     try:
@@ -226,3 +231,91 @@ async def test_the_streams_past_the_tenants_sockets_are_refused(api: Stack) -> N
         while not await admitted():
             assert time.monotonic() < deadline, "the closed streams' places were not given back"
             await asyncio.sleep(0.1)
+
+
+# -- bodies that never finish (issue 37, N4) ----------------------------------------------------
+
+
+async def unfinished(stack: Stack, tenant: str, declared: int, sent: int) -> asyncio.StreamReader:
+    """A request whose head declares `declared` body bytes, of which `sent` are sent; the
+    connection is then held, writing nothing more. Its reader gets the edge's answer."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", stack.edge_port)
+    writer.write(
+        (
+            "POST /v1/chat/completions HTTP/1.1\r\nHost: edge\r\n"
+            f"Authorization: Bearer {stack.keys[tenant]}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {declared}\r\n\r\n"
+        ).encode()
+        + b" " * sent
+    )
+    await writer.drain()
+    HELD.append(writer)
+    return reader
+
+
+HELD: list[asyncio.StreamWriter] = []
+
+
+async def status_of(reader: asyncio.StreamReader, within_s: float) -> int:
+    line = await asyncio.wait_for(reader.readline(), within_s)
+    assert line.startswith(b"HTTP/1.1 "), line
+    return int(line.split()[1])
+
+
+async def test_a_body_that_never_finishes_gets_408_within_the_body_timeout(api: Stack) -> None:
+    """Before: uvicorn has no body timeout and the edge read on for ever, the connection and
+    its buffered bytes held as long as the client liked."""
+    started = time.monotonic()
+    try:
+        reader = await unfinished(api, "default", 1000, 10)
+        assert await status_of(reader, BODY_TIMEOUT_S + 10) == 408
+        assert time.monotonic() - started < BODY_TIMEOUT_S + 5
+    finally:
+        for writer in HELD:
+            writer.close()
+        HELD.clear()
+
+
+async def test_held_bodies_stop_at_the_edges_budget_and_the_tenants_places(api: Stack) -> None:
+    """Before: 1,500 connections each holding an unfinished 1 MiB body exceeded the edge's
+    memory. Now the bytes held are bounded for the edge (a body past its budget: 503 with a
+    retry hint) and per tenant (an unfinished body holds one of its `sockets`: 429), and
+    another tenant's request is still served."""
+    part = 700 << 10
+    try:
+        # Three: 2.1 MB, past the 2 MiB. Which one the budget refuses depends on the order
+        # the edge reads their bytes in: one of them, at once.
+        bodies = [await unfinished(api, "default", BODY_LIMIT, part) for _ in range(3)]
+        answers = [asyncio.ensure_future(status_of(r, BODY_TIMEOUT_S + 10)) for r in bodies]
+        first, _ = await asyncio.wait(answers, return_when=asyncio.FIRST_COMPLETED)
+        assert [a.result() for a in first] == [503]
+        held = [a for a in answers if a not in first]
+        # A tenant of one socket place: its unfinished body holds it.
+        await unfinished(api, "one_stream", BODY_LIMIT, 1000)
+        async with httpx.AsyncClient(timeout=30) as client:
+
+            async def second() -> httpx.Response:
+                return await client.post(
+                    f"{api.http_url}/v1/chat/completions",
+                    headers=auth(api, "one_stream"),
+                    json={**echo_request("x", 4), "stream": False},
+                )
+
+            deadline = time.monotonic() + 10
+            while (r := await second()).status_code != 429:  # once the first holds its place
+                assert time.monotonic() < deadline, r.text[:200]
+                await asyncio.sleep(0.1)
+            assert "sockets" in r.json()["error"]["message"]
+            # The victim: another tenant, a whole answer, while the attack holds.
+            victim = await client.post(
+                f"{api.http_url}/v1/chat/completions",
+                headers=auth(api, "two_streams"),
+                json={**echo_request("still served", 4), "stream": False},
+            )
+            assert victim.status_code == 200, victim.text[:200]
+        # And the held ones time out as any slow body does.
+        assert [await a for a in held] == [408, 408]
+    finally:
+        for writer in HELD:
+            writer.close()
+        HELD.clear()

@@ -80,3 +80,23 @@ def too_large(limit: int) -> HttpError:
         code="request_too_large",
     )
     return HttpError(413, ErrorBody(error=detail), {"Connection": "close"})
+
+
+def too_slow(timeout_s: float) -> HttpError:
+    """A body not whole within `timeout_s` of its head: 408, and the connection closed."""
+    detail = ErrorDetail(
+        message=f"body: not received whole within {timeout_s:g} s",
+        type="invalid_request_error",
+        param=None,
+        code="request_timeout",
+    )
+    return HttpError(408, ErrorBody(error=detail), {"Connection": "close"})
+
+
+def bodies_busy(retry_after_ms: int) -> HttpError:
+    """The edge holds as many unread request bodies as it may: 503, try again."""
+    return http_error(
+        ErrorCode.overloaded,
+        "the edge is reading as many request bodies as it may; try again",
+        retry_after_ms=retry_after_ms,
+    )

@@ -31,7 +31,15 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from services.edge.keys import Principal
-from services.edge.openai.errors import HttpError, http_error, invalid, too_large, unknown_model
+from services.edge.openai.errors import (
+    HttpError,
+    bodies_busy,
+    http_error,
+    invalid,
+    too_large,
+    too_slow,
+    unknown_model,
+)
 from services.edge.openai.ignored import ignored_fields
 from services.edge.openai.logprobs import wanted as logprobs_wanted
 from services.edge.openai.request_ids import note_request_id
@@ -201,16 +209,57 @@ def error_response(error: HttpError) -> Response:
     return JSONResponse(error.body.model_dump(), status_code=error.status, headers=error.headers)
 
 
-async def read_body(request: Request, limit: int) -> bytes | None:
-    """The request's body as it streams in (chunked or not); None once it passes `limit`
-    bytes: the rest is never read, and the connection is closed with the answer."""
+class BodyBudget:
+    """The bytes of request bodies the edge holds while they are read, all clients together
+    (issue 37, N4: 1,500 connections each holding an unfinished 1 MiB body exceeded the
+    edge's memory). A body that would pass it is refused (503) and its bytes given back."""
+
+    def __init__(self, limit_bytes: int) -> None:
+        self.limit = limit_bytes
+        self.held = 0
+
+    def take(self, size: int) -> bool:
+        if self.held + size > self.limit:
+            return False
+        self.held += size
+        return True
+
+    def give(self, size: int) -> None:
+        self.held -= size
+
+
+# A client refused for the body budget may try again this soon: bodies finish in seconds.
+BODY_RETRY_AFTER_MS = 1000
+
+
+async def read_body(
+    request: Request,
+    limit: int,
+    budget: BodyBudget | None = None,
+    timeout_s: float | None = None,
+) -> bytes | HttpError:
+    """The request's body as it streams in (chunked or not), or why not: past `limit`
+    bytes (413), not whole within `timeout_s` (408), more than the edge's `budget` of
+    bodies being read (503). The rest is never read, and the connection is closed with the
+    answer. Its bytes count against `budget` while it is read."""
     chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            return None
-        chunks.append(chunk)
+    size = 0  # bytes read, and held against `budget`
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                if size + len(chunk) > limit:
+                    return too_large(limit)
+                if budget is not None and not budget.take(len(chunk)):
+                    log.warning("openai.body_budget_full", held=budget.held, limit=budget.limit)
+                    return bodies_busy(BODY_RETRY_AFTER_MS)
+                size += len(chunk)
+                chunks.append(chunk)
+    except TimeoutError:
+        log.info("openai.body_too_slow", read=size, timeout_s=timeout_s)
+        return too_slow(timeout_s or 0.0)
+    finally:
+        if budget is not None:
+            budget.give(size)
     return b"".join(chunks)
 
 
@@ -310,9 +359,13 @@ class OpenAIApi:
         clock: Callable[[], float] = time.time,
         *,
         keepalive_s: float,  # TOKENBUS_EDGE_SSE_KEEPALIVE_S
+        body_timeout_s: float | None = None,  # TOKENBUS_EDGE_BODY_TIMEOUT_S
+        body_budget_bytes: int | None = None,  # TOKENBUS_EDGE_BODY_BUDGET_BYTES
     ) -> None:
         self._streams = streams
         self._max_body_bytes = max_body_bytes
+        self._body_timeout_s = body_timeout_s
+        self._bodies = None if body_budget_bytes is None else BodyBudget(body_budget_bytes)
         self._max_frames = max_frames  # frames queued for one client (HttpClient)
         self._clock = clock
         self._keepalive_s = keepalive_s
@@ -349,18 +402,13 @@ class OpenAIApi:
         return await self._complete(request, "text")
 
     async def _complete(self, request: Request, kind: Kind) -> Response:
-        # 1) Who asks, and what: nothing reaches Kafka before both are known good.
+        # 1) Who asks: nothing is read of the body before it is known.
         principal = self._streams.authenticate(request.headers)
         if isinstance(principal, HttpError):
             return error_response(principal)
-        body = await self._body(request, kind)
-        if isinstance(body, HttpError):
-            return error_response(body)
-        if ignored := ignored_fields(body):
-            log.info("openai.fields_ignored", fields=ignored, endpoint=request.url.path)
-        if not body.stream:
-            return await self._serve(request, principal, body, kind, lambda: None)
-        # 2) A stream holds a socket place while it streams, as a WebSocket does.
+        # 2) A place among the tenant's `sockets`, taken before the body is read (an
+        # unfinished body holds it, so one key cannot hold the edge's body budget: issue 37,
+        # N4) and kept while a stream streams, as a WebSocket's is.
         if refused := self._streams.open_socket(principal):
             return error_response(refused)
         given_back = False
@@ -373,11 +421,22 @@ class OpenAIApi:
 
         response: Response | None = None
         try:
+            # 3) What it asks: nothing reaches Kafka before it is known good.
+            body = await self._body(request, kind)
+            if isinstance(body, HttpError):
+                response = error_response(body)
+                return response
+            if ignored := ignored_fields(body):
+                log.info("openai.fields_ignored", fields=ignored, endpoint=request.url.path)
+            if not body.stream:
+                give_back()  # a whole answer holds no place while it is computed
+                response = await self._serve(request, principal, body, kind, lambda: None)
+                return response
             response = await self._serve(request, principal, body, kind, give_back)
+            return response
         finally:
             if not isinstance(response, SseResponse):
                 give_back()  # the SSE answer gives it back when it ends
-        return response
 
     async def _serve(
         self,
@@ -526,9 +585,9 @@ class OpenAIApi:
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > self._max_body_bytes:
             return too_large(self._max_body_bytes)
-        raw = await read_body(request, self._max_body_bytes)
-        if raw is None:
-            return too_large(self._max_body_bytes)
+        raw = await read_body(request, self._max_body_bytes, self._bodies, self._body_timeout_s)
+        if isinstance(raw, HttpError):
+            return raw
         try:
             data = json.loads(raw)
         except RecursionError:  # arrays in arrays... past the interpreter's stack
