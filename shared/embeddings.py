@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Sequence
+from urllib.parse import urlsplit
 
 import httpx
 from pydantic import SecretStr
@@ -40,6 +41,31 @@ def cosine(a: Sequence[float], b: Sequence[float]) -> float:
     return max(-1.0, min(1.0, dot / norms))
 
 
+def redacted(url: str) -> str:
+    """`url` as a log may show it: scheme, host, port and path; no user, password or query
+    (where a key may have been put)."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    port = f":{parts.port}" if parts.port else ""
+    return f"{parts.scheme}://{host}{port}{parts.path}"
+
+
+def key_in_clear(url: str) -> bool:
+    """Whether a key sent to `url` would cross a network in clear: http to a host that is
+    not this machine's loopback."""
+    parts = urlsplit(url)
+    return parts.scheme == "http" and (parts.hostname or "") not in LOOPBACK
+
+
+LOOPBACK = frozenset({"localhost", "127.0.0.1", "::1"})
+
+
+def credentials_in(url: str) -> bool:
+    """Whether `url` carries a user, a password or a query (where keys get put)."""
+    parts = urlsplit(url)
+    return bool(parts.username or parts.password or parts.query)
+
+
 class EmbeddingSimilarity:
     """Caller: a gold worker's shadow validation. Each call is one request to the endpoint."""
 
@@ -52,6 +78,7 @@ class EmbeddingSimilarity:
     ) -> None:
         self.model = model
         self._endpoint = url.rstrip("/") + "/embeddings"
+        self._named = redacted(self._endpoint)  # what errors (and so logs) say
         self._api_key = api_key
         self._timeout_s = timeout_s
 
@@ -72,16 +99,16 @@ class EmbeddingSimilarity:
                     self._endpoint, json={"model": self.model, "input": texts}
                 )
         except httpx.HTTPError as exc:
-            raise EmbeddingError(f"{self._endpoint}: {exc!r}") from exc
+            raise EmbeddingError(f"{self._named}: {type(exc).__name__}") from exc
         if response.status_code != 200:
             raise EmbeddingError(
-                f"{self._endpoint} answered {response.status_code}: {response.text[:300]}"
+                f"{self._named} answered {response.status_code}: {response.text[:300]}"
             )
         try:
             data = sorted(response.json()["data"], key=lambda d: d["index"])
             vectors = [[float(x) for x in d["embedding"]] for d in data]
         except (ValueError, KeyError, TypeError) as exc:
-            raise EmbeddingError(f"{self._endpoint}: not an embeddings answer: {exc!r}") from exc
+            raise EmbeddingError(f"{self._named}: not an embeddings answer: {exc!r}") from exc
         if len(vectors) != len(texts):
-            raise EmbeddingError(f"{self._endpoint}: {len(vectors)} embeddings for {len(texts)}")
+            raise EmbeddingError(f"{self._named}: {len(vectors)} embeddings for {len(texts)}")
         return vectors

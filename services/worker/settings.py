@@ -8,6 +8,7 @@ from typing import Literal, Self
 
 from pydantic import Field, SecretStr, model_validator
 
+from shared.embeddings import credentials_in, key_in_clear
 from shared.messages import VARIANT_NAME
 from shared.settings import TokenbusSettings
 
@@ -206,6 +207,17 @@ class WorkerSettings(TokenbusSettings):
             raise ValueError(
                 "TOKENBUS_WORKER_EMBEDDING_URL and TOKENBUS_WORKER_EMBEDDING_MODEL go together:"
                 " set both (shadow scores add an embedding similarity) or neither"
+            )
+        url = self.worker_embedding_url
+        if url is not None and credentials_in(url):
+            raise ValueError(
+                "TOKENBUS_WORKER_EMBEDDING_URL: no user, password or query in it; a key goes"
+                " in TOKENBUS_WORKER_EMBEDDING_API_KEY"
+            )
+        if url is not None and self.worker_embedding_api_key is not None and key_in_clear(url):
+            raise ValueError(
+                "TOKENBUS_WORKER_EMBEDDING_URL is http to another host: its API key would"
+                " cross the network in clear; use https (http only to a loopback address)"
             )
         return self
 
