@@ -37,6 +37,30 @@ BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 RATIO_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 
 
+# What a label value read from requests shows once `LabelValues` has seen its limit.
+OTHER = "other"
+
+
+class LabelValues:
+    """At most `limit` distinct values of one label, the first come; later ones read as
+    `OTHER`. Every label value taken from a request (a model's name, a variant) passes
+    through one: each distinct value is a time series kept for ever, so a client naming a
+    new model per request would grow every scraper and this process without bound
+    (issue 37, Low)."""
+
+    def __init__(self, limit: int = 64) -> None:
+        self.limit = limit
+        self._seen: set[str] = set()
+
+    def __call__(self, value: str) -> str:
+        if value in self._seen:
+            return value
+        if len(self._seen) >= self.limit:
+            return OTHER
+        self._seen.add(value)
+        return value
+
+
 class _Record(Protocol):
     """What the lag metrics read of a consumed Kafka record (aiokafka's ConsumerRecord)."""
 

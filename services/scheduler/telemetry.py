@@ -18,7 +18,7 @@ from opentelemetry.trace import Link, Span, SpanKind, Tracer, set_span_in_contex
 
 from shared import semconv
 from shared.messages import QueuedRequest, Tier
-from shared.metrics import SchedulerMetrics, scheduler_metrics
+from shared.metrics import LabelValues, SchedulerMetrics, scheduler_metrics
 from shared.telemetry import (
     Carrier,
     Headers,
@@ -56,6 +56,9 @@ class SchedulerTelemetry:
     _waiting: dict[str, Tier] = field(default_factory=dict)
     _sending: dict[str, Span] = field(default_factory=dict)
     _models: set[str] = field(default_factory=set)  # models whose queue depth is shown
+    # Model and variant names come from requests: bounded as label values.
+    _model: LabelValues = field(default_factory=LabelValues)
+    _variant: LabelValues = field(default_factory=LabelValues)
 
     def arrived(self, request: QueuedRequest) -> None:
         """A request joined the backlog."""
@@ -69,15 +72,16 @@ class SchedulerTelemetry:
 
     def fell_back(self, request: QueuedRequest, model: str) -> None:
         """A waiting request moved to its fallback model."""
-        self.metrics.fallbacks.labels(request.tier.value, model).inc()
+        self.metrics.fallbacks.labels(request.tier.value, self._model(model)).inc()
 
     def variant_chosen(self, model: str, variant: str | None) -> None:
         """A request was queued for a variant of its model (None: the baseline)."""
-        self.metrics.variant_requests.labels(model, variant or BASELINE).inc()
+        label = self._variant(variant or BASELINE)
+        self.metrics.variant_requests.labels(self._model(model), label).inc()
 
     def to_baseline(self, model: str, variant: str) -> None:
         """A waiting request moved from a variant without a live worker to the baseline."""
-        self.metrics.variant_fallbacks.labels(model, variant).inc()
+        self.metrics.variant_fallbacks.labels(self._model(model), self._variant(variant)).inc()
 
     def shares(self, rollout: ModelRollout) -> None:
         """A model's rollout as the scheduler now routes by it."""
@@ -87,7 +91,10 @@ class SchedulerTelemetry:
     def waiting_by_model(self, waiting: Mapping[str | None, int]) -> None:
         """How many requests wait for each model now (None: any worker); a model no longer
         waited for shows 0, so its scaling signal reads 0 rather than nothing."""
-        now = {model or "": count for model, count in waiting.items()}
+        now: dict[str, int] = {}
+        for model, count in waiting.items():
+            label = self._model(model or "")
+            now[label] = now.get(label, 0) + count
         for model in self._models | now.keys():
             self.metrics.model_queue_depth.labels(model).set(now.get(model, 0))
         self._models |= now.keys()
