@@ -32,6 +32,7 @@ MODEL = "m"
 WORKERS = {"worker": None, "worker-same": "same", "worker-wrong": "wrong"}
 EVALUATOR = "evaluator"  # a tenant whose key may pin variants
 ITEMS = 40
+UNSERVED_HOLD_S = 3.0  # a pin no live worker serves is answered after this (issue 37, N3)
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +49,10 @@ def pinned_stack(bootstrap: str, log_dir: Path) -> Iterator[Stack]:
         bootstrap=bootstrap,
         prefix=new_prefix(),
         log_dir=log_dir,
-        env_overrides={"TOKENBUS_WORKER_MODEL": MODEL},
+        env_overrides={
+            "TOKENBUS_WORKER_MODEL": MODEL,
+            "TOKENBUS_SCHEDULER_UNSERVED_HOLD_S": str(UNSERVED_HOLD_S),
+        },
         workers=workers,
     )
     # A key that may pin, beside the stack's own keys (which may not).
@@ -123,6 +127,16 @@ async def test_a_pinned_request_runs_only_on_its_variant(pinned_stack: Stack) ->
     assert final["code"] == "deadline_exceeded"
     assert ghost["c9-ghost"].deltas == []
     assert time.monotonic() - started >= 1.4
+    # Without a deadline it was held for ever, its tier partition's commit behind it
+    # (issue 37, N3): now it is answered `overloaded` after the scheduler's unserved hold.
+    started = time.monotonic()
+    async with websockets.connect(stack.ws_url_as(EVALUATOR)) as ws:
+        ghost = await run_requests(ws, [ask(10, "ghost")], timeout=60)
+    final = ghost["c10-ghost"].final
+    assert final is not None
+    assert (final["type"], final["code"]) == ("error", "overloaded"), final
+    assert "no live worker has served model 'm', variant 'ghost'" in final["message"]
+    assert UNSERVED_HOLD_S * 0.9 <= time.monotonic() - started < UNSERVED_HOLD_S + 30
 
 
 def tokenbus(stack: Stack, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:

@@ -4,6 +4,7 @@ pinned request (services/scheduler/pinned.py, models.py), and who may pin over t
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -118,6 +119,38 @@ def test_a_pinned_request_whose_variant_never_comes_ends_at_its_deadline() -> No
     plan = policy.plan(NOW + 5, [worker("base", None)])
     assert [p.item for p in plan.expired] == ["pinned"]
     assert where(plan) == {}
+
+
+def test_a_pin_to_a_variant_no_worker_declares_is_answered_after_the_unserved_hold() -> None:
+    """Issue 37, N3: without a deadline, a pin to a variant no live worker declares was
+    held for ever (its tier partition's commit stayed behind it). After the scheduler's
+    unserved hold it is answered; the hold runs from when the lane was first seen waiting
+    unserved, and the plan wakes for it."""
+    policy: Policy[str] = Policy(replace(config(), unserved_hold_s=30.0))
+    add(policy, "nope", "no-such-variant", pinned=True)
+    add(policy, "fine", None, pinned=False)
+    plan = policy.plan(NOW, [worker("base", None)])
+    assert where(plan) == {"fine": "base"}
+    assert plan.unserved == []
+    assert plan.wake_at == NOW + 30.0
+    assert policy.plan(NOW + 29, [worker("base", None)]).unserved == []
+    plan = policy.plan(NOW + 30, [worker("base", None)])
+    assert [(p.item, p.variant, p.pinned) for p in plan.unserved] == [
+        ("nope", "no-such-variant", True)
+    ]
+    assert policy.waiting() == 0
+
+
+def test_a_lane_served_again_within_the_hold_keeps_its_requests() -> None:
+    policy: Policy[str] = Policy(replace(config(), unserved_hold_s=30.0))
+    add(policy, "pinned", "fp8", pinned=True)
+    assert policy.plan(NOW + 20, [worker("base", None)]).unserved == []
+    # A worker of it (full: no slot free) appears: served, so the clock stops...
+    busy = WorkerSlots("q", 0, 4, model=MODEL, variant="fp8")
+    assert policy.plan(NOW + 25, [worker("base", None), busy]).unserved == []
+    # ...and starts again only when it is gone.
+    assert policy.plan(NOW + 40, [worker("base", None)]).unserved == []
+    assert policy.plan(NOW + 70, [worker("base", None)]).unserved != []
 
 
 def test_a_request_pinned_to_the_baseline_never_rides_on_a_variant() -> None:

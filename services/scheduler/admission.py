@@ -173,3 +173,13 @@ def trace_of(headers: Sequence[tuple[str, bytes]] | None) -> dict[str, str]:
     if len(found.get("traceparent", "")) != TRACEPARENT_CHARS:
         return {}
     return found
+
+
+def unserved_error(request: QueuedRequest, model: str | None, variant: str | None) -> ErrorResult:
+    """A request whose model (or pinned variant) no live worker has served for the
+    scheduler's unserved hold (models.py `unserved`): answered, not held for ever."""
+    what = f"model {model!r}" if model is not None else "any model"
+    if variant is not None:
+        what += f", variant {variant!r}"
+    message = f"no live worker has served {what} for the scheduler's unserved hold"
+    return ErrorResult.for_request(request, ErrorCode.overloaded, message)

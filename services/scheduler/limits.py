@@ -46,6 +46,9 @@ class PolicyConfig:
     - `fair_share`: inside a lane, tenants share it by weighted fair queuing on tokens
       (fairness.py); off, requests ride in arrival order.
     - `tenant_weights`: a tenant's share relative to others; unnamed tenants weigh 1.
+    - `unserved_hold_s`: a lane (a model, a variant) that no live worker has served for
+      this long has its waiting requests answered (`overloaded`) rather than held for ever:
+      a pin to a variant no worker declares, a model whose pool cannot start (issue 37, N3).
     """
 
     tiers: Mapping[Tier, TierLimits]
@@ -56,6 +59,7 @@ class PolicyConfig:
     bucket_edges: tuple[int, ...] = (256, 1024, 4096)
     fair_share: bool = True
     tenant_weights: Mapping[str, float] = field(default_factory=dict)
+    unserved_hold_s: float = 600.0
 
     def __post_init__(self) -> None:
         missing = [t for t in Tier if t not in self.tiers]

@@ -83,6 +83,34 @@ def to_baseline(backlog: Backlog[T], live: Iterable[Serving]) -> list[tuple[Pass
     return out
 
 
+def unserved(
+    backlog: Backlog[T],
+    live: Iterable[Serving],
+    now: float,
+    since: dict[LaneKey, float],
+    hold_s: float,
+) -> list[Passenger[T]]:
+    """Remove and return the waiting requests of each lane no live worker has served for
+    `hold_s` (`since`: when each lane was first seen waiting unserved, kept by the caller;
+    a lane served again is forgotten). Not moved, and not held for ever: answered."""
+    serving = set(live)
+    out: list[Passenger[T]] = []
+    waiting = set()
+    for lane in backlog.busy_lanes():
+        key = lane.key
+        if any(serves_lane(w, key) for w in serving):
+            continue
+        waiting.add(key)
+        if now - since.setdefault(key, now) < hold_s:
+            continue
+        for p in list(lane):
+            backlog.remove(p)
+            out.append(p)
+    for key in [k for k in since if k not in waiting]:
+        del since[key]
+    return out
+
+
 @dataclass(frozen=True)
 class ModelLoad:
     """One model's live workers, as a plan sees them."""

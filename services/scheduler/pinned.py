@@ -5,7 +5,10 @@ What pins: an offline evaluation (`tokenbus eval`) running a set on each variant
 and a shadow run on the gold variant. Either wants the named variant's answer or none, so a
 pinned request never moves: not to the baseline when its variant has no live worker
 (models.py `to_baseline`), nor to a fallback model. It waits for a worker of its variant
-while its deadline allows, then ends `deadline_exceeded`. It is never answered from the
+while its deadline allows, then ends `deadline_exceeded`; and never longer than the
+scheduler's unserved hold (TOKENBUS_SCHEDULER_UNSERVED_HOLD_S, models.py `unserved`) without
+a live worker of it, then ends `overloaded` (issue 37, N3: a pin to a variant no worker
+declares was held for ever, its tier partition's commit behind it). It is never answered from the
 response cache nor stored there (`ChatRequest.cacheable`). Who may pin: any writer of the
 requests topic (trusted), and over the edge only keys with the `pin_variant` scope.
 """

@@ -17,7 +17,7 @@ from typing import Generic, TypeVar
 from services.scheduler.backlog import DEFAULT_TENANT, Backlog, Lane, LaneKey, Passenger
 from services.scheduler.departure import DepartureRule, DispatchReason, FixedRule
 from services.scheduler.limits import PolicyConfig
-from services.scheduler.models import Serving, fall_back, serves_lane, to_baseline
+from services.scheduler.models import Serving, fall_back, serves_lane, to_baseline, unserved
 from services.scheduler.routing import Router
 from shared.messages import Tier
 
@@ -68,6 +68,8 @@ class Plan(Generic[T]):
     fell_back: list[Passenger[T]] = field(default_factory=list)  # moved to their fallback model
     # Moved from a variant without a live worker to their model's baseline (models.py).
     to_baseline: list[tuple[Passenger[T], str]] = field(default_factory=list)
+    # Waiting where no live worker has served for `unserved_hold_s`: answered (models.py).
+    unserved: list[Passenger[T]] = field(default_factory=list)
     wake_at: float | None = None  # call `plan` again by then, even if nothing happens
 
 
@@ -104,6 +106,7 @@ class Policy(Generic[T]):
         self.backlog: Backlog[T] = Backlog(config)
         self.background_share = 0.0  # of recently dispatched requests
         self._totals: dict[str, int] = {}  # every live worker's slots, as of this plan
+        self._unserved_since: dict[LaneKey, float] = {}  # lanes waiting with no live worker
 
     def add(
         self,
@@ -142,7 +145,11 @@ class Policy(Generic[T]):
     def plan(self, now: float, workers: Sequence[WorkerSlots]) -> Plan[T]:
         plan: Plan[T] = Plan(expired=self.backlog.expire(now))
         plan.fell_back = fall_back(self.backlog, now, workers)
-        plan.to_baseline = to_baseline(self.backlog, [(w.model, w.variant) for w in workers])
+        live = [(w.model, w.variant) for w in workers]
+        plan.to_baseline = to_baseline(self.backlog, live)
+        plan.unserved = unserved(
+            self.backlog, live, now, self._unserved_since, self.config.unserved_hold_s
+        )
         free = {w.worker_id: w.free for w in workers if w.free > 0}
         queued = {w.worker_id: w.queued_tokens for w in workers}
         self._totals = {w.worker_id: w.total for w in workers}
@@ -288,6 +295,8 @@ class Policy(Generic[T]):
         last server freeing a slot releases its passengers at once).
         """
         times: list[float] = list(held.until.values())
+        # An unserved lane's hold ends (models.py `unserved`).
+        times.extend(t + self.config.unserved_hold_s for t in self._unserved_since.values())
         deadline = self.backlog.next_deadline()
         if deadline is not None:
             times.append(deadline)

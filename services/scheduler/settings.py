@@ -91,6 +91,13 @@ class SchedulerSettings(TokenbusSettings):
         " slots stay within this factor of the average utilisation; beyond, the least loaded"
         " worker takes it.",
     )
+    scheduler_unserved_hold_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="A model (or variant) no live worker has served for this long has its"
+        " waiting requests answered `overloaded` instead of held for ever: a pin to a"
+        " variant no worker declares, a pool that cannot start. Above the longest cold start.",
+    )
     scheduler_affinity_hold_ms: float = Field(
         default=DEFAULT_HOLD_S[Tier.interactive] * 1000.0,
         ge=0,
@@ -261,6 +268,7 @@ class SchedulerSettings(TokenbusSettings):
             bucket_edges=self.scheduler_bucket_edges,
             fair_share=self.scheduler_fair_share,
             tenant_weights=dict(self.scheduler_tenant_weights),
+            unserved_hold_s=self.scheduler_unserved_hold_s,
         )
 
     def canary_rule(self) -> CanaryRule:

@@ -19,7 +19,7 @@ import structlog
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.errors import KafkaError
 
-from services.scheduler.admission import Waiting, deadline_error
+from services.scheduler.admission import Waiting, deadline_error, unserved_error
 from services.scheduler.answers import Answerer
 from services.scheduler.cold_start import LoadTimes, refusals
 from services.scheduler.dispatch import Dispatcher
@@ -189,6 +189,18 @@ class Steps:
             w = p.item
             self.telemetry.expired(w.request)
             await self.answerer.answer(w, deadline_error(w.request))
+            self.hand_on(w.tp, w.offset)
+        for p in plan.unserved:
+            w = p.item
+            self.telemetry.refused(w.request)
+            log.warning(
+                "request.unserved",
+                request_id=w.request.request_id,
+                model=p.model,
+                variant=p.variant,
+                pinned=p.pinned,
+            )
+            await self.answerer.answer(w, unserved_error(w.request, p.model, p.variant))
             self.hand_on(w.tp, w.offset)
 
     async def commit(self, *, only: set[TopicPartition] | None = None) -> None:
