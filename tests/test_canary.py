@@ -146,6 +146,11 @@ def test_outcome_counts_bucket_answers_and_count_only_the_engines_failures() -> 
     )
     counts.record(gold_run, done(5.0))
     counts.record(gold_run, error(ErrorCode.internal))
+    # Nor is a request pinned to the variant: a tenant who may pin could fail the canary,
+    # or flood it with easy answers, at will (issue 37, N7).
+    pinned = REQUEST.model_copy(update={"variant": "c"})
+    counts.record(pinned, done(9.0))
+    counts.record(pinned, error(ErrorCode.internal))
     snap = counts.snapshot()
     assert (snap.answered, snap.failed) == (1, 1)
     assert snap.ttft[ttft_bucket(0.03)] == 1

@@ -41,8 +41,11 @@ class OutcomeCounts:
 
     def record(self, request: QueuedRequest, final: DoneResult | ErrorResult) -> None:
         """A request's final record is stored. A shadow validation's gold run (`judged`) is
-        not the variant's own traffic: a background copy, it would only blur its TTFT."""
-        if request.judged is not None:
+        not the variant's own traffic: a background copy, it would only blur its TTFT. Nor
+        is a request pinned to its variant (`variant` set): whoever may pin chose it, so a
+        canary's verdict rests on the traffic its rollout sent it (issue 37, N7: a tenant
+        pinning the canary could fail it, or flood it with easy answers, at will)."""
+        if request.judged is not None or request.variant is not None:
             return
         if isinstance(final, DoneResult):
             self._answered += 1
