@@ -33,6 +33,7 @@ from services.edge.models import ModelDirectory
 from services.edge.openai.edge_streams import EdgeStreams
 from services.edge.openai.request_ids import RequestIds
 from services.edge.openai.routes import OpenAIApi
+from services.edge.outbox import OutboxBudget
 from services.edge.page import SecurityHeaders
 from services.edge.runtime import running
 from services.edge.settings import EdgeSettings
@@ -64,6 +65,8 @@ class Edge:
         # Keys, origins, quotas (auth.py); tenant ids are keyed by the resume keys.
         self.guard = Guard(settings, self.resume_keys)
         self.gateway: Gateway | None = None  # None until the lifespan reached Kafka
+        # The weight of frames queued for all clients, WebSockets and HTTP (outbox.py).
+        self.outbox_budget = OutboxBudget(settings.edge_outbox_budget_bytes)
         # The OpenAI-compatible API (services/edge/openai/): the models workers advertise.
         self.openai = EdgeStreams(
             self.guard,
@@ -115,7 +118,7 @@ class Edge:
             log.info("socket.refused", reason=refused.reason, origin=ws.headers.get("origin"))
             await ws.send_denial_response(PlainTextResponse(refused.text, refused.status))
             return
-        await ChatSocket(gateway, self.metrics, ws, upgrade).serve()
+        await ChatSocket(gateway, self.metrics, ws, upgrade, self.outbox_budget).serve()
 
 
 def build_app(edge: Edge) -> Starlette:
@@ -128,6 +131,8 @@ def build_app(edge: Edge) -> Starlette:
         keepalive_s=settings.edge_sse_keepalive_s,
         body_timeout_s=settings.edge_body_timeout_s,
         body_budget_bytes=settings.edge_body_budget_bytes,
+        max_outbox_bytes=settings.edge_outbox_bytes,
+        outbox_budget=edge.outbox_budget,
     )
     return Starlette(
         routes=[

@@ -16,6 +16,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from services.edge.auth import POLICY_VIOLATION, Close, SocketAuth, Upgrade
 from services.edge.gateway import Gateway
 from services.edge.metrics import EdgeMetrics
+from services.edge.outbox import OutboxBudget, frame_weight
 from services.edge.protocol import (
     AuthFrame,
     ChatCancelFrame,
@@ -42,7 +43,12 @@ class ChatSocket:
     """One client connection: a reader of frames and a single writer of frames."""
 
     def __init__(
-        self, gateway: Gateway, metrics: EdgeMetrics, ws: WebSocket, upgrade: Upgrade
+        self,
+        gateway: Gateway,
+        metrics: EdgeMetrics,
+        ws: WebSocket,
+        upgrade: Upgrade,
+        budget: OutboxBudget | None = None,
     ) -> None:
         self.gateway = gateway
         self.metrics = metrics
@@ -51,10 +57,15 @@ class ChatSocket:
         self.limits = gateway.limits
         self.max_frame_bytes = settings.edge_max_frame_bytes
         self.max_unauthenticated_frame_bytes = settings.edge_max_unauthenticated_frame_bytes
-        # Bounded: a client that stops reading must not grow the edge's memory.
-        self.outbox: asyncio.Queue[tuple[ServerFrame, ResultStream | None]] = asyncio.Queue(
+        # Bounded in frames and in weight (outbox.py), and within the edge's budget for all
+        # clients: a client that stops reading must not grow the edge's memory.
+        self.outbox: asyncio.Queue[tuple[ServerFrame, ResultStream | None, int]] = asyncio.Queue(
             settings.edge_outbox_frames
         )
+        self.max_outbox_bytes = settings.edge_outbox_bytes
+        self.queued_bytes = 0
+        self.budget = budget or OutboxBudget(settings.edge_outbox_budget_bytes)
+        self._closed = False  # served: nothing more is queued
         self._too_slow = asyncio.Event()
         self._revoked = asyncio.Event()  # its key was revoked: closed at once (1008)
         # Who the socket speaks for; nothing but `auth` is read before that is known.
@@ -68,12 +79,19 @@ class ChatSocket:
 
     def send(self, frame: ServerFrame, stream: ResultStream | None = None) -> None:
         """Queue a frame for the writer. Never waits: the edge's one result reader calls it."""
-        if self._too_slow.is_set():
+        if self._too_slow.is_set() or self._closed:
             return  # its streams are detached; the client resumes them
-        try:
-            self.outbox.put_nowait((frame, stream))
-        except asyncio.QueueFull:
+        weight = frame_weight(frame)
+        if self.queued_bytes + weight > self.max_outbox_bytes or not self.budget.take(weight):
             self._fall_behind()
+            return
+        try:
+            self.outbox.put_nowait((frame, stream, weight))
+        except asyncio.QueueFull:
+            self.budget.give(weight)
+            self._fall_behind()
+            return
+        self.queued_bytes += weight
 
     def _fall_behind(self) -> None:
         """The client reads slower than its streams arrive: let go of it, keep its streams.
@@ -84,7 +102,13 @@ class ChatSocket:
         self._too_slow.set()
         self.gateway.detach(self)
         self.metrics.slow_client_closes.inc()
-        log.warning("socket.too_slow", queued=self.outbox.qsize(), tenant=self.tenant)
+        log.warning(
+            "socket.too_slow",
+            queued=self.outbox.qsize(),
+            queued_bytes=self.queued_bytes,
+            budget_held=self.budget.held,
+            tenant=self.tenant,
+        )
 
     async def serve(self) -> None:
         try:
@@ -109,6 +133,15 @@ class ChatSocket:
             # Not a cancel: the client may resume, here or on another edge, within the grace.
             self.gateway.detach(self)
             self.auth.end()
+            self._release_outbox()
+
+    def _release_outbox(self) -> None:
+        """What is still queued is never written: its weight goes back to the budget."""
+        self._closed = True
+        while not self.outbox.empty():
+            self.outbox.get_nowait()
+        self.budget.give(self.queued_bytes)
+        self.queued_bytes = 0
 
     async def _close_too_slow(self) -> None:
         # The close frame queues behind what the client has not read: bounded, then given up
@@ -128,7 +161,9 @@ class ChatSocket:
             batch = [await outbox.get()]
             while not outbox.empty():
                 batch.append(outbox.get_nowait())
-            for frame, stream in batch:
+            for frame, stream, weight in batch:
+                self.queued_bytes -= weight
+                self.budget.give(weight)
                 await ws.send_text(frame.model_dump_json())
                 written(frame, stream)
 

@@ -95,6 +95,19 @@ class EdgeSettings(KeysSettings):
     edge_max_frame_bytes: int = Field(
         default=1 << 20, ge=1024, description="Largest frame answered; above it: invalid_request."
     )
+    edge_outbox_bytes: int = Field(
+        default=4 * 1024 * 1024,
+        ge=64 * 1024,
+        description="The weight (an upper estimate of memory: services/edge/outbox.py) of the"
+        " frames queued for one client (a WebSocket, an HTTP answer); a client that lets more"
+        " pile up is let go as for edge_outbox_frames.",
+    )
+    edge_outbox_budget_bytes: int = Field(
+        default=256 * 1024 * 1024,
+        ge=1024 * 1024,
+        description="The weight of the frames queued for all of this edge's clients"
+        " together; a client whose next frame would pass it is let go, as a slow one is.",
+    )
     edge_outbox_frames: int = Field(
         default=4096,
         ge=16,

@@ -60,6 +60,7 @@ from services.edge.openai.translate import (
     frame_error,
     to_chat_request,
 )
+from services.edge.outbox import OutboxBudget, frame_weight
 from services.edge.protocol import AcceptedFrame, ErrorFrame, ServerFrame, StreamResumedFrame
 from shared.messages import (
     ChatRequest,
@@ -89,23 +90,57 @@ class HttpClient:
     reading, so its writes wait) has fallen `behind`; its answer lets go of its stream.
     """
 
-    def __init__(self, max_frames: int = 0) -> None:
-        # (frame, the stream it belongs to: reported back with `Streams.written`)
-        self.frames: asyncio.Queue[tuple[ServerFrame, object]] = asyncio.Queue(max_frames)
+    def __init__(
+        self,
+        max_frames: int = 0,
+        max_bytes: int | None = None,
+        budget: OutboxBudget | None = None,
+    ) -> None:
+        # (frame, the stream it belongs to: reported back with `Streams.written`, its weight)
+        self.frames: asyncio.Queue[tuple[ServerFrame, object, int]] = asyncio.Queue(max_frames)
         self.behind = asyncio.Event()
         self.revoked = False  # its key was revoked: let go of, as one behind is
+        # Bounded in weight too, and within the edge's budget (services/edge/outbox.py).
+        self.max_bytes = max_bytes
+        self.queued_bytes = 0
+        self.budget = budget
+        self.closed = False  # released: nothing more is queued
 
     def revoke(self) -> None:
         self.revoked = True
         self.behind.set()
 
     def send(self, frame: ServerFrame, stream: object = None) -> None:
-        if self.behind.is_set():
+        if self.behind.is_set() or self.closed:
             return  # let go of: its stream is detached, and resumed from where it was read
-        try:
-            self.frames.put_nowait((frame, stream))
-        except asyncio.QueueFull:
+        weight = frame_weight(frame)
+        if self.max_bytes is not None and self.queued_bytes + weight > self.max_bytes:
             self.behind.set()
+            return
+        if self.budget is not None and not self.budget.take(weight):
+            self.behind.set()
+            return
+        try:
+            self.frames.put_nowait((frame, stream, weight))
+        except asyncio.QueueFull:
+            if self.budget is not None:
+                self.budget.give(weight)
+            self.behind.set()
+            return
+        self.queued_bytes += weight
+
+    def taken(self, weight: int) -> None:
+        """A queued frame was taken to be written: its weight is free again."""
+        self.queued_bytes -= weight
+        if self.budget is not None:
+            self.budget.give(weight)
+
+    def release(self) -> None:
+        """The answer is over: what is still queued is never written."""
+        self.closed = True
+        while not self.frames.empty():
+            _, _, weight = self.frames.get_nowait()
+            self.taken(weight)
 
 
 class Streams(Protocol):
@@ -201,7 +236,9 @@ async def next_frame(
         if not get.done():
             get.cancel()
     if get.done() and not get.cancelled():
-        return get.result()
+        frame, stream, weight = get.result()
+        client.taken(weight)
+        return frame, stream
     return None
 
 
@@ -361,11 +398,15 @@ class OpenAIApi:
         keepalive_s: float,  # TOKENBUS_EDGE_SSE_KEEPALIVE_S
         body_timeout_s: float | None = None,  # TOKENBUS_EDGE_BODY_TIMEOUT_S
         body_budget_bytes: int | None = None,  # TOKENBUS_EDGE_BODY_BUDGET_BYTES
+        max_outbox_bytes: int | None = None,  # TOKENBUS_EDGE_OUTBOX_BYTES
+        outbox_budget: OutboxBudget | None = None,  # the edge's, shared with its WebSockets
     ) -> None:
         self._streams = streams
         self._max_body_bytes = max_body_bytes
         self._body_timeout_s = body_timeout_s
         self._bodies = None if body_budget_bytes is None else BodyBudget(body_budget_bytes)
+        self._max_outbox_bytes = max_outbox_bytes
+        self._outbox_budget = outbox_budget
         self._max_frames = max_frames  # frames queued for one client (HttpClient)
         self._clock = clock
         self._keepalive_s = keepalive_s
@@ -449,7 +490,7 @@ class OpenAIApi:
         served = self._streams.served_models()
         token = request.headers.get(RESUME_TOKEN_HEADER)
         model = body.model or next(iter(served), "tokenbus")
-        client = HttpClient(self._max_frames)
+        client = HttpClient(self._max_frames, self._max_outbox_bytes, self._outbox_budget)
         # Its key revoked mid-answer, the answer stops, as a WebSocket closes (issue 37).
         unwatch = self._streams.watch(principal, client)
         try:
@@ -458,9 +499,11 @@ class OpenAIApi:
             )
         except BaseException:
             unwatch()
+            client.release()
             raise
         if not isinstance(response, SseResponse):
             unwatch()
+            client.release()
         return response
 
     async def _stream_or_answer(
@@ -477,6 +520,7 @@ class OpenAIApi:
     ) -> Response:
         def ended() -> None:  # an SSE answer's end
             unwatch()
+            client.release()
             on_end()
 
         # 3) Open (or resume) the stream; its first frame says whether it was accepted.
