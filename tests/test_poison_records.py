@@ -213,20 +213,32 @@ async def test_poison_everywhere_is_dead_lettered_and_good_requests_still_flow(
     ]
     assert json.loads(finals[-1].value)["kind"] == "done"
 
-    # The DLQ: every poisoned topic and partition is named as a source, with a reason.
-    dlq = await read_records(stack.settings, topics.dlq, parts[topics.dlq])
-    sources: set[tuple[str, int]] = set()
-    reasons: list[str] = []
-    for record in dlq:
-        headers = dict(record.headers)
-        source = headers[SOURCE_TOPIC].decode()
-        offset_source = headers["tokenbus-source"].decode().rsplit("/", 2)
-        sources.add((source, int(offset_source[1])))
-        assert headers[ERROR_CODE]
-        reasons.append(headers[ERROR].decode())
+    # The DLQ: every poisoned topic and partition is named as a source, with a reason. Read
+    # until all are there: a dead letter is written once its write is given up (the
+    # missing topic's after a metadata wait), which may come after the answers above.
     poisoned = {(topics.tier(tier), p) for tier in Tier for p in range(4)}
     poisoned |= {(topics.workers, p) for p in range(parts[topics.workers])}
     poisoned |= {(topics.batches, 0), (topics.control, 0)}
+
+    def dead_letters() -> tuple[set[tuple[str, int]], list[str]]:
+        dlq = asyncio.run(read_records(stack.settings, topics.dlq, parts[topics.dlq]))
+        sources: set[tuple[str, int]] = set()
+        reasons: list[str] = []
+        for record in dlq:
+            headers = dict(record.headers)
+            source = headers[SOURCE_TOPIC].decode()
+            offset_source = headers["tokenbus-source"].decode().rsplit("/", 2)
+            sources.add((source, int(offset_source[1])))
+            assert headers[ERROR_CODE]
+            reasons.append(headers[ERROR].decode())
+        return sources, reasons
+
+    def all_there() -> bool:
+        sources, reasons = dead_letters()
+        return poisoned <= sources and any("does not exist" in r for r in reasons)
+
+    await asyncio.to_thread(wait_until, all_there, 60, "every poisoned source in the DLQ")
+    sources, reasons = await asyncio.to_thread(dead_letters)
     assert poisoned <= sources, poisoned - sources
     assert any("undeliverable" in r and "out of range" in r for r in reasons)  # late-*
     assert any("undeliverable" in r and "does not exist" in r for r in reasons)  # nowhere-*
