@@ -70,10 +70,10 @@ async def engine(local_engine: LocalEngine) -> AsyncIterator[VllmEngine]:
     try:
         yield loaded
     finally:
-        await loaded.stop()
-        # vLLM's engine client leaves objects to the collector (its sockets among them):
-        # collected here, on the loop that made them, not in whatever test runs next.
+        await loaded.stop()  # vLLM's output handler task ended too (VllmEngine.stop)
         del loaded
+        # What the engine client leaves to the collector is collected here, while this
+        # module's loop runs: not in the next module's first test (stop 47's clean clone).
         gc.collect()
 
 

@@ -351,6 +351,10 @@ class _InFlight:
             self.outputs.put_nowait(out)
 
 
+# How long `stop` waits for vLLM's output handler task to end once shutdown cancelled it.
+HANDLER_STOP_S = 5.0
+
+
 class VllmEngine:
     """Streams vLLM `RequestOutput` deltas as engine outputs; one pump task per request.
 
@@ -408,6 +412,20 @@ class VllmEngine:
         if self._llm is not None:
             llm, self._llm = self._llm, None
             await asyncio.to_thread(llm.shutdown)
+            # shutdown cancels vLLM's output handler task on this loop from its thread: wait
+            # for it to end, so that nothing of the engine client outlives the engine.
+            handler = getattr(llm, "output_handler", None)
+            if isinstance(handler, asyncio.Task):
+                with contextlib.suppress(asyncio.CancelledError, TimeoutError, Exception):
+                    await asyncio.wait_for(asyncio.shield(handler), HANDLER_STOP_S)
+            await asyncio.sleep(0)  # the client's sockets close in callbacks on this loop
+            # vLLM 0.32 closes its client's sockets but leaves their zmq context to the
+            # collector, which warns whenever that comes: ended here, all its sockets closed.
+            # (Its asyncio context shadows a sync one, the owner, which is what must end.)
+            context = getattr(getattr(llm, "engine_core", None), "ctx", None)
+            owner = getattr(context, "_shadow_obj", context)
+            if owner is not None and not getattr(owner, "closed", True):
+                owner.destroy(linger=0)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
         llm = self._require_llm()
