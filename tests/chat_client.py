@@ -9,6 +9,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+import httpx
 import openai
 import websockets
 from websockets.exceptions import ConnectionClosed, InvalidStatus
@@ -154,12 +155,16 @@ def bearer(stack: Stack, tenant: str) -> dict[str, Any]:
 
 def openai_sdk(stack: Stack, tenant: str = "default", port: int | None = None) -> openai.OpenAI:
     """The `openai` SDK on the OpenAI API of the stack's edge (or the edge on `port`) as
-    `tenant`: no retries, so a test sees every error; 60 s for an answer."""
+    `tenant`: no retries, so a test sees every error; 60 s for an answer. It keeps no
+    connection open between requests: a client a test does not close (and one an error's
+    traceback holds) then leaves no socket to the collector, whose warning would fail
+    whichever later test it came in (stop 47's clean clones, twice)."""
     return openai.OpenAI(
         base_url=f"http://127.0.0.1:{port or stack.edge_port}/v1",
         api_key=stack.keys[tenant],
         max_retries=0,
         timeout=60,
+        http_client=openai.DefaultHttpxClient(limits=httpx.Limits(max_keepalive_connections=0)),
     )
 
 
