@@ -26,6 +26,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket
 
 from services.edge.auth import Guard
+from services.edge.budget import ByteBudget
 from services.edge.chat_socket import ChatSocket
 from services.edge.gateway import Gateway
 from services.edge.metrics import EdgeMetrics
@@ -33,7 +34,6 @@ from services.edge.models import ModelDirectory
 from services.edge.openai.edge_streams import EdgeStreams
 from services.edge.openai.request_ids import RequestIds
 from services.edge.openai.routes import OpenAIApi
-from services.edge.outbox import OutboxBudget
 from services.edge.page import SecurityHeaders
 from services.edge.runtime import running
 from services.edge.settings import EdgeSettings
@@ -66,7 +66,7 @@ class Edge:
         self.guard = Guard(settings, self.resume_keys)
         self.gateway: Gateway | None = None  # None until the lifespan reached Kafka
         # The weight of frames queued for all clients, WebSockets and HTTP (outbox.py).
-        self.outbox_budget = OutboxBudget(settings.edge_outbox_budget_bytes)
+        self.outbox_budget = ByteBudget(settings.edge_outbox_budget_bytes)
         # The OpenAI-compatible API (services/edge/openai/): the models workers advertise.
         self.openai = EdgeStreams(
             self.guard,

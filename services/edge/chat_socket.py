@@ -14,9 +14,10 @@ from starlette.types import Message
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from services.edge.auth import POLICY_VIOLATION, Close, SocketAuth, Upgrade
+from services.edge.budget import ByteBudget
 from services.edge.gateway import Gateway
 from services.edge.metrics import EdgeMetrics
-from services.edge.outbox import OutboxBudget, frame_weight
+from services.edge.outbox import frame_weight
 from services.edge.protocol import (
     AuthFrame,
     ChatCancelFrame,
@@ -48,7 +49,7 @@ class ChatSocket:
         metrics: EdgeMetrics,
         ws: WebSocket,
         upgrade: Upgrade,
-        budget: OutboxBudget | None = None,
+        budget: ByteBudget | None = None,
     ) -> None:
         self.gateway = gateway
         self.metrics = metrics
@@ -64,7 +65,7 @@ class ChatSocket:
         )
         self.max_outbox_bytes = settings.edge_outbox_bytes
         self.queued_bytes = 0
-        self.budget = budget or OutboxBudget(settings.edge_outbox_budget_bytes)
+        self.budget = budget or ByteBudget(settings.edge_outbox_budget_bytes)
         self._closed = False  # served: nothing more is queued
         self._too_slow = asyncio.Event()
         self._revoked = asyncio.Event()  # its key was revoked: closed at once (1008)

@@ -6,7 +6,7 @@ edge queues (0.8-11 KB on the wire), so 32 sockets of one key reading slowly fil
 than the edge's 1 GiB in two minutes while every frame bound held. Each queued frame is now
 weighed (`frame_weight`, an upper estimate of the objects it keeps alive, cheap: no
 encoding on the result reader's path) and each client may hold `edge_outbox_bytes` of them;
-all clients together hold at most the edge's `OutboxBudget`. A client past either falls
+all clients together hold at most the edge's budget (`budget.py`). A client past either falls
 behind: it is let go and its streams wait for a resume, as one past its frames did.
 """
 
@@ -28,20 +28,3 @@ def frame_weight(frame: ServerFrame) -> int:
         return FRAME_BYTES
     entries = sum(1 + len(t.top) for t in frame.logprobs or ())
     return FRAME_BYTES + TEXT_BYTES_PER_CHAR * len(frame.text) + LOGPROB_BYTES * entries
-
-
-class OutboxBudget:
-    """The weight of frames queued for clients, all of this edge's clients together."""
-
-    def __init__(self, limit_bytes: int) -> None:
-        self.limit = limit_bytes
-        self.held = 0
-
-    def take(self, weight: int) -> bool:
-        if self.held + weight > self.limit:
-            return False
-        self.held += weight
-        return True
-
-    def give(self, weight: int) -> None:
-        self.held -= weight

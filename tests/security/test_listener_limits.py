@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import uvicorn
 import websockets
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from services.edge.listener import protocol_class
 from tests.stack import Stack, free_port, new_prefix, wait_until
@@ -187,26 +187,8 @@ class EndlessStream:
 @pytest.fixture
 async def endless() -> AsyncIterator[tuple[EndlessStream, int]]:
     app = EndlessStream()
-    port = free_port()
-    config = uvicorn.Config(
-        app,
-        host="127.0.0.1",
-        port=port,
-        http=protocol_class(HEADER_TIMEOUT_S, WRITE_TIMEOUT_S),
-        lifespan="off",
-        log_level="warning",
-    )
-    server = uvicorn.Server(config)
-    serving = asyncio.create_task(server.serve())
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        await asyncio.sleep(0.01)
-    try:
+    async with serving(app, protocol_class(HEADER_TIMEOUT_S, WRITE_TIMEOUT_S)) as port:
         yield app, port
-    finally:
-        server.should_exit = True
-        await serving
 
 
 async def test_a_client_that_stops_reading_is_dropped_within_the_write_timeout(
@@ -247,26 +229,9 @@ async def hello(scope: Scope, receive: Receive, send: Send) -> None:
 
 @pytest.fixture
 async def per_ip() -> AsyncIterator[int]:
-    port = free_port()
-    config = uvicorn.Config(
-        hello,
-        host="127.0.0.1",
-        port=port,
-        http=protocol_class(HEADER_TIMEOUT_S, WRITE_TIMEOUT_S, max_per_ip=PER_IP),
-        lifespan="off",
-        log_level="warning",
-    )
-    server = uvicorn.Server(config)
-    serving = asyncio.create_task(server.serve())
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        await asyncio.sleep(0.01)
-    try:
+    bounded = protocol_class(HEADER_TIMEOUT_S, WRITE_TIMEOUT_S, max_per_ip=PER_IP)
+    async with serving(hello, bounded) as port:
         yield port
-    finally:
-        server.should_exit = True
-        await serving
 
 
 async def kept_alive(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
@@ -317,3 +282,23 @@ async def closed(writer: asyncio.StreamWriter) -> None:
     writer.close()
     with contextlib.suppress(ConnectionError, OSError):
         await writer.wait_closed()
+
+
+@contextlib.asynccontextmanager
+async def serving(app: ASGIApp, http: type[asyncio.Protocol]) -> AsyncIterator[int]:
+    """uvicorn serving `app` with the edge's protocol class `http`, on a free port."""
+    port = free_port()
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=port, http=http, lifespan="off", log_level="warning"
+    )
+    server = uvicorn.Server(config)
+    running = asyncio.create_task(server.serve())
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline, "uvicorn did not start"
+        await asyncio.sleep(0.01)
+    try:
+        yield port
+    finally:
+        server.should_exit = True
+        await running

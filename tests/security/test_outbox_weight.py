@@ -9,8 +9,9 @@ one key reading 64 KiB every 15 s stayed within every frame bound and filled the
 
 from __future__ import annotations
 
+from services.edge.budget import ByteBudget
 from services.edge.openai.routes import HttpClient
-from services.edge.outbox import FRAME_BYTES, LOGPROB_BYTES, OutboxBudget, frame_weight
+from services.edge.outbox import FRAME_BYTES, LOGPROB_BYTES, frame_weight
 from services.edge.protocol import DeltaFrame, DoneFrame
 from shared.messages import Timings, TokenLogprob, TopLogprob, Usage
 
@@ -37,7 +38,7 @@ def test_a_logprob_delta_weighs_what_its_objects_keep_alive() -> None:
 
 
 def test_a_client_that_reads_nothing_falls_behind_at_its_weight_not_its_frames() -> None:
-    budget = OutboxBudget(1 << 30)
+    budget = ByteBudget(1 << 30)
     client = HttpClient(max_frames=4096, max_bytes=4 << 20, budget=budget)
     sent = 0
     while not client.behind.is_set():
@@ -53,7 +54,7 @@ def test_a_client_that_reads_nothing_falls_behind_at_its_weight_not_its_frames()
 def test_the_edges_budget_lets_go_of_clients_before_its_memory_is_gone() -> None:
     """32 slow sockets of 4 MiB each would hold 128 MiB; the edge's budget (here 16 MiB)
     bounds them all together: past it, the next client's frame lets that client go."""
-    budget = OutboxBudget(16 << 20)
+    budget = ByteBudget(16 << 20)
     clients = [HttpClient(max_frames=4096, max_bytes=4 << 20, budget=budget) for _ in range(32)]
     for seq in range(40):
         for client in clients:

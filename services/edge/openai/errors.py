@@ -73,24 +73,18 @@ def unknown_model(message: str, param: str = "model") -> HttpError:
 
 def too_large(limit: int) -> HttpError:
     """A body above `limit` bytes: 413, and the connection closed (the rest is never read)."""
-    detail = ErrorDetail(
-        message=f"body: above the limit of {limit} bytes",
-        type="invalid_request_error",
-        param=None,
-        code="request_too_large",
-    )
-    return HttpError(413, ErrorBody(error=detail), {"Connection": "close"})
+    return _body_refused(413, f"body: above the limit of {limit} bytes", "request_too_large")
 
 
 def too_slow(timeout_s: float) -> HttpError:
     """A body not whole within `timeout_s` of its head: 408, and the connection closed."""
-    detail = ErrorDetail(
-        message=f"body: not received whole within {timeout_s:g} s",
-        type="invalid_request_error",
-        param=None,
-        code="request_timeout",
-    )
-    return HttpError(408, ErrorBody(error=detail), {"Connection": "close"})
+    return _body_refused(408, f"body: not received whole within {timeout_s:g} s", "request_timeout")
+
+
+def _body_refused(status: int, message: str, code: str) -> HttpError:
+    """A body refused before it was read whole: the connection closes with the answer."""
+    detail = ErrorDetail(message=message, type="invalid_request_error", param=None, code=code)
+    return HttpError(status, ErrorBody(error=detail), {"Connection": "close"})
 
 
 def bodies_busy(retry_after_ms: int) -> HttpError:

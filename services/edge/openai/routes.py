@@ -30,6 +30,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
+from services.edge.budget import ByteBudget
 from services.edge.keys import Principal
 from services.edge.openai.errors import (
     HttpError,
@@ -60,7 +61,7 @@ from services.edge.openai.translate import (
     frame_error,
     to_chat_request,
 )
-from services.edge.outbox import OutboxBudget, frame_weight
+from services.edge.outbox import frame_weight
 from services.edge.protocol import AcceptedFrame, ErrorFrame, ServerFrame, StreamResumedFrame
 from shared.messages import (
     ChatRequest,
@@ -94,7 +95,7 @@ class HttpClient:
         self,
         max_frames: int = 0,
         max_bytes: int | None = None,
-        budget: OutboxBudget | None = None,
+        budget: ByteBudget | None = None,
     ) -> None:
         # (frame, the stream it belongs to: reported back with `Streams.written`, its weight)
         self.frames: asyncio.Queue[tuple[ServerFrame, object, int]] = asyncio.Queue(max_frames)
@@ -246,25 +247,9 @@ def error_response(error: HttpError) -> Response:
     return JSONResponse(error.body.model_dump(), status_code=error.status, headers=error.headers)
 
 
-class BodyBudget:
-    """The bytes of request bodies the edge holds while they are read, all clients together
-    (issue 37, N4: 1,500 connections each holding an unfinished 1 MiB body exceeded the
-    edge's memory). A body that would pass it is refused (503) and its bytes given back."""
-
-    def __init__(self, limit_bytes: int) -> None:
-        self.limit = limit_bytes
-        self.held = 0
-
-    def take(self, size: int) -> bool:
-        if self.held + size > self.limit:
-            return False
-        self.held += size
-        return True
-
-    def give(self, size: int) -> None:
-        self.held -= size
-
-
+# The bytes of request bodies the edge holds while they are read, all clients together, are
+# bounded by a `ByteBudget` (issue 37, N4: 1,500 connections each holding an unfinished 1 MiB
+# body exceeded the edge's memory); a body that would pass it is refused (503).
 # A client refused for the body budget may try again this soon: bodies finish in seconds.
 BODY_RETRY_AFTER_MS = 1000
 
@@ -272,7 +257,7 @@ BODY_RETRY_AFTER_MS = 1000
 async def read_body(
     request: Request,
     limit: int,
-    budget: BodyBudget | None = None,
+    budget: ByteBudget | None = None,
     timeout_s: float | None = None,
 ) -> bytes | HttpError:
     """The request's body as it streams in (chunked or not), or why not: past `limit`
@@ -399,12 +384,12 @@ class OpenAIApi:
         body_timeout_s: float | None = None,  # TOKENBUS_EDGE_BODY_TIMEOUT_S
         body_budget_bytes: int | None = None,  # TOKENBUS_EDGE_BODY_BUDGET_BYTES
         max_outbox_bytes: int | None = None,  # TOKENBUS_EDGE_OUTBOX_BYTES
-        outbox_budget: OutboxBudget | None = None,  # the edge's, shared with its WebSockets
+        outbox_budget: ByteBudget | None = None,  # the edge's, shared with its WebSockets
     ) -> None:
         self._streams = streams
         self._max_body_bytes = max_body_bytes
         self._body_timeout_s = body_timeout_s
-        self._bodies = None if body_budget_bytes is None else BodyBudget(body_budget_bytes)
+        self._bodies = None if body_budget_bytes is None else ByteBudget(body_budget_bytes)
         self._max_outbox_bytes = max_outbox_bytes
         self._outbox_budget = outbox_budget
         self._max_frames = max_frames  # frames queued for one client (HttpClient)
