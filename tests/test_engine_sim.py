@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import pytest
 
 from services.worker.engines.base import EngineDelta, EngineFinish, EngineRequest, PromptTooLong
-from services.worker.engines.sim import SimEngine
+from services.worker.engines.sim import SimEngine, paced_rate
 from services.worker.engines.sim_profiles import PROFILES, SimProfile, sim_profile
 
 H100 = PROFILES["llama3-8b-h100"]
@@ -180,3 +181,68 @@ async def test_a_prompt_over_the_context_is_refused_by_submit_itself() -> None:
         assert engine.capacity().queued == 0
     finally:
         await engine.stop()
+
+
+PACE = "SIMPACE-test"
+
+
+@pytest.mark.parametrize(
+    ("prompt", "marker", "rate"),
+    [
+        (f"hi {PACE}=20 there", PACE, 20.0),
+        (f"{PACE}=2.5", PACE, 2.5),
+        (f"{PACE}=0", PACE, None),  # not a rate: the engine's own pace
+        (f"{PACE}=fast", PACE, None),
+        ("no marker here", PACE, None),
+        (f"{PACE}=20", None, None),  # unset (production): a prompt cannot pace itself
+    ],
+)
+def test_a_pace_is_read_from_the_prompt_only_where_the_marker_is_set(
+    prompt: str, marker: str | None, rate: float | None
+) -> None:
+    assert paced_rate(prompt, marker) == rate
+
+
+async def steps_of_each_token(marker: str | None) -> tuple[list[int], list[int], str]:
+    """Two requests in one continuous batch on a 1,000-steps-a-second engine: one asking for
+    100 tokens/s, one not. The engine's step count at each token of each; the paced text."""
+    engine = SimEngine(SimProfile(token_rate=1000.0, max_num_seqs=4), rate_marker=marker)
+    await engine.start()
+    paced, plain = RecordingSink(), RecordingSink()
+    steps: dict[str, list[int]] = {"paced": [], "plain": []}
+
+    def at_step(name: str, sink: RecordingSink) -> RecordingSink:
+        on_output = sink.on_output
+
+        def record(out: EngineDelta | EngineFinish) -> None:
+            if isinstance(out, EngineDelta):
+                steps[name].append(engine.steps)
+            on_output(out)
+
+        sink.on_output = record  # type: ignore[method-assign]
+        return sink
+
+    try:
+        engine.submit(EngineRequest("p", f"slow one {PACE}=100", 5), at_step("paced", paced))
+        engine.submit(EngineRequest("q", "fast one", 20), at_step("plain", plain))
+        await asyncio.wait_for(asyncio.gather(paced.ended.wait(), plain.ended.wait()), 10)
+    finally:
+        await engine.stop()
+    text = "".join(o.text for o in paced.outputs if isinstance(o, EngineDelta))
+    finish = paced.outputs[-1]
+    assert isinstance(finish, EngineFinish)
+    assert (finish.finish_reason, finish.completion_tokens) == ("length", 5)
+    return steps["paced"], steps["plain"], text
+
+
+async def test_a_paced_request_emits_on_fewer_steps_of_the_same_batch() -> None:
+    paced, plain, text = await steps_of_each_token(PACE)
+    # 100 tokens/s on 1 ms steps: a token every 10th step; the other one every step.
+    assert [b - a for a, b in itertools.pairwise(paced)] == [10] * 4, paced
+    assert [b - a for a, b in itertools.pairwise(plain)] == [1] * 19, plain
+    assert paced[0] - plain[0] == 9  # both joined at the same step
+    assert plain[-1] < paced[2], "the unpaced request did not wait for the paced one"
+    # The pace changes when its tokens come, never which: the same text unpaced.
+    unpaced, _, same = await steps_of_each_token(None)
+    assert [b - a for a, b in itertools.pairwise(unpaced)] == [1] * 4
+    assert same == text

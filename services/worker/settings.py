@@ -144,6 +144,13 @@ class WorkerSettings(TokenbusSettings):
         description="sim scripted answers (tests only; unset in production): a request whose"
         " prompt contains this text is answered with the prompt's text after it, verbatim.",
     )
+    worker_sim_rate_marker: str | None = Field(
+        default=None,
+        min_length=8,
+        description="sim paced answers (tests only; unset in production): a request whose"
+        " prompt contains `<marker>=<tokens/s>` makes its tokens at that rate (at most one a"
+        " step), so tests of other rates share one stack.",
+    )
 
     worker_sim_refuse_share: float = Field(
         default=0.0,

@@ -24,6 +24,7 @@ def build_engine(settings: WorkerSettings) -> Engine:
             settings.worker_batch_mode,
             fail_marker=settings.worker_sim_fail_marker,
             echo_marker=settings.worker_sim_echo_marker,
+            rate_marker=settings.worker_sim_rate_marker,
             refuse_share=settings.worker_sim_refuse_share,
             wrong_share=settings.worker_sim_wrong_share,
         )

@@ -18,7 +18,11 @@ Fault injection (tests only): with `fail_marker` set, a request whose prompt con
 fails inside the engine after its first token, as a real engine's request can (a CUDA
 error, an OOM): its stream raises `SimulatedFault`. A scripted answer (tests only): with
 `echo_marker` set, a request whose prompt contains it is answered with the prompt's text
-after the marker, verbatim (`sim_text.echo`; the chat page's XSS tests).
+after the marker, verbatim (`sim_text.echo`; the chat page's XSS tests). A pace of its
+own (tests only): with `rate_marker` set, a request whose prompt contains `<marker>=<rate>`
+(tokens a second, e.g. `PACE=20`) makes its tokens at that rate, at most one a step: on the
+engine's step clock it simply emits on fewer steps, as a slow sequence of a continuous
+batch would (`_Sequence.paced`), so tests with other rates share one stack.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import asyncio
 import contextlib
 import heapq
 import itertools
+import re
 import time
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
@@ -53,6 +58,18 @@ from services.worker.engines.sim_wrong import answered_as
 from shared.tokens import sim_split, sim_tokens
 
 SimMode = Literal["continuous", "static"]
+# Sums of a step's share of a token (0.1 ten times) fall short of 1 by a rounding error.
+_CREDIT_SLACK = 1e-9
+
+
+def paced_rate(prompt: str, marker: str | None) -> float | None:
+    """The rate `<marker>=<tokens/s>` in `prompt` asks for (the first such), or None: no
+    marker set, none in the prompt, or a rate that is not a positive number."""
+    if marker is None:
+        return None
+    found = re.search(re.escape(marker) + r"=([0-9]+(?:\.[0-9]+)?)", prompt)
+    rate = float(found.group(1)) if found else 0.0
+    return rate if rate > 0 else None
 
 
 class SimulatedFault(RuntimeError):
@@ -72,6 +89,20 @@ class _Sequence:
     fails: bool = False  # fault injection: fail after the first token
     tokens: list[str] | None = None  # the prompt's, once looked up in the prefix cache
     sink: OutputSink | None = None  # pushed to (`submit`) rather than read (`generate`)
+    rate: float | None = None  # tokens/s of its own (`rate_marker`); None: one every step
+    credit: float = 0.0  # the share of its next token its steps have made so far
+
+    def paced(self, seconds: float) -> bool:
+        """Whether the step of `seconds` makes this sequence's next token: every step without
+        a rate of its own; with one, the step adds `rate x seconds` of a token, and a token
+        comes out once a whole one has added up (never more than one a step)."""
+        if self.rate is None:
+            return True
+        self.credit = min(1.0, self.credit + self.rate * seconds)
+        if self.credit < 1.0 - _CREDIT_SLACK:
+            return False
+        self.credit -= 1.0
+        return True
 
     @property
     def done(self) -> bool:
@@ -154,6 +185,7 @@ class SimEngine:
         *,
         fail_marker: str | None = None,
         echo_marker: str | None = None,
+        rate_marker: str | None = None,
         refuse_share: float = 0.0,
         wrong_share: float = 0.0,
     ) -> None:
@@ -162,6 +194,7 @@ class SimEngine:
         self.context_length: int | None = self.profile.context_length
         self.fail_marker = fail_marker or None
         self.echo_marker = echo_marker or None
+        self.rate_marker = rate_marker or None
         self.refuse_share = refuse_share  # cascades' tests and benches: sim_refusals.py
         self.wrong_share = wrong_share  # shadow validation's tests: sim_wrong.py
         self._waiting: list[tuple[int, int, _Sequence]] = []
@@ -259,6 +292,7 @@ class SimEngine:
         )
         seq = _Sequence(request, plan, prompt_tokens, limit)
         seq.fails = self.fail_marker is not None and self.fail_marker in request.prompt
+        seq.rate = paced_rate(request.prompt, self.rate_marker)
         self.cpu_seconds += time.thread_time() - cpu_at
         return seq
 
@@ -356,7 +390,7 @@ class SimEngine:
             self.steps += 1
             stepped = list(self._running.values())
             for seq in stepped:
-                self._emit(seq)
+                self._emit(seq, seconds)
             if self._batch is not None and not any(
                 r.request.request_id in self._running for r in self._batch.rows
             ):
@@ -405,10 +439,12 @@ class SimEngine:
         await asyncio.sleep(max(0.0, due - now))
         self._step_due = due
 
-    def _emit(self, seq: _Sequence) -> None:
+    def _emit(self, seq: _Sequence, seconds: float) -> None:
         if seq.fails and seq.position >= 1:
             self._running.pop(seq.request.request_id, None)
             seq.fail()
+            return
+        if not seq.done and not seq.paced(seconds):
             return
         if not seq.done:
             seq.put(EngineDelta(seq.plan.pieces[seq.position], 1))
