@@ -15,6 +15,7 @@ from tests.chaos.toxiproxy import ProxiedCluster, Toxiproxy
 from tests.kafka_env import kafka_bootstrap
 from tests.processes import free_port_pair, free_port_run
 from tests.stack import Stack, new_prefix
+from tests.tenants import SHARED_STACK_ENV, SHARED_STACK_TENANTS
 from tests.tiers import UNIT, ProcessGuard, is_unit
 
 # The real-engine suite runs in the vLLM worker's own environment (deploy/test.sh runs it
@@ -104,7 +105,15 @@ def three_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProxiedClu
 
 
 def _default_stack(bootstrap: str, log_dir: Path) -> Iterator[Stack]:
-    s = Stack(bootstrap=bootstrap, prefix=new_prefix(), log_dir=log_dir)
+    # Every tenant and test-only sim marker a module on the shared stack uses (tests/tenants.py):
+    # a superset of the default stack's, which changes nothing for a request that uses none.
+    s = Stack(
+        bootstrap=bootstrap,
+        prefix=new_prefix(),
+        log_dir=log_dir,
+        tenant_limits=SHARED_STACK_TENANTS,
+        env_overrides=dict(SHARED_STACK_ENV),
+    )
     try:
         yield s.start()
     finally:
@@ -114,7 +123,9 @@ def _default_stack(bootstrap: str, log_dir: Path) -> Iterator[Stack]:
 @pytest.fixture(scope="session")
 def stack(bootstrap: str, log_dir: Path) -> Iterator[Stack]:
     """The default stack, one for the session (issue 36): the modules that ask for it
-    isolate their tests by request id, prompt and tenant, and leave every service running.
+    isolate their tests by request id, prompt and tenant, and leave every service running
+    (a module may add a service of its own, an edge, and stop and remove it again). Its
+    keys file has every tenant of tests/tenants.py, and its sim the test-only markers.
     A module that restarts a service or reads a whole shared topic (the DLQ) takes its own:
     it names `own_stack` in a `stack` fixture of its own."""
     yield from _default_stack(bootstrap, log_dir)

@@ -1,5 +1,8 @@
 """Each tenant quota on a real stack: the request past it gets `rate_limited` with a retry
-hint, and nothing of it reaches Kafka."""
+hint, and nothing of it reaches Kafka.
+
+On the session's shared stack: each quota has a tenant of its own there (`tests/tenants.py`,
+`QUOTAS`), and each test looks for its own prompts on Kafka."""
 
 from __future__ import annotations
 
@@ -8,35 +11,14 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
-import pytest
 import websockets
 from websockets.exceptions import ConnectionClosed
 
 from shared.tokens import sim_tokens
 from tests.chat_client import bearer, close_of, recv_json, run_requests
-from tests.stack import UNLIMITED, Stack, new_prefix
-
-TENANTS: dict[str, dict[str, object]] = {
-    # One request per 100 s after a burst of two: the third is refused however slow the test.
-    "slow": {**UNLIMITED, "rps": 0.01, "burst": 2},
-    "single": {**UNLIMITED, "concurrency": 1},
-    "frugal": {**UNLIMITED, "tokens_per_min": 150},
-    "twosockets": {**UNLIMITED, "sockets": 2},
-    "streamer": {**UNLIMITED, "tokens_per_min": 2000},
-}
-
-
-@pytest.fixture(scope="module")
-def limited(bootstrap: str, log_dir: Path) -> Iterator[Stack]:
-    stack = Stack(bootstrap=bootstrap, prefix=new_prefix(), log_dir=log_dir, tenant_limits=TENANTS)
-    try:
-        yield stack.start()
-    finally:
-        stack.stop()
+from tests.stack import Stack
 
 
 def marker() -> str:
@@ -54,9 +36,9 @@ def check_rate_limited(frame: dict[str, Any], client_id: str, limit: str) -> Non
     assert f"({limit})" in frame["message"], frame
 
 
-async def test_requests_per_second(limited: Stack) -> None:
+async def test_requests_per_second(stack: Stack) -> None:
     prompts = [marker() for _ in range(3)]
-    async with websockets.connect(limited.ws_url_as(None), **bearer(limited, "slow")) as ws:
+    async with websockets.connect(stack.ws_url_as(None), **bearer(stack, "quota-slow")) as ws:
         for i, prompt in enumerate(prompts):
             await send(ws, f"c{i}", prompt, 3)
         frames = [await recv_json(ws) for _ in range(3)]
@@ -67,13 +49,13 @@ async def test_requests_per_second(limited: Stack) -> None:
         # Both accepted requests still complete.
         while sum(f["type"] == "chat.done" for f in frames) < 2:
             frames.append(await recv_json(ws))
-    on_kafka = await limited.requested_prompts()
+    on_kafka = await stack.requested_prompts()
     assert sorted(prompts[:2]) == sorted(p for p in on_kafka if p in prompts)
 
 
-async def test_concurrent_streams(limited: Stack) -> None:
+async def test_concurrent_streams(stack: Stack) -> None:
     long, refused, after = marker(), marker(), marker()
-    async with websockets.connect(limited.ws_url_as(None), **bearer(limited, "single")) as ws:
+    async with websockets.connect(stack.ws_url_as(None), **bearer(stack, "quota-single")) as ws:
         await send(ws, "long", long, 2000)  # 10 s at the stack's 200 tokens/s
         accepted = await recv_json(ws)
         assert accepted["type"] == "chat.accepted", accepted
@@ -91,15 +73,15 @@ async def test_concurrent_streams(limited: Stack) -> None:
         done = await run_requests(ws, [{"client_id": "after", "prompt": after, "max_tokens": 3}])
         assert done["after"].final is not None
         assert done["after"].final["type"] == "chat.done", done["after"].frames
-    on_kafka = await limited.requested_prompts()
+    on_kafka = await stack.requested_prompts()
     assert long in on_kafka
     assert after in on_kafka
     assert refused not in on_kafka
 
 
-async def test_tokens_per_minute(limited: Stack) -> None:
+async def test_tokens_per_minute(stack: Stack) -> None:
     first, second, huge = marker(), marker(), marker()
-    async with websockets.connect(limited.ws_url_as(None), **bearer(limited, "frugal")) as ws:
+    async with websockets.connect(stack.ws_url_as(None), **bearer(stack, "quota-frugal")) as ws:
         # Charged at admission: the prompt's 38 bytes + 40 for the template (shared/tokens.py)
         # + 24 = 102 of 150; settled at its end to its real usage: 3 (the sim's count) + 24
         # (at most 24: every sim answer is longer).
@@ -127,19 +109,19 @@ async def test_tokens_per_minute(limited: Stack) -> None:
         frame = await recv_json(ws)
         assert (frame["type"], frame["code"]) == ("error", "invalid_request"), frame
         assert "batch token budget" in frame["message"], frame
-    on_kafka = await limited.requested_prompts()
+    on_kafka = await stack.requested_prompts()
     assert first in on_kafka
     assert second not in on_kafka
     assert huge not in on_kafka
 
 
-async def test_a_cancelled_answer_is_charged_what_it_used(limited: Stack) -> None:
+async def test_a_cancelled_answer_is_charged_what_it_used(stack: Stack) -> None:
     """Issue 37, N5: an unset max_tokens is charged the output estimate (256) at admission,
     while the answer may run to the end of the context; only a `done` settled the charge,
     so an answer cancelled after 1,500 tokens kept its 256-token charge and the tenant
     could start the next at once. The cancelled run's final now carries its usage, and the
     edge settles with it: the next large request waits for the bucket."""
-    async with websockets.connect(limited.ws_url_as(None), **bearer(limited, "streamer")) as ws:
+    async with websockets.connect(stack.ws_url_as(None), **bearer(stack, "quota-streamer")) as ws:
         request = {"client_id": "long", "prompt": marker(), "ignore_eos": True}
         await ws.send(json.dumps({"type": "chat.request", **request}))
         accepted = await recv_json(ws)
@@ -161,8 +143,8 @@ async def test_a_cancelled_answer_is_charged_what_it_used(limited: Stack) -> Non
         assert frame["retry_after_ms"] >= 1
 
 
-async def test_open_sockets(limited: Stack) -> None:
-    url, auth = limited.ws_url_as(None), bearer(limited, "twosockets")
+async def test_open_sockets(stack: Stack) -> None:
+    url, auth = stack.ws_url_as(None), bearer(stack, "quota-twosockets")
     refused = marker()
     async with websockets.connect(url, **auth), websockets.connect(url, **auth):
         async with websockets.connect(url, **auth) as third:
@@ -174,7 +156,9 @@ async def test_open_sockets(limited: Stack) -> None:
         assert reason.startswith("rate_limited"), reason
         # The same by `auth` frame, as the chat page authenticates.
         async with websockets.connect(url) as fourth:
-            await fourth.send(json.dumps({"type": "auth", "api_key": limited.keys["twosockets"]}))
+            await fourth.send(
+                json.dumps({"type": "auth", "api_key": stack.keys["quota-twosockets"]})
+            )
             code, reason = await close_of(fourth)
         assert code == 1013, reason
 
@@ -191,4 +175,4 @@ async def test_open_sockets(limited: Stack) -> None:
     while not await opens():
         assert time.monotonic() < deadline, "closed sockets were not given back"
         await asyncio.sleep(0.1)
-    assert refused not in await limited.requested_prompts()
+    assert refused not in await stack.requested_prompts()

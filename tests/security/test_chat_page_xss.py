@@ -1,9 +1,10 @@
 """A model's answer that carries HTML renders inert in the chat page (headless Chromium).
 
 The answer is the attacker's text: the sim engine answers with the prompt's text after its
-echo marker (`worker_sim_echo_marker`, tests only), as a model steered by an injected prompt
-would. Each payload must render without an image beacon, a form, a style effect or a style
-attribute; the page is served with a strict Content-Security-Policy.
+echo marker (`worker_sim_echo_marker`, tests only; the session's shared stack sets it), as a
+model steered by an injected prompt would. Each payload must render without an image beacon,
+a form, a style effect or a style attribute; the page is served with a strict
+Content-Security-Policy.
 """
 
 from __future__ import annotations
@@ -11,17 +12,17 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
 import httpx
 import pytest
 from selenium import webdriver
 from selenium.webdriver.common.by import By
 
-from tests.stack import Stack, new_prefix, wait_until
+from tests.stack import Stack, wait_until
+from tests.tenants import ECHO_MARKER
 from tests.test_chat_page import answers, ask, browser, open_page, timings  # noqa: F401
 
-ECHO = "ECHO-7f3a9c::"
+ECHO = ECHO_MARKER
 
 
 class Beacon:
@@ -47,20 +48,6 @@ class Beacon:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
-
-
-@pytest.fixture(scope="module")
-def stack(bootstrap: str, log_dir: Path) -> Iterator[Stack]:
-    s = Stack(
-        bootstrap=bootstrap,
-        prefix=new_prefix(),
-        log_dir=log_dir,
-        env_overrides={"TOKENBUS_WORKER_SIM_ECHO_MARKER": ECHO},
-    )
-    try:
-        yield s.start()
-    finally:
-        s.stop()
 
 
 @pytest.fixture

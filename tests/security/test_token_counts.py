@@ -6,15 +6,15 @@ request is charged its prompt's UTF-8 bytes plus a template allowance before it 
 byte-level tokenizer makes more tokens than bytes), and the edge settles the charge with the
 real `usage` when it ends (ADR 0046).
 
-Each attack goes over a real WebSocket to a real edge of a real stack (the `sim` engine).
+Each attack goes over a real WebSocket to a real edge of a real stack (the `sim` engine): the
+session's shared one, where the module's tenants have their own limits (`tests/tenants.py`,
+`TOKEN_COUNTS`).
 """
 
 from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -29,27 +29,11 @@ from shared.tokens import (
     sim_tokens,
 )
 from tests.chat_client import bearer, recv_json, run_requests
-from tests.stack import UNLIMITED, Stack, new_prefix
+from tests.stack import Stack
 
 LONGEST = 65_536  # the default max_prompt_chars
 LETTERS = "a" * LONGEST
 CJK = "漢" * LONGEST  # 3 UTF-8 bytes each
-
-TENANTS: dict[str, dict[str, object]] = {
-    "capped": {**UNLIMITED, "tokens_per_min": 10_000},
-    "unmetered": dict(UNLIMITED),
-    # 100 tokens a second: a gap of 1,000 tokens takes 10 s to refill.
-    "settling": {**UNLIMITED, "tokens_per_min": 6_000},
-}
-
-
-@pytest.fixture(scope="module")
-def stack(bootstrap: str, log_dir: Path) -> Iterator[Stack]:
-    stack = Stack(bootstrap=bootstrap, prefix=new_prefix(), log_dir=log_dir, tenant_limits=TENANTS)
-    try:
-        yield stack.start()
-    finally:
-        stack.stop()
 
 
 async def refusal(stack: Stack, tenant: str, prompt: str, max_tokens: int) -> dict[str, Any]:
@@ -93,7 +77,7 @@ async def test_a_long_unbroken_prompt_is_charged_by_its_size(
     good (no retry hint); before, it was charged 1 token + max_tokens and ran. Invalid, not
     rate limited, as no wait could admit it (issue 37); the CJK one (~196,000 bytes) is
     above every batch budget too, which is said first, for every tenant alike."""
-    frame = await refusal(stack, "capped", prompt, 16)
+    frame = await refusal(stack, "counts-capped", prompt, 16)
     assert (frame["type"], frame.get("code")) == ("error", "invalid_request"), frame
     assert limit in frame["message"], frame
     assert frame["retry_after_ms"] is None, frame
@@ -103,7 +87,7 @@ async def test_a_long_unbroken_prompt_is_charged_by_its_size(
 async def test_a_prompt_no_batch_could_hold_is_refused_at_the_edge(stack: Stack) -> None:
     """65,536 CJK characters are ~196,000 bytes: above the largest batch budget (131,072),
     so no batch could ever hold it. Before: charged 1 token, queued and run."""
-    frame = await refusal(stack, "unmetered", CJK, 16)
+    frame = await refusal(stack, "counts-unmetered", CJK, 16)
     assert (frame["type"], frame.get("code")) == ("error", "invalid_request"), frame
     assert "above the largest batch token budget" in frame["message"], frame
     assert CJK not in await on_kafka(stack)
@@ -123,7 +107,7 @@ async def test_the_tenant_gets_back_what_a_request_did_not_use(stack: Stack) -> 
     so a next request charged 5,000 fits the tenant's 6,000 a minute at once; without the
     settle it would wait ~30 s for the bucket to refill."""
     first, second = words(4_000), words(4_900)
-    async with websockets.connect(stack.ws_url_as(None), **bearer(stack, "settling")) as ws:
+    async with websockets.connect(stack.ws_url_as(None), **bearer(stack, "counts-settling")) as ws:
         done = await run_requests(ws, [{"client_id": "a", "prompt": first, "max_tokens": 60}])
         final = done["a"].final
         assert final is not None, done["a"].frames
