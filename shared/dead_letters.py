@@ -170,13 +170,15 @@ def letter(
     request_id: str | None = None,
     reply_error: str | None = None,
     max_record_bytes: int | None = None,
+    keep_bytes: int | None = None,
 ) -> DeadLetter:
     """The dead letter of `value` read at `source`: `reason` a stable slug, `error` in words.
 
     The value is the record as written (as sensitive as the topic it came from); the
     headers carry only tokenbus's own messages, never a value from the record. With
     `max_record_bytes`, a value that would not fit a record is cut, `tokenbus-truncated`
-    saying so.
+    saying so; with `keep_bytes`, the value is cut to its first `keep_bytes` bytes (a
+    record refused unread, over its writer's quota: a flood's copies stay small).
     """
     headers = {
         REASON: _text(reason),
@@ -203,8 +205,10 @@ def letter(
             - sum(len(name) + len(text.encode()) + 64 for name, text in headers.items())
         )
         if len(value) > room:
-            headers[TRUNCATED] = str(len(value))
-            value = value[: max(0, room - 64)]
+            keep_bytes = max(0, room - 64) if keep_bytes is None else min(keep_bytes, room - 64)
+    if keep_bytes is not None and len(value) > keep_bytes:
+        headers[TRUNCATED] = str(len(value))
+        value = value[: max(0, keep_bytes)]
     return DeadLetter(key, value, headers)
 
 

@@ -27,6 +27,14 @@ def app_name_problem(name: str) -> str | None:
     return None
 
 
+# Retention of the topics outside writers fill (the DLQ, each application's topics): a week,
+# and at most 1 GiB per partition, whichever comes first.
+BOUNDED_RETENTION: dict[str, str] = {
+    "retention.ms": str(7 * 24 * 3600 * 1000),
+    "retention.bytes": str(1 << 30),
+}
+
+
 @dataclass(frozen=True)
 class Topics:
     """Every topic of one tokenbus deployment, named from its prefix."""
@@ -177,4 +185,13 @@ class Topics:
             self.scores: {"retention.ms": str(24 * 3600 * 1000)},
             # Nobody reads the gold runs' streams: gone within the hour.
             self.shadow: {"retention.ms": str(3600 * 1000), "segment.ms": str(600 * 1000)},
+            # Bounded in bytes as well as age: a flood of refused records (issue 37, N6)
+            # rolls old letters off instead of filling the disk. Ingest's memory reads it
+            # back only for records not yet committed, which are far younger than that.
+            self.dlq: dict(BOUNDED_RETENTION),
         }
+
+    def app_configs(self, app: str) -> dict[str, dict[str, str]]:
+        """An application's two topics' configs: bounded in bytes (per partition) and age,
+        so that one writer cannot fill the brokers' disks (issue 37, N6)."""
+        return {topic: dict(BOUNDED_RETENTION) for topic in self.app_partitions(app)}

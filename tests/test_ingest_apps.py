@@ -5,9 +5,17 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from services.ingest.admission import Admitted, Reason, Rejected, admit
+from services.ingest.admission import (
+    UNREAD_COPY_BYTES,
+    Admitted,
+    Reason,
+    Rejected,
+    admit,
+    over_quota,
+)
 from services.ingest.apps import AppQuotas, Apps
 from services.ingest.settings import IngestSettings
+from shared.dead_letters import REQUEST_ID_HEADER, TRUNCATED, ReplyStatus, Source
 from shared.messages import ErrorCode, RequestLimits
 from shared.topics import Topics
 from tokenbus.acls import Operation, Resource, app_acls, parse_apps
@@ -63,6 +71,52 @@ def test_the_quota_refuses_past_the_burst_and_says_when_to_retry() -> None:
     assert quotas.charge("b", 0.0) is None  # each app its own bucket
     assert quotas.charge("a", 0.25) == 250
     assert quotas.charge("a", 0.5) is None  # refilled; a refusal took nothing
+
+
+def test_the_quota_counts_bytes_too_and_a_refusal_takes_nothing() -> None:
+    quotas = AppQuotas(rate=100.0, burst=100, bytes_per_s=1000.0, burst_bytes=2000)
+    assert quotas.charge("a", 0.0, 1500) is None
+    assert quotas.charge("a", 0.0, 1000) == 500  # 500 bytes left: 500 more in 0.5 s
+    assert quotas.charge("a", 0.0, 400) is None  # the refusal took nothing
+    assert quotas.charge("a", 0.0, 5000) == 5000  # over the burst: as long as it takes to earn
+    assert quotas.charge("b", 0.0, 2000) is None  # each app its own buckets
+
+
+def test_a_record_over_the_quota_is_refused_unread_and_its_copy_is_short() -> None:
+    app = APPS.of_topic(TOPICS.app_requests("b"))
+    assert app is not None
+    value = b'{"prompt": "' + b"x" * 500_000 + b'"}'
+    refused = over_quota(app, b"r1", 250)
+    assert (refused.reason, refused.code, refused.retry_after_ms) == (
+        Reason.rate_limited,
+        ErrorCode.rate_limited,
+        250,
+    )
+    assert (refused.request_id, refused.reply_to and refused.reply_to.topic) == (
+        "b:r1",
+        app.replies,
+    )
+    letter = refused.dead_letter(
+        value,
+        b"r1",
+        Source(app.requests, 0, 7),
+        ReplyStatus.delivered,
+        None,
+        max_record_bytes=1_000_000,
+        reader="ingest:test",
+    )
+    assert letter.value == value[:UNREAD_COPY_BYTES]
+    assert letter.headers[TRUNCATED] == str(len(value))
+    assert letter.headers[REQUEST_ID_HEADER] == "b:r1"
+    # A key that is no request id: refused all the same, with nobody's id to answer under.
+    assert over_quota(app, b"\xff", 10).request_id is None
+
+
+def test_the_dlq_and_the_apps_topics_are_bounded_in_bytes_and_age() -> None:
+    configs = {**TOPICS.configs(1000, 1000), **TOPICS.app_configs("b")}
+    for topic in (TOPICS.dlq, TOPICS.app_requests("b"), TOPICS.app_replies("b")):
+        assert int(configs[topic]["retention.bytes"]) == 1 << 30
+        assert int(configs[topic]["retention.ms"]) == 7 * 24 * 3600 * 1000
 
 
 def test_app_names_are_checked_at_start() -> None:

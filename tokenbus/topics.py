@@ -51,9 +51,10 @@ async def ensure_topics(
         wanted.update(topics.app_partitions(app))
     if replication is None:
         replication = await _cluster_replication(settings)
-    created = set(
-        await create_topics(settings, wanted, replication, configs=settings.topic_configs())
-    )
+    configs = settings.topic_configs()
+    for app in apps:
+        configs.update(topics.app_configs(app))
+    created = set(await create_topics(settings, wanted, replication, configs=configs))
     single = topics.single_copy()
     for name, partitions in wanted.items():
         # Partition counts and replication of existing topics are left alone: shrinking is

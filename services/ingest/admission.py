@@ -37,6 +37,8 @@ K = TypeVar("K")
 
 # Longest rejection message kept: it travels in a DLQ header and in the error result.
 MAX_MESSAGE_CHARS = 1000
+# What a dead letter keeps of a record refused unread: enough to tell what it was.
+UNREAD_COPY_BYTES = 1024
 
 
 class Reason(StrEnum):
@@ -80,6 +82,9 @@ class Rejected:
     request_id: str | None
     reply_to: ReplyTo | None
     retry_after_ms: int | None = None  # with `rate_limited`
+    # Refused before it was parsed (an application over its quota): its dead letter keeps
+    # only the first `UNREAD_COPY_BYTES` of it, so a flood's copies cost the DLQ little.
+    unread: bool = False
 
     def error_result(self) -> ErrorResult | None:
         """The error the requester gets, when it named (or defaulted) a usable reply_to."""
@@ -100,7 +105,8 @@ class Rejected:
         max_record_bytes: int,
         reader: str,
     ) -> DeadLetter:
-        """Its DLQ record: the record as written, cut to fit `max_record_bytes`."""
+        """Its DLQ record: the record as written, cut to fit `max_record_bytes` (to its
+        first `UNREAD_COPY_BYTES` if it was refused unread)."""
         return letter(
             value,
             key=key,
@@ -113,6 +119,7 @@ class Rejected:
             request_id=self.request_id,
             reply_error=reply_error,
             max_record_bytes=max_record_bytes,
+            keep_bytes=UNREAD_COPY_BYTES if self.unread else None,
         )
 
 
@@ -250,17 +257,21 @@ def without_reply(rejected: Rejected) -> Rejected:
     return replace(rejected, reply_to=None)
 
 
-def rate_limited(decision: Admitted, app: App, retry_after_ms: int) -> Rejected:
-    """An application's request over its quota: refused, with when to send it again."""
-    request = decision.request
-    message = f"app {app.name} is over its request quota; retry after {retry_after_ms} ms"
+def over_quota(app: App, key: bytes | None, retry_after_ms: int) -> Rejected:
+    """An application's record over its quota (records or bytes per second), refused before
+    it is parsed (issue 37, N6): answered on the app's own reply topic under the request id
+    its key carries (if it is one), with when to send it again."""
+    key_id = _request_id(key)
+    request_id = _request_id(app.scoped(key_id)) if key_id is not None else None
+    message = f"app {app.name} is over its quota; retry after {retry_after_ms} ms"
     return Rejected(
         Reason.rate_limited,
         ErrorCode.rate_limited,
         message,
-        request.request_id,
-        request.reply_to,
+        request_id,
+        _own(app),
         retry_after_ms,
+        unread=True,
     )
 
 

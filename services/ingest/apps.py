@@ -58,25 +58,47 @@ class Apps:
 
 
 class AppQuotas:
-    """Requests per second of each application, with a burst; the caller's clock.
+    """Each application's records per second and bytes per second, each with a burst; the
+    caller's clock.
 
-    Caller: ingest's handling, once per record admitted from an application's topic.
+    Caller: ingest's handling, once per record read from an application's topic, before it
+    is parsed (a record refused here costs no parse; issue 37, N6).
     Affects: this object's buckets only.
     """
 
-    def __init__(self, rate: float, burst: int) -> None:
-        self._rate = rate
-        self._burst = burst
-        self._buckets: dict[str, TokenBucket] = {}
+    def __init__(
+        self, rate: float, burst: int, bytes_per_s: float = math.inf, burst_bytes: int = 0
+    ) -> None:
+        self._rate, self._burst = rate, burst
+        self._bytes_per_s, self._burst_bytes = bytes_per_s, burst_bytes
+        self._buckets: dict[str, tuple[TokenBucket, TokenBucket | None]] = {}
 
-    def charge(self, app: str, now: float) -> int | None:
-        """Take one request from `app`'s bucket; None if it may go, else the milliseconds
-        after which it may be sent again (nothing is taken then)."""
-        bucket = self._buckets.get(app)
-        if bucket is None:
-            bucket = self._buckets[app] = TokenBucket(self._rate, self._burst, now)
-        wait_s = bucket.wait_s(1, now)
-        if wait_s is None or wait_s > 0:
-            return math.ceil((wait_s if wait_s is not None else 1 / self._rate) * 1000)
-        bucket.take(1, now)
+    def charge(self, app: str, now: float, size: int = 0) -> int | None:
+        """Take one record of `size` bytes from `app`'s buckets; None if it may go, else the
+        milliseconds after which it may be sent again (nothing is taken then)."""
+        buckets = self._buckets.get(app)
+        if buckets is None:
+            by_bytes = (
+                TokenBucket(self._bytes_per_s, self._burst_bytes, now)
+                if math.isfinite(self._bytes_per_s)
+                else None
+            )
+            buckets = self._buckets[app] = (TokenBucket(self._rate, self._burst, now), by_bytes)
+        records, by_bytes = buckets
+        waits = [_wait_s(records, 1, self._rate, now)]
+        if by_bytes is not None:
+            waits.append(_wait_s(by_bytes, size, self._bytes_per_s, now))
+        wait_s = max(waits)
+        if wait_s > 0:
+            return math.ceil(wait_s * 1000)
+        records.take(1, now)
+        if by_bytes is not None:
+            by_bytes.take(size, now)
         return None
+
+
+def _wait_s(bucket: TokenBucket, amount: int, rate: float, now: float) -> float:
+    """How long until `bucket` holds `amount`; more than its burst: as long as `amount`
+    takes to earn at `rate` (it is refused each time, and told to slow down)."""
+    wait_s = bucket.wait_s(amount, now)
+    return wait_s if wait_s is not None else amount / rate

@@ -40,7 +40,7 @@ from services.ingest.admission import (
     Rejected,
     admit,
     not_forwarded,
-    rate_limited,
+    over_quota,
     undeliverable,
     without_reply,
 )
@@ -110,7 +110,12 @@ class Ingest:
         self.cache = cache  # None: the response cache is off
         self.topics = Topics(settings.topic_prefix)
         self.apps = Apps(self.topics, settings.apps)
-        self.quotas = AppQuotas(settings.ingest_app_rps, settings.ingest_app_burst)
+        self.quotas = AppQuotas(
+            settings.ingest_app_rps,
+            settings.ingest_app_burst,
+            settings.ingest_app_bytes_per_s,
+            settings.ingest_app_burst_bytes,
+        )
         self._clock = clock
         self.limits = settings.limits()
         self.memory = Memory.of_size(settings.ingest_dedupe_window)
@@ -211,25 +216,29 @@ class Ingest:
         """Admit the record, or reject it (answered and dead-lettered here)."""
         value = record.value or b""
         app = self.apps.of_topic(record.topic)
-        # 1) Decide from the record alone (and, from an application's topic, who wrote it).
-        decision = admit(
-            value,
-            record.key,
-            self.topics,
-            self.limits,
-            _Seen(self.memory, in_batch),
-            max_record_bytes=self.settings.ingest_max_record_bytes,
-            cache=self.cache is not None,
-            app=app,
+        # 1) An application's record is charged, by count and by bytes, before it is parsed:
+        # a flood over its quota costs ingest no parse and the DLQ a short copy (N6).
+        retry_after_ms = (
+            self.quotas.charge(app.name, self._clock(), len(value)) if app is not None else None
         )
+        if app is not None and retry_after_ms is not None:
+            decision: Decision = over_quota(app, record.key, retry_after_ms)
+        else:
+            # 2) Decide from the record alone (and, from an app's topic, who wrote it).
+            decision = admit(
+                value,
+                record.key,
+                self.topics,
+                self.limits,
+                _Seen(self.memory, in_batch),
+                max_record_bytes=self.settings.ingest_max_record_bytes,
+                cache=self.cache is not None,
+                app=app,
+            )
         if isinstance(decision, Duplicate):
             log.info("request.duplicate", request_id=decision.request_id, source=str(source))
             return decision
-        if isinstance(decision, Admitted) and app is not None:
-            retry_after_ms = self.quotas.charge(app.name, self._clock())
-            if retry_after_ms is not None:
-                decision = rate_limited(decision, app, retry_after_ms)
-        # 2) Nothing is forwarded or answered whose results could not be delivered.
+        # 3) Nothing is forwarded or answered whose results could not be delivered.
         reply_problem = None
         reply_to = _reply_to(decision)
         if reply_to is not None:
@@ -245,7 +254,7 @@ class Ingest:
                 )
         if isinstance(decision, Admitted):
             return self._answered_from_cache(decision)
-        # 3) Tell the requester, then dead-letter the record (last: it marks the end).
+        # 4) Tell the requester, then dead-letter the record (last: it marks the end).
         await self._reject(decision, record, source, reply_problem)
         return decision
 

@@ -82,6 +82,18 @@ class IngestSettings(TokenbusSettings):
     ingest_app_burst: int = Field(
         default=100, ge=1, description="Requests an outside application may send at once."
     )
+    ingest_app_bytes_per_s: float = Field(
+        default=2_000_000,
+        gt=0,
+        description="Bytes per second of records each outside application may send, charged"
+        " before a record is parsed; over it, records are refused unread (rate_limited).",
+    )
+    ingest_app_burst_bytes: int = Field(
+        default=16_000_000,
+        ge=1_000_000,
+        description="Bytes of records an outside application may send at once (at least one"
+        " record of ingest_max_record_bytes).",
+    )
 
     @field_validator("ingest_apps")
     @classmethod

@@ -24,8 +24,9 @@ from aiokafka.errors import TopicAuthorizationFailedError
 
 from deploy.kafka import launcher
 from deploy.kafka import secure as secured
+from services.ingest.admission import UNREAD_COPY_BYTES
 from services.worker.engines.sim_text import complete
-from shared.dead_letters import REASON, REPLY, SOURCE
+from shared.dead_letters import REASON, REPLY, SOURCE, TRUNCATED
 from shared.kafka import key_of, make_admin, make_consumer, make_producer
 from shared.settings import TokenbusSettings
 from shared.topics import Topics
@@ -35,6 +36,7 @@ from tokenbus.topics import ensure_topics, grant_acls
 pytestmark = pytest.mark.integration
 
 A, B = secured.APPS  # the victim and the attacker, each its own SCRAM user
+BURST_BYTES = 1_000_000
 BURST = 6  # ingest_app_burst here: B's flood goes over it, the other tests stay under it
 
 
@@ -78,6 +80,9 @@ def stack(cluster: launcher.Cluster, log_dir: Path) -> Iterator[Stack]:
             "TOKENBUS_INGEST_APPS": f"{A},{B}",
             "TOKENBUS_INGEST_APP_RPS": "0.2",
             "TOKENBUS_INGEST_APP_BURST": str(BURST),
+            # Bytes too: a megabyte at once, then a kilobyte a second (N6's flood is bytes).
+            "TOKENBUS_INGEST_APP_BURST_BYTES": str(BURST_BYTES),
+            "TOKENBUS_INGEST_APP_BYTES_PER_S": "1000",
         },
         ready_timeout_s=180,
     )
@@ -289,6 +294,17 @@ async def test_reusing_another_apps_request_id_does_not_take_its_answer(apps: Ap
     assert of_request(mine, f"{B}:{rid}")[-1]["kind"] == "done"
 
 
+async def test_a_lone_surrogate_record_is_answered_on_its_reply_topic(apps: Apps) -> None:
+    rid = new_id()
+    raw = b'{"request_id": "' + rid.encode() + b'", "prompt": "a\\ud800b", "max_tokens": 2}'
+    await apps.send(B, (rid, raw))
+    mine = await until(lambda: apps.replies(B), ended(f"{B}:{rid}"), "B's error", 60)
+    [error] = of_request(mine, f"{B}:{rid}")
+    assert (error["kind"], error["code"]) == ("error", "invalid_request")
+    assert "JSON" in error["message"]
+
+
+# Last: the floods leave A's and B's buckets empty; every record is charged, a bad one too.
 async def test_flooding_over_the_quota_is_refused_with_a_retry_hint(apps: Apps) -> None:
     ids = [new_id() for _ in range(3 * BURST)]
     await apps.send(B, *(request(rid, "flood") for rid in ids))
@@ -309,11 +325,34 @@ async def test_flooding_over_the_quota_is_refused_with_a_retry_hint(apps: Apps) 
     }
 
 
-async def test_a_lone_surrogate_record_is_answered_on_its_reply_topic(apps: Apps) -> None:
-    rid = new_id()
-    raw = b'{"request_id": "' + rid.encode() + b'", "prompt": "a\\ud800b", "max_tokens": 2}'
-    await apps.send(B, (rid, raw))
-    mine = await until(lambda: apps.replies(B), ended(f"{B}:{rid}"), "B's error", 60)
-    [error] = of_request(mine, f"{B}:{rid}")
-    assert (error["kind"], error["code"]) == ("error", "invalid_request")
-    assert "JSON" in error["message"]
+async def test_a_flood_of_big_records_is_refused_unread_and_dead_lettered_short(
+    apps: Apps,
+) -> None:
+    """Issue 37, N6: past its bytes quota an app's records are refused before ingest parses
+    them, each answered `rate_limited` and dead-lettered as its first KiB (before: parsed
+    whole, then copied whole to the DLQ, a megabyte a record for as long as the flood ran)."""
+    ids = [new_id() for _ in range(3)]
+    prompt = "x" * (BURST_BYTES * 6 // 10)  # two of them are over the burst
+    raws = {rid: request(rid, prompt)[1] for rid in ids}
+    await apps.send(A, *raws.items())
+    scoped = {f"{A}:{rid}": rid for rid in ids}
+
+    def all_ended(letters: list[Letter]) -> bool:
+        return all(ended(rid)(letters) for rid in scoped)
+
+    mine = await until(lambda: apps.replies(A), all_ended, "an end for each big record", 90)
+    limited = {b["request_id"] for b in bodies(mine) if b.get("code") == "rate_limited"} & set(
+        scoped
+    )
+    assert len(limited) >= 2, limited
+    letters = await until(
+        apps.dead_letters,
+        lambda got: all(dead_letter_of(got, scoped[rid]) for rid in limited),
+        "the refused records' dead letters",
+    )
+    for rid in limited:
+        letter = dead_letter_of(letters, scoped[rid])
+        assert letter is not None
+        assert letter.headers[REASON] == "rate_limited"
+        assert letter.value == raws[scoped[rid]][:UNREAD_COPY_BYTES]
+        assert letter.headers[TRUNCATED] == str(len(raws[scoped[rid]]))
