@@ -15,7 +15,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -141,7 +141,11 @@ class Stack:
 
     @property
     def http_url(self) -> str:
-        return f"http://127.0.0.1:{self.edge_port}"
+        return self.http_url_at(self.edge_port)
+
+    def http_url_at(self, port: int) -> str:
+        """The HTTP base of the stack's edge on `port` (one started by `own_edge`)."""
+        return f"http://127.0.0.1:{port}"
 
     def tokenbus(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
         """`tokenbus ARGS` (the CLI), run as an operator would, against this stack's broker."""
@@ -193,6 +197,22 @@ class Stack:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
+
+    @contextlib.contextmanager
+    def own_edge(self, key: str) -> Iterator[int]:
+        """Another edge of this stack, started under `key` on a port of its own, for one
+        module: yields its port once it is ready; stopped and forgotten when the block ends
+        (a module on the shared stack that kills an edge, or reads an edge's gauges, uses
+        one of its own)."""
+        port = free_port()
+        self.start_service("edge", key=key, TOKENBUS_EDGE_PORT=str(port))
+        try:
+            wait_until(lambda: self.edge_ready(port), 60, f"{key}'s /readyz")
+            yield port
+        finally:
+            self.stop_service(key)
+            self.processes.pop(key)
+            self.health_ports.pop(key, None)
 
     def start(self) -> Stack:
         settings = self.settings

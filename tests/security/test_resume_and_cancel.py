@@ -8,6 +8,10 @@ read replayed it from the start, so the client was shown every delta twice; ever
 wrote another control record. Now each is charged to the tenant's request rate, a resume of
 an attached stream and a second cancel are no-ops, and a replay reads with a consumer of its
 own (the shared reader's count of records read does not grow by what a resume replays).
+
+On the session's shared stack: its tenants have their own limits there (`tests/tenants.py`,
+`RESUME_AND_CANCEL`), it talks to two edges of its own, and its answers are paced to 40 tokens
+a second by the sim's pace marker.
 """
 
 from __future__ import annotations
@@ -16,40 +20,35 @@ import asyncio
 import json
 import time
 from collections.abc import Iterator
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import websockets
 
 from tests.chat_client import recv_json
-from tests.stack import Stack, free_port, new_prefix, wait_until
+from tests.stack import Stack
+from tests.tenants import RESUME_ATTACKER_RPS, paced
 
-ATTACKER_RPS = 4.0  # burst 4: ceil(rps)
+ATTACKER_RPS = RESUME_ATTACKER_RPS  # burst 4: ceil(rps)
+ATTACKER, ONE_STREAM = "flood-attacker", "flood-one-stream"  # tests/tenants.py
 FLOOD = 40
 SLOW_TOKEN_RATE = 40  # tokens/s: a 120-token answer streams for 3 s
-EDGE_B_PORT = free_port()
+
+
+@dataclass(frozen=True)
+class Edges:
+    """The module's two edges of the session's shared stack, by port: their gauges and
+    shared readers count only this module's streams."""
+
+    a: int
+    b: int
 
 
 @pytest.fixture(scope="module")
-def stack(bootstrap: str, log_dir: Path) -> Iterator[Stack]:
-    s = Stack(
-        bootstrap=bootstrap,
-        prefix=new_prefix(),
-        log_dir=log_dir,
-        tenant_limits={
-            "mallory": {"rps": ATTACKER_RPS, "concurrency": 8},
-            "trudy": {"rps": 100.0, "concurrency": 1},
-        },
-        env_overrides={"TOKENBUS_WORKER_SIM_TOKEN_RATE": str(SLOW_TOKEN_RATE)},
-    )
-    try:
-        s.start()
-        s.start_service("edge", key="edge-b", TOKENBUS_EDGE_PORT=str(EDGE_B_PORT))
-        wait_until(lambda: s.edge_ready(EDGE_B_PORT), 60, "edge B's /readyz")
-        yield s
-    finally:
-        s.stop()
+def edges(stack: Stack) -> Iterator[Edges]:
+    with stack.own_edge("edge-flood-a") as a, stack.own_edge("edge-flood-b") as b:
+        yield Edges(a, b)
 
 
 async def _control_records(stack: Stack, request_id: str) -> list[dict[str, Any]]:
@@ -63,7 +62,7 @@ async def _open(ws: websockets.ClientConnection, max_tokens: int) -> dict[str, A
             {
                 "type": "chat.request",
                 "client_id": "c",
-                "prompt": f"resume flood {time.monotonic_ns()}",
+                "prompt": paced(f"resume flood {time.monotonic_ns()}", SLOW_TOKEN_RATE),
                 "max_tokens": max_tokens,
             }
         )
@@ -95,9 +94,11 @@ async def _drain(ws: websockets.ClientConnection, frames: list[dict[str, Any]], 
             return
 
 
-def test_a_resume_flood_is_rate_limited_and_writes_no_more_than_the_burst(stack: Stack) -> None:
+def test_a_resume_flood_is_rate_limited_and_writes_no_more_than_the_burst(
+    stack: Stack, edges: Edges
+) -> None:
     async def attack() -> None:
-        async with websockets.connect(stack.ws_url_as("mallory")) as ws:
+        async with websockets.connect(stack.ws_url_as(ATTACKER, edges.a)) as ws:
             accepted = await _open(ws, max_tokens=4)
             frames: list[dict[str, Any]] = []
             await _until_final(ws, frames)
@@ -117,9 +118,11 @@ def test_a_resume_flood_is_rate_limited_and_writes_no_more_than_the_burst(stack:
     asyncio.run(attack())
 
 
-def test_resuming_a_stream_the_socket_already_reads_shows_nothing_twice(stack: Stack) -> None:
+def test_resuming_a_stream_the_socket_already_reads_shows_nothing_twice(
+    stack: Stack, edges: Edges
+) -> None:
     async def attack() -> None:
-        async with websockets.connect(stack.ws_url_as("default")) as ws:
+        async with websockets.connect(stack.ws_url_as("default", edges.a)) as ws:
             accepted = await _open(ws, max_tokens=120)
             resume = {"type": "stream.resume", "resume_token": accepted["resume_token"]}
             frames: list[dict[str, Any]] = []
@@ -137,9 +140,9 @@ def test_resuming_a_stream_the_socket_already_reads_shows_nothing_twice(stack: S
     asyncio.run(attack())
 
 
-def test_a_cancel_flood_writes_one_cancel_record(stack: Stack) -> None:
+def test_a_cancel_flood_writes_one_cancel_record(stack: Stack, edges: Edges) -> None:
     async def attack() -> None:
-        async with websockets.connect(stack.ws_url_as("default")) as ws:
+        async with websockets.connect(stack.ws_url_as("default", edges.a)) as ws:
             accepted = await _open(ws, max_tokens=120)
             cancel = {"type": "chat.cancel", "request_id": accepted["request_id"]}
             for _ in range(FLOOD):
@@ -154,22 +157,22 @@ def test_a_cancel_flood_writes_one_cancel_record(stack: Stack) -> None:
 
 
 def _metric(stack: Stack, name: str) -> float:
-    text = stack.edge_metrics()
+    text = stack.edge_metrics("edge-flood-a")
     values = [line.split()[-1] for line in text.splitlines() if line.startswith(name + " ")]
     assert values, f"{name} not on the edge's /metrics"
     return float(values[0])
 
 
 def test_a_resume_replays_with_its_own_reader_and_never_rewinds_the_shared_one(
-    stack: Stack,
+    stack: Stack, edges: Edges
 ) -> None:
     async def attack() -> tuple[int, list[int]]:
-        async with websockets.connect(stack.ws_url_as("alice")) as ws:
+        async with websockets.connect(stack.ws_url_as("alice", edges.a)) as ws:
             accepted = await _open(ws, max_tokens=4)
             await _until_final(ws, [])
         # Others' streams fill the edge's shared partition after the token's offset.
         behind = 0
-        async with websockets.connect(stack.ws_url_as("default")) as ws:
+        async with websockets.connect(stack.ws_url_as("default", edges.a)) as ws:
             for _ in range(4):
                 await _open(ws, max_tokens=60)
                 frames: list[dict[str, Any]] = []
@@ -177,7 +180,7 @@ def test_a_resume_replays_with_its_own_reader_and_never_rewinds_the_shared_one(
                 behind += len(frames)
         replays = []
         for _ in range(3):
-            async with websockets.connect(stack.ws_url_as("alice")) as ws:
+            async with websockets.connect(stack.ws_url_as("alice", edges.a)) as ws:
                 resume = {"type": "stream.resume", "resume_token": accepted["resume_token"]}
                 await ws.send(json.dumps(resume))
                 frames = []
@@ -197,13 +200,15 @@ def test_a_resume_replays_with_its_own_reader_and_never_rewinds_the_shared_one(
     assert replayed >= 3 * behind, (replayed, behind)
 
 
-def test_a_stream_resumed_on_another_edge_takes_a_concurrency_slot_there(stack: Stack) -> None:
-    """trudy may run one stream at once; resuming a second one on another edge is refused."""
+def test_a_stream_resumed_on_another_edge_takes_a_concurrency_slot_there(
+    stack: Stack, edges: Edges
+) -> None:
+    """ONE_STREAM may run one stream at once; resuming a second one on another edge is refused."""
 
     async def attack() -> list[dict[str, Any]]:
-        async with websockets.connect(stack.ws_url_as("trudy")) as ws:
+        async with websockets.connect(stack.ws_url_as(ONE_STREAM, edges.a)) as ws:
             first = await _open(ws, max_tokens=120)  # edge A's one slot; the socket drops
-        async with websockets.connect(stack.ws_url_as("trudy", EDGE_B_PORT)) as ws:
+        async with websockets.connect(stack.ws_url_as(ONE_STREAM, edges.b)) as ws:
             await _open(ws, max_tokens=120)  # edge B's one slot
             resume = {"type": "stream.resume", "resume_token": first["resume_token"]}
             await ws.send(json.dumps(resume))
