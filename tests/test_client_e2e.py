@@ -1,5 +1,9 @@
 """`tokenbus.client` against a real stack with two edges: kill -9 the edge serving the SDK
-mid-stream and the caller still gets the whole answer, once; cancel; a dead edge skipped."""
+mid-stream and the caller still gets the whole answer, once; cancel; a dead edge skipped.
+
+On the session's shared stack: the two edges are the module's own (the one it kills among
+them), and the answers that must last are paced to 20 tokens a second by the sim's pace
+marker."""
 
 from __future__ import annotations
 
@@ -7,7 +11,6 @@ import signal
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
@@ -24,20 +27,23 @@ from shared.messages import (
     Timings,
     Usage,
 )
-from tests.stack import Stack, free_port, new_prefix, wait_until
+from tests.stack import Stack, free_port, wait_until
+from tests.tenants import paced
 from tokenbus.client import ChatError, Client, ConnectionLost, Delta
 
 TOKEN_RATE = 20  # sim tokens/s: a delta every 50 ms, so "mid-stream" lasts seconds
+EDGE_A = "edge-client-a"  # the module's edges of the shared stack: A is the one killed
 
 
 @dataclass
 class TwoEdges:
     stack: Stack
+    port_a: int
     port_b: int
 
     @property
     def url_a(self) -> str:
-        return self.stack.ws_url_as(None)
+        return self.stack.ws_url_as(None, port=self.port_a)
 
     @property
     def url_b(self) -> str:
@@ -48,21 +54,9 @@ class TwoEdges:
 
 
 @pytest.fixture(scope="module")
-def edges(bootstrap: str, log_dir: Path) -> Iterator[TwoEdges]:
-    stack = Stack(
-        bootstrap=bootstrap,
-        prefix=new_prefix(),
-        log_dir=log_dir,
-        env_overrides={"TOKENBUS_WORKER_SIM_TOKEN_RATE": str(TOKEN_RATE)},
-    )
-    try:
-        stack.start()
-        port_b = free_port()
-        stack.start_service("edge", key="edge-b", TOKENBUS_EDGE_PORT=str(port_b))
-        wait_until(lambda: stack.edge_ready(port_b), 60, "edge B's /healthz")
-        yield TwoEdges(stack, port_b)
-    finally:
-        stack.stop()
+def edges(stack: Stack) -> Iterator[TwoEdges]:
+    with stack.own_edge(EDGE_A) as port_a, stack.own_edge("edge-client-b") as port_b:
+        yield TwoEdges(stack, port_a, port_b)
 
 
 def expected(messages: list[dict[str, str]], max_tokens: int) -> str:
@@ -75,7 +69,7 @@ async def test_the_edge_killed_mid_stream_the_sdk_yields_the_whole_text_once(
 ) -> None:
     messages = [
         {"role": "system", "content": "be brief"},
-        {"role": "user", "content": "what happens when an edge dies"},
+        {"role": "user", "content": paced("what happens when an edge dies", TOKEN_RATE)},
     ]
     n = 60
     stack = edges.stack
@@ -87,12 +81,12 @@ async def test_the_edge_killed_mid_stream_the_sdk_yields_the_whole_text_once(
         async for delta in stream:
             deltas.append(delta)
             if len(deltas) == 5:
-                stack.stop_service("edge", signal.SIGKILL)  # edge A, serving the stream
+                stack.stop_service(EDGE_A, signal.SIGKILL)  # serving the stream
                 killed_after = len(deltas)
     finally:
-        if stack.processes["edge"].poll() is not None:
-            stack.start_service("edge")
-            wait_until(stack.edge_ready, 60, "edge A back")
+        if stack.processes[EDGE_A].poll() is not None:
+            stack.start_service("edge", key=EDGE_A, TOKENBUS_EDGE_PORT=str(edges.port_a))
+            wait_until(lambda: stack.edge_ready(edges.port_a), 60, "edge A back")
     text = expected(messages, n)
     assert killed_after == 5
     assert stream.url == edges.url_b, "the stream moved to edge B"
@@ -110,7 +104,8 @@ async def test_a_re_run_is_shown_as_a_reset_and_then_only_the_new_attempt(
     # A re-run as the scheduler announces it (a reset record, then the new attempt's
     # records), written into the stream while the worker's attempt 0 still writes on.
     stack = edges.stack
-    stream = edges.client(edges.url_a).chat("a re-run mid-stream", max_tokens=200)
+    prompt = paced("a re-run mid-stream", TOKEN_RATE)
+    stream = edges.client(edges.url_a).chat(prompt, max_tokens=200)
     deltas: list[Delta] = []
     producer = make_producer(stack.settings, client_id="injector")
     await producer.start()
@@ -160,7 +155,7 @@ async def test_a_re_run_is_shown_as_a_reset_and_then_only_the_new_attempt(
 
 
 async def test_cancel_ends_the_stream_without_an_error(edges: TwoEdges) -> None:
-    prompt, n = "cancel me from the sdk", 200
+    prompt, n = paced("cancel me from the sdk", TOKEN_RATE), 200
     plan = complete(prompt, n)
     assert plan.completion_tokens > 20, "the answer must outlast the cancel"
     stream = edges.client(edges.url_a).chat(prompt, max_tokens=n)
