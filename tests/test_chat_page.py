@@ -1,5 +1,8 @@
 """The chat page in headless Chromium: a person types, the answer streams in; a conversation
-of several turns, a stop button, Markdown made safe, and an edge restarted mid-answer."""
+of several turns, a stop button, Markdown made safe, and an edge restarted mid-answer.
+
+On the session's shared stack: what a person types carries the sim's pace marker (15 tokens
+a second), and the edge restarted mid-answer is one of the module's own."""
 
 from __future__ import annotations
 
@@ -7,7 +10,6 @@ import shutil
 import signal
 import tempfile
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from selenium import webdriver
@@ -19,28 +21,24 @@ from services.worker.engines.sim_profiles import SimProfile
 from services.worker.engines.sim_text import complete
 from shared.messages import ChatMessage, ChatRequest
 from shared.tokens import sim_tokens
-from tests.stack import Stack, new_prefix, wait_until
+from tests.stack import Stack, wait_until
+from tests.tenants import paced
 
-# Slow enough that "mid-answer" lasts seconds: an answer of 80 tokens takes about 5 s.
+# Slow enough that "mid-answer" lasts seconds: an answer of 80 tokens takes about 5 s (each
+# typed prompt asks the sim for it: `paced`).
 TOKEN_RATE = 15
 # The page's max-tokens field, untouched: the sim's answer runs to its end, or to that bound
 # (or its context's end, which is further here).
 CONTEXT = SimProfile().context_length
 PAGE_MAX_TOKENS = 512
+PAGE_EDGE = "edge-chat-page"
 
 
 @pytest.fixture(scope="module")
-def stack(bootstrap: str, log_dir: Path) -> Iterator[Stack]:
-    s = Stack(
-        bootstrap=bootstrap,
-        prefix=new_prefix(),
-        log_dir=log_dir,
-        env_overrides={"TOKENBUS_WORKER_SIM_TOKEN_RATE": str(TOKEN_RATE)},
-    )
-    try:
-        yield s.start()
-    finally:
-        s.stop()
+def page_edge(stack: Stack) -> Iterator[int]:
+    """An edge of the module's own on the shared stack (its port): the one it restarts."""
+    with stack.own_edge(PAGE_EDGE) as port:
+        yield port
 
 
 def _require(name: str) -> str:
@@ -91,9 +89,11 @@ def tokens(turns: list[tuple[str, str]]) -> int:
     return complete(prompt, budget(prompt)).completion_tokens
 
 
-def open_page(browser: webdriver.Chrome, stack: Stack) -> None:
+def open_page(browser: webdriver.Chrome, stack: Stack, port: int | None = None) -> None:
+    """The page of the stack's edge (or of its edge on `port`), connected."""
     # As `tokenbus up` prints it: the key in the fragment, which the page sends in `auth`.
-    browser.get(f"{stack.http_url}/#key={stack.keys['default']}")
+    url = stack.http_url_at(port) if port is not None else stack.http_url
+    browser.get(f"{url}/#key={stack.keys['default']}")
     status = browser.find_element(By.ID, "status")
     wait_until(lambda: status.text.startswith("connected"), 20, "the page's WebSocket")
     assert "key=" not in browser.current_url, "the key stays out of the address bar"
@@ -121,7 +121,7 @@ def test_a_typed_message_streams_its_answer_into_the_page(
     stack: Stack, browser: webdriver.Chrome
 ) -> None:
     open_page(browser, stack)
-    prompt = "hello from a real browser"
+    prompt = paced("hello from a real browser", TOKEN_RATE)
     ask(browser, prompt)
     text = expected([("user", prompt)])
     wait_until(lambda: answers(browser) and shown(answers(browser)[0]) == text, 30, "the answer")
@@ -147,7 +147,7 @@ def test_the_page_shows_its_bound_and_the_answer_stops_there(
     temperature = browser.find_element(By.ID, "temperature")
     assert temperature.get_property("value") == ""
     assert temperature.get_attribute("placeholder") == "model's"
-    prompt = "tell me about buses"
+    prompt = paced("tell me about buses", TOKEN_RATE)
     assert tokens([("user", prompt)]) > 5, "the sim's answer must be longer than the bound"
     bound.clear()
     bound.send_keys("5")
@@ -163,7 +163,7 @@ def test_the_second_answer_is_conditioned_on_the_first_turn(
     stack: Stack, browser: webdriver.Chrome
 ) -> None:
     open_page(browser, stack)
-    first, second = "what is a bus", "go on"
+    first, second = paced("what is a bus", TOKEN_RATE), paced("go on", TOKEN_RATE)
     ask(browser, first)
     a1 = expected([("user", first)])
     wait_until(lambda: len(timings(browser)) == 1, 40, "the first answer's end")
@@ -180,7 +180,7 @@ def test_the_second_answer_is_conditioned_on_the_first_turn(
 
 def test_stop_cancels_the_answer_mid_way(stack: Stack, browser: webdriver.Chrome) -> None:
     open_page(browser, stack)
-    prompt = "a long answer please"
+    prompt = paced("a long answer please", TOKEN_RATE)
     full = expected([("user", prompt)])
     assert tokens([("user", prompt)]) > 60, "the answer must outlast the stop"
     ask(browser, prompt)
@@ -198,21 +198,22 @@ def test_stop_cancels_the_answer_mid_way(stack: Stack, browser: webdriver.Chrome
 
 
 def test_the_edge_restarted_mid_answer_the_page_shows_the_whole_text_once(
-    stack: Stack, browser: webdriver.Chrome
+    stack: Stack, page_edge: int, browser: webdriver.Chrome
 ) -> None:
-    open_page(browser, stack)
-    prompt = "explain the scheduler"
+    open_page(browser, stack, page_edge)
+    prompt = paced("describe the scheduler", TOKEN_RATE)
     full = expected([("user", prompt)])
     assert tokens([("user", prompt)]) > 100, "the answer must outlast the kill"
     ask(browser, prompt)
     wait_until(lambda: len(shown(answers(browser)[0]).split()) >= 5, 30, "the answer's start")
-    stack.stop_service("edge", signal.SIGKILL)
+    stack.stop_service(PAGE_EDGE, signal.SIGKILL)
     at_kill = shown(answers(browser)[0])
     assert full.startswith(at_kill)
     assert at_kill != full, "killed mid-answer"
     assert not timings(browser)
-    stack.start_service("edge")  # the same port: the page reconnects to where it came from
-    wait_until(stack.edge_ready, 60, "the edge back")
+    # The same port: the page reconnects to where it came from.
+    stack.start_service("edge", key=PAGE_EDGE, TOKENBUS_EDGE_PORT=str(page_edge))
+    wait_until(lambda: stack.edge_ready(page_edge), 60, "the edge back")
     wait_until(lambda: bool(timings(browser)), 60, "the answer's end after the restart")
     assert len(answers(browser)) == 1
     assert shown(answers(browser)[0]) == full, "the whole text, once"
