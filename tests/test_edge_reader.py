@@ -13,8 +13,10 @@ import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+import pytest
 from aiokafka import ConsumerRecord, TopicPartition
 
+from services.edge import results as results_module
 from services.edge.results import ResultReader
 from shared.messages import DeltaResult, DoneResult, ResultRecord, Timings, Usage
 from tests.factories import consumer_record
@@ -30,7 +32,7 @@ class FakeConsumer:
     def __init__(self) -> None:
         self.assigned: list[TopicPartition] = []
         self.positions: dict[TopicPartition, int] = {}
-        self.logs: dict[TopicPartition, list[bytes]] = {}
+        self.logs: dict[TopicPartition, list[tuple[bytes | None, bytes]]] = {}
         self.arrived = asyncio.Event()
         self.fetches = 0
 
@@ -47,8 +49,8 @@ class FakeConsumer:
     def seek(self, tp: TopicPartition, offset: int) -> None:
         self.positions[tp] = offset
 
-    def append(self, tp: TopicPartition, value: bytes) -> None:
-        self.logs.setdefault(tp, []).append(value)
+    def append(self, tp: TopicPartition, value: bytes, key: bytes | None = None) -> None:
+        self.logs.setdefault(tp, []).append((key, value))
         self.arrived.set()
 
     async def getmany(
@@ -62,7 +64,13 @@ class FakeConsumer:
                 start = self.positions.get(tp, len(log))
                 if start < len(log):
                     out[tp] = [
-                        consumer_record(tp.topic, log[off], partition=tp.partition, offset=off)
+                        consumer_record(
+                            tp.topic,
+                            log[off][1],
+                            partition=tp.partition,
+                            offset=off,
+                            key=log[off][0],
+                        )
                         for off in range(start, len(log))
                     ]
                     self.positions[tp] = len(log)
@@ -81,13 +89,19 @@ class FakeSink:
     seen: list[ResultRecord]
     unfollow_on_done: TopicPartition | None = None
     progress: asyncio.Event = field(default_factory=asyncio.Event)
+    wanted: set[bytes] | None = None  # the keys of streams here; None: every key
+    handed: int = 0  # batches handed over, parsed or not
+
+    def wants(self, key: bytes | None) -> bool:
+        return self.wanted is None or key in self.wanted
 
     def on_fetched(
         self,
         consumer: object,
         fetched: Mapping[TopicPartition, Sequence[ConsumerRecord[bytes, bytes]]],
     ) -> None:
-        pass
+        self.handed += 1
+        self.progress.set()
 
     def on_control(self, value: bytes) -> None:
         pass
@@ -187,6 +201,45 @@ def test_many_changes_between_fetches_lose_no_record() -> None:
         await _until(lambda: len(sink.seen) == 50 or run.done(), "every record", sink.progress)
         assert not run.done(), run
         assert [r.seq for r in sink.seen] == list(range(50))
+        run.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await run
+
+    asyncio.run(scenario())
+
+
+def test_a_followed_partitions_records_of_other_streams_are_not_parsed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 37, N8: a stream resumed from another edge's partition makes the reader follow
+    that partition; its other streams' records are skipped by key, never parsed here."""
+    parsed: list[bytes] = []
+    adapter = results_module._results
+
+    class Counting:
+        def validate_json(self, value: bytes) -> ResultRecord:
+            parsed.append(value)
+            return adapter.validate_json(value)
+
+    monkeypatch.setattr(results_module, "_results", Counting())
+
+    async def scenario() -> None:
+        consumer = FakeConsumer()
+        reader = ResultReader(consumer, CONTROL)  # type: ignore[arg-type]
+        await reader.start(OWN)
+        sink = FakeSink(reader, [], wanted={b"resumed"})
+        reader.follow(FOREIGN, 0)
+        for n in range(200):  # the other edge's traffic
+            consumer.append(
+                FOREIGN, _delta(f"other-{n % 7}", n // 7), key=f"other-{n % 7}".encode()
+            )
+        consumer.append(FOREIGN, _done("resumed", 0), key=b"resumed")
+        run = asyncio.create_task(reader.run(sink))
+        run.add_done_callback(lambda _: sink.progress.set())
+        await _until(lambda: sink.seen or run.done(), "the resumed stream's done", sink.progress)
+        assert not run.done(), run
+        assert [r.request_id for r in sink.seen] == ["resumed"]
+        assert len(parsed) == 1, len(parsed)
         run.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await run

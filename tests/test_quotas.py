@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from services.edge.quotas import Quotas, TenantLimits, TokenBucket
+from services.edge.quotas import (
+    SCANNED_PER_REQUEST,
+    SLOT_RETRY_AFTER_MS,
+    Quotas,
+    TenantLimits,
+    TokenBucket,
+)
 from tests.fakes import FakeClock
 
 
@@ -120,3 +126,27 @@ def test_new_limits_apply_to_a_tenant_in_use(clock: FakeClock) -> None:
     refusal = q.admit("a", tighter, "r2", 1)
     assert refusal is not None
     assert refusal.limit == "concurrency"
+
+
+def test_a_tenants_replays_are_bounded_and_each_is_charged_by_what_it_read(
+    clock: FakeClock,
+) -> None:
+    """Issue 37, N8: one tenant holds at most `replays` of the edge's replay readers, and a
+    replay that read far back costs its tenant a request per SCANNED_PER_REQUEST records."""
+    q = Quotas(clock)
+    limits = BIG.model_copy(update={"rps": 1.0, "burst": 10, "replays": 2})
+    assert q.start_replay("a", limits) is None
+    assert q.start_replay("a", limits) is None
+    refusal = q.start_replay("a", limits)
+    assert refusal is not None
+    assert (refusal.limit, refusal.retry_after_ms) == ("replays", SLOT_RETRY_AFTER_MS)
+    assert q.start_replay("b", limits) is None  # another tenant's places are its own
+    q.end_replay("a", scanned=3 * SCANNED_PER_REQUEST + 999)  # three requests' worth
+    assert q.start_replay("a", limits) is None  # its place is back
+    q.end_replay("a", scanned=0)
+    q.end_replay("a", scanned=7 * SCANNED_PER_REQUEST)  # ten requests in all: the burst
+    refused = q.charge("a", limits)
+    assert refused is not None
+    assert refused.limit == "rps"
+    clock.now += 1.0
+    assert q.charge("a", limits) is None

@@ -26,7 +26,7 @@ DEV_LIMITS: dict[str, object] = {
     "tokens_per_min": 20_000_000,
     "sockets": 256,
 }
-LIMIT_FLAGS = ("rps", "burst", "concurrency", "tokens_per_min", "sockets")
+LIMIT_FLAGS = ("rps", "burst", "concurrency", "tokens_per_min", "sockets", "replays")
 
 
 def local_keys() -> tuple[Path, str | None]:

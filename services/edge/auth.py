@@ -326,6 +326,21 @@ class Guard:
         log.info("quota.refused", limit=refusal.limit, key_id=principal.key_id)
         return quota_refused(refusal)
 
+    def start_replay(self, principal: Principal) -> ErrorFrame | None:
+        """One of the tenant's replay places for a resume's read, until `end_replay`."""
+        current = self.keys.current(principal)
+        if current is None:
+            return unauthorized("stream.resume: the socket's API key was revoked")
+        refusal = self.quotas.start_replay(current.tenant, current.limits)
+        if refusal is None:
+            return None
+        log.info("quota.refused", limit=refusal.limit, key_id=principal.key_id)
+        return quota_refused(refusal)
+
+    def end_replay(self, principal: Principal, scanned: int) -> None:
+        """The replay read `scanned` records: its place is given back, the read charged."""
+        self.quotas.end_replay(principal.tenant, scanned)
+
     def settle(self, request_id: str, usage: Usage) -> None:
         """A request ended with its real usage: its tokens charge is corrected to it."""
         self.quotas.settle(request_id, usage.prompt_tokens + usage.completion_tokens)

@@ -327,7 +327,9 @@ class Gateway:
         """Serve a resume: replay from the token's offset, then go on live; refusals are
         answered with an ErrorFrame.
 
-        The client handler charged the resume to the tenant's request rate; a stream resumed
+        The client handler charged the resume to the tenant's request rate; its replay holds
+        one of the tenant's replay places while it reads and is charged a request per
+        thousand records it read (`Guard.start_replay`, `end_replay`); a stream resumed
         here holds one of the tenant's concurrency slots (`Guard.hold`) until it ends, on
         whichever edge it was opened. A resume of a stream this client already reads is a
         no-op.
@@ -347,15 +349,25 @@ class Gateway:
             previous = self.router.get(request_id)
             if previous is not None and previous.client is client:
                 return  # already attached to this client: nothing to replay
-            if refused := self.guard.hold(principal, request_id):
+            if refused := self.guard.start_replay(principal):
                 client.send(refused.model_copy(update={"request_id": request_id}))
                 return
+            scanned = 0
             try:
-                await self._resume(claims, frame, client)
-            except BaseException:
-                if self.router.get(request_id) is None:
-                    self.guard.release(request_id)  # nothing of it is kept here
-                raise
+                if refused := self.guard.hold(principal, request_id):
+                    client.send(refused.model_copy(update={"request_id": request_id}))
+                    return
+                try:
+                    scanned = await self._resume(claims, frame, client)
+                except BaseException as exc:
+                    if isinstance(exc, ReplayRefused):
+                        scanned = exc.scanned
+                    if self.router.get(request_id) is None:
+                        self.guard.release(request_id)  # nothing of it is kept here
+                    raise
+            finally:
+                # The replay's place back, and what it read charged (issue 37, N8).
+                self.guard.end_replay(principal, scanned)
             log.info("stream.resumed", request_id=request_id, took_s=_since(began))
         except (ResumeRefused, ReplayRefused) as exc:
             self.metrics.resumes.labels(exc.code.value).inc()
@@ -429,8 +441,9 @@ class Gateway:
         self.telemetry.sent(flight, sending, None)
         return True
 
-    async def _resume(self, claims: ResumeClaims, frame: StreamResumeFrame, client: Client) -> None:
-        """Replay the stream with a reader of its own (`replay.py`), then attach it live.
+    async def _resume(self, claims: ResumeClaims, frame: StreamResumeFrame, client: Client) -> int:
+        """Replay the stream with a reader of its own (`replay.py`), then attach it live;
+        the records the replay read.
 
         The shared reader is never rewound: the replay reads up to where that one stands,
         and the stream is attached to it in the same turn (`attach`).
@@ -470,7 +483,7 @@ class Gateway:
             self.metrics.streams_open.set(len(self.router))
             self._caught_up(stream)
 
-        await self.replays.read(
+        replayed = await self.replays.read(
             tp,
             rid,
             start=claims.offset,
@@ -478,6 +491,7 @@ class Gateway:
             live=lambda: self.reader.position(tp),
             attach=attach,
         )
+        return replayed.scanned
 
     def _caught_up(self, stream: ResultStream) -> None:
         ok = self.router.caught_up(stream.request_id)
@@ -496,6 +510,10 @@ class Gateway:
         return await self.reader.offsets(tp)
 
     # -- what the reader hands over -------------------------------------------------------
+
+    def wants(self, key: bytes | None) -> bool:
+        """A result record is for a stream of this edge's router (keys are request ids)."""
+        return key is not None and self.router.get(key.decode(errors="replace")) is not None
 
     def on_results(
         self, results: Sequence[tuple[ConsumerRecord[bytes, bytes], ResultRecord]]

@@ -18,10 +18,13 @@ from pydantic import Field
 from shared.messages import Model
 from shared.quotas import TokenBucket  # the one bucket rule, shared with ingest's app quotas
 
-Limit = Literal["rps", "concurrency", "tokens_per_min", "sockets"]
+Limit = Literal["rps", "concurrency", "tokens_per_min", "sockets", "replays"]
 
 # When a stream or socket ends cannot be known in advance: a hint, not a promise.
 SLOT_RETRY_AFTER_MS = 1000
+# A resume's replay is charged one request more per this many records it read (issue 37,
+# N8): a resume far back reads up to `edge_resume_max_records` on the edge's loop.
+SCANNED_PER_REQUEST = 1000
 
 
 class TenantLimits(Model):
@@ -38,6 +41,9 @@ class TenantLimits(Model):
         description="Prompt token bound + max_tokens at admission; settled to the real usage.",
     )
     sockets: int = Field(default=32, ge=1, description="WebSockets open at once.")
+    replays: int = Field(
+        default=4, ge=1, description="Resume replays (reads of a stream's past) at once."
+    )
 
     @property
     def request_burst(self) -> int:
@@ -62,6 +68,7 @@ class _TenantUse:
     tokens: TokenBucket
     streams: set[str] = field(default_factory=set)
     sockets: int = 0
+    replays: int = 0
 
 
 class Quotas:
@@ -145,6 +152,30 @@ class Quotas:
             )
         use.requests.take(1, now)
         return None
+
+    def start_replay(self, tenant: str, limits: TenantLimits) -> Refusal | None:
+        """One of the tenant's `replays` places for a resume's read of its stream's past,
+        until `end_replay`: one tenant's resumes cannot take every replay slot of the edge."""
+        use = self._use(tenant, limits)
+        if use.replays >= limits.replays:
+            return Refusal(
+                "replays",
+                f"{use.replays} resumes of the tenant are replaying, its limit is {limits.replays}",
+                SLOT_RETRY_AFTER_MS,
+            )
+        use.replays += 1
+        return None
+
+    def end_replay(self, tenant: str, scanned: int) -> None:
+        """The replay is over, having read `scanned` records: its place is free, and the
+        tenant's request rate is charged one request per `SCANNED_PER_REQUEST` of them (a
+        debt its next requests wait out)."""
+        use = self._tenants.get(tenant)
+        if use is None:
+            return
+        use.replays = max(0, use.replays - 1)
+        if cost := scanned // SCANNED_PER_REQUEST:
+            use.requests.take(cost, self._clock())
 
     def hold(self, tenant: str, limits: TenantLimits, request_id: str) -> Refusal | None:
         """A concurrency slot for a stream that came here by a resume (no tokens: they were

@@ -61,10 +61,11 @@ REPLAY_REQUEST_TIMEOUT_MS = 3000
 class ReplayRefused(Exception):
     """The replay cannot be served: too far back, or too slow; `code` is the client's."""
 
-    def __init__(self, code: ErrorCode, message: str) -> None:
+    def __init__(self, code: ErrorCode, message: str, scanned: int = 0) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.scanned = scanned  # records it read before it was refused (what it is charged)
 
 
 @dataclass(frozen=True)
@@ -167,6 +168,7 @@ class Replays:
             raise ReplayRefused(
                 ErrorCode.overloaded,
                 f"stream.resume: the replay did not finish in {self.timeout_s:g} s, try again",
+                resume.scanned,
             ) from None
         except BaseException:
             resume.gone = True  # cancelled: the partition's reader drops it
@@ -335,6 +337,7 @@ class _Partition:
                             ErrorCode.not_found,
                             f"stream.resume: the stream is more than {self._max_records}"
                             " records back; it cannot be replayed",
+                            resume.scanned,
                         )
                     )
                 else:

@@ -43,6 +43,9 @@ class ResultSink(Protocol):
     def on_control(self, value: bytes) -> None:
         """One record of the control topic."""
 
+    def wants(self, key: bytes | None) -> bool:
+        """Whether a result record of this key is for a stream here: only those are parsed."""
+
     def on_results(
         self, results: Sequence[tuple[ConsumerRecord[bytes, bytes], ResultRecord]]
     ) -> None:
@@ -254,7 +257,11 @@ class ResultReader:
                 handler(record.value or b"")
         else:
             parsed: list[tuple[ConsumerRecord[bytes, bytes], ResultRecord]] = []
+            # Keyed by request id: a partition followed for one resumed stream carries
+            # another edge's whole traffic, none of which is parsed here (issue 37, N8).
             for record in records:
+                if not sink.wants(record.key):
+                    continue
                 try:
                     parsed.append((record, _results.validate_json(record.value or b"")))
                 except ValidationError as exc:
