@@ -7,8 +7,6 @@ from __future__ import annotations
 import asyncio
 import re
 import subprocess
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import websockets
@@ -17,7 +15,7 @@ import yaml
 from tests.built_tools import WAITS_FOR_BUILD
 from tests.chat_client import run_requests
 from tests.k8s_tools import run, tool
-from tests.stack import SERVICES, Stack, _create, free_port, new_prefix, wait_until
+from tests.stack import SERVICES, Stack
 from tests.test_monitoring import RULES, dashboard_queries
 
 pytestmark = [pytest.mark.kafka, WAITS_FOR_BUILD]
@@ -28,27 +26,19 @@ SCRAPE_SERIES = {"up", "scrape_duration_seconds", "scrape_samples_scraped"}
 
 
 @pytest.fixture(scope="module")
-def scraped(bootstrap: str, log_dir: Path) -> Iterator[dict[str, str]]:
-    """service -> its /metrics text, after one chat request went through all four."""
+def scraped(stack: Stack) -> dict[str, str]:
+    """service -> its /metrics text, after one chat request went through all four (the
+    session's shared stack's)."""
     tool("promtool")  # waited for here, if make test is still building it
-    stack = Stack(bootstrap=bootstrap, prefix=new_prefix(), log_dir=log_dir)
-    try:
-        asyncio.run(_create(stack.settings, stack.topics))
-        stack.edge_port = free_port()
-        for name in SERVICES:
-            stack.start_service(name)  # each on a free metrics port, the edge's included
-        wait_until(stack.edge_ready, 60, "the edge's /healthz")
 
-        async def one_request() -> None:
-            async with websockets.connect(stack.ws_url) as ws:
-                got = await run_requests(ws, [{"client_id": "c", "prompt": "hi", "max_tokens": 4}])
-            assert got["c"].final is not None
-            assert got["c"].final["type"] == "chat.done"
+    async def one_request() -> None:
+        async with websockets.connect(stack.ws_url) as ws:
+            got = await run_requests(ws, [{"client_id": "c", "prompt": "hi", "max_tokens": 4}])
+        assert got["c"].final is not None
+        assert got["c"].final["type"] == "chat.done"
 
-        asyncio.run(one_request())
-        yield {name: stack.metrics(name) for name in SERVICES}
-    finally:
-        stack.stop()
+    asyncio.run(one_request())
+    return {name: stack.metrics(name) for name in SERVICES}
 
 
 @pytest.mark.parametrize("service", SERVICES)
