@@ -33,6 +33,8 @@ def shadow_stack(
         log_dir=log_dir,
         env_overrides={
             "TOKENBUS_WORKER_MODEL": MODEL,
+            # These tests tell the variants apart by what `chat.done` names (issue 37, N7).
+            "TOKENBUS_EDGE_NAME_VARIANTS": "true",
             # Judge only: these tests watch the scores, not what the canary judge does.
             "TOKENBUS_SCHEDULER_CANARY_ROLLBACK": "false",
         },

@@ -51,6 +51,8 @@ def rollback_stack(bootstrap: str, log_dir: Path) -> Iterator[Stack]:
         log_dir=log_dir,
         env_overrides={
             "TOKENBUS_WORKER_MODEL": MODEL,
+            # These tests tell the variants apart by what `chat.done` names (issue 37, N7).
+            "TOKENBUS_EDGE_NAME_VARIANTS": "true",
             # A short window and small samples: the test's load decides within seconds.
             "TOKENBUS_SCHEDULER_CANARY_WINDOW_S": "30",
             "TOKENBUS_SCHEDULER_CANARY_MIN_REQUESTS": "20",

@@ -127,6 +127,21 @@ def test_final_record_ends_the_stream_once() -> None:
     assert len(router) == 0
 
 
+def test_the_variant_that_answered_is_named_only_where_the_stream_may_know_it() -> None:
+    """Issue 37, N7: a rollout's canary is not named to the tenants it serves (they could
+    find its answers and fail them); a request that pinned its variant is told it."""
+    canary = done(0).model_copy(update={"variant": "canary"})
+    shown = {}
+    for names_variant in (False, True):
+        router, client = StreamRouter(), Client()
+        router.open(RID, client, names_variant=names_variant)
+        router.release(RID, _accepted())
+        router.route(canary)
+        [final] = [f for f in client.frames if f.type == "chat.done"]
+        shown[names_variant] = final.variant
+    assert shown == {False: None, True: "canary"}
+
+
 def test_a_detached_stream_shows_nothing_but_still_learns_it_ended() -> None:
     ended: list[ResultStream] = []
     router, client = accepted_router(ended)

@@ -64,6 +64,8 @@ def variants(bootstrap: str, log_dir: Path, trace_dir: Path) -> Iterator[Stack]:
             "TOKENBUS_WORKER_MODEL": MODEL,
             # A stable id: the restarted scheduler takes its partitions back at once.
             "TOKENBUS_SCHEDULER_ID": "sched-variants",
+            # These tests tell the variants apart by what `chat.done` names (issue 37, N7).
+            "TOKENBUS_EDGE_NAME_VARIANTS": "true",
         },
         workers={
             BASE_WORKER: {"TOKENBUS_WORKER_ID": BASE_WORKER},

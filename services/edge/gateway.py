@@ -263,7 +263,10 @@ class Gateway:
             request, request_id=request_id, tenant=tenant, reply_to=reply_to, plan=plan
         )
         followed = reply_tp(reply_to) if self.topology.followed(reply_to) else None
-        stream = self.router.open(request_id, client, followed=followed, flight=flight)
+        names_variant = request.variant is not None or self.settings.edge_name_variants
+        stream = self.router.open(
+            request_id, client, followed=followed, flight=flight, names_variant=names_variant
+        )
         self.metrics.streams_open.set(len(self.router))
         if not await self._produce(record, tier, prompt_tokens, flight):
             self.end(stream, "not_queued")
@@ -474,7 +477,12 @@ class Gateway:
             self.topology.resumed(claims.topic)
             # A stream resumed on the edge that had it keeps its trace.
             flight = previous.flight if previous is not None else None
-            stream = self.router.resume(rid, client, point, followed=tp, flight=flight)
+            names_variant = (
+                previous.names_variant if previous is not None else self.settings.edge_name_variants
+            )
+            stream = self.router.resume(
+                rid, client, point, followed=tp, flight=flight, names_variant=names_variant
+            )
             for result in replayed.records:
                 self.router.route(result)
             self.reader.join(tp, replayed.position)

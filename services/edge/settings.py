@@ -79,6 +79,12 @@ class EdgeSettings(KeysSettings):
             " tokenbus.requests and ingest). false: every request goes through ingest (ADR 0041)."
         ),
     )
+    edge_name_variants: bool = Field(
+        default=False,
+        description="Name the variant that answered (`chat.done` `variant`, OpenAI"
+        " `system_fingerprint`) to every tenant; off: only to a request that pinned it, so"
+        " a rollout's canary stays unknown to the tenants it serves.",
+    )
     edge_disconnect_grace_s: float = Field(
         default=30.0,
         ge=0,

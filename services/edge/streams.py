@@ -97,6 +97,11 @@ class ResultStream:
     grace_until: float | None = None  # detached: cancelled at this time unless resumed
     usage: Usage | None = None  # its final `done`'s real usage: the quota is settled with it
     cancelled: bool = False  # the client's cancel was sent: another one is a no-op
+    # Its `done` names the variant that answered: the request pinned it (a key with the
+    # pin_variant scope), or the edge names variants to all (`edge_name_variants`). Else a
+    # rollout's canary stays unknown to the tenants it serves, who could find its answers
+    # and fail them (issue 37, N7).
+    names_variant: bool = False
 
     @property
     def detached(self) -> bool:
@@ -127,9 +132,12 @@ class StreamRouter:
         *,
         followed: TopicPartition | None = None,
         flight: InFlight | None = None,
+        names_variant: bool = False,
     ) -> ResultStream:
         """A new request's stream; its frames wait for `release` (the `chat.accepted`)."""
-        stream = ResultStream(request_id, client, followed=followed, flight=flight)
+        stream = ResultStream(
+            request_id, client, followed=followed, flight=flight, names_variant=names_variant
+        )
         self._streams[request_id] = stream
         return stream
 
@@ -141,6 +149,7 @@ class StreamRouter:
         *,
         followed: TopicPartition | None = None,
         flight: InFlight | None = None,
+        names_variant: bool = False,
     ) -> ResultStream:
         """A resumed stream: shows what follows `point`; held until `caught_up`.
 
@@ -155,6 +164,7 @@ class StreamRouter:
             resume=point,
             followed=followed,
             flight=flight,
+            names_variant=names_variant,
         )
         self._streams[request_id] = stream
         return stream
@@ -279,7 +289,7 @@ class StreamRouter:
                     cached=record.cached,
                     tool_calls=record.tool_calls,
                     content=record.content,
-                    variant=record.variant,
+                    variant=record.variant if stream.names_variant else None,
                 )
             )
         else:
