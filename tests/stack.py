@@ -199,13 +199,13 @@ class Stack:
             )
 
     @contextlib.contextmanager
-    def own_edge(self, key: str) -> Iterator[int]:
-        """Another edge of this stack, started under `key` on a port of its own, for one
-        module: yields its port once it is ready; stopped and forgotten when the block ends
-        (a module on the shared stack that kills an edge, or reads an edge's gauges, uses
-        one of its own)."""
+    def own_edge(self, key: str, **env: str) -> Iterator[int]:
+        """Another edge of this stack, started under `key` on a port of its own (with `env`
+        on top of the stack's), for one module: yields its port once it is ready; stopped
+        and forgotten when the block ends (a module on the shared stack that kills an edge,
+        reads an edge's gauges or needs an edge's settings of its own uses one)."""
         port = free_port()
-        self.start_service("edge", key=key, TOKENBUS_EDGE_PORT=str(port))
+        self.start_service("edge", key=key, TOKENBUS_EDGE_PORT=str(port), **env)
         try:
             wait_until(lambda: self.edge_ready(port), 60, f"{key}'s /readyz")
             yield port

@@ -1,5 +1,9 @@
 """Result streams end to end, in both topologies: resume on any edge, exactly-once display,
-cancel after the disconnect grace period. Two edge processes on the real broker."""
+cancel after the disconnect grace period. Two edge processes on the real broker.
+
+On the session's shared stack: the two edges are the module's own, with the settings it tests
+(the topology, the grace period, a short lease), and every prompt is paced to 20 tokens a
+second by the sim's pace marker."""
 
 from __future__ import annotations
 
@@ -9,7 +13,6 @@ import signal
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -30,10 +33,17 @@ from shared.messages import (
     Usage,
 )
 from tests.chat_client import recv_json
-from tests.stack import Stack, free_port, new_prefix, wait_until
+from tests.stack import Stack, wait_until
+from tests.tenants import paced
 
 TOKEN_RATE = 20  # sim tokens/s: a delta every 50 ms, so "read 5 then kill" is easy
 GRACE_S = 3.0
+# The module's edges' own settings: the topology is each run's.
+EDGE_ENV = {
+    "TOKENBUS_EDGE_DISCONNECT_GRACE_S": str(GRACE_S),
+    "TOKENBUS_EDGE_LEASE_TTL_S": "3",
+    "TOKENBUS_EDGE_RESULT_TOPIC_RETENTION_S": "30",
+}
 
 Frame = dict[str, Any]
 
@@ -41,11 +51,14 @@ Frame = dict[str, Any]
 @dataclass
 class TwoEdges:
     stack: Stack
+    key_a: str
+    port_a: int
     port_b: int
+    env: dict[str, str]
 
     @property
     def url_a(self) -> str:
-        return self.stack.ws_url
+        return self.stack.ws_url_as("default", port=self.port_a)
 
     @property
     def url_b(self) -> str:
@@ -53,27 +66,11 @@ class TwoEdges:
 
 
 @pytest.fixture(scope="module", params=["partition", "topic"])
-def edges(request: pytest.FixtureRequest, bootstrap: str, log_dir: Path) -> Iterator[TwoEdges]:
-    stack = Stack(
-        bootstrap=bootstrap,
-        prefix=new_prefix(),
-        log_dir=log_dir,
-        env_overrides={
-            "TOKENBUS_WORKER_SIM_TOKEN_RATE": str(TOKEN_RATE),
-            "TOKENBUS_EDGE_RESULT_TOPOLOGY": request.param,
-            "TOKENBUS_EDGE_DISCONNECT_GRACE_S": str(GRACE_S),
-            "TOKENBUS_EDGE_LEASE_TTL_S": "3",
-            "TOKENBUS_EDGE_RESULT_TOPIC_RETENTION_S": "30",
-        },
-    )
-    try:
-        stack.start()
-        port_b = free_port()
-        stack.start_service("edge", key="edge-b", TOKENBUS_EDGE_PORT=str(port_b))
-        wait_until(lambda: stack.edge_ready(port_b), 60, "edge B's /healthz")
-        yield TwoEdges(stack, port_b)
-    finally:
-        stack.stop()
+def edges(request: pytest.FixtureRequest, stack: Stack) -> Iterator[TwoEdges]:
+    env = {**EDGE_ENV, "TOKENBUS_EDGE_RESULT_TOPOLOGY": request.param}
+    key = f"edge-streams-{request.param}"
+    with stack.own_edge(f"{key}-a", **env) as port_a, stack.own_edge(f"{key}-b", **env) as port_b:
+        yield TwoEdges(stack, f"{key}-a", port_a, port_b, env)
 
 
 def expected_text(prompt: str, max_tokens: int) -> str:
@@ -163,23 +160,24 @@ async def read_results(
 
 
 async def test_resume_on_edge_b_after_edge_a_is_killed(edges: TwoEdges) -> None:
-    prompt, n = "resume after a crash", 40
+    prompt, n = paced("resume after a crash", TOKEN_RATE), 40
     stack = edges.stack
     try:
         async with websockets.connect(edges.url_a) as ws:
             accepted = await submit(ws, prompt, n)
             before = await read_deltas(ws, 5)
-            stack.stop_service("edge", signal.SIGKILL)
+            stack.stop_service(edges.key_a, signal.SIGKILL)
         after = await resume(edges.url_b, accepted["resume_token"], before[-1]["seq"])
         check_continuation(before, after, prompt, n)
     finally:
-        if stack.processes["edge"].poll() is not None:
-            stack.start_service("edge")
-            wait_until(stack.edge_ready, 60, "edge A back")
+        if stack.processes[edges.key_a].poll() is not None:
+            port = str(edges.port_a)
+            stack.start_service("edge", key=edges.key_a, TOKENBUS_EDGE_PORT=port, **edges.env)
+            wait_until(lambda: stack.edge_ready(edges.port_a), 60, "edge A back")
 
 
 async def test_clean_disconnect_then_resume_on_the_same_edge(edges: TwoEdges) -> None:
-    prompt, n = "resume on the same edge", 30
+    prompt, n = paced("resume on the same edge", TOKEN_RATE), 30
     async with websockets.connect(edges.url_a) as ws:
         accepted = await submit(ws, prompt, n)
         before = await read_deltas(ws, 5)
@@ -190,7 +188,7 @@ async def test_clean_disconnect_then_resume_on_the_same_edge(edges: TwoEdges) ->
 async def test_resume_elsewhere_stops_the_first_edges_grace_cancel(edges: TwoEdges) -> None:
     # Runs past edge A's grace period: A must learn that B serves the stream now.
     n = int(TOKEN_RATE * GRACE_S * 3)
-    prompt = "outlive the grace period"
+    prompt = paced("please outlive the grace period", TOKEN_RATE)
     assert complete(prompt, n).completion_tokens > TOKEN_RATE * (GRACE_S + 1)
     async with websockets.connect(edges.url_a) as ws:
         accepted = await submit(ws, prompt, n)
@@ -211,7 +209,8 @@ async def test_injected_duplicates_and_old_attempt_records_are_never_shown(
     await producer.start()
     try:
         async with websockets.connect(edges.url_a) as ws:
-            accepted = await submit(ws, "outlive the grace period", n)
+            prompt = paced("please outlive the grace period", TOKEN_RATE)
+            accepted = await submit(ws, prompt, n)
             shown = await read_deltas(ws, 2)
             claims = claims_of(stack, accepted["resume_token"])
             rid = claims.request_id
@@ -266,7 +265,7 @@ async def test_dropped_socket_without_resume_is_cancelled_after_the_grace_period
 ) -> None:
     n = int(TOKEN_RATE * GRACE_S * 3)
     async with websockets.connect(edges.url_a) as ws:
-        accepted = await submit(ws, "nobody comes back", n)
+        accepted = await submit(ws, paced("nobody comes back slowly", TOKEN_RATE), n)
         await read_deltas(ws, 2)
     dropped_at = time.time()
     claims = claims_of(edges.stack, accepted["resume_token"])
@@ -276,7 +275,7 @@ async def test_dropped_socket_without_resume_is_cancelled_after_the_grace_period
     assert final.code == "cancelled"
     waited = cancelled_at - dropped_at
     assert GRACE_S - 0.25 <= waited <= GRACE_S + 5, f"cancelled {waited:.2f} s after the drop"
-    plan = complete("nobody comes back", n)
+    plan = complete(paced("nobody comes back slowly", TOKEN_RATE), n)
     assert plan.completion_tokens > TOKEN_RATE * (GRACE_S + 1), "the answer must outlast the grace"
     deltas = [r for _, r in log if isinstance(r, DeltaResult)]
     assert len(deltas) < plan.completion_tokens, "the worker stopped before the natural end"
@@ -284,7 +283,8 @@ async def test_dropped_socket_without_resume_is_cancelled_after_the_grace_period
 
 async def test_chat_cancel_is_immediate(edges: TwoEdges) -> None:
     async with websockets.connect(edges.url_a) as ws:
-        accepted = await submit(ws, "cancel me now", int(TOKEN_RATE * 10))
+        prompt = paced("cancel me now please", TOKEN_RATE)
+        accepted = await submit(ws, prompt, int(TOKEN_RATE * 10))
         await read_deltas(ws, 1)
         await ws.send(json.dumps({"type": "chat.cancel", "request_id": accepted["request_id"]}))
         started = time.monotonic()
@@ -299,9 +299,9 @@ async def test_chat_cancel_is_immediate(edges: TwoEdges) -> None:
 
 async def test_resume_refusals(edges: TwoEdges) -> None:
     stack = edges.stack
-    prompt, n = "short and done", 4
+    prompt, n = paced("short and done", TOKEN_RATE), 4
     alice, mallory = stack.keys["alice"], stack.keys["mallory"]
-    url_a, url_b = stack.ws_url_as(None), stack.ws_url_as(None, port=edges.port_b)
+    url_a, url_b = stack.ws_url_as(None, edges.port_a), stack.ws_url_as(None, edges.port_b)
     async with websockets.connect(
         url_a, additional_headers={"Authorization": f"Bearer {alice}"}
     ) as ws:

@@ -1,7 +1,9 @@
 """Attacks on the edge's listener: a request head trickled for ever (slowloris), a silent
 connection, a flood of connections, a big WebSocket frame before authentication, and a
 client that stops reading what it is sent. Real sockets against a real edge (the write
-timeout: against uvicorn running the edge's protocol, `listener.TimedProtocol`)."""
+timeout: against uvicorn running the edge's protocol, `listener.TimedProtocol`).
+
+On the session's shared stack: the limits are settings of an edge of the module's own there."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import json
 import socket
 import time
 from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
+from dataclasses import dataclass
 
 import pytest
 import uvicorn
@@ -19,27 +21,31 @@ import websockets
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from services.edge.listener import protocol_class
-from tests.stack import Stack, free_port, new_prefix, wait_until
+from tests.stack import Stack, free_port, wait_until
 
 HEADER_TIMEOUT_S = 2.0
 MAX_CONNECTIONS = 8
 
 
+@dataclass(frozen=True)
+class Edge:
+    """The module's own edge of the session's shared stack, with the listener's limits."""
+
+    stack: Stack
+    port: int
+
+    def ready(self) -> bool:
+        return self.stack.edge_ready(self.port)
+
+
 @pytest.fixture(scope="module")
-def edge(bootstrap: str, log_dir: Path) -> Iterator[Stack]:
-    s = Stack(
-        bootstrap=bootstrap,
-        prefix=new_prefix(),
-        log_dir=log_dir,
-        env_overrides={
-            "TOKENBUS_EDGE_HEADER_TIMEOUT_S": str(HEADER_TIMEOUT_S),
-            "TOKENBUS_EDGE_MAX_CONNECTIONS": str(MAX_CONNECTIONS),
-        },
-    )
-    try:
-        yield s.start()
-    finally:
-        s.stop()
+def edge(stack: Stack) -> Iterator[Edge]:
+    limits = {
+        "TOKENBUS_EDGE_HEADER_TIMEOUT_S": str(HEADER_TIMEOUT_S),
+        "TOKENBUS_EDGE_MAX_CONNECTIONS": str(MAX_CONNECTIONS),
+    }
+    with stack.own_edge("edge-listener-limits", **limits) as port:
+        yield Edge(stack, port)
 
 
 async def closed_within(reader: asyncio.StreamReader, timeout_s: float) -> float:
@@ -58,8 +64,8 @@ async def closed_within(reader: asyncio.StreamReader, timeout_s: float) -> float
 # -- slowloris -----------------------------------------------------------------------------------
 
 
-async def test_a_head_trickled_a_byte_at_a_time_is_cut_off(edge: Stack) -> None:
-    reader, writer = await asyncio.open_connection("127.0.0.1", edge.edge_port)
+async def test_a_head_trickled_a_byte_at_a_time_is_cut_off(edge: Edge) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", edge.port)
     writer.write(b"GET /healthz HTTP/1.1\r\nHost: edge\r\n")
 
     async def trickle() -> None:
@@ -78,8 +84,8 @@ async def test_a_head_trickled_a_byte_at_a_time_is_cut_off(edge: Stack) -> None:
     assert took < HEADER_TIMEOUT_S + 2
 
 
-async def test_a_silent_connection_is_closed(edge: Stack) -> None:
-    reader, writer = await asyncio.open_connection("127.0.0.1", edge.edge_port)
+async def test_a_silent_connection_is_closed(edge: Edge) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", edge.port)
     try:
         took = await closed_within(reader, HEADER_TIMEOUT_S + 5)
     finally:
@@ -87,8 +93,8 @@ async def test_a_silent_connection_is_closed(edge: Stack) -> None:
     assert took < HEADER_TIMEOUT_S + 2
 
 
-async def test_a_kept_alive_connection_trickling_its_next_head_is_cut_off(edge: Stack) -> None:
-    reader, writer = await asyncio.open_connection("127.0.0.1", edge.edge_port)
+async def test_a_kept_alive_connection_trickling_its_next_head_is_cut_off(edge: Edge) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", edge.port)
     try:
         writer.write(b"GET /healthz HTTP/1.1\r\nHost: edge\r\n\r\n")
         first = await asyncio.wait_for(reader.readuntil(b"}"), 5)  # the whole small answer
@@ -103,12 +109,10 @@ async def test_a_kept_alive_connection_trickling_its_next_head_is_cut_off(edge: 
     assert took < HEADER_TIMEOUT_S + 2
 
 
-async def test_connections_past_the_limit_are_answered_503(edge: Stack) -> None:
-    held = [
-        await asyncio.open_connection("127.0.0.1", edge.edge_port) for _ in range(MAX_CONNECTIONS)
-    ]
+async def test_connections_past_the_limit_are_answered_503(edge: Edge) -> None:
+    held = [await asyncio.open_connection("127.0.0.1", edge.port) for _ in range(MAX_CONNECTIONS)]
     try:
-        reader, writer = await asyncio.open_connection("127.0.0.1", edge.edge_port)
+        reader, writer = await asyncio.open_connection("127.0.0.1", edge.port)
         writer.write(b"GET /healthz HTTP/1.1\r\nHost: edge\r\n\r\n")
         answer = await asyncio.wait_for(reader.read(4096), 5)
         await closed(writer)
@@ -117,14 +121,14 @@ async def test_connections_past_the_limit_are_answered_503(edge: Stack) -> None:
         for _, w in held:
             await closed(w)
     # Once the flood is gone, the edge answers again.
-    wait_until(edge.edge_ready, 10, "the edge answering again")
+    wait_until(edge.ready, 10, "the edge answering again")
 
 
 # -- WebSocket frames before the key -------------------------------------------------------------
 
 
-async def test_a_big_frame_before_the_key_closes_the_socket(edge: Stack) -> None:
-    async with websockets.connect(edge.ws_url_as(None), max_size=None) as ws:
+async def test_a_big_frame_before_the_key_closes_the_socket(edge: Edge) -> None:
+    async with websockets.connect(edge.stack.ws_url_as(None, edge.port), max_size=None) as ws:
         await ws.send(json.dumps({"type": "auth", "api_key": "x" * 65536}))
         with pytest.raises(websockets.ConnectionClosed) as closed:
             await asyncio.wait_for(ws.recv(), 5)
@@ -132,10 +136,10 @@ async def test_a_big_frame_before_the_key_closes_the_socket(edge: Stack) -> None
     assert closed.value.rcvd.code == 1009
 
 
-async def test_after_the_key_a_large_frame_is_answered_as_before(edge: Stack) -> None:
+async def test_after_the_key_a_large_frame_is_answered_as_before(edge: Edge) -> None:
     """The small limit holds only until the `auth` frame is accepted."""
-    async with websockets.connect(edge.ws_url_as(None), max_size=None) as ws:
-        await ws.send(json.dumps({"type": "auth", "api_key": edge.keys["default"]}))
+    async with websockets.connect(edge.stack.ws_url_as(None, edge.port), max_size=None) as ws:
+        await ws.send(json.dumps({"type": "auth", "api_key": edge.stack.keys["default"]}))
         big = "x" * 60_000  # 60 kB: above the pre-auth limit, under the frame limit
         await ws.send(
             json.dumps(
