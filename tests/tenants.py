@@ -45,11 +45,18 @@ RESUME_AND_CANCEL: dict[str, dict[str, object]] = {
     "flood-one-stream": {"rps": 100.0, "concurrency": 1},
 }
 
+# tests/security/test_http_limits.py: streams and held bodies against `sockets`.
+HTTP_LIMITS: dict[str, dict[str, object]] = {
+    "http-two-streams": {**UNLIMITED, "sockets": 2},
+    "http-one-stream": {**UNLIMITED, "sockets": 1},
+}
+
 SHARED_STACK_TENANTS: dict[str, dict[str, object]] = {
     **QUOTAS,
     **TOKEN_COUNTS,
     **REVOKED_KEYS,
     **RESUME_AND_CANCEL,
+    **HTTP_LIMITS,
 }
 
 # The sim's test-only markers (services/worker/engines/sim.py), set on the shared stack: no

@@ -2,7 +2,11 @@
 (slow, or many held at once), JSON nested past the interpreter's stack, more streams than
 the tenant's `sockets`. Each is sent as an attacker
 would, over a real socket to a real edge. (A client that stops reading its stream:
-test_listener_limits.py.)"""
+test_listener_limits.py.)
+
+On the session's shared stack: the edge is one of the module's own, with the body timeout,
+budget and grace period it tests; its tenants are in tests/tenants.py (`HTTP_LIMITS`), and
+its answers are the sim's echo of the prompt (the shared stack's echo marker)."""
 
 from __future__ import annotations
 
@@ -13,55 +17,59 @@ import select
 import socket
 import time
 from collections.abc import Iterator
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.stack import UNLIMITED, Stack, new_prefix, wait_until
+from tests.stack import Stack, wait_until
+from tests.tenants import ECHO_MARKER
 
 MODEL = "sim-8b"
-ECHO = "ECHO-51c0de::"
+ECHO = ECHO_MARKER
 BODY_LIMIT = 1 << 20  # TOKENBUS_EDGE_MAX_FRAME_BYTES's default: the body limit
 SEND_BUFFER = 1 << 16  # the attacker's socket's
-TOKEN_RATE = 400
 BODY_TIMEOUT_S = 2.0
 BODY_BUDGET = 2 << 20  # bytes of unfinished bodies the edge holds, all clients together
-TENANTS: dict[str, dict[str, object]] = {
-    "two_streams": {**UNLIMITED, "sockets": 2},
-    "one_stream": {**UNLIMITED, "sockets": 1},
-}
+TWO_STREAMS, ONE_STREAM = "http-two-streams", "http-one-stream"  # tests/tenants.py
+
+
+@dataclass(frozen=True)
+class Api:
+    """The HTTP API under attack: an edge of the module's own on the session's shared stack,
+    with the edge settings the module tests."""
+
+    stack: Stack
+    edge_port: int
+
+    @property
+    def http_url(self) -> str:
+        return self.stack.http_url_at(self.edge_port)
+
+    @property
+    def keys(self) -> dict[str, str]:
+        return self.stack.keys
 
 
 @pytest.fixture(scope="module")
-def api(bootstrap: str, log_dir: Path) -> Iterator[Stack]:
-    stack = Stack(
-        bootstrap=bootstrap,
-        prefix=new_prefix(),
-        log_dir=log_dir,
-        tenant_limits=TENANTS,
-        env_overrides={
-            "TOKENBUS_WORKER_SIM_ECHO_MARKER": ECHO,
-            "TOKENBUS_WORKER_SIM_TOKEN_RATE": str(TOKEN_RATE),
-            "TOKENBUS_EDGE_DISCONNECT_GRACE_S": "2",
-            "TOKENBUS_EDGE_BODY_TIMEOUT_S": str(BODY_TIMEOUT_S),
-            "TOKENBUS_EDGE_BODY_BUDGET_BYTES": str(BODY_BUDGET),
-        },
-    )
-    try:
-        stack.start()
-        wait_until(lambda: MODEL in models(stack), 30, "the worker's model on /v1/models")
-        yield stack
-    finally:
-        stack.stop()
+def api(stack: Stack) -> Iterator[Api]:
+    settings = {
+        "TOKENBUS_EDGE_DISCONNECT_GRACE_S": "2",
+        "TOKENBUS_EDGE_BODY_TIMEOUT_S": str(BODY_TIMEOUT_S),
+        "TOKENBUS_EDGE_BODY_BUDGET_BYTES": str(BODY_BUDGET),
+    }
+    with stack.own_edge("edge-http-limits", **settings) as port:
+        edge = Api(stack, port)
+        wait_until(lambda: MODEL in models(edge), 30, "the worker's model on /v1/models")
+        yield edge
 
 
-def auth(stack: Stack, tenant: str = "default") -> dict[str, str]:
+def auth(stack: Api, tenant: str = "default") -> dict[str, str]:
     return {"Authorization": f"Bearer {stack.keys[tenant]}"}
 
 
-def models(stack: Stack) -> list[str]:
+def models(stack: Api) -> list[str]:
     got = httpx.get(f"{stack.http_url}/v1/models", headers=auth(stack))
     return [m["id"] for m in got.json().get("data", [])] if got.status_code == 200 else []
 
@@ -138,7 +146,7 @@ def whole_answer(sock: socket.socket) -> bytes:
 # -- a body without end -------------------------------------------------------------------------
 
 
-def test_a_chunked_body_without_end_gets_413_before_it_is_read(api: Stack) -> None:
+def test_a_chunked_body_without_end_gets_413_before_it_is_read(api: Api) -> None:
     """The attacker streams chunks for ever; the edge answers 413 once past its limit and
     closes the connection, having read about the limit, not what was sent."""
     head = (
@@ -158,7 +166,7 @@ def test_a_chunked_body_without_end_gets_413_before_it_is_read(api: Stack) -> No
     assert b"connection: close" in rest.lower()
 
 
-def test_a_declared_oversized_body_gets_413_unread(api: Stack) -> None:
+def test_a_declared_oversized_body_gets_413_unread(api: Api) -> None:
     got = httpx.post(
         f"{api.http_url}/v1/completions",
         headers=auth(api),
@@ -172,7 +180,7 @@ def test_a_declared_oversized_body_gets_413_unread(api: Stack) -> None:
 
 
 @pytest.mark.parametrize("opener", ["[", '{"a":'])
-def test_json_nested_past_the_stack_gets_a_typed_400(api: Stack, opener: str) -> None:
+def test_json_nested_past_the_stack_gets_a_typed_400(api: Api, opener: str) -> None:
     depth = 100_000  # under the body limit; far past Python's recursion limit
     got = httpx.post(
         f"{api.http_url}/v1/chat/completions",
@@ -191,7 +199,7 @@ def test_json_nested_past_the_stack_gets_a_typed_400(api: Stack, opener: str) ->
 
 
 async def open_stream(
-    client: httpx.AsyncClient, stack: Stack, tenant: str, tokens: int
+    client: httpx.AsyncClient, stack: Api, tenant: str, tokens: int
 ) -> httpx.Response:
     request = client.build_request(
         "POST",
@@ -202,12 +210,12 @@ async def open_stream(
     return await client.send(request, stream=True)
 
 
-async def test_the_streams_past_the_tenants_sockets_are_refused(api: Stack) -> None:
+async def test_the_streams_past_the_tenants_sockets_are_refused(api: Api) -> None:
     async with httpx.AsyncClient(timeout=60) as client:
-        held = [await open_stream(client, api, "two_streams", 4000) for _ in range(2)]
+        held = [await open_stream(client, api, TWO_STREAMS, 4000) for _ in range(2)]
         try:
             assert [r.status_code for r in held] == [200, 200]
-            third = await open_stream(client, api, "two_streams", 8)
+            third = await open_stream(client, api, TWO_STREAMS, 8)
             await third.aread()
             assert third.status_code == 429, third.text[:200]
             error = third.json()["error"]
@@ -224,7 +232,7 @@ async def test_the_streams_past_the_tenants_sockets_are_refused(api: Stack) -> N
 
         # The ended streams gave their places back.
         async def admitted() -> bool:
-            r = await open_stream(client, api, "two_streams", 4)
+            r = await open_stream(client, api, TWO_STREAMS, 4)
             await r.aread()
             return r.status_code == 200
 
@@ -237,7 +245,7 @@ async def test_the_streams_past_the_tenants_sockets_are_refused(api: Stack) -> N
 # -- bodies that never finish (issue 37, N4) ----------------------------------------------------
 
 
-async def unfinished(stack: Stack, tenant: str, declared: int, sent: int) -> asyncio.StreamReader:
+async def unfinished(stack: Api, tenant: str, declared: int, sent: int) -> asyncio.StreamReader:
     """A request whose head declares `declared` body bytes, of which `sent` are sent; the
     connection is then held, writing nothing more. Its reader gets the edge's answer."""
     reader, writer = await asyncio.open_connection("127.0.0.1", stack.edge_port)
@@ -263,7 +271,7 @@ async def status_of(reader: asyncio.StreamReader, within_s: float) -> int:
     return int(line.split()[1])
 
 
-async def test_a_body_that_never_finishes_gets_408_within_the_body_timeout(api: Stack) -> None:
+async def test_a_body_that_never_finishes_gets_408_within_the_body_timeout(api: Api) -> None:
     """Before: uvicorn has no body timeout and the edge read on for ever, the connection and
     its buffered bytes held as long as the client liked."""
     started = time.monotonic()
@@ -277,7 +285,7 @@ async def test_a_body_that_never_finishes_gets_408_within_the_body_timeout(api: 
         HELD.clear()
 
 
-async def test_held_bodies_stop_at_the_edges_budget_and_the_tenants_places(api: Stack) -> None:
+async def test_held_bodies_stop_at_the_edges_budget_and_the_tenants_places(api: Api) -> None:
     """Before: 1,500 connections each holding an unfinished 1 MiB body exceeded the edge's
     memory. Now the bytes held are bounded for the edge (a body past its budget: 503 with a
     retry hint) and per tenant (an unfinished body holds one of its `sockets`: 429), and
@@ -292,13 +300,13 @@ async def test_held_bodies_stop_at_the_edges_budget_and_the_tenants_places(api: 
         assert [a.result() for a in first] == [503]
         held = [a for a in answers if a not in first]
         # A tenant of one socket place: its unfinished body holds it.
-        await unfinished(api, "one_stream", BODY_LIMIT, 1000)
+        await unfinished(api, ONE_STREAM, BODY_LIMIT, 1000)
         async with httpx.AsyncClient(timeout=30) as client:
 
             async def second() -> httpx.Response:
                 return await client.post(
                     f"{api.http_url}/v1/chat/completions",
-                    headers=auth(api, "one_stream"),
+                    headers=auth(api, ONE_STREAM),
                     json={**echo_request("x", 4), "stream": False},
                 )
 
@@ -310,7 +318,7 @@ async def test_held_bodies_stop_at_the_edges_budget_and_the_tenants_places(api: 
             # The victim: another tenant, a whole answer, while the attack holds.
             victim = await client.post(
                 f"{api.http_url}/v1/chat/completions",
-                headers=auth(api, "two_streams"),
+                headers=auth(api, TWO_STREAMS),
                 json={**echo_request("still served", 4), "stream": False},
             )
             assert victim.status_code == 200, victim.text[:200]
