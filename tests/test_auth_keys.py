@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import secrets
 import stat
 from pathlib import Path
 
 import pytest
 
 from services.edge import keys as keyfile
+from services.edge.auth import tenant_id
 from services.edge.keys import KeyStore
 from services.edge.quotas import TenantLimits
 from tokenbus.cli import main
@@ -46,6 +48,26 @@ def test_list_shows_no_secrets(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert "tenant=acme" in out
     assert key not in out
     assert keyfile.hash_key(key) not in out
+
+
+def test_list_names_each_tenants_id_as_the_edges_stamp_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fair-share weights name tenant ids (the keyed hash the edges stamp), which only
+    the resume secret can compute: `keys list` shows them where the secret is set."""
+    path = tmp_path / "keys.json"
+    create(path, "acme", capsys=capsys)
+    monkeypatch.delenv("TOKENBUS_RESUME_SECRETS", raising=False)
+    monkeypatch.delenv("TOKENBUS_RESUME_SECRET", raising=False)
+    assert main(["keys", "--file", str(path), "list"]) == 0
+    assert "id=t-" not in (out := capsys.readouterr().out)
+    assert "TOKENBUS_SCHEDULER_TENANT_WEIGHTS" in out
+    secret = secrets.token_urlsafe(32)
+    monkeypatch.setenv("TOKENBUS_RESUME_SECRET", secret)
+    assert main(["keys", "--file", str(path), "list"]) == 0
+    out = capsys.readouterr().out
+    assert f"tenant acme: id={tenant_id(secret.encode(), 'acme')} " in out
+    assert secret not in out
 
 
 def test_bad_tenant_name_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

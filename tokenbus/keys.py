@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, get_args
 
-from pydantic import ValidationError
+from pydantic import SecretStr, ValidationError
 
 from services.edge import keys as keyfile
+from services.edge.auth import tenant_id
+from services.edge.resume import ResumeKeys
 from services.edge.settings import KeysSettings
 
 if TYPE_CHECKING:
@@ -128,10 +132,34 @@ def _list(args: argparse.Namespace) -> int:
         scopes = f"  scopes={','.join(entry.scopes)}" if entry.scopes else ""
         plan = f"  plan={entry.plan}" if entry.plan else ""
         print(f"{entry.id}  tenant={entry.tenant}  created={created}{scopes}{plan}")
+    ids = _tenant_ids()
     for tenant, limits in sorted(keys.tenants.items()):
         shown = " ".join(f"{k}={v}" for k, v in limits.model_dump(exclude={"burst"}).items())
-        print(f"tenant {tenant}: {shown} (burst={limits.request_burst})")
+        known = f" id={ids(tenant)}" if ids is not None else ""
+        print(f"tenant {tenant}:{known} {shown} (burst={limits.request_burst})")
+    if ids is None:
+        print(
+            "(set TOKENBUS_RESUME_SECRET or _SECRETS as the edges have it to see each tenant's"
+            " id, the name its requests carry: TOKENBUS_SCHEDULER_TENANT_WEIGHTS keys)"
+        )
     return 0
+
+
+def _tenant_ids() -> Callable[[str], str] | None:
+    """Tenant name -> the id the edges stamp on its requests (a keyed hash under the resume
+    signing key: what the scheduler's fair-share weights name); None without the secret."""
+    single, listed = (
+        os.environ.get("TOKENBUS_RESUME_SECRET"),
+        os.environ.get("TOKENBUS_RESUME_SECRETS"),
+    )
+    try:
+        resume = ResumeKeys.from_settings(
+            SecretStr(single) if single else None, SecretStr(listed) if listed else None
+        )
+    except ValueError:
+        return None
+    secret = resume.keys[resume.signing_kid].get_secret_value().encode()
+    return lambda tenant: tenant_id(secret, tenant)
 
 
 def _revoke(args: argparse.Namespace) -> int:

@@ -73,8 +73,9 @@ class SchedulerSettings(TokenbusSettings):
     )
     scheduler_tenant_weights: dict[str, float] = Field(
         default_factory=dict,
-        description='Fair-share weight per tenant, JSON (e.g. `{"key-ab12": 3}`); unnamed'
-        " tenants weigh 1.",
+        description='Fair-share weight per tenant id, JSON (e.g. `{"t-3f9c…": 3}`: the id'
+        " `tokenbus keys list` shows with the edges' resume secret set; an app's id is its"
+        " name); unnamed tenants weigh 1.",
     )
 
     scheduler_routing: RoutingMode = Field(

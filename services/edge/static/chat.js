@@ -14,10 +14,18 @@ let ws = null;
 let retryMs = 250;
 
 // The API key comes in the link's fragment (#key=...), which browsers send to no server.
-// It is kept for this tab only and taken out of the address bar.
+// It is kept for this tab only and taken out of the address bar. A link with another key
+// than the one this tab holds replaces it only if the user says so: a link someone sent
+// could otherwise make the page talk as their tenant (issue 37).
 const fragment = new URLSearchParams(location.hash.slice(1));
 if (fragment.has("key")) {
-  sessionStorage.setItem("tokenbus-key", fragment.get("key"));
+  const linked = fragment.get("key");
+  const held = sessionStorage.getItem("tokenbus-key");
+  if (!held || held === linked ||
+      confirm("This link carries another API key than the one this tab uses. " +
+              "Use the link's key? (Cancel keeps the current one.)")) {
+    sessionStorage.setItem("tokenbus-key", linked);
+  }
   history.replaceState(null, "", location.pathname + location.search);
 }
 const apiKey = sessionStorage.getItem("tokenbus-key");
