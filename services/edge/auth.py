@@ -411,6 +411,11 @@ class SocketAuth:
     def authenticated(self) -> bool:
         return self.principal is not None
 
+    @property
+    def presented(self) -> bool:
+        """A key came in the upgrade's Authorization header (checked by `start`)."""
+        return self._presented is not None
+
     def start(self) -> Close | None:
         """A key from the upgrade's headers takes its socket place now (or the socket closes)."""
         return self._take_socket(self._presented) if self._presented is not None else None

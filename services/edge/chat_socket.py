@@ -29,6 +29,7 @@ from services.edge.protocol import (
     parse_client_frame,
 )
 from services.edge.streams import ResultStream
+from services.edge.ws_protocol import WIDEN
 from shared.messages import ErrorCode
 
 log = structlog.get_logger()
@@ -111,8 +112,19 @@ class ChatSocket:
             tenant=self.tenant,
         )
 
+    def _widen(self) -> None:
+        """The socket has its key: its frames may be as large as an authenticated socket's
+        (the listener's protocol read one small message at a time before: ws_protocol.py)."""
+        extension = self.ws.scope.get("extensions", {}).get(WIDEN)
+        if extension is not None:
+            extension["widen"]()
+
     async def serve(self) -> None:
         try:
+            if self.auth.presented:
+                # Keyed in its upgrade request: its first frame may be large (the key is
+                # checked at once in `_read`, before anything is read).
+                self._widen()
             await self.ws.accept()  # in the `try`: the socket's places are given back
             async with asyncio.TaskGroup() as tg:
                 writer = tg.create_task(self._write())
@@ -183,6 +195,8 @@ class ChatSocket:
             if not self.auth.authenticated:
                 if refused := self._before_key(data):
                     return refused
+                if self.auth.authenticated:
+                    self._widen()
                 continue
             try:
                 frame = parse_client_frame(data, self.limits, self.max_frame_bytes)

@@ -21,6 +21,7 @@ import structlog
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from services.edge.settings import EdgeSettings
+from services.edge.ws_protocol import ws_protocol_class
 
 log = structlog.get_logger()
 
@@ -150,6 +151,8 @@ def uvicorn_options(settings: EdgeSettings) -> dict[str, Any]:
         "limit_concurrency": settings.edge_max_connections,
         # Read frames up to 4x the answered limit, so an oversized frame of an authenticated
         # socket gets a polite invalid_request instead of a closed socket; before the key,
-        # a frame above edge_max_unauthenticated_frame_bytes closes it (chat_socket.py).
+        # one message at a time, each at most edge_max_unauthenticated_frame_bytes: a larger
+        # one closes the socket by its header, unread (ws_protocol.py).
         "ws_max_size": settings.edge_max_frame_bytes * 4,
+        "ws": ws_protocol_class(settings.edge_max_unauthenticated_frame_bytes),
     }
