@@ -3,8 +3,12 @@ test tiers: the unit tier marked `unit`, guarded from starting processes (tests/
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import os
+import signal
 from collections.abc import Generator, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -28,6 +32,10 @@ _guard = ProcessGuard()
 # The session's three-node cluster: the tests that use it run last, the chaos check last of
 # all (it kills nodes), so that the cluster lives only while they run.
 THREE_NODES = "three_nodes"
+# The session's faultable broker: the tests that hang or stop it run together, after the
+# plain ones and before the three-node ones, and it stops when the last of them ends.
+FAULTABLE = "faultable_broker"
+_FAULTABLE_CLUSTER = pytest.StashKey[launcher.Cluster]()
 
 
 # First, so that `-m unit` / `-m "not unit"` see the mark when they deselect.
@@ -40,10 +48,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=_runs_late)  # stable: the order within each group stays
 
 
-def _runs_late(item: pytest.Item) -> tuple[bool, bool]:
+def _runs_late(item: pytest.Item) -> tuple[bool, bool, bool]:
     return (
         THREE_NODES in getattr(item, "fixturenames", ()),
         item.get_closest_marker("chaos") is not None,
+        FAULTABLE in getattr(item, "fixturenames", ()),
     )
 
 
@@ -53,6 +62,20 @@ def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, object, object
         return (yield)
     with _guard.watching(item.nodeid):
         return (yield)
+
+
+@pytest.hookimpl(wrapper=True, trylast=True)  # innermost: inside the output's capture
+def pytest_runtest_teardown(
+    item: pytest.Item, nextitem: pytest.Item | None
+) -> Generator[None, object, None]:
+    """Stops the faultable broker once the last test that uses it is torn down (they run
+    together: `_runs_late`), not at the session's end; a later test would start it again."""
+    try:
+        yield
+    finally:
+        uses = [FAULTABLE in getattr(i, "fixturenames", ()) for i in (item, nextitem)]
+        if uses == [True, False] and (cluster := item.config.stash.get(_FAULTABLE_CLUSTER, None)):
+            launcher.stop(cluster)
 
 
 @pytest.fixture(scope="session")
@@ -102,6 +125,74 @@ def three_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProxiedClu
             yield ProxiedCluster(cluster, proxy)
     finally:
         launcher.stop(cluster)
+
+
+@dataclass(frozen=True)
+class FaultableBroker:
+    """A single-node broker a test may hang (SIGSTOP) or stop and start again on the same
+    port and state dir (topics and offsets are kept): `faultable_broker`."""
+
+    cluster: launcher.Cluster
+
+    @property
+    def bootstrap(self) -> str:
+        return self.cluster.bootstrap_servers
+
+    @property
+    def pid(self) -> int:
+        return launcher.running_pids(self.cluster)[1]
+
+    def hang(self) -> None:
+        os.kill(self.pid, signal.SIGSTOP)
+
+    def wake(self) -> None:
+        os.kill(self.pid, signal.SIGCONT)
+
+    def stop(self) -> None:
+        assert launcher.stop(self.cluster), "the faultable broker was not running"
+
+    def start(self) -> None:
+        launcher.start(self.cluster)
+
+    def whole(self) -> FaultableBroker:
+        """Running, not hung, and serving, whatever a test did to it (started again if it
+        was stopped, which counts a JVM start)."""
+        for pid in launcher.running_pids(self.cluster).values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        launcher.start(self.cluster)
+        return self
+
+
+@pytest.fixture(scope="session")
+def _faultable_node(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[FaultableBroker]:
+    # Below the ephemeral range: a restart can bind the port again.
+    cluster = launcher.Cluster(
+        port=free_port_pair(), state_dir=tmp_path_factory.mktemp("faultable-kafka")
+    )
+    request.config.stash[_FAULTABLE_CLUSTER] = cluster
+    broker = FaultableBroker(cluster)
+    try:
+        yield broker.whole()
+    finally:
+        with contextlib.suppress(KeyError, ProcessLookupError):
+            broker.wake()
+        launcher.stop(cluster)
+
+
+@pytest.fixture
+def faultable_broker(_faultable_node: FaultableBroker) -> Iterator[FaultableBroker]:
+    """One single-node broker for the session's fault tests (issue 36), started by the first
+    and stopped after the last (they run together): never the shared broker, which no test
+    stops. A test may hang it or stop it; it is whole when the test begins and again when it
+    ends, pass or fail. Each test names its topics and groups by a prefix of its own (a
+    `Stack`'s) and deletes them when it ends, so that a restart has little to load."""
+    try:
+        yield _faultable_node.whole()
+    finally:
+        _faultable_node.whole()
 
 
 def _default_stack(bootstrap: str, log_dir: Path) -> Iterator[Stack]:

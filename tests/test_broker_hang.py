@@ -5,19 +5,17 @@ Issue 25, point 2 (a 30 s hang under the production timeouts): every stream that
 running when the broker hung either completes after it returns, or ends with
 `deadline_exceeded` if its deadline passed (these chats have none). Nothing ends with
 `not_found` for a request that exists. A client whose socket closes resumes with its token,
-the attempt and the last `seq` it showed, as the chat page does. A dedicated broker: the
-shared test broker is never stopped. The hang outlasts the producers' request timeout (ADR
-0048: a result batch that waited that long gave up and left a hole in its stream) and the
-group session, both set short in this stack (ADR 0065).
+the attempt and the last `seq` it showed, as the chat page does. The session's faultable
+broker (`faultable_broker`): the shared test broker is never stopped. The hang outlasts the
+producers' request timeout (ADR 0048: a result batch that waited that long gave up and left
+a hole in its stream) and the group session, both set short in this stack (ADR 0065).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
-import signal
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -28,11 +26,10 @@ import pytest
 import websockets
 from websockets.exceptions import ConnectionClosed
 
-from deploy.kafka import launcher
 from services.worker.engines.sim_text import complete
 from shared.kafka import create_topics
 from tests.chat_client import recv_json
-from tests.processes import free_port_pair
+from tests.conftest import FaultableBroker
 from tests.stack import (
     FAULT_WINDOW_S,
     SERVICES,
@@ -148,41 +145,10 @@ class Chat:
                 await asyncio.sleep(1)
 
 
-@dataclass
-class HungBroker:
-    """A dedicated single-node broker, hung with SIGSTOP and woken with SIGCONT."""
-
-    broker: launcher.Cluster
-    pid: int = 0
-
-    def hang(self) -> None:
-        os.kill(self.pid, signal.SIGSTOP)
-
-    def wake(self) -> None:
-        os.kill(self.pid, signal.SIGCONT)
-
-    def close(self) -> None:
-        if self.pid:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, signal.SIGCONT)
-        launcher.stop(self.broker)
-
-
 @pytest.fixture
-def broker(tmp_path: Path) -> Iterator[HungBroker]:
-    cluster = launcher.Cluster(port=free_port_pair(), state_dir=tmp_path / "kafka")
-    hung = HungBroker(cluster)
-    try:
-        hung.pid = launcher.start(cluster).pids[1]
-        yield hung
-    finally:
-        hung.close()
-
-
-@pytest.fixture
-def hang_stack(broker: HungBroker, log_dir: Path) -> Iterator[Stack]:
+def hang_stack(faultable_broker: FaultableBroker, log_dir: Path) -> Iterator[Stack]:
     stack = Stack(
-        bootstrap=broker.broker.bootstrap_servers,
+        bootstrap=faultable_broker.bootstrap,
         prefix=new_prefix(),
         log_dir=log_dir,
         env_overrides={
@@ -195,15 +161,15 @@ def hang_stack(broker: HungBroker, log_dir: Path) -> Iterator[Stack]:
         stack.edge_port = free_port()
         for name in SERVICES:
             stack.start_service(name)
-        # Patient: a fresh broker on a loaded machine elects the new topics' leaders slowly.
+        # Patient: a loaded machine's broker elects the new topics' leaders slowly.
         wait_until(stack.edge_ready, 240, "the edge's /healthz")
         yield stack
     finally:
-        for key in list(stack.processes):
-            stack.stop_service(key)
+        faultable_broker.whole()  # woken if the test failed in the hang: the topics go too
+        stack.stop()
 
 
-async def scenario(stack: Stack, broker: HungBroker) -> dict[str, float]:
+async def scenario(stack: Stack, broker: FaultableBroker) -> dict[str, float]:
     chats = [Chat(stack.ws_url, p) for p in PROMPTS]
     await asyncio.gather(*(c.submit() for c in chats))
     followers = [asyncio.create_task(c.follow()) for c in chats]
@@ -244,7 +210,7 @@ async def scenario(stack: Stack, broker: HungBroker) -> dict[str, float]:
 
 @pytest.mark.timeout(600)
 def test_a_hang_of_the_only_broker_longer_than_the_clients_timeouts_loses_no_chat(
-    hang_stack: Stack, broker: HungBroker
+    hang_stack: Stack, faultable_broker: FaultableBroker
 ) -> None:
-    measured = asyncio.run(scenario(hang_stack, broker))
+    measured = asyncio.run(scenario(hang_stack, faultable_broker))
     print(f"broker hang: {measured}")

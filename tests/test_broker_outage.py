@@ -1,18 +1,15 @@
 """A broker outage while streams run, hung (SIGSTOP) or stopped and restarted on the same port
 and state dir, longer than the clients' timeouts: no service exits, open sockets stay open, a
 request in the outage gets `overloaded` with `retry_after_ms` at once, streams in flight end
-with `chat.done` or `error`, and a new request succeeds soon after the broker is back. A
-dedicated broker per test. The outage outlasts the producers' request timeout (batches
-expire, producers break), the group sessions, the edge's lease and its models' freshness,
-all set short in this stack (ADR 0065)."""
+with `chat.done` or `error`, and a new request succeeds soon after the broker is back. On the
+session's faultable broker (`faultable_broker`), never the shared one. The outage outlasts
+the producers' request timeout (batches expire, producers break), the group sessions, the
+edge's lease and its models' freshness, all set short in this stack (ADR 0065)."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import os
-import signal
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -23,12 +20,11 @@ import pytest
 import websockets
 from websockets.exceptions import ConnectionClosed
 
-from deploy.kafka import launcher
 from services.worker.engines.sim_text import complete
 from shared.kafka import create_topics
 from tests import stack_dumps
 from tests.chat_client import recv_json
-from tests.processes import free_port_pair
+from tests.conftest import FaultableBroker
 from tests.stack import (
     FAULT_WINDOW_S,
     SERVICES,
@@ -82,50 +78,33 @@ class Watched:
 
 @dataclass
 class Outage:
-    """Takes the dedicated broker away and brings it back, in one of two ways."""
+    """Takes the faultable broker away and brings it back, in one of two ways."""
 
-    broker: launcher.Cluster
+    broker: FaultableBroker
     mode: str
-    pid: int = 0
-
-    def start(self) -> None:
-        self.pid = launcher.start(self.broker).pids[1]
 
     def away(self) -> None:
         if self.mode == "hang":
-            os.kill(self.pid, signal.SIGSTOP)
+            self.broker.hang()
         else:
-            assert launcher.stop(self.broker)
+            self.broker.stop()
 
     def back(self) -> None:
         if self.mode == "hang":
-            os.kill(self.pid, signal.SIGCONT)
+            self.broker.wake()
         else:
-            self.start()  # same port, same state dir: topics and offsets are kept
-
-    def close(self) -> None:
-        if self.pid:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, signal.SIGCONT)
-        launcher.stop(self.broker)
+            self.broker.start()  # same port, same state dir: topics and offsets are kept
 
 
 @pytest.fixture(params=["hang", "restart"])
-def outage(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Outage]:
-    port = free_port_pair()  # below the ephemeral range: a restart can bind it again
-    broker = launcher.Cluster(port=port, state_dir=tmp_path / "kafka")
-    o = Outage(broker, request.param)
-    try:
-        o.start()
-        yield o
-    finally:
-        o.close()
+def outage(request: pytest.FixtureRequest, faultable_broker: FaultableBroker) -> Outage:
+    return Outage(faultable_broker, request.param)
 
 
 @pytest.fixture
 def outage_stack(outage: Outage, log_dir: Path) -> Iterator[Stack]:
     stack = Stack(
-        bootstrap=outage.broker.bootstrap_servers,
+        bootstrap=outage.broker.bootstrap,
         prefix=new_prefix(),
         log_dir=log_dir,
         env_overrides={
@@ -139,14 +118,13 @@ def outage_stack(outage: Outage, log_dir: Path) -> Iterator[Stack]:
         start_patiently(stack)
         yield stack
     finally:
-        # The broker goes with its tmp dir: only the processes need stopping.
-        for key in list(stack.processes):
-            stack.stop_service(key)
+        outage.broker.whole()  # back if the test failed in the outage: the topics go too
+        stack.stop()
 
 
 def start_patiently(stack: Stack) -> None:
-    """`Stack.start` with more patience: a fresh broker on a loaded machine elects the
-    leaders of the new topics slowly, and the edge waits for them before it serves."""
+    """`Stack.start` with more patience: a loaded machine's broker elects the leaders of
+    the new topics slowly, and the edge waits for them before it serves."""
     settings = stack.settings
     asyncio.run(create_topics(settings, stack.topics.partitions()))
     stack.edge_port = free_port()
@@ -271,7 +249,7 @@ async def scenario(stack: Stack, outage: Outage) -> None:
             await s.ws.close()
 
 
-# A fresh broker per variant, started twice in `restart`: slow on a loaded machine.
+# The broker started again in `restart`: slow on a loaded machine.
 @pytest.mark.timeout(900)
 def test_a_broker_outage_longer_than_the_clients_timeouts_is_survived_in_place(
     outage_stack: Stack, outage: Outage, tmp_path: Path

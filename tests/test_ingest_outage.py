@@ -1,5 +1,5 @@
-"""A broker of its own, stopped under ingest for longer than ingest's Kafka timeouts: ingest
-stays up and skips nothing.
+"""The session's faultable broker (`faultable_broker`), stopped under ingest for longer than
+ingest's Kafka timeouts: ingest stays up and skips nothing.
 
 Requests written before the outage (some still in ingest's hands when the broker stops)
 and after it each reach a tier topic exactly once, and the ingest process is the same one
@@ -12,16 +12,14 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from deploy.kafka.launcher import Cluster, start, stop
 from shared.kafka import make_producer
 from shared.settings import TokenbusSettings
+from tests.conftest import FaultableBroker
 from tests.ingest_kafka import read_all
-from tests.processes import free_port_pair
 from tests.stack import (
     FAULT_WINDOW_S,
     SHORT_CLIENT_TIMEOUTS,
@@ -35,16 +33,6 @@ from tests.worker_logs import events
 pytestmark = pytest.mark.integration
 
 OUTAGE_S = FAULT_WINDOW_S
-
-
-@pytest.fixture
-def own_broker(tmp_path: Path) -> Iterator[Cluster]:
-    broker = Cluster(port=free_port_pair(), state_dir=tmp_path / "kafka")
-    start(broker)
-    try:
-        yield broker
-    finally:
-        stop(broker)
 
 
 async def write(bootstrap: str, topic: str, ids: list[str]) -> None:
@@ -68,12 +56,12 @@ async def on_tiers(stack: Stack) -> list[str]:
     return keys
 
 
-@pytest.mark.timeout(600)  # two broker starts on a shared machine
+@pytest.mark.timeout(600)  # a broker start on a shared machine
 async def test_ingest_outlives_a_broker_outage_longer_than_its_timeouts_and_skips_nothing(
-    own_broker: Cluster, log_dir: Path
+    faultable_broker: FaultableBroker, log_dir: Path
 ) -> None:
     stack = Stack(
-        bootstrap=own_broker.bootstrap_servers,
+        bootstrap=faultable_broker.bootstrap,
         prefix=new_prefix(),
         log_dir=log_dir,
         env_overrides={
@@ -96,12 +84,12 @@ async def test_ingest_outlives_a_broker_outage_longer_than_its_timeouts_and_skip
         await asyncio.to_thread(
             wait_until, lambda: events(log, "request.admitted"), 60, "ingest to be forwarding"
         )
-        await asyncio.to_thread(stop, own_broker)
+        await asyncio.to_thread(faultable_broker.stop)
         down_at = time.monotonic()
         while time.monotonic() - down_at < OUTAGE_S:
             assert stack.processes["ingest"].poll() is None, "ingest exited during the outage"
             await asyncio.sleep(1)
-        await asyncio.to_thread(start, own_broker)
+        await asyncio.to_thread(faultable_broker.start)
         after = [f"after-{n}" for n in range(10)]
         await write(stack.bootstrap, stack.topics.requests, after)
 
@@ -116,4 +104,5 @@ async def test_ingest_outlives_a_broker_outage_longer_than_its_timeouts_and_skip
         assert stack.processes["ingest"].poll() is None
         assert stack.processes["ingest"].pid == pid
     finally:
+        await asyncio.to_thread(faultable_broker.whole)  # back if the test failed in the outage
         await asyncio.to_thread(stack.stop)

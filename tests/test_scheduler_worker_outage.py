@@ -1,10 +1,10 @@
 """A broker outage longer than the clients' timeouts under a scheduler and a worker with a
 stream under way.
 
-On a broker of the test's own (the shared one is never stopped): the scheduler and the
-worker keep running through the outage, and once the broker is back the stream that was
-running ends with exactly one final record of its last attempt, and a new request is
-answered in full. The outage outlasts the producers' request timeout (batches expire and
+On the session's faultable broker (`faultable_broker`; the shared one is never stopped): the
+scheduler and the worker keep running through the outage, and once the broker is back the
+stream that was running ends with exactly one final record of its last attempt, and a new
+request is answered in full. The outage outlasts the producers' request timeout (batches expire and
 producers break), the scheduler's group session and the worker's heartbeats (ADR 0065).
 Requests go straight to the tier topic (no edge or ingest: their part of the outage is
 tested with them), their results to a topic the test reads.
@@ -14,10 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +25,10 @@ from services.worker.engines.sim_text import complete
 from shared.kafka import create_topics, make_producer
 from shared.messages import QueuedRequest, ReplyTo, Tier
 from shared.settings import TokenbusSettings
+from tests.conftest import FaultableBroker
 from tests.factories import long_prompts
-from tests.processes import free_port_pair
 from tests.stack import (
     FAULT_WINDOW_S,
-    ROOT,
     SHORT_CLIENT_TIMEOUTS,
     Stack,
     new_prefix,
@@ -45,40 +41,6 @@ pytestmark = pytest.mark.integration
 
 OUTAGE_S = FAULT_WINDOW_S
 TOKEN_RATE = 8  # sim tokens/s
-
-
-def launcher(*args: str) -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "deploy.kafka.launcher", *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
-
-
-class OwnBroker:
-    def __init__(self, state: Path) -> None:
-        self.port = free_port_pair()
-        self.where = ("--port", str(self.port), "--state-dir", str(state))
-
-    @property
-    def bootstrap(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def start(self) -> None:
-        launcher("start", *self.where)
-
-    def stop(self) -> None:
-        launcher("stop", *self.where)
-
-
-@pytest.fixture(scope="module")
-def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OwnBroker]:
-    own = OwnBroker(tmp_path_factory.mktemp("outage-kafka"))
-    try:
-        own.start()
-        yield own
-    finally:
-        own.stop()
 
 
 def queued(rid: str, prompt: str, reply: str, max_tokens: int) -> bytes:
@@ -130,10 +92,10 @@ def ended(records: list[dict[str, Any]]) -> bool:
 
 @pytest.mark.timeout(900)  # the broker's own restart can take minutes on two busy cores
 def test_scheduler_and_worker_ride_out_a_broker_outage_longer_than_their_timeouts(
-    broker: OwnBroker, log_dir: Path
+    faultable_broker: FaultableBroker, log_dir: Path
 ) -> None:
     stack = Stack(
-        bootstrap=broker.bootstrap,
+        bootstrap=faultable_broker.bootstrap,
         prefix=new_prefix(),
         log_dir=log_dir,
         env_overrides={
@@ -142,7 +104,7 @@ def test_scheduler_and_worker_ride_out_a_broker_outage_longer_than_their_timeout
         },
     )
     reply = f"{stack.prefix}.test.replies"
-    settings = TokenbusSettings(KAFKA_BOOTSTRAP_SERVERS=broker.bootstrap)
+    settings = TokenbusSettings(KAFKA_BOOTSTRAP_SERVERS=faultable_broker.bootstrap)
     asyncio.run(create_topics(settings, {**stack.topics.partitions(), reply: 1}))
     stack.start_service("scheduler")
     stack.start_service("worker")
@@ -152,32 +114,38 @@ def test_scheduler_and_worker_ride_out_a_broker_outage_longer_than_their_timeout
         tier = stack.topics.tier(Tier.interactive)
         # 100+ tokens at TOKEN_RATE: 12+ s, still streaming when the broker goes.
         [long_prompt] = long_prompts(1, 100, "a stream across the outage")
-        asyncio.run(produce(broker.bootstrap, tier, queued("before", long_prompt, reply, 500)))
+        asyncio.run(
+            produce(faultable_broker.bootstrap, tier, queued("before", long_prompt, reply, 500))
+        )
         wait_until(
-            lambda: "before" in read_results(broker.bootstrap, reply), 60, "the stream to start"
+            lambda: "before" in read_results(faultable_broker.bootstrap, reply),
+            60,
+            "the stream to start",
         )
 
-        assert not ended(read_results(broker.bootstrap, reply)["before"])  # mid-stream
-        broker.stop()
+        assert not ended(read_results(faultable_broker.bootstrap, reply)["before"])  # mid-stream
+        faultable_broker.stop()
         down_until = time.monotonic() + OUTAGE_S
         while time.monotonic() < down_until:  # the outage itself: both keep running
             for key, proc in stack.processes.items():
                 assert proc.poll() is None, f"{key} exited during the outage"
             time.sleep(1.0)
-        broker.start()
+        faultable_broker.start()
 
         after_prompt = "asked once the broker is back"
-        asyncio.run(produce(broker.bootstrap, tier, queued("after", after_prompt, reply, 12)))
+        asyncio.run(
+            produce(faultable_broker.bootstrap, tier, queued("after", after_prompt, reply, 12))
+        )
 
         def both_ended() -> bool:
-            got = read_results(broker.bootstrap, reply)
+            got = read_results(faultable_broker.bootstrap, reply)
             return all(rid in got and ended(got[rid]) for rid in ("before", "after"))
 
         wait_until(both_ended, 300, "both requests to end", interval=1.0)
         for key, proc in stack.processes.items():
             assert proc.poll() is None, f"{key} exited"
             assert proc.pid == pids[key]
-        got = read_results(broker.bootstrap, reply)
+        got = read_results(faultable_broker.bootstrap, reply)
         for rid, prompt, max_tokens in (
             ("before", long_prompt, 500),
             ("after", after_prompt, 12),
@@ -193,5 +161,5 @@ def test_scheduler_and_worker_ride_out_a_broker_outage_longer_than_their_timeout
                 assert "".join(d["text"] for d in deltas) == complete(prompt, max_tokens).text
         assert got["after"][-1]["kind"] == "done"
     finally:
-        for key in list(stack.processes):
-            stack.stop_service(key)
+        faultable_broker.whole()  # back if the test failed in the outage: the topics go too
+        stack.stop()
