@@ -416,6 +416,13 @@ class SocketAuth:
         """A key came in the upgrade's Authorization header (checked by `start`)."""
         return self._presented is not None
 
+    @property
+    def widened_as(self) -> str:
+        """The tenant whose share of the listener's message budget the socket draws on (the
+        key's, from the upgrade or the `auth` frame; ws_protocol.py)."""
+        principal = self.principal or self._presented
+        return principal.tenant if principal is not None else ""
+
     def start(self) -> Close | None:
         """A key from the upgrade's headers takes its socket place now (or the socket closes)."""
         return self._take_socket(self._presented) if self._presented is not None else None

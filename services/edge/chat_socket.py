@@ -117,7 +117,7 @@ class ChatSocket:
         (the listener's protocol read one small message at a time before: ws_protocol.py)."""
         extension = self.ws.scope.get("extensions", {}).get(WIDEN)
         if extension is not None:
-            extension["widen"]()
+            extension["widen"](self.auth.widened_as)
 
     async def serve(self) -> None:
         try:

@@ -151,8 +151,13 @@ def uvicorn_options(settings: EdgeSettings) -> dict[str, Any]:
         "limit_concurrency": settings.edge_max_connections,
         # Read frames up to 4x the answered limit, so an oversized frame of an authenticated
         # socket gets a polite invalid_request instead of a closed socket; before the key,
-        # one message at a time, each at most edge_max_unauthenticated_frame_bytes: a larger
-        # one closes the socket by its header, unread (ws_protocol.py).
+        # each at most edge_max_unauthenticated_frame_bytes: a larger one closes the socket
+        # by its header, unread. A message being received counts against the same budget
+        # and has the same time as an HTTP body (ws_protocol.py).
         "ws_max_size": settings.edge_max_frame_bytes * 4,
-        "ws": ws_protocol_class(settings.edge_max_unauthenticated_frame_bytes),
+        "ws": ws_protocol_class(
+            settings.edge_max_unauthenticated_frame_bytes,
+            settings.edge_body_timeout_s,
+            settings.edge_body_budget_bytes,
+        ),
     }

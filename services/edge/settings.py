@@ -240,14 +240,16 @@ class EdgeSettings(KeysSettings):
     edge_body_timeout_s: float = Field(
         default=30.0,
         gt=0,
-        description="An HTTP request's body must arrive whole within this after its head;"
-        " else 408 and the connection is closed (uvicorn has no body timeout of its own).",
+        description="An HTTP request's body must arrive whole within this after its head"
+        " (else 408, connection closed), a WebSocket message within this after its first"
+        " frame (else closed 1008); uvicorn has no such timeout of its own.",
     )
     edge_body_budget_bytes: int = Field(
         default=128 * 1024 * 1024,
         ge=1024 * 1024,
         description="Bytes of HTTP request bodies the edge holds while they arrive, all"
-        " clients together; a body that would pass it is refused with 503 and a retry hint.",
+        " clients together (503 and a retry hint past it), and the same again of WebSocket"
+        " messages (the socket closed 1013 past it).",
     )
     edge_max_connections_per_ip: int = Field(
         default=0,

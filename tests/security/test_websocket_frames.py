@@ -1,10 +1,15 @@
-"""Frames before the key, on a real socket (issue 37, N10): a socket without its key is read
-one small message at a time, so a large frame is refused by its header, unread, and a key
-sent in an `auth` frame applies to the very next frame, even one sent in the same write.
+"""WebSocket frames on a real socket, before and after the key (issue 37, N10 and N4).
 
-The session's shared stack; each test speaks WebSocket on a plain socket, so that it can
-send what a client library would not (a frame's header without its payload, two frames in
-one write).
+Before its key a socket is read one small message at a time, so a large frame is refused by
+its header, unread, and a key sent in an `auth` frame applies to the very next frame, even
+one sent in the same write. After it, the messages being received count against the edge's
+budget (a tenant's sockets an eighth of it) and must be whole in time: an unfinished
+fragmented message no longer holds 4 MiB for as long as its socket stays open.
+
+The session's shared stack (the budget tests: an edge of their own with a small budget and
+a short message time); each test speaks WebSocket on a plain socket, so that it can send
+what a client library would not (a frame's header without its payload, two frames in one
+write, a message never finished).
 """
 
 from __future__ import annotations
@@ -15,8 +20,10 @@ import contextlib
 import json
 import os
 import time
+from collections.abc import Iterator
 from typing import Any
 
+import pytest
 from websockets.frames import Frame, Opcode
 
 from services.edge.settings import EdgeSettings
@@ -26,6 +33,11 @@ from tests.stack import Stack
 PRE_AUTH_BYTES = EdgeSettings.model_fields["edge_max_unauthenticated_frame_bytes"].default
 AUTH_TIMEOUT_S = EdgeSettings.model_fields["edge_auth_timeout_s"].default
 CLOSE_MESSAGE_TOO_BIG = 1009
+CLOSE_POLICY_VIOLATION = 1008
+CLOSE_TRY_AGAIN_LATER = 1013
+MESSAGE_TIMEOUT_S = 3.0
+BUDGET = 32 << 20  # a tenant's sockets: an eighth, 4 MiB
+FRAGMENT = 1 << 20  # each attacker socket's first fragment announces this much
 
 
 class RawSocket:
@@ -53,6 +65,12 @@ class RawSocket:
         self.writer.write(b"".join(frames))  # one write: the edge may read them at once
         await self.writer.drain()
 
+    async def closed_with(self, timeout_s: float) -> int:
+        """The close code of the server's next frame, which must be a close."""
+        opcode, payload = await self.next_frame(timeout_s)
+        assert opcode == Opcode.CLOSE, (opcode, payload[:200])
+        return int.from_bytes(payload[:2], "big")
+
     async def next_frame(self, timeout_s: float) -> tuple[int, bytes]:
         """The server's next frame: (opcode, payload)."""
         head = await asyncio.wait_for(self.reader.readexactly(2), timeout_s)
@@ -71,6 +89,18 @@ class RawSocket:
 
 def text(body: dict[str, Any]) -> bytes:
     return Frame(Opcode.TEXT, json.dumps(body).encode()).serialize(mask=True, extensions=[])
+
+
+def keyed(stack: Stack, tenant: str) -> str:
+    """The upgrade header that carries `tenant`'s key (Basic auth, as `ws_url_as` does)."""
+    creds = base64.b64encode(f"{tenant}:{stack.keys[tenant]}".encode()).decode()
+    return f"Authorization: Basic {creds}\r\n"
+
+
+def unfinished(size: int) -> bytes:
+    """The start of a fragmented text message: its first frame's header and a few bytes of
+    the `size` it announces, never more."""
+    return Frame(Opcode.TEXT, b"x" * size, fin=False).serialize(mask=True, extensions=[])[:64]
 
 
 def request(client_id: str, words: int) -> dict[str, Any]:
@@ -136,8 +166,7 @@ def test_an_auth_frame_and_a_large_request_in_one_write_are_both_served(stack: S
 
 def test_a_socket_keyed_in_its_upgrade_may_send_a_large_first_frame(stack: Stack) -> None:
     async def chat() -> dict[str, Any]:
-        creds = base64.b64encode(f"default:{stack.keys['default']}".encode()).decode()
-        ws = await RawSocket.open(stack.edge_port, f"Authorization: Basic {creds}\r\n")
+        ws = await RawSocket.open(stack.edge_port, keyed(stack, "default"))
         try:
             await ws.send(text(request("keyed", PRE_AUTH_BYTES)))
             return await answer_of(ws, "keyed")
@@ -145,3 +174,66 @@ def test_a_socket_keyed_in_its_upgrade_may_send_a_large_first_frame(stack: Stack
             await ws.close()
 
     assert asyncio.run(chat())["type"] == "chat.accepted"
+
+
+@pytest.fixture(scope="module")
+def small_edge(stack: Stack) -> Iterator[int]:
+    """An edge of the module's own: a small message budget and a short message time."""
+    settings = {
+        "TOKENBUS_EDGE_BODY_TIMEOUT_S": str(MESSAGE_TIMEOUT_S),
+        "TOKENBUS_EDGE_BODY_BUDGET_BYTES": str(BUDGET),
+    }
+    with stack.own_edge("edge-ws-budget", **settings) as port:
+        yield port
+
+
+def test_unfinished_messages_stop_at_the_tenants_share_and_others_chat_on(
+    stack: Stack, small_edge: int
+) -> None:
+    """Before: each socket held its unfinished 4 MiB message for as long as it stayed open,
+    however many the tenant opened."""
+
+    async def attack() -> tuple[list[int], dict[str, Any], list[int]]:
+        holders = [await RawSocket.open(small_edge, keyed(stack, "alice")) for _ in range(5)]
+        try:
+            for ws in holders[:4]:  # the tenant's share: four 1 MiB messages
+                await ws.send(unfinished(FRAGMENT))
+            await holders[4].send(unfinished(FRAGMENT))
+            over = [await holders[4].closed_with(10)]
+            # Another tenant chats on, on the same edge, meanwhile.
+            victim = await RawSocket.open(small_edge, keyed(stack, "bob"))
+            try:
+                await victim.send(text(request("victim", 8)))
+                answer = await answer_of(victim, "victim")
+            finally:
+                await victim.close()
+            # The four never finish their messages: each is let go when its time is up.
+            timed_out = [await ws.closed_with(MESSAGE_TIMEOUT_S * 4) for ws in holders[:4]]
+            return over, answer, timed_out
+        finally:
+            for ws in holders:
+                await ws.close()
+
+    over, answer, timed_out = asyncio.run(attack())
+    assert over == [CLOSE_TRY_AGAIN_LATER]
+    assert answer["type"] == "chat.accepted"
+    assert timed_out == [CLOSE_POLICY_VIOLATION] * 4
+
+
+def test_a_socket_whose_messages_come_whole_is_not_let_go(stack: Stack, small_edge: int) -> None:
+    """The budget and the time bound an unfinished message, not a socket that chats: two
+    messages far apart, each whole, are both answered."""
+
+    async def chat() -> list[str]:
+        ws = await RawSocket.open(small_edge, keyed(stack, "default"))
+        try:
+            await ws.send(text(request("first", 8)))
+            first = await answer_of(ws, "first")
+            # Idle past the message time: the scenario itself, not a wait for something.
+            await asyncio.sleep(MESSAGE_TIMEOUT_S * 1.5)
+            await ws.send(text(request("second", 8)))
+            return [first["type"], (await answer_of(ws, "second"))["type"]]
+        finally:
+            await ws.close()
+
+    assert asyncio.run(chat()) == ["chat.accepted", "chat.accepted"]
