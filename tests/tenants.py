@@ -20,6 +20,7 @@ QUOTAS: dict[str, dict[str, object]] = {
     "quota-frugal": {**UNLIMITED, "tokens_per_min": 150},
     "quota-twosockets": {**UNLIMITED, "sockets": 2},
     "quota-streamer": {**UNLIMITED, "tokens_per_min": 2000},
+    "quota-abandoner": {**UNLIMITED, "tokens_per_min": 2000},
 }
 
 # tests/security/test_token_counts.py

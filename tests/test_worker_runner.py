@@ -151,6 +151,9 @@ async def test_an_engine_failure_is_answered_with_one_internal_error_after_its_d
     assert isinstance(final, ErrorResult)
     assert final.code == "internal"
     assert final.seq == len(deltas) == 1  # the first token left, then the engine failed
+    # What it made, for the edge to settle the tenant's charge with (issue 37, N5).
+    assert final.usage is not None
+    assert (final.usage.prompt_tokens, final.usage.completion_tokens) == (0, 1)
 
 
 async def test_a_prompt_over_the_context_is_refused_before_the_engine_runs_it() -> None:

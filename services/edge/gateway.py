@@ -106,6 +106,9 @@ def request_record(
 # detached); its request could not be queued; its client stayed away past the grace;
 # it was resumed on another edge; or its resume claimed more than the log holds.
 Ending = Literal["finished", "not_queued", "abandoned", "moved", "refused"]
+# After a detached stream's cancel, how long the edge waits for its final (the usage its
+# tenant's charge is settled with) before it lets the stream go without it.
+ABANDONED_SETTLE_S = 10.0
 
 
 class Gateway:
@@ -625,10 +628,19 @@ class Gateway:
             log.error("cancel.produce_failed", request_id=request_id, error=repr(exc))
 
     async def _cancel_abandoned(self, stream: ResultStream) -> None:
+        """A detached stream's grace is over: cancel its request, and keep it until the
+        cancelled run's final settles its tenant's charge with what the run used (issue 37,
+        N5: an unset max_tokens is charged an estimate, and the answer may have run far past
+        it), for `ABANDONED_SETTLE_S` at most; then let it go as it stands."""
         request_id = stream.request_id
         if self.router.get(request_id) is not stream or not stream.detached:
             return  # ended or resumed meanwhile
-        stream.grace_until = None
+        if stream.abandoned:  # its final did not come in time
+            stream.grace_until = None
+            self.end(stream, "abandoned")
+            return
+        stream.abandoned = True
+        stream.grace_until = time.monotonic() + ABANDONED_SETTLE_S
         try:
             await self.link.bounded(self.link.send_cancel(request_id, "disconnect"))
         except (BrokerUnavailable, KafkaError) as exc:
@@ -637,8 +649,6 @@ class Gateway:
             log.error("cancel.produce_failed", request_id=request_id, error=repr(exc))
         self.metrics.disconnect_cancels.inc()
         log.info("request.cancelled_after_disconnect", request_id=request_id)
-        if self.router.get(request_id) is stream:  # not ended, nor resumed, meanwhile
-            self.end(stream, "abandoned")
 
     def end(self, stream: ResultStream, why: Ending) -> None:
         """The one way a stream ends on this edge, whatever ended it (`Ending`).

@@ -97,6 +97,9 @@ class ResultStream:
     grace_until: float | None = None  # detached: cancelled at this time unless resumed
     usage: Usage | None = None  # its final `done`'s real usage: the quota is settled with it
     cancelled: bool = False  # the client's cancel was sent: another one is a no-op
+    # Cancelled after its disconnect grace: kept (detached) until its final brings the
+    # usage its tenant's charge is settled with, or until its grace runs out a second time.
+    abandoned: bool = False
     # Its `done` names the variant that answered: the request pinned it (a key with the
     # pin_variant scope), or the edge names variants to all (`edge_name_variants`). Else a
     # rollout's canary stays unknown to the tenants it serves, who could find its answers

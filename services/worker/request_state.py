@@ -83,6 +83,7 @@ class RequestState:
     variant: str | None = None  # the variant of it that answers (None: the baseline)
     started: float = field(default_factory=time.time)
     seq: int = 0
+    generated: int = 0  # tokens the engine made so far (a failed run's usage)
     first_token_at: float | None = None
     done_at: float | None = None
     final_sent_at: float | None = None
@@ -108,6 +109,7 @@ class RequestState:
         now = time.time()
         if self.first_token_at is None and out.tokens:
             self.first_token_at = now
+        self.generated += out.tokens
         self.gaps.token(time.monotonic())
         chunk = self.coalescer.add(out.text, out.tokens, now, out.logprobs)
         if chunk is not None and self._worth_sending(chunk):

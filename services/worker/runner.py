@@ -33,7 +33,7 @@ from services.worker.replies import Fenced, ReplyFailed, ReplyWriter
 from services.worker.request_state import RequestState, RunningRequests
 from services.worker.shadow import Shadows
 from services.worker.telemetry import RunTrace, WorkerTelemetry
-from shared.messages import DoneResult, ErrorCode, ErrorResult, QueuedRequest, Tier
+from shared.messages import DoneResult, ErrorCode, ErrorResult, QueuedRequest, Tier, Usage
 from shared.prefixes import cache_salt
 from shared.telemetry import carrier
 
@@ -215,7 +215,12 @@ class RequestRunner:
             # The engine failed this request (not the worker): answer it, serve the next.
             log.exception("request.engine_failed", request_id=request.request_id)
             message = f"the engine failed this request ({type(exc).__name__})"
-            failure = ErrorResult.for_request(request, ErrorCode.internal, message, seq=state.seq)
+            # With the tokens it made: the edge settles the tenant's charge with them (issue
+            # 37, N5); the prompt, which the engine never reported, is not charged.
+            used = Usage(prompt_tokens=0, completion_tokens=state.generated)
+            failure = ErrorResult.for_request(
+                request, ErrorCode.internal, message, seq=state.seq, usage=used
+            )
         if state.stopping == "superseded":
             log.info("request.superseded", request_id=request.request_id, attempt=request.attempt)
             return "superseded"
