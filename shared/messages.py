@@ -505,6 +505,16 @@ class ChatRequest(Model):
         )
 
     @property
+    def guided(self) -> bool:
+        """A grammar guides the answer (the engine compiles one for it): a `response_format`
+        other than text, or a tool call that is required or named (`auto` is parsed, not
+        guided)."""
+        fmt = self.response_format
+        if fmt is not None and fmt.type != "text":
+            return True
+        return bool(self.tools) and self.tool_choice_in_effect not in ("auto", "none")
+
+    @property
     def tool_choice_in_effect(self) -> ToolChoice:
         """The tool choice as the engine applies it: unset means auto with tools, else none."""
         if self.tool_choice is not None:

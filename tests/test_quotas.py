@@ -128,25 +128,46 @@ def test_new_limits_apply_to_a_tenant_in_use(clock: FakeClock) -> None:
     assert refusal.limit == "concurrency"
 
 
-def test_a_tenants_replays_are_bounded_and_each_is_charged_by_what_it_read(
+def test_a_tenants_replays_are_bounded_by_partition_and_charged_by_what_they_read(
     clock: FakeClock,
 ) -> None:
-    """Issue 37, N8: one tenant holds at most `replays` of the edge's replay readers, and a
-    replay that read far back costs its tenant a request per SCANNED_PER_REQUEST records."""
+    """Issue 37, N8: one tenant's resumes read at most `replays` partitions at once (each a
+    reader of the edge's few), any number of resumes of a partition it reads already (an
+    edge's death: every stream of one partition resumed at once); and a replay that read far
+    back costs its tenant a request per SCANNED_PER_REQUEST records."""
     q = Quotas(clock)
     limits = BIG.model_copy(update={"rps": 1.0, "burst": 10, "replays": 2})
-    assert q.start_replay("a", limits) is None
-    assert q.start_replay("a", limits) is None
-    refusal = q.start_replay("a", limits)
+    assert q.start_replay("a", limits, "r/0") is None
+    assert q.start_replay("a", limits, "r/1") is None
+    assert [q.start_replay("a", limits, "r/0") for _ in range(30)] == [None] * 30
+    refusal = q.start_replay("a", limits, "r/2")
     assert refusal is not None
     assert (refusal.limit, refusal.retry_after_ms) == ("replays", SLOT_RETRY_AFTER_MS)
-    assert q.start_replay("b", limits) is None  # another tenant's places are its own
-    q.end_replay("a", scanned=3 * SCANNED_PER_REQUEST + 999)  # three requests' worth
-    assert q.start_replay("a", limits) is None  # its place is back
-    q.end_replay("a", scanned=0)
-    q.end_replay("a", scanned=7 * SCANNED_PER_REQUEST)  # ten requests in all: the burst
+    assert q.start_replay("b", limits, "r/2") is None  # another tenant's places are its own
+    q.end_replay("a", "r/1", scanned=3 * SCANNED_PER_REQUEST + 999)  # three requests' worth
+    assert q.start_replay("a", limits, "r/2") is None  # r/1's place is back
+    for _ in range(31):
+        q.end_replay("a", "r/0", scanned=0)
+    assert q.start_replay("a", limits, "r/3") is None  # r/0's too, once its last resume ended
+    q.end_replay("a", "r/2", scanned=7 * SCANNED_PER_REQUEST)  # ten requests in all: the burst
     refused = q.charge("a", limits)
     assert refused is not None
     assert refused.limit == "rps"
     clock.now += 1.0
     assert q.charge("a", limits) is None
+
+
+def test_a_tenants_guided_streams_are_bounded_apart_from_its_others(clock: FakeClock) -> None:
+    """Issue 37, N2: each guided stream is a grammar the engine compiles; one tenant keeps at
+    most `guided` of them in flight, its unguided requests unaffected."""
+    q = Quotas(clock)
+    limits = BIG.model_copy(update={"guided": 2})
+    assert q.admit("a", limits, "g1", 1, guided=True) is None
+    assert q.admit("a", limits, "g2", 1, guided=True) is None
+    refusal = q.admit("a", limits, "g3", 1, guided=True)
+    assert refusal is not None
+    assert (refusal.limit, refusal.retry_after_ms) == ("guided", SLOT_RETRY_AFTER_MS)
+    assert q.admit("a", limits, "plain", 1) is None  # not guided: not counted
+    assert q.admit("b", limits, "g1-b", 1, guided=True) is None  # each tenant its own
+    q.release("g1")
+    assert q.admit("a", limits, "g3", 1, guided=True) is None

@@ -573,3 +573,31 @@ def test_a_request_without_tools_streams_as_before() -> None:
     got = sse_data(sse.take(DeltaFrame(request_id="r1", seq=0, text="hi")))
     assert [e["choices"][0]["delta"].get("content") for e in got] == ["", "hi"]
     assert "tool_calls" not in got[1]["choices"][0]["delta"]
+
+
+@pytest.mark.parametrize(
+    ("fields", "guided"),
+    [
+        ({}, False),
+        ({"tools": [WEATHER]}, False),  # auto: parsed after, not guided
+        ({"tools": [WEATHER], "tool_choice": "none"}, False),
+        ({"tools": [WEATHER], "tool_choice": "required"}, True),
+        ({"tools": [WEATHER], "tool_choice": NAMED}, True),
+        ({"response_format": {"type": "text"}}, False),
+        ({"response_format": {"type": "json_object"}}, True),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "w", "schema": WEATHER_SCHEMA},
+                }
+            },
+            True,
+        ),
+    ],
+)
+def test_a_request_is_guided_where_the_engine_compiles_a_grammar_for_it(
+    fields: dict[str, Any], guided: bool
+) -> None:
+    """What the tenant's `guided` places count (issue 37, N2)."""
+    assert translated(openai_chat(**fields)).guided is guided

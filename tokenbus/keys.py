@@ -30,7 +30,7 @@ DEV_LIMITS: dict[str, object] = {
     "tokens_per_min": 20_000_000,
     "sockets": 256,
 }
-LIMIT_FLAGS = ("rps", "burst", "concurrency", "tokens_per_min", "sockets", "replays")
+LIMIT_FLAGS = ("rps", "burst", "concurrency", "tokens_per_min", "sockets", "replays", "guided")
 
 
 def local_keys() -> tuple[Path, str | None]:

@@ -295,7 +295,7 @@ class Guard:
             log.info("auth.not_permitted", key_id=principal.key_id, field="variant")
             return refused
         refusal = self.quotas.admit(
-            current.tenant, current.limits, request_id, request_tokens(frame)
+            current.tenant, current.limits, request_id, request_tokens(frame), frame.guided
         )
         if refusal is None:
             return None
@@ -326,20 +326,26 @@ class Guard:
         log.info("quota.refused", limit=refusal.limit, key_id=principal.key_id)
         return quota_refused(refusal)
 
-    def start_replay(self, principal: Principal) -> ErrorFrame | None:
-        """One of the tenant's replay places for a resume's read, until `end_replay`."""
+    def start_replay(self, principal: Principal, partition: str) -> ErrorFrame | None:
+        """One of the tenant's replay places for a resume's read of `partition`, until
+        `end_replay`. Refused as `overloaded` with a retry hint: the clients resume again
+        then (the SDK and the chat page do), as when the edge's replay readers are busy."""
         current = self.keys.current(principal)
         if current is None:
             return unauthorized("stream.resume: the socket's API key was revoked")
-        refusal = self.quotas.start_replay(current.tenant, current.limits)
+        refusal = self.quotas.start_replay(current.tenant, current.limits, partition)
         if refusal is None:
             return None
         log.info("quota.refused", limit=refusal.limit, key_id=principal.key_id)
-        return quota_refused(refusal)
+        return ErrorFrame(
+            code=ErrorCode.overloaded,
+            message=f"stream.resume: {refusal.message}; resume again later",
+            retry_after_ms=refusal.retry_after_ms,
+        )
 
-    def end_replay(self, principal: Principal, scanned: int) -> None:
+    def end_replay(self, principal: Principal, partition: str, scanned: int) -> None:
         """The replay read `scanned` records: its place is given back, the read charged."""
-        self.quotas.end_replay(principal.tenant, scanned)
+        self.quotas.end_replay(principal.tenant, partition, scanned)
 
     def settle(self, request_id: str, usage: Usage) -> None:
         """A request ended with its real usage: its tokens charge is corrected to it."""

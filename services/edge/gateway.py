@@ -334,8 +334,8 @@ class Gateway:
         answered with an ErrorFrame.
 
         The client handler charged the resume to the tenant's request rate; its replay holds
-        one of the tenant's replay places while it reads and is charged a request per
-        thousand records it read (`Guard.start_replay`, `end_replay`); a stream resumed
+        one of the tenant's replay places (per partition) while it reads and is charged a
+        request per 10,000 records it read (`Guard.start_replay`, `end_replay`); a stream resumed
         here holds one of the tenant's concurrency slots (`Guard.hold`) until it ends, on
         whichever edge it was opened. A resume of a stream this client already reads is a
         no-op.
@@ -355,7 +355,8 @@ class Gateway:
             previous = self.router.get(request_id)
             if previous is not None and previous.client is client:
                 return  # already attached to this client: nothing to replay
-            if refused := self.guard.start_replay(principal):
+            partition = f"{claims.topic}/{claims.partition or 0}"
+            if refused := self.guard.start_replay(principal, partition):
                 client.send(refused.model_copy(update={"request_id": request_id}))
                 return
             scanned = 0
@@ -373,7 +374,7 @@ class Gateway:
                     raise
             finally:
                 # The replay's place back, and what it read charged (issue 37, N8).
-                self.guard.end_replay(principal, scanned)
+                self.guard.end_replay(principal, partition, scanned)
             log.info("stream.resumed", request_id=request_id, took_s=_since(began))
         except (ResumeRefused, ReplayRefused) as exc:
             self.metrics.resumes.labels(exc.code.value).inc()

@@ -18,13 +18,14 @@ from pydantic import Field
 from shared.messages import Model
 from shared.quotas import TokenBucket  # the one bucket rule, shared with ingest's app quotas
 
-Limit = Literal["rps", "concurrency", "tokens_per_min", "sockets", "replays"]
+Limit = Literal["rps", "concurrency", "tokens_per_min", "sockets", "replays", "guided"]
 
 # When a stream or socket ends cannot be known in advance: a hint, not a promise.
 SLOT_RETRY_AFTER_MS = 1000
 # A resume's replay is charged one request more per this many records it read (issue 37,
-# N8): a resume far back reads up to `edge_resume_max_records` on the edge's loop.
-SCANNED_PER_REQUEST = 1000
+# N8): a resume far back reads up to `edge_resume_max_records` on the edge's loop. A recent
+# stream's resume (an edge's death, a dropped socket) reads far fewer and costs nothing.
+SCANNED_PER_REQUEST = 10_000
 
 
 class TenantLimits(Model):
@@ -42,7 +43,16 @@ class TenantLimits(Model):
     )
     sockets: int = Field(default=32, ge=1, description="WebSockets open at once.")
     replays: int = Field(
-        default=4, ge=1, description="Resume replays (reads of a stream's past) at once."
+        default=4,
+        ge=1,
+        description="Result partitions the tenant's resumes replay at once (each replay reader"
+        " of the edge's `edge_resume_replays` serves every resume of its partition).",
+    )
+    guided: int = Field(
+        default=4,
+        ge=1,
+        description="Streams guided by a grammar (a JSON schema or object, a required or named"
+        " tool call) in flight at once: each is a grammar the engine compiles.",
     )
 
     @property
@@ -67,8 +77,9 @@ class _TenantUse:
     requests: TokenBucket
     tokens: TokenBucket
     streams: set[str] = field(default_factory=set)
+    guided: set[str] = field(default_factory=set)  # those of `streams` a grammar guides
     sockets: int = 0
-    replays: int = 0
+    replays: dict[str, int] = field(default_factory=dict)  # partition -> resumes reading it
 
 
 class Quotas:
@@ -101,14 +112,22 @@ class Quotas:
             use.sockets -= 1
 
     def admit(
-        self, tenant: str, limits: TenantLimits, request_id: str, tokens: int
+        self, tenant: str, limits: TenantLimits, request_id: str, tokens: int, guided: bool = False
     ) -> Refusal | None:
         """Charge one request of `tokens` (prompt bound + max_tokens), or refuse it whole;
-        `settle` corrects the charge to the real usage once the request ends."""
+        `settle` corrects the charge to the real usage once the request ends. `guided`: a
+        grammar guides it (one of the tenant's `guided` places, issue 37, N2)."""
         now = self._clock()
         use = self._use(tenant, limits)
         if full := _no_stream_slot(use, limits):
             return full
+        if guided and len(use.guided) >= limits.guided:
+            return Refusal(
+                "guided",
+                f"{len(use.guided)} streams guided by a grammar in flight, the tenant's limit"
+                f" is {limits.guided}",
+                SLOT_RETRY_AFTER_MS,
+            )
         rate_wait = use.requests.wait_s(1, now)
         if rate_wait is None or rate_wait > 0:
             return Refusal(
@@ -136,6 +155,8 @@ class Quotas:
         use.requests.take(1, now)
         use.tokens.take(tokens, now)
         use.streams.add(request_id)
+        if guided:
+            use.guided.add(request_id)
         self._stream_tenant[request_id] = tenant
         self._charged[request_id] = tokens
         return None
@@ -153,27 +174,33 @@ class Quotas:
         use.requests.take(1, now)
         return None
 
-    def start_replay(self, tenant: str, limits: TenantLimits) -> Refusal | None:
-        """One of the tenant's `replays` places for a resume's read of its stream's past,
-        until `end_replay`: one tenant's resumes cannot take every replay slot of the edge."""
+    def start_replay(self, tenant: str, limits: TenantLimits, partition: str) -> Refusal | None:
+        """A resume's replay of `partition` (its topic and number), until `end_replay`: the
+        tenant's resumes read at most `replays` partitions at once, so one tenant cannot take
+        every replay reader of the edge; resumes of a partition it reads already share it."""
         use = self._use(tenant, limits)
-        if use.replays >= limits.replays:
+        if partition not in use.replays and len(use.replays) >= limits.replays:
             return Refusal(
                 "replays",
-                f"{use.replays} resumes of the tenant are replaying, its limit is {limits.replays}",
+                f"the tenant's resumes replay {len(use.replays)} partitions, its limit is"
+                f" {limits.replays}",
                 SLOT_RETRY_AFTER_MS,
             )
-        use.replays += 1
+        use.replays[partition] = use.replays.get(partition, 0) + 1
         return None
 
-    def end_replay(self, tenant: str, scanned: int) -> None:
+    def end_replay(self, tenant: str, partition: str, scanned: int) -> None:
         """The replay is over, having read `scanned` records: its place is free, and the
         tenant's request rate is charged one request per `SCANNED_PER_REQUEST` of them (a
         debt its next requests wait out)."""
         use = self._tenants.get(tenant)
         if use is None:
             return
-        use.replays = max(0, use.replays - 1)
+        left = use.replays.get(partition, 0) - 1
+        if left > 0:
+            use.replays[partition] = left
+        else:
+            use.replays.pop(partition, None)
         if cost := scanned // SCANNED_PER_REQUEST:
             use.requests.take(cost, self._clock())
 
@@ -195,6 +222,7 @@ class Quotas:
         tenant = self._stream_tenant.pop(request_id, None)
         if tenant is not None:
             self._tenants[tenant].streams.discard(request_id)
+            self._tenants[tenant].guided.discard(request_id)
 
     def settle(self, request_id: str, used_tokens: int) -> None:
         """The request ended with its real usage (prompt + completion tokens of its final

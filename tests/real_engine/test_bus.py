@@ -26,6 +26,7 @@ import openai
 import pytest
 import websockets
 
+from services.edge.quotas import TenantLimits
 from shared.messages import Heartbeat
 from tests.chat_client import Transcript, recv_json, run_requests
 from tests.real_engine.conftest import (
@@ -325,6 +326,41 @@ def test_openai_sdk_gets_tool_calls_and_json_from_the_vllm_worker(bus: Stack) ->
                 model=MODEL_NAME, messages=WEATHER_Q, max_tokens=8, **extra
             )
         assert "schema: anyOf/oneOf/allOf nested 3 deep" in caught.value.message, caught.value
+
+
+def test_a_tenants_guided_streams_past_its_limit_are_refused_and_its_others_run(
+    bus: Stack,
+) -> None:
+    """Issue 37, N2: each guided stream is a grammar the engine compiles; one key kept any
+    number in flight. Now a tenant's `guided` places (4 by default) bound them: one more
+    guided request at once is refused `rate_limited` naming the limit, while its unguided
+    request runs."""
+    guided = TenantLimits().guided
+    asks = [
+        {
+            "client_id": f"guided-{i}",
+            "model": MODEL_NAME,
+            "prompt": "Describe a cat as a JSON object.",
+            "max_tokens": 32,
+            "response_format": {"type": "json_object"},
+        }
+        for i in range(guided + 1)
+    ]
+    asks.append({"client_id": "plain", "model": MODEL_NAME, "prompt": "Say hi.", "max_tokens": 4})
+
+    async def ask() -> dict[str, Transcript]:
+        async with websockets.connect(bus.ws_url_as("alice")) as ws:
+            return await run_requests(ws, asks, timeout=240)
+
+    finals = {cid: t.final for cid, t in asyncio.run(ask()).items()}
+    refused = {cid: f for cid, f in finals.items() if f is not None and f["type"] == "error"}
+    assert list(refused) != ["plain"], refused
+    assert len(refused) == 1, refused
+    [frame] = refused.values()
+    assert frame["code"] == "rate_limited", frame
+    assert "(guided)" in frame["message"], frame
+    done = [cid for cid, f in finals.items() if f is not None and f["type"] == "chat.done"]
+    assert sorted(done) == sorted(set(finals) - set(refused)), finals
 
 
 def test_the_transformers_engine_serves_the_same_model_continuous_and_static(
