@@ -32,6 +32,8 @@ from shared.topics import Topics
 log = structlog.get_logger()
 
 UNKNOWN_TOPIC = 3
+# A look at the candidates' offsets waits this long at most (`TopicSweeper._look`).
+LOOK_TIMEOUT_S = 5.0
 # Only what an edge makes: `tokenbus.results.<uuid4 hex>` (never the lease log).
 _REQUEST_TOPIC_SUFFIX = re.compile(r"^[0-9a-f]{32}$")
 
@@ -101,7 +103,7 @@ class TopicSweeper:
             await asyncio.sleep(self._interval_s * random.uniform(0.75, 1.25))
             try:
                 await self.sweep(time.time())
-            except KafkaError as exc:
+            except (KafkaError, TimeoutError) as exc:
                 # The broker is away or busy: the next round tries again.
                 log.warning("result_topics.sweep_failed", error=repr(exc))
 
@@ -125,6 +127,25 @@ class TopicSweeper:
         return deleted
 
     async def _look(self, names: list[str], now: float) -> dict[str, Sighting]:
+        """Each listed topic's end and whether it was written since the orphan cutoff.
+
+        A topic deleted since the listing (another edge swept it, or its own edge deleted it
+        at retention) holds aiokafka's lookup until its request timeout (40 s): the round
+        stalled, and a stream that ended meanwhile was seen as an orphan. Bounded: past
+        `LOOK_TIMEOUT_S` the topics still listed are looked at once more; past it again the
+        round gives up (the next one tries again).
+        """
+        try:
+            return await asyncio.wait_for(self._sightings(names, now), LOOK_TIMEOUT_S)
+        except TimeoutError:
+            still = set(await self._admin.list_topics())
+            left = [name for name in names if name in still]
+            log.info("result_topics.look_again", gone=len(names) - len(left))
+            return (
+                await asyncio.wait_for(self._sightings(left, now), LOOK_TIMEOUT_S) if left else {}
+            )
+
+    async def _sightings(self, names: list[str], now: float) -> dict[str, Sighting]:
         cutoff_ms = int((now - self.book.orphan_after_s) * 1000)
         tps = [TopicPartition(name, 0) for name in names]
         consumer = make_consumer(self._settings, group_id=None, client_id="edge-sweeper")
