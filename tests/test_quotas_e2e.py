@@ -115,6 +115,21 @@ async def test_tokens_per_minute(stack: Stack) -> None:
     assert huge not in on_kafka
 
 
+async def stream_past(ws: websockets.ClientConnection, tokens: int) -> dict[str, Any]:
+    """Ask for an answer with no max_tokens (charged the 256-token estimate) that runs to the
+    end of the context, and read it until `tokens` have come; its `chat.accepted`."""
+    request = {"client_id": "long", "prompt": marker(), "ignore_eos": True}
+    await ws.send(json.dumps({"type": "chat.request", **request}))
+    accepted = await recv_json(ws)
+    assert accepted["type"] == "chat.accepted", accepted
+    text = ""
+    while sim_tokens(text) < tokens:  # 1,500: ~8 s at the stack's 200 tokens/s
+        frame = await recv_json(ws)
+        assert frame["type"] == "chat.delta", frame
+        text += frame["text"]
+    return accepted
+
+
 async def test_a_cancelled_answer_is_charged_what_it_used(stack: Stack) -> None:
     """Issue 37, N5: an unset max_tokens is charged the output estimate (256) at admission,
     while the answer may run to the end of the context; only a `done` settled the charge,
@@ -122,15 +137,7 @@ async def test_a_cancelled_answer_is_charged_what_it_used(stack: Stack) -> None:
     could start the next at once. The cancelled run's final now carries its usage, and the
     edge settles with it: the next large request waits for the bucket."""
     async with websockets.connect(stack.ws_url_as(None), **bearer(stack, "quota-streamer")) as ws:
-        request = {"client_id": "long", "prompt": marker(), "ignore_eos": True}
-        await ws.send(json.dumps({"type": "chat.request", **request}))
-        accepted = await recv_json(ws)
-        assert accepted["type"] == "chat.accepted", accepted
-        text = ""
-        while sim_tokens(text) < 1500:  # ~8 s at the stack's 200 tokens/s
-            frame = await recv_json(ws)
-            assert frame["type"] == "chat.delta", frame
-            text += frame["text"]
+        accepted = await stream_past(ws, 1500)
         await ws.send(json.dumps({"type": "chat.cancel", "request_id": accepted["request_id"]}))
         while (frame := await recv_json(ws))["type"] == "chat.delta":
             pass
@@ -161,15 +168,7 @@ def test_an_abandoned_answer_is_charged_what_it_used(stack: Stack) -> None:
     async def abandon(port: int) -> None:
         auth = bearer(stack, "quota-abandoner")
         async with websockets.connect(stack.ws_url_as(None, port), **auth) as ws:
-            request = {"client_id": "long", "prompt": marker(), "ignore_eos": True}
-            await ws.send(json.dumps({"type": "chat.request", **request}))
-            accepted = await recv_json(ws)
-            assert accepted["type"] == "chat.accepted", accepted
-            text = ""
-            while sim_tokens(text) < 1500:  # ~8 s at the stack's 200 tokens/s
-                frame = await recv_json(ws)
-                assert frame["type"] == "chat.delta", frame
-                text += frame["text"]
+            await stream_past(ws, 1500)
         # The socket is gone; the stream waits out the grace, is cancelled, and ends.
 
     async def next_request(port: int) -> dict[str, Any]:
