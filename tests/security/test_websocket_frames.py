@@ -65,11 +65,11 @@ class RawSocket:
         self.writer.write(b"".join(frames))  # one write: the edge may read them at once
         await self.writer.drain()
 
-    async def closed_with(self, timeout_s: float) -> int:
-        """The close code of the server's next frame, which must be a close."""
+    async def close_of(self, timeout_s: float) -> tuple[int, str, float]:
+        """The server's next frame, which must be a close: (code, reason, when it came)."""
         opcode, payload = await self.next_frame(timeout_s)
         assert opcode == Opcode.CLOSE, (opcode, payload[:200])
-        return int.from_bytes(payload[:2], "big")
+        return int.from_bytes(payload[:2], "big"), payload[2:].decode(), time.monotonic()
 
     async def next_frame(self, timeout_s: float) -> tuple[int, bytes]:
         """The server's next frame: (opcode, payload)."""
@@ -193,13 +193,13 @@ def test_unfinished_messages_stop_at_the_tenants_share_and_others_chat_on(
     """Before: each socket held its unfinished 4 MiB message for as long as it stayed open,
     however many the tenant opened."""
 
-    async def attack() -> tuple[list[int], dict[str, Any], list[int]]:
+    async def attack() -> tuple[list[tuple[int, str]], dict[str, Any]]:
         holders = [await RawSocket.open(small_edge, keyed(stack, "alice")) for _ in range(5)]
         try:
-            for ws in holders[:4]:  # the tenant's share: four 1 MiB messages
+            # Five 1 MiB messages begun; the tenant's share is four. Which socket the edge
+            # reads last is its own affair: that one is refused, whichever it is.
+            for ws in holders:
                 await ws.send(unfinished(FRAGMENT))
-            await holders[4].send(unfinished(FRAGMENT))
-            over = [await holders[4].closed_with(10)]
             # Another tenant chats on, on the same edge, meanwhile.
             victim = await RawSocket.open(small_edge, keyed(stack, "bob"))
             try:
@@ -208,16 +208,20 @@ def test_unfinished_messages_stop_at_the_tenants_share_and_others_chat_on(
             finally:
                 await victim.close()
             # The four never finish their messages: each is let go when its time is up.
-            timed_out = [await ws.closed_with(MESSAGE_TIMEOUT_S * 4) for ws in holders[:4]]
-            return over, answer, timed_out
+            began = time.monotonic()
+            closes = await asyncio.gather(*(ws.close_of(MESSAGE_TIMEOUT_S * 4) for ws in holders))
+            return [
+                (code, f"{reason} after {took - began:.1f} s") for code, reason, took in closes
+            ], answer
         finally:
             for ws in holders:
                 await ws.close()
 
-    over, answer, timed_out = asyncio.run(attack())
-    assert over == [CLOSE_TRY_AGAIN_LATER]
+    closes, answer = asyncio.run(attack())
+    assert sorted(code for code, _ in closes) == [CLOSE_POLICY_VIOLATION] * 4 + [
+        CLOSE_TRY_AGAIN_LATER
+    ], closes
     assert answer["type"] == "chat.accepted"
-    assert timed_out == [CLOSE_POLICY_VIOLATION] * 4
 
 
 def test_a_socket_whose_messages_come_whole_is_not_let_go(stack: Stack, small_edge: int) -> None:
