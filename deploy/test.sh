@@ -143,18 +143,34 @@ done
 # services' environment has not.
 [ $# -gt 0 ] || real_args=(tests/real_engine tests/test_engine_contract.py)
 # With no arguments, the whole suite but the unit tier (tests/tiers.py), which `make check`
-# ran just before; arguments select tests themselves, unit ones included.
-[ $# -gt 0 ] || main_args=(-m "not unit")
+# ran just before, in two tiers (below); arguments select tests themselves.
 
-if [ $# -eq 0 ] || [ ${#main_args[@]} -gt 0 ]; then
-  # Everything but the unit tier, the chaos check included (tests/test_chaos.py, at most
-  # 5 minutes, last of all on the session's three-node cluster; `make chaos` runs it
-  # alone). The table splits its minutes out of the main run's.
-  phase main "$PY" -m pytest -q --junitxml="$RUN_DIR/junit-main.xml" "${main_args[@]}" \
-    || status=$?
-  if [ "$status" -eq 5 ]; then
-    echo "test.sh: pytest collected no tests; that is a failure" >&2
+# `phase_pytest TIER JUNIT ARGS…`: a pytest run as a tier; collecting nothing (exit 5) is a
+# failure: a suite that runs no test proves nothing.
+phase_pytest() {
+  local name=$1 junit=$2 rc=0
+  shift 2
+  phase "$name" "$PY" -m pytest -q --junitxml="$RUN_DIR/$junit" "$@" || rc=$?
+  if [ "$rc" -eq 5 ]; then
+    echo "test.sh: pytest collected no tests for the $name tier; that is a failure" >&2
   fi
+  return $rc
+}
+if [ $# -eq 0 ]; then
+  # The broker tier: two pytest workers side by side (pytest-xdist), most of whose time is
+  # spent waiting on timeouts, fault windows and sockets. A module's tests run on one worker
+  # (its fixtures start once), and so do those of a session fixture that must start once
+  # (the faultable broker, the secured broker): tests/conftest.py's groups. Each worker has
+  # the session's shared stack of its own. ADR 0067.
+  phase_pytest broker junit-broker.xml -n 2 --dist loadgroup -m "not unit and not cluster" \
+    || status=$?
+  # Then the session's three-node cluster, alone on the machine: its tests, and the chaos
+  # check last of all (tests/test_chaos.py, at most 5 minutes; `make chaos` runs it alone).
+  # The table splits the chaos check's minutes out of this run's.
+  phase_pytest cluster junit-cluster.xml -m cluster || status=$?
+elif [ ${#main_args[@]} -gt 0 ]; then
+  # Arguments select tests themselves, unit ones included: one run, in order.
+  phase_pytest main junit-main.xml "${main_args[@]}" || status=$?
 fi
 # The real-engine suite, in the vLLM worker's environment (tests/real_engine: vLLM and the
 # transformers engine serve SmolLM2 through the whole bus; about 7 min: docs/testing.md).

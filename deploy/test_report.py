@@ -23,9 +23,11 @@ from deploy import test_ledger
 
 SLOWEST = 25
 CHAOS_MODULE = "tests.test_chaos"  # JUnit's classname: the module, dotted (a class after it)
-# The tiers in the order the run meets them; `broker` is the main run less the chaos check.
+# The tiers in the order the run meets them: `broker` (two workers), then `cluster` less the
+# chaos check, and `chaos` (with arguments, one run: `broker` is it less the chaos check).
 TIER_ORDER = (
-    "venv", "lint", "unit", "setup", "broker", "chaos", "real engine", "tool builds", "jaeger build"
+    "venv", "lint", "unit", "setup", "broker", "cluster", "chaos", "real engine", "tool builds",
+    "jaeger build",
 )  # fmt: skip
 BESIDE = ("tool builds", "jaeger build")  # run in the background: not added to the total
 COUNTED = {
@@ -89,27 +91,33 @@ def is_chaos(test: TestTime) -> bool:
     return module == CHAOS_MODULE or module.startswith(CHAOS_MODULE + ".")
 
 
-def split_chaos(tiers: dict[str, Tier], main_tests: list[TestTime]) -> dict[str, Tier]:
-    """The main run's wall time, split: the chaos check's tests, and the rest (broker)."""
-    main = tiers.pop("main", None)
-    if main is None:
-        return tiers
-    chaos = sum(t.seconds for t in main_tests if is_chaos(t))
-    chaos_failed = any(is_chaos(t) and t.outcome != "passed" for t in main_tests)
-    broker_failed = any(not is_chaos(t) and t.outcome in ("failure", "error") for t in main_tests)
-    tiers["broker"] = Tier(
-        "broker", main.seconds - chaos, "failed" if broker_failed or main.status != "ok" else "ok"
-    )
+def split_chaos(tiers: dict[str, Tier], tests: list[TestTime], run: str, rest: str) -> None:
+    """The wall time of the run `run` that held the chaos check, split: the chaos check's
+    tests, and the rest (tier `rest`)."""
+    whole = tiers.pop(run, None)
+    if whole is None:
+        return
+    chaos = sum(t.seconds for t in tests if is_chaos(t))
+    chaos_failed = any(is_chaos(t) and t.outcome != "passed" for t in tests)
+    rest_failed = any(not is_chaos(t) and t.outcome in ("failure", "error") for t in tests)
+    failed = rest_failed or whole.status != "ok"
+    tiers[rest] = Tier(rest, whole.seconds - chaos, "failed" if failed else "ok")
     tiers["chaos"] = Tier("chaos", chaos, "failed" if chaos_failed else "ok")
-    return tiers
 
 
 def report(run_dir: Path) -> dict[str, object]:
+    # `make test`: the broker tier, then the cluster's (the chaos check in it); with
+    # arguments, one run (main).
     main_tests = read_junit(run_dir / "junit-main.xml", "")
+    broker_tests = read_junit(run_dir / "junit-broker.xml", "")
+    cluster_tests = read_junit(run_dir / "junit-cluster.xml", "")
     real_tests = read_junit(run_dir / "junit-real.xml", "[real] ")
-    tiers = split_chaos(read_phases(run_dir / "phases.tsv"), main_tests)
+    tiers = read_phases(run_dir / "phases.tsv")
+    split_chaos(tiers, main_tests, "main", "broker")
+    split_chaos(tiers, cluster_tests, "cluster", "cluster")
     counts = read_ledger(run_dir / "ledger.jsonl")
-    tests = sorted(main_tests + real_tests, key=lambda t: t.seconds, reverse=True)
+    everything = main_tests + broker_tests + cluster_tests + real_tests
+    tests = sorted(everything, key=lambda t: t.seconds, reverse=True)
     ordered = [tiers[n] for n in TIER_ORDER if n in tiers]
     ordered += [t for n, t in tiers.items() if n not in TIER_ORDER]
     return {

@@ -7,7 +7,7 @@ import contextlib
 import importlib.util
 import os
 import signal
-from collections.abc import Generator, Iterator
+from collections.abc import Generator, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,17 +35,36 @@ THREE_NODES = "three_nodes"
 # The session's faultable broker: the tests that hang or stop it run together, after the
 # plain ones and before the three-node ones, and it stops when the last of them ends.
 FAULTABLE = "faultable_broker"
+SECURED = "secured_cluster"
+# Set on the tests of the three-node cluster: `make test` runs them (the chaos check among
+# them) after the rest, alone on the machine.
+CLUSTER = "cluster"
 _FAULTABLE_CLUSTER = pytest.StashKey[launcher.Cluster]()
 
 
 # First, so that `-m unit` / `-m "not unit"` see the mark when they deselect.
 @pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    in_groups = config.pluginmanager.hasplugin("xdist")
     for item in items:
         fixtures = getattr(item, "fixturenames", ())
         if is_unit(fixtures, (mark.name for mark in item.iter_markers())):
             item.add_marker(UNIT)
+        if THREE_NODES in fixtures:
+            item.add_marker(CLUSTER)
+        if in_groups:
+            item.add_marker(pytest.mark.xdist_group(_group(item, fixtures)))
     items.sort(key=_runs_late)  # stable: the order within each group stays
+
+
+def _group(item: pytest.Item, fixtures: Iterable[str]) -> str:
+    """The tests one worker of `pytest -n` runs together (`--dist loadgroup`, deploy/test.sh):
+    a module's (its module fixtures start once), and those of a session fixture that must
+    start once (the faultable broker, the secured broker, the three-node cluster)."""
+    for shared in (FAULTABLE, SECURED, THREE_NODES):
+        if shared in fixtures:
+            return shared
+    return item.nodeid.split("::", 1)[0]
 
 
 def _runs_late(item: pytest.Item) -> tuple[bool, bool, bool]:

@@ -274,8 +274,15 @@ async def test_no_request_is_lost_or_answered_twice_when_the_small_worker_is_kil
         session = ChatSession(ws)
         for i, prompt in enumerate(sent):
             await session.send(ask(prompt, f"k{i}"))
-        await session.until(lambda: len(session.ended) >= 6, within=60)
-        # Killed in the middle of streams, of escalations, of batches not yet committed.
+
+        # Killed in the middle of streams, of escalations, of batches not yet committed:
+        # once some have ended and one is streaming its first attempt (on `small`).
+        def streaming_on_small() -> bool:
+            return len(session.ended) >= 6 and any(
+                t.deltas and not t.resets and t.final is None for t in session.by_client.values()
+            )
+
+        await session.until(streaming_on_small, within=60)
         stack.stop_service("worker-small", signal.SIGKILL)
         stack.start_service("worker", "worker-small", **stack.workers["worker-small"])
         await session.until(session.all_ended, within=180)

@@ -270,9 +270,14 @@ async def test_an_external_producers_traceparent_is_continued(traced: TracedStac
         await producer.stop()
 
     def continued() -> bool:
+        # Every hop's spans, and each span's parent with them: a parent ends, and is
+        # exported, after its children (seconds later on a loaded machine).
         spans = traced.request_spans(request_id)
-        return {service(s) for s in spans} >= {"ingest", "scheduler", "worker"} and any(
-            s.stage == semconv.STAGE_RESULT_PUBLISH for s in spans
+        ids = {s.span_id for s in spans} | {parent_id}
+        return (
+            {service(s) for s in spans} >= {"ingest", "scheduler", "worker"}
+            and any(s.stage == semconv.STAGE_RESULT_PUBLISH for s in spans)
+            and all(s.parent_span_id in ids for s in spans)
         )
 
     wait_until(continued, 20, "the external request's spans")

@@ -65,6 +65,45 @@ def test_the_table_splits_the_chaos_check_out_and_adds_no_background_build(
     assert "started: 2 stack starts, 0 JVM node starts" in table
 
 
+BROKER_JUNIT = """<?xml version="1.0" encoding="utf-8"?>
+<testsuites><testsuite name="pytest">
+<testcase classname="tests.test_chat_e2e" name="test_one" time="12.5"/>
+<testcase classname="tests.test_auth_e2e" name="test_two" time="3.0"/>
+</testsuite></testsuites>
+"""
+CLUSTER_JUNIT = """<?xml version="1.0" encoding="utf-8"?>
+<testsuites><testsuite name="pytest">
+<testcase classname="tests.test_cluster" name="test_a_node" time="40.0"/>
+<testcase classname="tests.test_chaos" name="test_the_system" time="200.0">
+  <failure message="lost 1">lost 1</failure></testcase>
+</testsuite></testsuites>
+"""
+
+
+def test_make_tests_two_runs_make_the_broker_cluster_and_chaos_tiers(tmp_path: Path) -> None:
+    """`make test` without arguments: the broker tier (two workers) and the cluster's run,
+    the chaos check split out of the latter."""
+    (tmp_path / "phases.tsv").write_text(
+        "unit\t60\tok\nbroker\t500\tok\ncluster\t260\tfailed\nreal engine\t180\tok\n"
+    )
+    (tmp_path / "junit-broker.xml").write_text(BROKER_JUNIT)
+    (tmp_path / "junit-cluster.xml").write_text(CLUSTER_JUNIT)
+
+    data = test_report.report(tmp_path)
+
+    tiers = [(t["name"], t["seconds"], t["status"]) for t in data["tiers"]]  # type: ignore[attr-defined]
+    assert tiers == [
+        ("unit", 60.0, "ok"),
+        ("broker", 500.0, "ok"),
+        ("cluster", 60.0, "failed"),  # its run failed: the chaos check in it
+        ("chaos", 200.0, "failed"),
+        ("real engine", 180.0, "ok"),
+    ]
+    assert data["total_s"] == 60 + 500 + 260 + 180
+    assert data["tests"] == 4
+    assert data["slowest"][0]["nodeid"] == "tests.test_chaos::test_the_system"  # type: ignore[index]
+
+
 def test_a_run_that_stopped_early_still_gets_a_table(tmp_path: Path) -> None:
     (tmp_path / "phases.tsv").write_text("lint\t31\tfailed\n")
     data = test_report.report(tmp_path)
