@@ -67,13 +67,20 @@ def read_junit(path: Path, suite: str) -> list[TestTime]:
         return []
     found: list[TestTime] = []
     for case in ET.parse(path).getroot().iter("testcase"):
-        name = f"{case.get('classname', '')}::{case.get('name', '')}"
+        name = f"{case.get('classname', '')}::{_without_group(case.get('name', ''))}"
         outcome = "passed"
         for tag in ("failure", "error", "skipped"):
             if case.find(tag) is not None:
                 outcome = tag
         found.append(TestTime(f"{suite}{name}", float(case.get("time", 0.0)), outcome))
     return found
+
+
+def _without_group(name: str) -> str:
+    """A test's name less the `@group` pytest-xdist's loadgroup appends (after any
+    parameters' `]`)."""
+    at = name.rfind("@")
+    return name[:at] if at > name.rfind("]") else name
 
 
 def read_ledger(path: Path) -> Counter[str]:

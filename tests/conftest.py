@@ -75,6 +75,32 @@ def _runs_late(item: pytest.Item) -> tuple[bool, bool, bool]:
     )
 
 
+# Under `pytest -n`, on the controller: the workers that ran each module's tests.
+_workers_of: dict[str, set[str]] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    node = getattr(report, "node", None)  # the worker that sent it (pytest-xdist)
+    if node is not None and report.when == "setup":
+        module = report.nodeid.split("::", 1)[0]
+        _workers_of.setdefault(module, set()).add(node.gateway.id)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """A module whose tests ran on two workers started its fixtures twice: `_group` did not
+    take (pytest-xdist's loadgroup reads it from the test's id; ADR 0067). Fails the run."""
+    split = sorted(module for module, workers in _workers_of.items() if len(workers) > 1)
+    if split:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line(
+                f"\nconftest: {len(split)} modules ran on more than one worker (their groups did "
+                f"not take; ADR 0067): {', '.join(split[:5])}",
+                red=True,
+            )
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, object, object]:
     if item.get_closest_marker(UNIT) is None:

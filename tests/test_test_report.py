@@ -68,7 +68,7 @@ def test_the_table_splits_the_chaos_check_out_and_adds_no_background_build(
 BROKER_JUNIT = """<?xml version="1.0" encoding="utf-8"?>
 <testsuites><testsuite name="pytest">
 <testcase classname="tests.test_chat_e2e" name="test_one" time="12.5"/>
-<testcase classname="tests.test_auth_e2e" name="test_two" time="3.0"/>
+<testcase classname="tests.test_auth_e2e" name="test_two[a@b]@tests/test_auth_e2e.py" time="3.0"/>
 </testsuite></testsuites>
 """
 CLUSTER_JUNIT = """<?xml version="1.0" encoding="utf-8"?>
@@ -102,6 +102,8 @@ def test_make_tests_two_runs_make_the_broker_cluster_and_chaos_tiers(tmp_path: P
     assert data["total_s"] == 60 + 500 + 260 + 180
     assert data["tests"] == 4
     assert data["slowest"][0]["nodeid"] == "tests.test_chaos::test_the_system"  # type: ignore[index]
+    # The group pytest-xdist appends to a name is not shown; a parameter's `@` is.
+    assert data["slowest"][-1]["nodeid"] == "tests.test_auth_e2e::test_two[a@b]"  # type: ignore[index]
 
 
 def test_a_run_that_stopped_early_still_gets_a_table(tmp_path: Path) -> None:
