@@ -45,26 +45,37 @@ _FAULTABLE_CLUSTER = pytest.StashKey[launcher.Cluster]()
 # First, so that `-m unit` / `-m "not unit"` see the mark when they deselect.
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    in_groups = config.pluginmanager.hasplugin("xdist")
     for item in items:
         fixtures = getattr(item, "fixturenames", ())
         if is_unit(fixtures, (mark.name for mark in item.iter_markers())):
             item.add_marker(UNIT)
         if THREE_NODES in fixtures:
             item.add_marker(CLUSTER)
-        if in_groups:
-            item.add_marker(pytest.mark.xdist_group(_group(item, fixtures)))
+    if config.pluginmanager.hasplugin("xdist"):
+        groups = _groups(items)
+        for item in items:
+            item.add_marker(pytest.mark.xdist_group(groups[_module(item)]))
     items.sort(key=_runs_late)  # stable: the order within each group stays
 
 
-def _group(item: pytest.Item, fixtures: Iterable[str]) -> str:
-    """The tests one worker of `pytest -n` runs together (`--dist loadgroup`, deploy/test.sh):
-    a module's (its module fixtures start once), and those of a session fixture that must
-    start once (the faultable broker, the secured broker, the three-node cluster)."""
-    for shared in (FAULTABLE, SECURED, THREE_NODES):
-        if shared in fixtures:
-            return shared
+def _module(item: pytest.Item) -> str:
     return item.nodeid.split("::", 1)[0]
+
+
+def _groups(items: Iterable[pytest.Item]) -> dict[str, str]:
+    """The tests one worker of `pytest -n` runs together (`--dist loadgroup`, deploy/test.sh),
+    by module: a module's tests together (its module fixtures start once), and every module
+    with a test of a session fixture that must start once (the faultable broker, the secured
+    broker, the three-node cluster) in that fixture's group."""
+    groups: dict[str, str] = {}
+    for item in items:
+        fixtures = getattr(item, "fixturenames", ())
+        shared = next((f for f in (FAULTABLE, SECURED, THREE_NODES) if f in fixtures), None)
+        if shared is not None:
+            groups[_module(item)] = shared
+        else:
+            groups.setdefault(_module(item), _module(item))
+    return groups
 
 
 def _runs_late(item: pytest.Item) -> tuple[bool, bool, bool]:
