@@ -54,12 +54,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if config.pluginmanager.hasplugin("xdist"):
         groups = _groups(items)
         for item in items:
-            item.add_marker(pytest.mark.xdist_group(groups[_module(item)]))
+            item.add_marker(pytest.mark.xdist_group(groups[_module(item.nodeid)]))
     items.sort(key=_runs_late)  # stable: the order within each group stays
 
 
-def _module(item: pytest.Item) -> str:
-    return item.nodeid.split("::", 1)[0]
+def _module(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
 
 
 def _groups(items: Iterable[pytest.Item]) -> dict[str, str]:
@@ -71,10 +71,11 @@ def _groups(items: Iterable[pytest.Item]) -> dict[str, str]:
     for item in items:
         fixtures = getattr(item, "fixturenames", ())
         shared = next((f for f in (FAULTABLE, SECURED, THREE_NODES) if f in fixtures), None)
+        module = _module(item.nodeid)
         if shared is not None:
-            groups[_module(item)] = shared
+            groups[module] = shared
         else:
-            groups.setdefault(_module(item), _module(item))
+            groups.setdefault(module, module)
     return groups
 
 
@@ -93,12 +94,11 @@ _workers_of: dict[str, set[str]] = {}
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     node = getattr(report, "node", None)  # the worker that sent it (pytest-xdist)
     if node is not None and report.when == "setup":
-        module = report.nodeid.split("::", 1)[0]
-        _workers_of.setdefault(module, set()).add(node.gateway.id)
+        _workers_of.setdefault(_module(report.nodeid), set()).add(node.gateway.id)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    """A module whose tests ran on two workers started its fixtures twice: `_group` did not
+    """A module whose tests ran on two workers started its fixtures twice: `_groups` did not
     take (pytest-xdist's loadgroup reads it from the test's id; ADR 0067). Fails the run."""
     split = sorted(module for module, workers in _workers_of.items() if len(workers) > 1)
     if split:
