@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 from bench.observe import DeploymentObserver
+from deploy import test_ledger
 from services.edge import keys as keyfile
 from shared.kafka import create_topics, delete_topics, wait_for_broker
 from shared.settings import TokenbusSettings
@@ -219,6 +220,8 @@ class PipelineStack(Stack):
         await create_topics(
             self.settings, Topics(self.prefix).partitions(), configs=self.settings.topic_configs()
         )
+        # Counted with the tests' stacks when `make test` runs a bench (tests/test_bench_*).
+        test_ledger.note(test_ledger.STACK, where=f"bench {self.name}")
         for name in SERVICES:
             env = self.env
             if name == "worker":

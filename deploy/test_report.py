@@ -83,13 +83,23 @@ def _without_group(name: str) -> str:
     return name[:at] if at > name.rfind("]") else name
 
 
+# Of the JVM node starts, those of a node (its state dir) started before in the run: a fault
+# test's node brought back after a kill -9 or a stop, the fault itself.
+RESTARTS = "JVM node restarts"
+
+
 def read_ledger(path: Path) -> Counter[str]:
+    """Each kind's starts; and RESTARTS, the JVM node starts of a node seen before."""
     counts: Counter[str] = Counter()
+    nodes: set[str] = set()
     if path.exists():
         for line in path.read_text().splitlines():
             if line.strip():
                 entry = json.loads(line)
                 counts[entry["kind"]] += int(entry["count"])
+                if entry["kind"] == test_ledger.JVM_NODE:
+                    counts[RESTARTS] += entry["where"] in nodes
+                    nodes.add(entry["where"])
     return counts
 
 
@@ -132,7 +142,7 @@ def report(run_dir: Path) -> dict[str, object]:
         "total_s": sum(t.seconds for t in ordered if t.name not in BESIDE),
         "tests": len(tests),
         "slowest": [asdict(t) for t in tests[:SLOWEST]],
-        "counts": {COUNTED.get(k, k): counts.get(k, 0) for k in COUNTED},
+        "counts": {COUNTED.get(k, k): counts.get(k, 0) for k in [*COUNTED, RESTARTS]},
     }
 
 
@@ -150,7 +160,10 @@ def render(data: dict[str, object]) -> str:
     out += [f"the {len(slowest)} slowest of {data['tests']} tests (setup + call + teardown):", ""]
     out += ["| s | test |", "|---:|---|"]
     out += [f"| {t['seconds']:.1f} | {t['nodeid']} |" for t in slowest]
-    out += ["", "started: " + ", ".join(f"{v} {k}" for k, v in counts.items()), ""]
+    restarts = counts.get(RESTARTS, 0)
+    started = [f"{v} {k}" for k, v in counts.items() if k != RESTARTS]
+    started[1] += f" ({restarts} of them restarts of a node after a fault)"
+    out += ["", "started: " + ", ".join(started), ""]
     return "\n".join(out)
 
 

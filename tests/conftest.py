@@ -17,7 +17,7 @@ import services.ingest.handling as ingest_handling
 from deploy.kafka import launcher
 from tests.chaos.toxiproxy import ProxiedCluster, Toxiproxy
 from tests.kafka_env import kafka_bootstrap
-from tests.processes import free_port_pair, free_port_run
+from tests.processes import free_port_pair, free_port_run, running
 from tests.stack import Stack, new_prefix
 from tests.tenants import SHARED_STACK_ENV, SHARED_STACK_TENANTS
 from tests.tiers import UNIT, ProcessGuard, is_unit
@@ -180,7 +180,11 @@ def three_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProxiedClu
             launcher.start(cluster)
             yield ProxiedCluster(cluster, proxy)
     finally:
+        pids = launcher.running_pids(cluster).values()
         launcher.stop(cluster)
+        # The launcher's stop of a three-node cluster, checked here (tests/test_launcher.py).
+        left = [pid for pid in pids if running(pid)]
+        assert not left, f"the launcher's stop left nodes of the three running: {left}"
 
 
 @dataclass(frozen=True)

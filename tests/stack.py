@@ -102,6 +102,9 @@ class Stack:
     health_ports: dict[str, int] = field(default_factory=dict)
     # The workers `start` runs: service key -> its own variables (an engine, a model).
     workers: dict[str, dict[str, str]] = field(default_factory=lambda: {"worker": {}})
+    # Counted in the run's ledger once, by the first service it starts, whatever path a
+    # test takes to start it (`start`, a start of its own, or a single service).
+    counted: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
         keys = keyfile.KeysFile()
@@ -186,6 +189,9 @@ class Stack:
         # Its own port, not the service's default: stacks run side by side.
         full.setdefault("TOKENBUS_METRICS_PORT", str(free_port()))
         self.health_ports[key] = int(full["TOKENBUS_METRICS_PORT"])
+        if not self.counted:
+            ledger.note(ledger.STACK, where=os.environ.get("PYTEST_CURRENT_TEST", self.prefix))
+            self.counted = True
         if name == "worker" and (load := ledger.engine_load(full.get("TOKENBUS_WORKER_ENGINE"))):
             ledger.note(load, where=f"{self.prefix}-{key}")
         with open(self.log_dir / f"{self.prefix}-{key}.log", "ab") as log:
@@ -217,7 +223,6 @@ class Stack:
     def start(self) -> Stack:
         settings = self.settings
         asyncio.run(_create(settings, self.topics))
-        ledger.note(ledger.STACK, where=os.environ.get("PYTEST_CURRENT_TEST", self.prefix))
         self.edge_port = free_port()
         for name in SERVICES:
             if name != "worker":

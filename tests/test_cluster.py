@@ -338,6 +338,34 @@ def test_cli_status_names_a_dead_node_and_start_brings_it_back(
     assert launcher.running_pids(cluster)[3] != killed
 
 
+def test_cli_status_start_again_and_a_conflicting_nodes_on_the_running_cluster(
+    cluster: launcher.Cluster,
+) -> None:
+    """The launcher's CLI, as users run it, on the three nodes it started: the state dir is
+    all it needs (no --nodes, no --port); a second start starts nothing; another size is
+    refused. (Its stop stops every node: the session's teardown, `three_nodes`, checks.)"""
+    pids = [launcher.running_pids(cluster)[i] for i in (1, 2, 3)]
+    where = ("--state-dir", str(cluster.state_dir))
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "deploy.kafka.launcher", *args],
+            capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+
+    status = cli("status", *where)
+    assert status.returncode == 0, status.stdout + status.stderr
+    assert f"running at {cluster.bootstrap_servers}" in status.stdout
+    again = cli("start", *where)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "already running" in again.stdout
+    assert [launcher.running_pids(cluster)[i] for i in (1, 2, 3)] == pids
+    one = cli("start", "--nodes", "1", *where)
+    assert one.returncode == 1
+    assert "holds a 3-node cluster" in one.stderr
+    assert all(running(pid) for pid in pids)
+
+
 def test_topics_create_cli_replicates_by_default_and_takes_a_factor(
     cluster: launcher.Cluster,
 ) -> None:

@@ -23,12 +23,16 @@ def test_the_ledger_counts_each_start_in_the_file_the_environment_names(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ledger = tmp_path / "ledger.jsonl"
+    # Unset here even under `make test`, whose ledger this line must not reach.
+    monkeypatch.delenv(test_ledger.LEDGER_ENV, raising=False)
     test_ledger.note(test_ledger.STACK)  # no ledger named: nothing written, no error
     monkeypatch.setenv(test_ledger.LEDGER_ENV, str(ledger))
     test_ledger.note(test_ledger.STACK, where="a")
-    test_ledger.note(test_ledger.JVM_NODE, count=3, where="cluster")
+    for node in ("node-1", "node-2", "node-3", "node-2"):  # node 2 killed and started again
+        test_ledger.note(test_ledger.JVM_NODE, where=node)
     test_ledger.note(test_ledger.VLLM_LOAD, count=0)  # nothing started: no line
-    assert test_report.read_ledger(ledger) == {"stack": 1, "jvm_node": 3}
+    counts = test_report.read_ledger(ledger)
+    assert counts == {"stack": 1, "jvm_node": 4, test_report.RESTARTS: 1}
     assert test_ledger.engine_load("vllm") == test_ledger.VLLM_LOAD
     assert test_ledger.engine_load("transformers") == test_ledger.TRANSFORMERS_LOAD
     assert test_ledger.engine_load(None) is None
@@ -57,12 +61,13 @@ def test_the_table_splits_the_chaos_check_out_and_adds_no_background_build(
     assert data["total_s"] == 30 + 60 + 120 + 600 + 180  # the tool builds ran beside
     assert data["slowest"][0]["nodeid"] == "tests.test_chaos::test_the_system"  # type: ignore[index]
     assert data["counts"] == {
-        "stack starts": 2, "JVM node starts": 0, "vLLM loads": 0, "transformers loads": 0
+        "stack starts": 2, "JVM node starts": 0, "vLLM loads": 0, "transformers loads": 0,
+        "JVM node restarts": 0,
     }  # fmt: skip
     table = test_report.render(data)
     assert "| chaos | 4.0 | ok |" in table
     assert "**16.5**" in table
-    assert "started: 2 stack starts, 0 JVM node starts" in table
+    assert "started: 2 stack starts, 0 JVM node starts (0 of them restarts" in table
 
 
 BROKER_JUNIT = """<?xml version="1.0" encoding="utf-8"?>

@@ -506,7 +506,8 @@ def _start_nodes(cluster: Cluster, wanted: Sequence[Node], timeout_s: float) -> 
                 cluster.node(node_id).pid_file.unlink(missing_ok=True)
             raise
         elapsed = time.monotonic() - began
-        test_ledger.note(test_ledger.JVM_NODE, len(spawned), str(cluster.state_dir))
+        for node_id in spawned:  # a line per node: a node started again is a restart
+            test_ledger.note(test_ledger.JVM_NODE, 1, str(cluster.node(node_id).state_dir))
         what = "broker" if cluster.size == 1 else f"{len(spawned)} of {cluster.size} nodes"
         print(f"{what} up at {cluster.bootstrap_servers} in {elapsed:.1f} s "
               f"({_pid_list(spawned)})", flush=True)  # fmt: skip
