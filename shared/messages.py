@@ -926,12 +926,26 @@ class ResetResult(ResultBase):
     kind: Literal["reset"] = "reset"
     seq: int = Field(default=0, ge=0)
     reason: str = ""
+    usage: Usage | None = Field(
+        default=None,
+        exclude_if=_unset,
+        description="What the attempt it supersedes used, where a cascade declined that"
+        " attempt's answer (its verifier failed, or its engine did): the tenant's tokens are"
+        " spent all the same, and the edge settles the charge with them beside the final's"
+        " (issue 37, N5). Unset where the attempt was lost to a fault (a worker declared"
+        " dead): the tenant is not charged for it.",
+    )
 
     @classmethod
-    def before_retry(cls, request: QueuedRequest, reason: str) -> ResetResult:
+    def before_retry(
+        cls, request: QueuedRequest, reason: str, usage: Usage | None = None
+    ) -> ResetResult:
         """The reset that announces the request's next attempt (`QueuedRequest.next_attempt`)."""
         return cls(
-            request_id=request.request_id, attempt=request.next_attempt().attempt, reason=reason
+            request_id=request.request_id,
+            attempt=request.next_attempt().attempt,
+            reason=reason,
+            usage=usage,
         )
 
 

@@ -152,6 +152,22 @@ async def test_a_cascade_escalates_exactly_the_answers_the_small_model_declines(
     wait_until(
         lambda: escalations(cascade) - before == len(expected), 10, "the escalations counted"
     )
+    # Each escalation's reset carries what the declined answer used, for the edge to charge
+    # beside the final's (issue 37, N5: a cascade settled only its last attempt).
+    declined = {
+        results[f"c{i}"].request_id: sum(
+            f["type"] == "chat.delta" for f in attempts(results[f"c{i}"])[0]
+        )
+        for i, p in enumerate(sent)
+        if p in expected
+    }
+    records = [json.loads(v) for v in await cascade.read_async(cascade.topics.results)]
+    resets = {r["request_id"]: r for r in records if r.get("kind") == "reset"}
+    for rid, deltas in declined.items():
+        usage = resets[rid].get("usage")
+        assert usage is not None, resets[rid]
+        assert usage["completion_tokens"] >= deltas >= 1, (usage, deltas)
+        assert usage["prompt_tokens"] > 0, usage
 
 
 async def test_a_run_the_small_models_engine_fails_goes_on_to_the_large_model(

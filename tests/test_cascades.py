@@ -40,6 +40,7 @@ from shared.messages import (
     QueuedRequest,
     ReplyTo,
     RequestLimits,
+    ResetResult,
     Tier,
     Timings,
     Usage,
@@ -286,6 +287,10 @@ def test_a_failing_answer_goes_on_to_the_next_model_as_the_next_attempt() -> Non
     )
     assert (up.next_attempt.attempt, up.next_attempt.cascade_step) == (1, 1)
     assert up.next_attempt.request_id == request.request_id
+    # What the declined answer used goes with it: the tenant spent it (issue 37, N5).
+    assert up.used == Usage(prompt_tokens=3, completion_tokens=3)
+    reset = ResetResult.before_retry(request, "escalated: refusal", up.used)
+    assert (reset.attempt, reset.usage) == (1, up.used)
     assert escalation(table, request, "Buses carry people.") is None
 
 
@@ -301,10 +306,14 @@ def test_the_last_model_and_requests_of_no_route_always_answer() -> None:
 def test_a_run_the_engine_failed_goes_on_but_a_request_refused_ends() -> None:
     cascade = Cascade(routes(auto=AUTO), Topics("t"), cast(Any, None), lambda: 0, 1.0)
     state = cast(Any, SimpleNamespace(request=queued(step=0)))
-    broke = ErrorResult.for_request(state.request, ErrorCode.internal, "the engine failed")
+    made = Usage(prompt_tokens=0, completion_tokens=7)  # what the failed run made
+    broke = ErrorResult.for_request(
+        state.request, ErrorCode.internal, "the engine failed", usage=made
+    )
     up = cascade.failed(state, broke)
     assert up is not None
     assert (up.from_model, up.to_model, up.reason) == ("small", "large", "engine_error")
+    assert up.used == made
     assert up.next_attempt.cascade_step == 1
     # A request refused (too long, a field not honoured): not an engine failure.
     refused = ErrorResult.for_request(state.request, ErrorCode.invalid_request, "too long")

@@ -7,7 +7,15 @@ from hypothesis import strategies as st
 
 from services.edge.protocol import ServerFrame
 from services.edge.streams import ResultStream, ResumePoint, StreamRouter
-from shared.messages import DeltaResult, DoneResult, ErrorCode, ErrorResult, Timings, Usage
+from shared.messages import (
+    DeltaResult,
+    DoneResult,
+    ErrorCode,
+    ErrorResult,
+    ResetResult,
+    Timings,
+    Usage,
+)
 
 RID = "r1"
 
@@ -91,6 +99,27 @@ def test_new_attempt_is_announced_and_old_attempt_is_never_shown_again() -> None
         "chat.done",
     ]
     assert client.shown() == [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+
+def test_an_attempt_a_cascade_declined_is_charged_beside_the_final_once() -> None:
+    router, client = accepted_router()
+    [stream] = list(router)
+    router.route(delta(0))
+    declined = Usage(prompt_tokens=5, completion_tokens=40)
+    reset = ResetResult(request_id=RID, attempt=1, reason="escalated: refusal", usage=declined)
+    assert router.route(reset)
+    assert not router.route(reset)  # read twice (a replay): counted once
+    assert stream.spent is None  # no final yet: the charge stands as admitted
+    router.route(delta(0, attempt=1))
+    router.route(done(1, attempt=1))  # usage: 1 prompt token, 1 completion token
+    assert stream.spent == Usage(prompt_tokens=6, completion_tokens=41)
+    assert client.kinds[-3:] == ["chat.reset", "chat.delta", "chat.done"]
+    # A reset of a fault (a worker declared dead) carries no usage: nothing more is charged.
+    router2, _ = accepted_router()
+    [other] = list(router2)
+    router2.route(ResetResult(request_id=RID, attempt=1, reason="worker dead"))
+    router2.route(done(0, attempt=1))
+    assert other.spent == Usage(prompt_tokens=1, completion_tokens=0)
 
 
 def test_records_before_acceptance_wait_behind_it() -> None:

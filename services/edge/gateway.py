@@ -656,14 +656,15 @@ class Gateway:
 
         The router forgets it; the tenant's quota is given back (a finished stream's tokens
         charge settled to the real usage of its final first: a `done`'s, or a cancelled
-        run's error's; an error without usage leaves the charge as it stands); the
+        run's error's, with every attempt a cascade declined; an error without usage leaves
+        the charge as it stands); the
         partition read for it alone is let go; and where it ended here (not moved to
         another edge, nor refused), a per-request topic starts its retention.
         """
         if self.router.get(stream.request_id) is stream:
             self.router.close(stream.request_id)
-        if why == "finished" and stream.usage is not None:
-            self.guard.settle(stream.request_id, stream.usage)
+        if why == "finished" and (spent := stream.spent) is not None:
+            self.guard.settle(stream.request_id, spent)
         self.guard.release(stream.request_id)
         self.metrics.streams_open.set(len(self.router))
         if stream.detached and stream.flight is not None:

@@ -96,6 +96,10 @@ class ResultStream:
     progress_at: float | None = None  # last record seen (None: not watched for stalls)
     grace_until: float | None = None  # detached: cancelled at this time unless resumed
     usage: Usage | None = None  # its final `done`'s real usage: the quota is settled with it
+    # Attempt -> what the attempt before it used, where a cascade declined that attempt's
+    # answer (its reset says): charged beside the final's (issue 37, N5). Keyed by attempt,
+    # so a reset read twice counts once.
+    declined: dict[int, Usage] = field(default_factory=dict)
     cancelled: bool = False  # the client's cancel was sent: another one is a no-op
     # Cancelled after its disconnect grace: kept (detached) until its final brings the
     # usage its tenant's charge is settled with, or until its grace runs out a second time.
@@ -109,6 +113,19 @@ class ResultStream:
     @property
     def detached(self) -> bool:
         return self.client is None
+
+    @property
+    def spent(self) -> Usage | None:
+        """What its tenant is charged when it ends: its final's usage and every declined
+        attempt's; None while its final has said nothing (the charge stands)."""
+        if self.usage is None:
+            return None
+        return Usage(
+            prompt_tokens=self.usage.prompt_tokens
+            + sum(u.prompt_tokens for u in self.declined.values()),
+            completion_tokens=self.usage.completion_tokens
+            + sum(u.completion_tokens for u in self.declined.values()),
+        )
 
     def emit(self, frame: ServerFrame) -> None:
         if self.held is not None:  # not yet accepted / caught up: keep order behind it
@@ -242,6 +259,8 @@ class StreamRouter:
             return False
         if stream.resume is not None:
             stream.resume.observe(record)
+        if isinstance(record, ResetResult) and record.usage is not None:
+            stream.declined[record.attempt] = record.usage
         if record.attempt < stream.attempt:
             return False
         if record.attempt > stream.attempt:

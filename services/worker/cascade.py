@@ -39,7 +39,7 @@ from services.worker.verifiers import Answer, judge, unjudged
 from shared import semconv
 from shared.cascades import Route, Routes
 from shared.kafka import encode
-from shared.messages import ErrorCode, ErrorResult, QueuedRequest, ReplyTo, ResetResult
+from shared.messages import ErrorCode, ErrorResult, QueuedRequest, ReplyTo, ResetResult, Usage
 from shared.topics import Topics
 
 log = structlog.get_logger()
@@ -54,6 +54,9 @@ class Escalation:
     to_model: str
     reason: str  # the kind of the verifier it failed
     next_attempt: QueuedRequest  # what is written to the tier topic
+    # What the declined attempt used, where known: its reset carries it, and the edge
+    # charges the tenant for it beside the final answer's (issue 37, N5).
+    used: Usage | None = None
 
 
 def route_ahead(routes: Routes, request: QueuedRequest) -> Route | None:
@@ -69,9 +72,11 @@ def route_ahead(routes: Routes, request: QueuedRequest) -> Route | None:
 ENGINE_ERROR = "engine_error"
 
 
-def onwards(routes: Routes, request: QueuedRequest, reason: str) -> Escalation | None:
-    """The request handed on to its route's next model for `reason`; None where no model
-    of its cascade comes after the one running it."""
+def onwards(
+    routes: Routes, request: QueuedRequest, reason: str, used: Usage | None = None
+) -> Escalation | None:
+    """The request handed on to its route's next model for `reason` (its attempt having
+    used `used`); None where no model of its cascade comes after the one running it."""
     route = route_ahead(routes, request)
     if route is None or request.cascade_step is None or request.model is None:
         return None
@@ -83,6 +88,7 @@ def onwards(routes: Routes, request: QueuedRequest, reason: str) -> Escalation |
         to_model=route.model_at(step + 1),
         reason=reason,
         next_attempt=raised.next_attempt(),
+        used=used,
     )
 
 
@@ -148,7 +154,10 @@ class Cascade:
         if unjudged(route.verifiers, answer):
             log.info("cascade.unjudged", request_id=state.request_id, why="no logprobs")
         reason = await judge(route.verifiers, answer)
-        return None if reason is None else onwards(self._routes, state.request, reason)
+        if reason is None:
+            return None
+        used = Usage(prompt_tokens=finish.prompt_tokens, completion_tokens=finish.completion_tokens)
+        return onwards(self._routes, state.request, reason, used)
 
     def failed(self, state: RequestState, failure: ErrorResult) -> Escalation | None:
         """A run the engine failed (`internal`) goes on to the next model; None: it ends
@@ -156,13 +165,13 @@ class Cascade:
         would refuse as well)."""
         if failure.code != ErrorCode.internal:
             return None
-        return onwards(self._routes, state.request, ENGINE_ERROR)
+        return onwards(self._routes, state.request, ENGINE_ERROR, failure.usage)
 
     async def escalate(self, state: RequestState, up: Escalation, trace: RunTrace) -> None:
         """Hand the request on to the next model (the module's steps 1 and 2); return once
         both writes are stored. Raises `Fenced` or `ReplyFailed` as a run's writes do."""
         request = state.request
-        state.writer.send(ResetResult.before_retry(request, f"escalated: {up.reason}"))
+        state.writer.send(ResetResult.before_retry(request, f"escalated: {up.reason}", up.used))
         await state.writer.flush()
         tier = ReplyWriter(
             self._outbox,
