@@ -156,7 +156,19 @@ phase_pytest() {
   fi
   return $rc
 }
+# On a machine without the Go tools, the whole run waits for their builds (started at setup)
+# before the broker tier: beside it they took 15.4 minutes niced and slowed the tier from
+# 9.9 to 16.5 (a fresh machine's run: 34.8 minutes); alone they take 9.4 (docs/testing.md,
+# "On a fresh machine"). A build that failed fails the tests that need its tool, naming it.
+wait_builds() {
+  local pid
+  [ -n "$tools_build$jaeger_build" ] || return 0
+  echo "test.sh: waiting for the Go tool builds before the broker tier (a fresh machine, once)…"
+  for pid in $tools_build $jaeger_build; do wait "$pid" || true; done
+  tools_build="" jaeger_build=""
+}
 if [ $# -eq 0 ]; then
+  [ -z "$tools_build$jaeger_build" ] || phase "builds wait" wait_builds
   # The broker tier: two pytest workers side by side (pytest-xdist), most of whose time is
   # spent waiting on timeouts, fault windows and sockets. A module's tests run on one worker
   # (its fixtures start once), and so do those of a session fixture that must start once

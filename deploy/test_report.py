@@ -26,8 +26,8 @@ CHAOS_MODULE = "tests.test_chaos"  # JUnit's classname: the module, dotted (a cl
 # The tiers in the order the run meets them: `broker` (two workers), then `cluster` less the
 # chaos check, and `chaos` (with arguments, one run: `broker` is it less the chaos check).
 TIER_ORDER = (
-    "venv", "lint", "unit", "setup", "broker", "cluster", "chaos", "real engine", "tool builds",
-    "jaeger build",
+    "venv", "lint", "unit", "setup", "builds wait", "broker", "cluster", "chaos", "real engine",
+    "tool builds", "jaeger build",
 )  # fmt: skip
 BESIDE = ("tool builds", "jaeger build")  # run in the background: not added to the total
 COUNTED = {
