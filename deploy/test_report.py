@@ -160,9 +160,12 @@ def render(data: dict[str, object]) -> str:
     out += [f"the {len(slowest)} slowest of {data['tests']} tests (setup + call + teardown):", ""]
     out += ["| s | test |", "|---:|---|"]
     out += [f"| {t['seconds']:.1f} | {t['nodeid']} |" for t in slowest]
-    restarts = counts.get(RESTARTS, 0)
-    started = [f"{v} {k}" for k, v in counts.items() if k != RESTARTS]
-    started[1] += f" ({restarts} of them restarts of a node after a fault)"
+    of_them = f" ({counts.get(RESTARTS, 0)} of them restarts of a node after a fault)"
+    started = [
+        f"{v} {k}" + (of_them if k == COUNTED[test_ledger.JVM_NODE] else "")
+        for k, v in counts.items()
+        if k != RESTARTS
+    ]
     out += ["", "started: " + ", ".join(started), ""]
     return "\n".join(out)
 
