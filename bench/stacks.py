@@ -6,10 +6,8 @@ import asyncio
 import contextlib
 import json
 import os
-import random
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,6 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 from bench.observe import DeploymentObserver
+from bench.ports import free_port, free_port_pair
 from deploy import test_ledger
 from services.edge import keys as keyfile
 from shared.kafka import create_topics, delete_topics, wait_for_broker
@@ -57,31 +56,6 @@ async def private_broker(say: Callable[[str], None] = print) -> AsyncIterator[st
             yield cluster.bootstrap_servers
         finally:
             await asyncio.to_thread(launcher.stop, cluster)
-
-
-def free_port_pair() -> int:
-    """A port P with P+1 free too (broker and controller), below the ephemeral range."""
-    for _ in range(500):
-        port = random.randrange(10000, 30000)
-        if _bindable(port) and _bindable(port + 1):
-            return port
-    raise StackError("no two adjacent free ports found in 10000-30000")
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket() as probe:
-        try:
-            probe.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 class Stack:

@@ -34,7 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.doc_block import replace_block
-from bench.stacks import PipelineStack, free_port, private_broker
+from bench.ports import free_port
+from bench.stacks import PipelineStack, private_broker
 from bench.vllm_serve_client import RESULT
 from services.worker.engines.vllm import CPU_CUSTOM_OPS
 from tokenbus.local_engine import (

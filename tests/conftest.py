@@ -18,7 +18,7 @@ from deploy.kafka import launcher
 from tests.chaos.toxiproxy import ProxiedCluster, Toxiproxy
 from tests.kafka_env import kafka_bootstrap
 from tests.processes import free_port_pair, free_port_run, running
-from tests.stack import Stack, new_prefix
+from tests.stack import FAULT_STACK_ENV, SERVICES, Stack, new_prefix, wait_until
 from tests.tenants import SHARED_STACK_ENV, SHARED_STACK_TENANTS
 from tests.tiers import UNIT, ProcessGuard, is_unit
 
@@ -40,6 +40,7 @@ SECURED = "secured_cluster"
 # them) after the rest, alone on the machine.
 CLUSTER = "cluster"
 _FAULTABLE_CLUSTER = pytest.StashKey[launcher.Cluster]()
+_FAULT_STACK = pytest.StashKey[Stack]()
 
 
 # First, so that `-m unit` / `-m "not unit"` see the mark when they deselect.
@@ -131,6 +132,9 @@ def pytest_runtest_teardown(
     finally:
         uses = [FAULTABLE in getattr(i, "fixturenames", ()) for i in (item, nextitem)]
         if uses == [True, False] and (cluster := item.config.stash.get(_FAULTABLE_CLUSTER, None)):
+            if (stack := item.config.stash.get(_FAULT_STACK, None)) is not None:
+                del item.config.stash[_FAULT_STACK]
+                stack.stop()  # before its broker goes
             launcher.stop(cluster)
 
 
@@ -253,6 +257,40 @@ def faultable_broker(_faultable_node: FaultableBroker) -> Iterator[FaultableBrok
         yield _faultable_node.whole()
     finally:
         _faultable_node.whole()
+
+
+@pytest.fixture(scope="session")
+def _fault_stack(
+    request: pytest.FixtureRequest, _faultable_node: FaultableBroker, log_dir: Path
+) -> Iterator[Stack]:
+    stack = Stack(
+        bootstrap=_faultable_node.bootstrap,
+        prefix=new_prefix(),
+        log_dir=log_dir,
+        env_overrides=dict(FAULT_STACK_ENV),
+        ready_timeout_s=240,  # a loaded machine's broker elects the new topics' leaders slowly
+    )
+    request.config.stash[_FAULT_STACK] = stack
+    try:
+        yield stack.start()
+    finally:
+        if request.config.stash.get(_FAULT_STACK, None) is stack:  # not stopped with its broker
+            del request.config.stash[_FAULT_STACK]
+            stack.stop()
+
+
+@pytest.fixture
+def fault_stack(_fault_stack: Stack, faultable_broker: FaultableBroker) -> Stack:
+    """The fault tests' stack (issue 36): one for the session on the faultable broker, with
+    FAULT_STACK_ENV. Each test hangs or stops the broker under it and asserts that every
+    service rides it out in place; the next test finds it whole and serving again, which
+    it checks before it begins (a service that exited fails it: none is restarted by hand).
+    Tests isolate by request id and tenant, not by topic: they read their own records."""
+    wait_until(_fault_stack.edge_ready, 240, "the fault stack's edge ready again")
+    for key in SERVICES:
+        ready = lambda k=key: _fault_stack.health(k, "/readyz")[0] == 200  # noqa: E731
+        wait_until(ready, 120, f"the fault stack's {key} ready again")
+    return _fault_stack
 
 
 def _default_stack(bootstrap: str, log_dir: Path) -> Iterator[Stack]:

@@ -2,47 +2,12 @@
 
 from __future__ import annotations
 
-import random
-import socket
 from collections import defaultdict
 from pathlib import Path
 
+from bench.ports import free_port, free_port_pair, free_port_run
 
-def free_port_pair() -> int:
-    """A port P with P+1 also free: the local broker listens on P, its controller on P+1."""
-    return free_port_run(2)
-
-
-def free_port_run(count: int) -> int:
-    """A port P with P+1 … P+count-1 also free: a local cluster of count/2 nodes uses them.
-
-    Drawn below the kernel's ephemeral range: a JVM binds its ports tens of seconds after
-    the check on a loaded machine, and meanwhile any outgoing connection (the nodes' own,
-    to each other) may be given a free ephemeral port.
-    """
-    low, _high = _ephemeral_range()
-    for _ in range(500):
-        port = random.randrange(10000, max(10001, low - count))
-        if all(_bindable(port + i) for i in range(count)):
-            return port
-    raise RuntimeError(f"no {count} adjacent free ports found below {low}")
-
-
-def _ephemeral_range() -> tuple[int, int]:
-    try:
-        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(low), int(high)
-    except (FileNotFoundError, ValueError):
-        return 32768, 60999  # Linux's default
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket() as probe:
-        try:
-            probe.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
+__all__ = ["cmdline", "descendants", "free_port", "free_port_pair", "free_port_run", "running"]
 
 
 def running(pid: int) -> bool:

@@ -8,7 +8,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ from typing import Any
 from aiokafka import ConsumerRecord, TopicPartition
 from pydantic import SecretStr
 
+from bench.ports import free_port
 from deploy import test_ledger as ledger
 from services.edge import keys as keyfile
 from services.edge.resume import ResumeKeys
@@ -59,13 +59,16 @@ SHORT_CLIENT_TIMEOUTS: dict[str, str] = {
     "TOKENBUS_WORKER_RESULT_WRITE_TIMEOUT_S": "4",
 }
 FAULT_WINDOW_S = 12.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+# The fault tests' stack (`fault_stack`, one for the session on the faultable broker): the
+# short timeouts, a sim slow enough that streams are still running when the broker goes
+# (8 tokens/s: 100 tokens take 12 s), a stalled stream given up soon after the broker is
+# back, and ingest's retries backing off to 2 s so that it is seen back soon.
+FAULT_STACK_ENV: dict[str, str] = {
+    **SHORT_CLIENT_TIMEOUTS,
+    "TOKENBUS_WORKER_SIM_TOKEN_RATE": "8",
+    "TOKENBUS_EDGE_STREAM_STALL_S": "20",
+    "TOKENBUS_INGEST_RETRY_BACKOFF_MAX_MS": "2000",
+}
 
 
 def wait_until(predicate: object, timeout: float, what: str, interval: float = 0.05) -> None:

@@ -8,7 +8,8 @@ running when the broker hung either completes after it returns, or ends with
 the attempt and the last `seq` it showed, as the chat page does. The session's faultable
 broker (`faultable_broker`): the shared test broker is never stopped. The hang outlasts the
 producers' request timeout (ADR 0048: a result batch that waited that long gave up and left
-a hole in its stream) and the group session, both set short in this stack (ADR 0065).
+a hole in its stream) and the group session, both set short in the session's fault
+stack (`fault_stack`, ADR 0065).
 """
 
 from __future__ import annotations
@@ -17,9 +18,7 @@ import asyncio
 import json
 import os
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -27,17 +26,12 @@ import websockets
 from websockets.exceptions import ConnectionClosed
 
 from services.worker.engines.sim_text import complete
-from shared.kafka import create_topics
 from tests.chat_client import recv_json
 from tests.conftest import FaultableBroker
 from tests.stack import (
+    FAULT_STACK_ENV,
     FAULT_WINDOW_S,
-    SERVICES,
-    SHORT_CLIENT_TIMEOUTS,
     Stack,
-    free_port,
-    new_prefix,
-    wait_until,
 )
 
 pytestmark = pytest.mark.integration
@@ -46,7 +40,8 @@ pytestmark = pytest.mark.integration
 # (30 s): there the code before ADR 0048 failed at 34 s and passed at 30 s.
 HANG_S = float(os.environ.get("H5_HANG_S", str(FAULT_WINDOW_S)))
 CHATS = 8
-TOKEN_RATE = 8  # sim tokens/s: 90-112 tokens take 11-14 s, so some finish in the hang,
+# Sim tokens/s: 90-112 tokens take 11-14 s, so some finish in the hang,
+TOKEN_RATE = int(FAULT_STACK_ENV["TOKENBUS_WORKER_SIM_TOKEN_RATE"])
 MAX_TOKENS = 200  # some after it; max_tokens above every answer's natural length
 PROMPTS = tuple(
     p
@@ -145,30 +140,6 @@ class Chat:
                 await asyncio.sleep(1)
 
 
-@pytest.fixture
-def hang_stack(faultable_broker: FaultableBroker, log_dir: Path) -> Iterator[Stack]:
-    stack = Stack(
-        bootstrap=faultable_broker.bootstrap,
-        prefix=new_prefix(),
-        log_dir=log_dir,
-        env_overrides={
-            **SHORT_CLIENT_TIMEOUTS,
-            "TOKENBUS_WORKER_SIM_TOKEN_RATE": str(TOKEN_RATE),
-        },
-    )
-    try:
-        asyncio.run(create_topics(stack.settings, stack.topics.partitions()))
-        stack.edge_port = free_port()
-        for name in SERVICES:
-            stack.start_service(name)
-        # Patient: a loaded machine's broker elects the new topics' leaders slowly.
-        wait_until(stack.edge_ready, 240, "the edge's /healthz")
-        yield stack
-    finally:
-        faultable_broker.whole()  # woken if the test failed in the hang: the topics go too
-        stack.stop()
-
-
 async def scenario(stack: Stack, broker: FaultableBroker) -> dict[str, float]:
     chats = [Chat(stack.ws_url, p) for p in PROMPTS]
     await asyncio.gather(*(c.submit() for c in chats))
@@ -210,7 +181,7 @@ async def scenario(stack: Stack, broker: FaultableBroker) -> dict[str, float]:
 
 @pytest.mark.timeout(600)
 def test_a_hang_of_the_only_broker_longer_than_the_clients_timeouts_loses_no_chat(
-    hang_stack: Stack, faultable_broker: FaultableBroker
+    fault_stack: Stack, faultable_broker: FaultableBroker
 ) -> None:
-    measured = asyncio.run(scenario(hang_stack, faultable_broker))
+    measured = asyncio.run(scenario(fault_stack, faultable_broker))
     print(f"broker hang: {measured}")

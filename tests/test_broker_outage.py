@@ -4,14 +4,14 @@ request in the outage gets `overloaded` with `retry_after_ms` at once, streams i
 with `chat.done` or `error`, and a new request succeeds soon after the broker is back. On the
 session's faultable broker (`faultable_broker`), never the shared one. The outage outlasts
 the producers' request timeout (batches expire, producers break), the group sessions, the
-edge's lease and its models' freshness, all set short in this stack (ADR 0065)."""
+edge's lease and its models' freshness, all set short in the session's fault
+stack (`fault_stack`, ADR 0065)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,24 +21,22 @@ import websockets
 from websockets.exceptions import ConnectionClosed
 
 from services.worker.engines.sim_text import complete
-from shared.kafka import create_topics
 from tests import stack_dumps
 from tests.chat_client import recv_json
 from tests.conftest import FaultableBroker
 from tests.stack import (
+    FAULT_STACK_ENV,
     FAULT_WINDOW_S,
     SERVICES,
-    SHORT_CLIENT_TIMEOUTS,
     Stack,
-    free_port,
-    new_prefix,
     wait_until,
 )
 
 pytestmark = pytest.mark.integration
 
 OUTAGE_S = FAULT_WINDOW_S
-TOKEN_RATE = 8  # sim tokens/s: the streams below are still generating in the outage
+# Sim tokens/s: the streams below are still generating in the outage.
+TOKEN_RATE = int(FAULT_STACK_ENV["TOKENBUS_WORKER_SIM_TOKEN_RATE"])
 STREAM_TOKENS = 500  # the sim's answer ends first (100+ tokens for these prompts: 12+ s)
 PROMPTS = ("outage stream 0", "outage stream 9", "outage stream 11")
 # Requests sent this long into the outage: before the edge has noticed (the write times out),
@@ -99,38 +97,6 @@ class Outage:
 @pytest.fixture(params=["hang", "restart"])
 def outage(request: pytest.FixtureRequest, faultable_broker: FaultableBroker) -> Outage:
     return Outage(faultable_broker, request.param)
-
-
-@pytest.fixture
-def outage_stack(outage: Outage, log_dir: Path) -> Iterator[Stack]:
-    stack = Stack(
-        bootstrap=outage.broker.bootstrap,
-        prefix=new_prefix(),
-        log_dir=log_dir,
-        env_overrides={
-            **SHORT_CLIENT_TIMEOUTS,  # the edge's lease among them: it lapses in the outage
-            "TOKENBUS_WORKER_SIM_TOKEN_RATE": str(TOKEN_RATE),
-            # A stream whose records a worker lost in the outage ends with an error soon.
-            "TOKENBUS_EDGE_STREAM_STALL_S": "20",
-        },
-    )
-    try:
-        start_patiently(stack)
-        yield stack
-    finally:
-        outage.broker.whole()  # back if the test failed in the outage: the topics go too
-        stack.stop()
-
-
-def start_patiently(stack: Stack) -> None:
-    """`Stack.start` with more patience: a loaded machine's broker elects the leaders of
-    the new topics slowly, and the edge waits for them before it serves."""
-    settings = stack.settings
-    asyncio.run(create_topics(settings, stack.topics.partitions()))
-    stack.edge_port = free_port()
-    for name in SERVICES:
-        stack.start_service(name)
-    wait_until(stack.edge_ready, 240, "the edge's /healthz")
 
 
 async def submit(url: str, prompt: str, max_tokens: int) -> Watched:
@@ -252,12 +218,12 @@ async def scenario(stack: Stack, outage: Outage) -> None:
 # The broker started again in `restart`: slow on a loaded machine.
 @pytest.mark.timeout(900)
 def test_a_broker_outage_longer_than_the_clients_timeouts_is_survived_in_place(
-    outage_stack: Stack, outage: Outage, tmp_path: Path
+    fault_stack: Stack, outage: Outage, tmp_path: Path
 ) -> None:
     try:
-        asyncio.run(scenario(outage_stack, outage))
+        asyncio.run(scenario(fault_stack, outage))
     except (AssertionError, TimeoutError) as exc:
-        raise AssertionError(diagnosis(outage_stack, tmp_path)) from exc
+        raise AssertionError(diagnosis(fault_stack, tmp_path)) from exc
 
 
 def diagnosis(stack: Stack, tmp_path: Path) -> str:

@@ -1,9 +1,9 @@
 """Per-request topics of a crashed edge: another edge's sweeper deletes them, and only them.
 
-Two edges in topic topology on the real broker. Edge A finishes a few streams and is killed
-with SIGKILL before its own retention deletes their topics; edge B's sweeper must delete
-them within a bounded time, while it keeps a topic still being written (a stream of the dead
-edge that the worker goes on producing).
+Two edges of their own in topic topology on the session's stack (`Stack.own_edge`). Edge A
+finishes a few streams and is killed with SIGKILL before its own retention deletes their
+topics; edge B's sweeper must delete them within a bounded time, while it keeps a topic
+still being written (a stream of the dead edge that the worker goes on producing).
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import json
 import signal
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import websockets
@@ -22,37 +21,36 @@ from services.edge.resume import verify
 from services.worker.engines.sim_text import complete
 from shared.kafka import make_admin
 from tests.chat_client import recv_json
-from tests.stack import Stack, free_port, new_prefix, wait_until
+from tests.stack import Stack
+from tests.tenants import paced
 
 TOKEN_RATE = 5  # sim tokens/s
 RETENTION_S = 3.0  # an edge deletes its own topics this long after their streams end
 ORPHAN_AFTER_S = 6.0  # the sweeper: no write for this long, and no edge reads it
 SWEEP_INTERVAL_S = 1.0
-LONG_PROMPT = "outage stream 11"  # a 117-token answer: 23 s at TOKEN_RATE
+# A 117-token answer: 23 s at TOKEN_RATE (the shared stack paces it: tests/tenants.py).
+LONG_PROMPT = paced("outage stream 11", TOKEN_RATE)
+
+
+# The edges' settings: per-request topics, deleted soon after their streams end, and a
+# sweeper that deletes a dead edge's soon after their last write.
+TOPIC_EDGE_ENV = {
+    "TOKENBUS_EDGE_RESULT_TOPOLOGY": "topic",
+    "TOKENBUS_EDGE_RESULT_TOPIC_RETENTION_S": str(RETENTION_S),
+    "TOKENBUS_EDGE_RESULT_TOPIC_ORPHAN_AFTER_S": str(ORPHAN_AFTER_S),
+    "TOKENBUS_EDGE_RESULT_TOPIC_SWEEP_INTERVAL_S": str(SWEEP_INTERVAL_S),
+}
 
 
 @pytest.fixture(scope="module")
-def two_edges(bootstrap: str, log_dir: Path) -> Iterator[tuple[Stack, int]]:
-    stack = Stack(
-        bootstrap=bootstrap,
-        prefix=new_prefix(),
-        log_dir=log_dir,
-        env_overrides={
-            "TOKENBUS_WORKER_SIM_TOKEN_RATE": str(TOKEN_RATE),
-            "TOKENBUS_EDGE_RESULT_TOPOLOGY": "topic",
-            "TOKENBUS_EDGE_RESULT_TOPIC_RETENTION_S": str(RETENTION_S),
-            "TOKENBUS_EDGE_RESULT_TOPIC_ORPHAN_AFTER_S": str(ORPHAN_AFTER_S),
-            "TOKENBUS_EDGE_RESULT_TOPIC_SWEEP_INTERVAL_S": str(SWEEP_INTERVAL_S),
-        },
-    )
-    try:
-        stack.start()
-        port_b = free_port()
-        stack.start_service("edge", key="edge-b", TOKENBUS_EDGE_PORT=str(port_b))
-        wait_until(lambda: stack.edge_ready(port_b), 60, "edge B's /healthz")
-        yield stack, port_b
-    finally:
-        stack.stop()
+def two_edges(stack: Stack) -> Iterator[tuple[int, int]]:
+    """Edges A and B of the session's stack (issue 36), both in topic topology: the test
+    kills A; B sweeps."""
+    with (
+        stack.own_edge("sweep-a", **TOPIC_EDGE_ENV) as port_a,
+        stack.own_edge("sweep-b", **TOPIC_EDGE_ENV) as port_b,
+    ):
+        yield port_a, port_b
 
 
 async def request(
@@ -84,12 +82,12 @@ async def existing(stack: Stack) -> set[str]:
 
 
 async def test_a_crashed_edges_topics_are_swept_by_another_edge(
-    two_edges: tuple[Stack, int],
+    stack: Stack, two_edges: tuple[int, int]
 ) -> None:
-    stack, _ = two_edges
+    port_a, _ = two_edges
     assert complete(LONG_PROMPT, 500).completion_tokens > TOKEN_RATE * (ORPHAN_AFTER_S + 5)
-    async with websockets.connect(stack.ws_url) as ws:
-        finished = [await request(stack, ws, f"short {i}", 3) for i in range(3)]
+    async with websockets.connect(stack.ws_url_as("default", port_a)) as ws:
+        finished = [await request(stack, ws, paced(f"short {i}", TOKEN_RATE), 3) for i in range(3)]
         ends = 0
         while ends < len(finished):  # every short stream has ended on edge A
             frame = await recv_json(ws)
@@ -97,7 +95,7 @@ async def test_a_crashed_edges_topics_are_swept_by_another_edge(
         long_topic = await request(stack, ws, LONG_PROMPT, 500)
         await recv_json(ws)  # its first delta: the worker writes it now
         # Killed before its retention (RETENTION_S) deletes the finished streams' topics.
-        stack.stop_service("edge", signal.SIGKILL)
+        stack.stop_service("sweep-a", signal.SIGKILL)
         killed_at = time.monotonic()
     topics = await existing(stack)
     assert set(finished) <= topics, "edge A deleted its topics before it was killed"
@@ -110,5 +108,5 @@ async def test_a_crashed_edges_topics_are_swept_by_another_edge(
     swept_after = time.monotonic() - killed_at
     # The dead edge's stream still being written is kept (written within ORPHAN_AFTER_S).
     assert long_topic in topics, f"a topic being written was swept after {swept_after:.1f} s"
-    swept = (stack.log("edge-b")).read_text()
+    swept = (stack.log("sweep-b")).read_text()
     assert "result_topics.swept" in swept

@@ -1,13 +1,14 @@
 """A broker outage longer than the clients' timeouts under a scheduler and a worker with a
 stream under way.
 
-On the session's faultable broker (`faultable_broker`; the shared one is never stopped): the
-scheduler and the worker keep running through the outage, and once the broker is back the
-stream that was running ends with exactly one final record of its last attempt, and a new
-request is answered in full. The outage outlasts the producers' request timeout (batches expire and
-producers break), the scheduler's group session and the worker's heartbeats (ADR 0065).
-Requests go straight to the tier topic (no edge or ingest: their part of the outage is
-tested with them), their results to a topic the test reads.
+On the session's faultable broker (`faultable_broker`; the shared one is never stopped),
+under the session's fault stack (`fault_stack`): the scheduler and the worker keep running
+through the outage, and once the broker is back the stream that was running ends with
+exactly one final record of its last attempt, and a new request is answered in full. The
+outage outlasts the producers' request timeout (batches expire and producers break), the
+scheduler's group session and the worker's heartbeats (ADR 0065). Requests go straight to
+the tier topic (the edge's and ingest's part of the outage is tested with them), their
+results to a topic of the test's own that it reads.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from pathlib import Path
+import uuid
 from typing import Any
 
 import pytest
@@ -27,20 +28,12 @@ from shared.messages import QueuedRequest, ReplyTo, Tier
 from shared.settings import TokenbusSettings
 from tests.conftest import FaultableBroker
 from tests.factories import long_prompts
-from tests.stack import (
-    FAULT_WINDOW_S,
-    SHORT_CLIENT_TIMEOUTS,
-    Stack,
-    new_prefix,
-    read_topic,
-    wait_until,
-)
-from tests.worker_logs import events
+from tests.stack import FAULT_STACK_ENV, FAULT_WINDOW_S, Stack, read_topic, wait_until
 
 pytestmark = pytest.mark.integration
 
 OUTAGE_S = FAULT_WINDOW_S
-TOKEN_RATE = 8  # sim tokens/s
+TOKEN_RATE = int(FAULT_STACK_ENV["TOKENBUS_WORKER_SIM_TOKEN_RATE"])  # sim tokens/s
 
 
 def queued(rid: str, prompt: str, reply: str, max_tokens: int) -> bytes:
@@ -92,38 +85,28 @@ def ended(records: list[dict[str, Any]]) -> bool:
 
 @pytest.mark.timeout(900)  # the broker's own restart can take minutes on two busy cores
 def test_scheduler_and_worker_ride_out_a_broker_outage_longer_than_their_timeouts(
-    faultable_broker: FaultableBroker, log_dir: Path
+    fault_stack: Stack, faultable_broker: FaultableBroker
 ) -> None:
-    stack = Stack(
-        bootstrap=faultable_broker.bootstrap,
-        prefix=new_prefix(),
-        log_dir=log_dir,
-        env_overrides={
-            **SHORT_CLIENT_TIMEOUTS,
-            "TOKENBUS_WORKER_SIM_TOKEN_RATE": str(TOKEN_RATE),
-        },
-    )
-    reply = f"{stack.prefix}.test.replies"
+    stack, run = fault_stack, uuid.uuid4().hex[:8]  # the session's fault stack: ids of its own
+    before, after = f"before-{run}", f"after-{run}"
+    reply = f"{stack.prefix}.test.replies-{run}"  # deleted with the stack's topics
     settings = TokenbusSettings(KAFKA_BOOTSTRAP_SERVERS=faultable_broker.bootstrap)
-    asyncio.run(create_topics(settings, {**stack.topics.partitions(), reply: 1}))
-    stack.start_service("scheduler")
-    stack.start_service("worker")
+    asyncio.run(create_topics(settings, {reply: 1}))
     try:
         pids = {key: p.pid for key, p in stack.processes.items()}
-        wait_until(lambda: events(stack.log("scheduler"), "worker.registered"), 90, "a worker")
         tier = stack.topics.tier(Tier.interactive)
         # 100+ tokens at TOKEN_RATE: 12+ s, still streaming when the broker goes.
         [long_prompt] = long_prompts(1, 100, "a stream across the outage")
         asyncio.run(
-            produce(faultable_broker.bootstrap, tier, queued("before", long_prompt, reply, 500))
+            produce(faultable_broker.bootstrap, tier, queued(before, long_prompt, reply, 500))
         )
         wait_until(
-            lambda: "before" in read_results(faultable_broker.bootstrap, reply),
+            lambda: before in read_results(faultable_broker.bootstrap, reply),
             60,
             "the stream to start",
         )
 
-        assert not ended(read_results(faultable_broker.bootstrap, reply)["before"])  # mid-stream
+        assert not ended(read_results(faultable_broker.bootstrap, reply)[before])  # mid-stream
         faultable_broker.stop()
         down_until = time.monotonic() + OUTAGE_S
         while time.monotonic() < down_until:  # the outage itself: both keep running
@@ -134,12 +117,12 @@ def test_scheduler_and_worker_ride_out_a_broker_outage_longer_than_their_timeout
 
         after_prompt = "asked once the broker is back"
         asyncio.run(
-            produce(faultable_broker.bootstrap, tier, queued("after", after_prompt, reply, 12))
+            produce(faultable_broker.bootstrap, tier, queued(after, after_prompt, reply, 12))
         )
 
         def both_ended() -> bool:
             got = read_results(faultable_broker.bootstrap, reply)
-            return all(rid in got and ended(got[rid]) for rid in ("before", "after"))
+            return all(rid in got and ended(got[rid]) for rid in (before, after))
 
         wait_until(both_ended, 300, "both requests to end", interval=1.0)
         for key, proc in stack.processes.items():
@@ -147,8 +130,8 @@ def test_scheduler_and_worker_ride_out_a_broker_outage_longer_than_their_timeout
             assert proc.pid == pids[key]
         got = read_results(faultable_broker.bootstrap, reply)
         for rid, prompt, max_tokens in (
-            ("before", long_prompt, 500),
-            ("after", after_prompt, 12),
+            (before, long_prompt, 500),
+            (after, after_prompt, 12),
         ):
             records = got[rid]
             top = max(r["attempt"] for r in records)
@@ -159,7 +142,6 @@ def test_scheduler_and_worker_ride_out_a_broker_outage_longer_than_their_timeout
                 deltas = sorted((r for r in last if r["kind"] == "delta"), key=lambda r: r["seq"])
                 assert [d["seq"] for d in deltas] == list(range(len(deltas)))
                 assert "".join(d["text"] for d in deltas) == complete(prompt, max_tokens).text
-        assert got["after"][-1]["kind"] == "done"
+        assert got[after][-1]["kind"] == "done"
     finally:
-        faultable_broker.whole()  # back if the test failed in the outage: the topics go too
-        stack.stop()
+        faultable_broker.whole()  # back if the test failed in the outage

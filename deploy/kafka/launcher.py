@@ -736,7 +736,17 @@ def _alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    return True
+    return not _zombie(pid)
+
+
+def _zombie(pid: int) -> bool:
+    """Whether `pid` has exited and only waits for its parent to reap it: a broker another
+    process started (`tokenbus up`, a test's fixture) and this one stopped."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False  # no /proc (not Linux): os.kill answered
+    return stat[stat.rindex(")") + 2 :].startswith("Z")
 
 
 def _is_our_broker(pid: int, node: Node) -> bool:
