@@ -45,6 +45,10 @@ ROUTES = {
     }
 }
 MAX_TOKENS = 12
+# The kill test's: 40 tokens at the slow small worker's 25 a second, 1.6 s a stream, so that
+# the kill lands while the worker still writes the streams the client saw begin (12 tokens,
+# 0.5 s, were often all written by then on a loaded machine: nothing was run again).
+KILL_MAX_TOKENS = 40
 ENGINE_BREAKS = "engine-breaks-here"  # the small worker's engine fails such a prompt
 
 
@@ -84,8 +88,8 @@ def prompts(n: int, tag: str) -> list[str]:
     return [f"{tag} {i}: why do buses wait?" for i in range(n)]
 
 
-def ask(prompt: str, client_id: str) -> dict[str, Any]:
-    return {"client_id": client_id, "prompt": prompt, "model": ROUTE, "max_tokens": MAX_TOKENS}
+def ask(prompt: str, client_id: str, max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
+    return {"client_id": client_id, "prompt": prompt, "model": ROUTE, "max_tokens": max_tokens}
 
 
 def attempts(t: Transcript) -> list[list[dict[str, Any]]]:
@@ -289,7 +293,7 @@ async def test_no_request_is_lost_or_answered_twice_when_the_small_worker_is_kil
     async with websockets.connect(stack.ws_url) as ws:
         session = ChatSession(ws)
         for i, prompt in enumerate(sent):
-            await session.send(ask(prompt, f"k{i}"))
+            await session.send(ask(prompt, f"k{i}", KILL_MAX_TOKENS))
 
         # Killed in the middle of streams, of escalations, of batches not yet committed:
         # once some have ended and one is streaming its first attempt (on `small`).
@@ -310,7 +314,7 @@ async def test_no_request_is_lost_or_answered_twice_when_the_small_worker_is_kil
         # the others on `small` (perhaps re-run there), with its whole answer.
         want = LARGE if refuses(prompt, REFUSE_SHARE) else SMALL
         assert t.final["model"] == want, t.frames
-        assert text_of(t.final_attempt) == complete(prompt, MAX_TOKENS).text
+        assert text_of(t.final_attempt) == complete(prompt, KILL_MAX_TOKENS).text
     # The kill hit requests in flight: some were run again (a reset no verifier caused).
     declined = {f"k{i}" for i, p in enumerate(sent) if refuses(p, REFUSE_SHARE)}
     rerun = [c for c, t in session.by_client.items() if len(t.resets) > (c in declined)]
