@@ -3,6 +3,7 @@ test tiers: the unit tier marked `unit`, guarded from starting processes (tests/
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import importlib.util
 import os
@@ -15,12 +16,22 @@ import pytest
 
 import services.ingest.handling as ingest_handling
 from deploy.kafka import launcher
+from deploy.kafka import secure as secured
+from shared.topics import Topics
 from tests.chaos.toxiproxy import ProxiedCluster, Toxiproxy
 from tests.kafka_env import kafka_bootstrap
 from tests.processes import free_port_pair, free_port_run, running
-from tests.stack import FAULT_STACK_ENV, SERVICES, Stack, new_prefix, wait_until
+from tests.stack import (
+    FAULT_STACK_ENV,
+    SERVICES,
+    Stack,
+    new_prefix,
+    settings_from_env,
+    wait_until,
+)
 from tests.tenants import SHARED_STACK_ENV, SHARED_STACK_TENANTS
 from tests.tiers import UNIT, ProcessGuard, is_unit
+from tokenbus.acls import create_acls, service_acls
 
 # The real-engine suite runs in the vLLM worker's own environment (deploy/test.sh runs it
 # there, after this run); the services' environment has no vLLM to serve it with.
@@ -71,7 +82,8 @@ def _groups(items: Iterable[pytest.Item]) -> dict[str, str]:
     groups: dict[str, str] = {}
     for item in items:
         fixtures = getattr(item, "fixturenames", ())
-        shared = next((f for f in (FAULTABLE, SECURED, THREE_NODES) if f in fixtures), None)
+        # The faultable broker is the secured one (one JVM node fewer): one group for both.
+        shared = next((f for f in (SECURED, FAULTABLE, THREE_NODES) if f in fixtures), None)
         module = _module(item.nodeid)
         if shared is not None:
             groups[module] = shared
@@ -230,29 +242,26 @@ class FaultableBroker:
 
 @pytest.fixture(scope="session")
 def _faultable_node(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+    request: pytest.FixtureRequest, secured_cluster: launcher.Cluster
 ) -> Iterator[FaultableBroker]:
-    # Below the ephemeral range: a restart can bind the port again.
-    cluster = launcher.Cluster(
-        port=free_port_pair(), state_dir=tmp_path_factory.mktemp("faultable-kafka")
-    )
-    request.config.stash[_FAULTABLE_CLUSTER] = cluster
-    broker = FaultableBroker(cluster)
+    # The secured broker (issue 36: one JVM node, not two): its modules run first, then the
+    # fault tests take it away; it stops after the last of them (pytest_runtest_teardown).
+    request.config.stash[_FAULTABLE_CLUSTER] = secured_cluster
+    broker = FaultableBroker(secured_cluster)
     try:
         yield broker.whole()
     finally:
         with contextlib.suppress(KeyError, ProcessLookupError):
             broker.wake()
-        launcher.stop(cluster)
 
 
 @pytest.fixture
 def faultable_broker(_faultable_node: FaultableBroker) -> Iterator[FaultableBroker]:
-    """One single-node broker for the session's fault tests (issue 36), started by the first
-    and stopped after the last (they run together): never the shared broker, which no test
-    stops. A test may hang it or stop it; it is whole when the test begins and again when it
-    ends, pass or fail. Each test names its topics and groups by a prefix of its own (a
-    `Stack`'s) and deletes them when it ends, so that a restart has little to load."""
+    """The session's secured single-node broker, for its fault tests once its security
+    modules are done (issue 36): never the shared broker, which no test stops. A test may
+    hang it or stop it; it is whole when the test begins and again when it ends, pass or
+    fail, and it stops after the last of them (they run together, after every other test
+    of their worker but the three-node ones). Its clients log in (`Stack.settings`)."""
     try:
         yield _faultable_node.whole()
     finally:
@@ -263,10 +272,15 @@ def faultable_broker(_faultable_node: FaultableBroker) -> Iterator[FaultableBrok
 def _fault_stack(
     request: pytest.FixtureRequest, _faultable_node: FaultableBroker, log_dir: Path
 ) -> Iterator[Stack]:
+    cluster, prefix = _faultable_node.cluster, new_prefix()
+    admin = settings_from_env(cluster.client_env(secured.ADMIN), topic_prefix=prefix)
+    asyncio.run(create_acls(admin, service_acls(Topics(prefix))))  # each service its own login
     stack = Stack(
         bootstrap=_faultable_node.bootstrap,
-        prefix=new_prefix(),
+        prefix=prefix,
         log_dir=log_dir,
+        client_env=cluster.client_env(secured.ADMIN),
+        service_env={name: cluster.client_env(name) for name in SERVICES},
         env_overrides=dict(FAULT_STACK_ENV),
         ready_timeout_s=240,  # a loaded machine's broker elects the new topics' leaders slowly
     )

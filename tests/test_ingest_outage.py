@@ -19,8 +19,7 @@ import pytest
 from shared.kafka import make_producer
 from shared.settings import TokenbusSettings
 from tests.conftest import FaultableBroker
-from tests.ingest_kafka import read_all
-from tests.stack import FAULT_WINDOW_S, Stack, wait_until
+from tests.stack import FAULT_WINDOW_S, Stack, read_records, wait_until
 from tests.worker_logs import events
 
 pytestmark = pytest.mark.integration
@@ -28,10 +27,8 @@ pytestmark = pytest.mark.integration
 OUTAGE_S = FAULT_WINDOW_S
 
 
-async def write(bootstrap: str, topic: str, ids: list[str]) -> None:
-    producer = make_producer(
-        TokenbusSettings(KAFKA_BOOTSTRAP_SERVERS=bootstrap), client_id="test-producer"
-    )
+async def write(settings: TokenbusSettings, topic: str, ids: list[str]) -> None:
+    producer = make_producer(settings, client_id="test-producer")
     await producer.start()
     try:
         for rid in ids:
@@ -45,7 +42,7 @@ async def write(bootstrap: str, topic: str, ids: list[str]) -> None:
 async def on_tiers(stack: Stack) -> list[str]:
     keys: list[str] = []
     for tier in stack.topics.tiers:
-        keys.extend((r.key or b"").decode() for r in await read_all(stack.bootstrap, tier, 4))
+        keys.extend((r.key or b"").decode() for r in await read_records(stack.settings, tier, 4))
     return keys
 
 
@@ -56,7 +53,7 @@ async def test_ingest_outlives_a_broker_outage_longer_than_its_timeouts_and_skip
     stack, run = fault_stack, uuid.uuid4().hex[:8]  # the session's fault stack: ids of its own
     ingest = stack.processes["ingest"]
     before = [f"outage-{run}-before-{n}" for n in range(30)]
-    await write(stack.bootstrap, stack.topics.requests, before)
+    await write(stack.settings, stack.topics.requests, before)
 
     def forwarding() -> bool:
         return any(
@@ -73,7 +70,7 @@ async def test_ingest_outlives_a_broker_outage_longer_than_its_timeouts_and_skip
             await asyncio.sleep(1)
         await asyncio.to_thread(faultable_broker.start)
         after = [f"outage-{run}-after-{n}" for n in range(10)]
-        await write(stack.bootstrap, stack.topics.requests, after)
+        await write(stack.settings, stack.topics.requests, after)
 
         deadline = time.monotonic() + 120
         keys: list[str] = []

@@ -51,8 +51,8 @@ def queued(rid: str, prompt: str, reply: str, max_tokens: int) -> bytes:
     )
 
 
-async def produce(bootstrap: str, topic: str, value: bytes) -> None:
-    producer = make_producer(TokenbusSettings(KAFKA_BOOTSTRAP_SERVERS=bootstrap), "test-producer")
+async def produce(settings: TokenbusSettings, topic: str, value: bytes) -> None:
+    producer = make_producer(settings, "test-producer")
     await producer.start()
     try:
         await producer.send_and_wait(topic, value)
@@ -60,14 +60,10 @@ async def produce(bootstrap: str, topic: str, value: bytes) -> None:
         await producer.stop()
 
 
-def read_results(bootstrap: str, topic: str) -> dict[str, list[dict[str, Any]]]:
+def read_results(settings: TokenbusSettings, topic: str) -> dict[str, list[dict[str, Any]]]:
     """Every result record on `topic` now, per request; {} while the broker cannot say."""
     try:
-        values = asyncio.run(
-            asyncio.wait_for(
-                read_topic(TokenbusSettings(KAFKA_BOOTSTRAP_SERVERS=bootstrap), topic, 1), 30
-            )
-        )
+        values = asyncio.run(asyncio.wait_for(read_topic(settings, topic, 1), 30))
     except (KafkaError, OSError, TimeoutError):
         return {}
     out: dict[str, list[dict[str, Any]]] = {}
@@ -89,24 +85,23 @@ def test_scheduler_and_worker_ride_out_a_broker_outage_longer_than_their_timeout
 ) -> None:
     stack, run = fault_stack, uuid.uuid4().hex[:8]  # the session's fault stack: ids of its own
     before, after = f"before-{run}", f"after-{run}"
-    reply = f"{stack.prefix}.test.replies-{run}"  # deleted with the stack's topics
-    settings = TokenbusSettings(KAFKA_BOOTSTRAP_SERVERS=faultable_broker.bootstrap)
+    # An application's reply topic, where the worker may write; deleted with the stack's.
+    reply = stack.topics.app_replies(f"outage-{run}")
+    settings = stack.settings  # the secured broker's admin login
     asyncio.run(create_topics(settings, {reply: 1}))
     try:
         pids = {key: p.pid for key, p in stack.processes.items()}
         tier = stack.topics.tier(Tier.interactive)
         # 100+ tokens at TOKEN_RATE: 12+ s, still streaming when the broker goes.
         [long_prompt] = long_prompts(1, 100, "a stream across the outage")
-        asyncio.run(
-            produce(faultable_broker.bootstrap, tier, queued(before, long_prompt, reply, 500))
-        )
+        asyncio.run(produce(settings, tier, queued(before, long_prompt, reply, 500)))
         wait_until(
-            lambda: before in read_results(faultable_broker.bootstrap, reply),
+            lambda: before in read_results(settings, reply),
             60,
             "the stream to start",
         )
 
-        assert not ended(read_results(faultable_broker.bootstrap, reply)[before])  # mid-stream
+        assert not ended(read_results(settings, reply)[before])  # mid-stream
         faultable_broker.stop()
         down_until = time.monotonic() + OUTAGE_S
         while time.monotonic() < down_until:  # the outage itself: both keep running
@@ -116,19 +111,17 @@ def test_scheduler_and_worker_ride_out_a_broker_outage_longer_than_their_timeout
         faultable_broker.start()
 
         after_prompt = "asked once the broker is back"
-        asyncio.run(
-            produce(faultable_broker.bootstrap, tier, queued(after, after_prompt, reply, 12))
-        )
+        asyncio.run(produce(settings, tier, queued(after, after_prompt, reply, 12)))
 
         def both_ended() -> bool:
-            got = read_results(faultable_broker.bootstrap, reply)
+            got = read_results(settings, reply)
             return all(rid in got and ended(got[rid]) for rid in (before, after))
 
         wait_until(both_ended, 300, "both requests to end", interval=1.0)
         for key, proc in stack.processes.items():
             assert proc.poll() is None, f"{key} exited"
             assert proc.pid == pids[key]
-        got = read_results(faultable_broker.bootstrap, reply)
+        got = read_results(settings, reply)
         for rid, prompt, max_tokens in (
             (before, long_prompt, 500),
             (after, after_prompt, 12),
