@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import random
 import socket
+from collections.abc import Mapping
 from pathlib import Path
 
 LOWEST = 10000
@@ -44,7 +45,7 @@ def free_port_run(count: int) -> int:
     raise RuntimeError(f"no {count} adjacent free ports found in {low}-{high}")
 
 
-def band(environ: os._Environ[str] | dict[str, str] = os.environ) -> tuple[int, int]:
+def band(environ: Mapping[str, str] = os.environ) -> tuple[int, int]:
     """This process's ports: [low, high), its xdist worker's share below the ephemeral range."""
     top = ephemeral_range()[0]
     worker, count = environ.get("PYTEST_XDIST_WORKER", ""), environ.get("PYTEST_XDIST_WORKER_COUNT")

@@ -275,12 +275,10 @@ def _fault_stack(
     cluster, prefix = _faultable_node.cluster, new_prefix()
     admin = settings_from_env(cluster.client_env(secured.ADMIN), topic_prefix=prefix)
     asyncio.run(create_acls(admin, service_acls(Topics(prefix))))  # each service its own login
-    stack = Stack(
-        bootstrap=_faultable_node.bootstrap,
-        prefix=prefix,
-        log_dir=log_dir,
-        client_env=cluster.client_env(secured.ADMIN),
-        service_env={name: cluster.client_env(name) for name in SERVICES},
+    stack = Stack.logged_in(
+        cluster,
+        prefix,
+        log_dir,
         env_overrides=dict(FAULT_STACK_ENV),
         ready_timeout_s=240,  # a loaded machine's broker elects the new topics' leaders slowly
     )

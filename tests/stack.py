@@ -24,6 +24,8 @@ from pydantic import SecretStr
 
 from bench.ports import free_port
 from deploy import test_ledger as ledger
+from deploy.kafka import launcher
+from deploy.kafka import secure as secured
 from services.edge import keys as keyfile
 from services.edge.resume import ResumeKeys
 from shared.kafka import create_topics, delete_topics, make_admin, make_consumer, wait_for_broker
@@ -108,6 +110,21 @@ class Stack:
     # Counted in the run's ledger once, by the first service it starts, whatever path a
     # test takes to start it (`start`, a start of its own, or a single service).
     counted: bool = field(default=False, repr=False)
+
+    @classmethod
+    def logged_in(
+        cls, cluster: launcher.Cluster, prefix: str, log_dir: Path, **fields: Any
+    ) -> Stack:
+        """A stack on a secured cluster: its own clients log in as the admin, each service as
+        its own principal (whose ACLs the caller grants)."""
+        return cls(
+            bootstrap=cluster.bootstrap_servers,
+            prefix=prefix,
+            log_dir=log_dir,
+            client_env=cluster.client_env(secured.ADMIN),
+            service_env={name: cluster.client_env(name) for name in SERVICES},
+            **fields,
+        )
 
     def __post_init__(self) -> None:
         keys = keyfile.KeysFile()

@@ -44,7 +44,7 @@ from shared.process import new_service_loop
 from shared.settings import TokenbusSettings
 from shared.topics import Topics
 from tests.chat_client import run_requests
-from tests.stack import ROOT, SERVICES, Stack, new_prefix, settings_from_env, wait_until
+from tests.stack import ROOT, Stack, new_prefix, settings_from_env, wait_until
 from tests.test_chat_e2e import check_transcript, make_request
 from tests.test_external_producer import kcat
 from tests.test_producer_factory import ROOT as SOURCE_ROOT
@@ -370,21 +370,17 @@ def secured_stack(cluster: launcher.Cluster, log_dir: Path) -> Iterator[Stack]:
     # The README's outside application `app`: its own topics, its own grants (ADR 0044).
     asyncio.run(create_topics(admin, topics.app_partitions("app")))
     asyncio.run(create_acls(admin, [*service_acls(topics), *app_acls(topics, "app")]))
-    stack = Stack(
-        bootstrap=cluster.bootstrap_servers,
-        prefix=prefix,
-        log_dir=log_dir,
-        client_env=cluster.client_env(secured.ADMIN),
-        service_env={
-            **{name: cluster.client_env(name) for name in SERVICES},
-            # The PLAIN login on a real broker; the others log in with SCRAM.
-            "ingest": cluster.client_env("ingest", mechanism="PLAIN"),
-        },
+    stack = Stack.logged_in(
+        cluster,
+        prefix,
+        log_dir,
         # Security is under test here, not lease timing: a loaded machine may take longer
         # than the default lease (10 s) between an edge's lease and its first renewal.
         env_overrides={"TOKENBUS_EDGE_LEASE_TTL_S": "60", "TOKENBUS_INGEST_APPS": "app"},
         ready_timeout_s=180,
     )
+    # The PLAIN login on a real broker; the others log in with SCRAM.
+    stack.service_env["ingest"] = cluster.client_env("ingest", mechanism="PLAIN")
     try:
         yield stack.start()
     finally:

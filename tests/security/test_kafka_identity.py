@@ -69,12 +69,10 @@ def stack(cluster: launcher.Cluster, log_dir: Path) -> Iterator[Stack]:
         await grant_acls(admin, principals, apps)
 
     asyncio.run(provision())
-    stack = Stack(
-        bootstrap=cluster.bootstrap_servers,
-        prefix=prefix,
-        log_dir=log_dir,
-        client_env=cluster.client_env(secured.ADMIN),
-        service_env={name: cluster.client_env(name) for name in SERVICES},
+    stack = Stack.logged_in(
+        cluster,
+        prefix,
+        log_dir,
         env_overrides={
             "TOKENBUS_EDGE_LEASE_TTL_S": "60",
             "TOKENBUS_INGEST_APPS": f"{A},{B}",
