@@ -54,6 +54,36 @@ stop_builds() {
 }
 trap stop_builds EXIT
 
+builds_began=$(date +%s)
+# The manifest, monitoring and chaos checks run real tools (Toxiproxy, KEDA's CRDs, kustomize,
+# etcd, kube-apiserver, promtool): built from the Go module proxy once, then cached by version.
+# When the cache lacks any, deploy/tools/build.sh builds them in the background (niced, in the
+# order the suite first needs them; ~15-30 min cold on 2 cores) and the tests start at once: a
+# test that needs a tool waits for that tool's build (tests/built_tools.py: build.sh --only,
+# one lock per tool). Started first of all: the venv, lint and unit tiers and the apt and vLLM
+# installs overlap them (the unit tier's workers are not niced: they come first).
+if ! deploy/tools/build.sh --check >/dev/null 2>&1; then
+  mkdir -p .tokenbus
+  echo "test.sh: building the missing Go tools in the background (log: .tokenbus/tools-build.out);" \
+    "a test that needs one waits for it"
+  setsid nice -n 10 bash -c 'began=$(date +%s); rc=0; deploy/tools/build.sh || rc=$?
+    printf "tool builds\t%s\t%s\n" "$(($(date +%s) - began))" "$([ $rc -eq 0 ] && echo ok || echo failed)" \
+      >>"$0"' "$RUN_DIR/phases.tsv" >.tokenbus/tools-build.out 2>&1 &
+  tools_build=$!
+fi
+
+# Jaeger for tests/test_jaeger.py: built from the Go module proxy the first time (minutes,
+# cached under ~/.cache/tokenbus), in the background while the other tests run; the test
+# waits for the same build (deploy/jaeger/build.sh holds a lock). Stopped at exit if still
+# going (Go's build cache keeps what it compiled).
+if [ ! -x "${TOKENBUS_CACHE:-$HOME/.cache/tokenbus}/jaeger/v1.76.0/jaeger" ]; then
+  mkdir -p .tokenbus
+  setsid nice -n 10 bash -c 'began=$(date +%s); rc=0; deploy/jaeger/build.sh || rc=$?
+    printf "jaeger build\t%s\t%s\n" "$(($(date +%s) - began))" "$([ $rc -eq 0 ] && echo ok || echo failed)" \
+      >>"$0"' "$RUN_DIR/phases.tsv" >.tokenbus/jaeger-build.out 2>&1 &
+  jaeger_build=$!
+fi
+
 # The services' environment (pip, minutes on a fresh clone), then the quick loop as `make
 # check` runs it: lint, then the unit tier.
 status=0
@@ -65,23 +95,6 @@ if [ "$status" -ne 0 ]; then
   exit "$status"
 fi
 setup_began=$(date +%s)
-builds_began=$setup_began
-
-# The manifest, monitoring and chaos checks run real tools (Toxiproxy, KEDA's CRDs, kustomize,
-# etcd, kube-apiserver, promtool): built from the Go module proxy once, then cached by version.
-# When the cache lacks any, deploy/tools/build.sh builds them in the background (niced, in the
-# order the suite first needs them; ~15-30 min cold on 2 cores) and the tests start at once: a
-# test that needs a tool waits for that tool's build (tests/built_tools.py: build.sh --only,
-# one lock per tool). Started first: the apt and vLLM installs below overlap it.
-if ! deploy/tools/build.sh --check >/dev/null 2>&1; then
-  mkdir -p .tokenbus
-  echo "test.sh: building the missing Go tools in the background (log: .tokenbus/tools-build.out);" \
-    "a test that needs one waits for it"
-  setsid nice -n 10 bash -c 'began=$(date +%s); rc=0; deploy/tools/build.sh || rc=$?
-    printf "tool builds\t%s\t%s\n" "$(($(date +%s) - began))" "$([ $rc -eq 0 ] && echo ok || echo failed)" \
-      >>"$0"' "$RUN_DIR/phases.tsv" >.tokenbus/tools-build.out 2>&1 &
-  tools_build=$!
-fi
 
 # Tools the tests and the local broker run; installed only when missing (root in CI).
 missing=()
@@ -99,18 +112,6 @@ if [ ${#missing[@]} -gt 0 ]; then
   echo "installing ${missing[*]}…"
   apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
-fi
-
-# Jaeger for tests/test_jaeger.py: built from the Go module proxy the first time (minutes,
-# cached under ~/.cache/tokenbus), in the background while the other tests run; the test
-# waits for the same build (deploy/jaeger/build.sh holds a lock). Stopped at exit if still
-# going (Go's build cache keeps what it compiled).
-if [ ! -x "${TOKENBUS_CACHE:-$HOME/.cache/tokenbus}/jaeger/v1.76.0/jaeger" ]; then
-  mkdir -p .tokenbus
-  setsid nice -n 10 bash -c 'began=$(date +%s); rc=0; deploy/jaeger/build.sh || rc=$?
-    printf "jaeger build\t%s\t%s\n" "$(($(date +%s) - began))" "$([ $rc -eq 0 ] && echo ok || echo failed)" \
-      >>"$0"' "$RUN_DIR/phases.tsv" >.tokenbus/jaeger-build.out 2>&1 &
-  jaeger_build=$!
 fi
 
 # The real engine: vLLM's CPU build in the worker's own environment, and SmolLM2 from its
@@ -166,8 +167,26 @@ wait_builds() {
   for pid in $tools_build $jaeger_build; do wait "$pid" || true; done
   tools_build="" jaeger_build=""
 }
+# The real-engine suite, in the vLLM worker's environment (tests/real_engine: vLLM and the
+# transformers engine serve SmolLM2 through the whole bus; about 7 min: docs/testing.md).
+real_engine() {
+  local real_status=0
+  phase "real engine" "$VLLM_PY" -m pytest -q -p no:cacheprovider \
+    --junitxml="$RUN_DIR/junit-real.xml" "${real_args[@]}" || real_status=$?
+  if [ "$real_status" -eq 5 ]; then
+    echo "test.sh: the real-engine suite collected no tests; that is a failure" >&2
+  fi
+  [ "$real_status" -eq 0 ] || status=$real_status
+  real_args=()
+}
 if [ $# -eq 0 ]; then
-  [ -z "$tools_build$jaeger_build" ] || phase "builds wait" wait_builds
+  if [ -n "$tools_build$jaeger_build" ]; then
+    # A fresh machine: the real-engine suite needs none of the Go tools, so it runs while
+    # they build (niced: it comes first, they take the CPU it leaves), then the run waits
+    # for what is left of them.
+    real_engine
+    phase "builds wait" wait_builds
+  fi
   # The broker tier: two pytest workers side by side (pytest-xdist), most of whose time is
   # spent waiting on timeouts, fault windows and sockets. A module's tests run on one worker
   # (its fixtures start once), and so do those of a session fixture that must start once
@@ -183,17 +202,7 @@ elif [ ${#main_args[@]} -gt 0 ]; then
   # Arguments select tests themselves, unit ones included: one run, in order.
   phase_pytest main junit-main.xml "${main_args[@]}" || status=$?
 fi
-# The real-engine suite, in the vLLM worker's environment (tests/real_engine: vLLM and the
-# transformers engine serve SmolLM2 through the whole bus; about 7 min: docs/testing.md).
-if [ ${#real_args[@]} -gt 0 ]; then
-  real_status=0
-  phase "real engine" "$VLLM_PY" -m pytest -q -p no:cacheprovider \
-    --junitxml="$RUN_DIR/junit-real.xml" "${real_args[@]}" || real_status=$?
-  if [ "$real_status" -eq 5 ]; then
-    echo "test.sh: the real-engine suite collected no tests; that is a failure" >&2
-  fi
-  [ "$real_status" -eq 0 ] || status=$real_status
-fi
+[ ${#real_args[@]} -eq 0 ] || real_engine
 stop_builds
 report
 exit "$status"
