@@ -44,6 +44,10 @@ RESUME_ATTACKER_RPS = 4.0  # burst 4: ceil(rps)
 RESUME_AND_CANCEL: dict[str, dict[str, object]] = {
     "flood-attacker": {"rps": RESUME_ATTACKER_RPS, "concurrency": 8},
     "flood-one-stream": {"rps": 100.0, "concurrency": 1},
+    # Resumes far back (issue 37, N8): one partition replayed at once, and a request a second
+    # after a burst of two, so that what its replays read shows as a debt.
+    "replay-attacker": {**UNLIMITED, "rps": 1.0, "burst": 2, "replays": 1},
+    "replay-victim": dict(UNLIMITED),
 }
 
 # tests/security/test_http_limits.py: streams and held bodies against `sockets`.

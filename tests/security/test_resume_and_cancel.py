@@ -9,6 +9,13 @@ wrote another control record. Now each is charged to the tenant's request rate, 
 an attached stream and a second cancel are no-ops, and a replay reads with a consumer of its
 own (the shared reader's count of records read does not grow by what a resume replays).
 
+Resumes far back (issue 37, N8): before ed90684 one resume could read
+200,000 records, any tenant could start every one of the edge's 16 replay readers, and what a
+replay read cost its tenant nothing. Now a tenant's replays read at most `replays` result
+partitions at once (past it `overloaded`), and each is charged a request per 10,000 records
+it read; `test_resumes_far_back_hold_one_replay_place_are_charged_and_leave_others_flowing`
+sends that attack, from behind 40,000 records of others' traffic, and times a victim beside it.
+
 On the session's shared stack: its tenants have their own limits there (`tests/tenants.py`,
 `RESUME_AND_CANCEL`), it talks to two edges of its own, and its answers are paced to 40 tokens
 a second by the sim's pace marker.
@@ -18,7 +25,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import statistics
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -26,8 +35,11 @@ from typing import Any
 import pytest
 import websockets
 
+from services.edge.quotas import SCANNED_PER_REQUEST
+from shared.kafka import encode, make_producer
+from shared.messages import DeltaResult
 from tests.chat_client import recv_json
-from tests.stack import Stack
+from tests.stack import Stack, read_records
 from tests.tenants import RESUME_ATTACKER_RPS, paced
 
 ATTACKER_RPS = RESUME_ATTACKER_RPS  # burst 4: ceil(rps)
@@ -222,3 +234,122 @@ def test_a_stream_resumed_on_another_edge_takes_a_concurrency_slot_there(
     assert refused, frames
     assert refused[0]["code"] == "rate_limited", frames
     assert "concurrency" in refused[0]["message"]
+
+
+# Resumes far back (issue 37, N8).
+REPLAY_ATTACKER, VICTIM = "replay-attacker", "replay-victim"  # tests/tenants.py
+FAR_BACK = 4 * SCANNED_PER_REQUEST  # others' records behind each stream: four requests' charge
+VICTIMS = 8  # a victim's requests timed at once, idle and beside the attack
+
+
+async def _partition_of(stack: Stack, request_id: str) -> int:
+    """The results partition a stream's records are on (its edge's)."""
+    topic = stack.topics.results
+    records = await read_records(stack.settings, topic, stack.topics.partitions()[topic])
+    partitions: set[int] = {r.partition for r in records if r.key == request_id.encode()}
+    (partition,) = partitions
+    return partition
+
+
+async def _others_traffic(stack: Stack, partition: int, count: int) -> None:
+    """`count` result records of a stream nobody reads, written after every stream so far:
+    what a resume of those streams must read past (an edge's busy partition)."""
+    producer = make_producer(stack.settings, client_id="replay-traffic")
+    await producer.start()
+    try:
+        other = f"others-{uuid.uuid4().hex[:12]}"
+        sent = [
+            await producer.send(
+                stack.topics.results,
+                encode(DeltaResult(request_id=other, seq=seq, text=" word")),
+                key=other.encode(),
+                partition=partition,
+            )
+            for seq in range(count)
+        ]
+        await asyncio.gather(*sent)
+    finally:
+        await producer.stop()
+
+
+async def _resume(url: str, token: str) -> list[dict[str, Any]]:
+    """A resume on a socket of its own: its frames to the stream's end, or to a refusal."""
+    async with websockets.connect(url) as ws:
+        await ws.send(json.dumps({"type": "stream.resume", "resume_token": token}))
+        frames: list[dict[str, Any]] = []
+        while not frames or frames[-1]["type"] not in ("chat.done", "error"):
+            frames.append(await recv_json(ws, timeout=60))
+        return frames
+
+
+async def _ttfts(url: str, n: int) -> list[float]:
+    """`n` requests at once, each on its socket: seconds from each send to its first delta."""
+
+    async def one(i: int) -> float:
+        async with websockets.connect(url) as ws:
+            began = time.monotonic()
+            await ws.send(
+                json.dumps({"type": "chat.request", "prompt": f"victim {i}", "max_tokens": 2})
+            )
+            while (await recv_json(ws))["type"] != "chat.delta":
+                pass
+            return time.monotonic() - began
+
+    return list(await asyncio.gather(*(one(i) for i in range(n))))
+
+
+def _p90(values: list[float]) -> float:
+    return statistics.quantiles(values, n=10, method="inclusive")[-1]
+
+
+def test_resumes_far_back_hold_one_replay_place_are_charged_and_leave_others_flowing(
+    stack: Stack, edges: Edges
+) -> None:
+    """The attacker (one replay place, a request a second) has a stream on each edge's
+    partition, each behind 40,000 records of others' traffic, and resumes both at once on
+    edge A. One replay runs, the other is refused `overloaded` (the tenant's one place is
+    taken); the one that ran is charged four requests, so the attacker's next request waits
+    them out; and a victim's requests on the same edge meanwhile get their first token about
+    as soon as when the edge is idle."""
+
+    Frames = list[dict[str, Any]]
+
+    async def attack() -> tuple[list[Frames], dict[str, Any], list[float], list[float]]:
+        attacker_a = stack.ws_url_as(REPLAY_ATTACKER, edges.a)
+        victim = stack.ws_url_as(VICTIM, edges.a)
+        await _ttfts(victim, 2)  # its first sockets and requests: not what is timed
+        idle = await _ttfts(victim, VICTIMS)
+        tokens = []
+        for port in (edges.a, edges.b):
+            async with websockets.connect(stack.ws_url_as(REPLAY_ATTACKER, port)) as ws:
+                accepted = await _open(ws, max_tokens=4)
+                await _until_final(ws, [])
+            partition = await _partition_of(stack, accepted["request_id"])
+            await _others_traffic(stack, partition, FAR_BACK)
+            tokens.append(accepted["resume_token"])
+        # Writing the 80,000 records took seconds: edge A's bucket has its burst of two back
+        # (one request a second; its one request so far was the first stream).
+        replays = asyncio.gather(*(_resume(attacker_a, token) for token in tokens))
+        resumed, beside = await asyncio.gather(replays, _ttfts(victim, VICTIMS))
+        async with websockets.connect(attacker_a) as ws:
+            await ws.send(json.dumps({"type": "chat.request", "prompt": "next", "max_tokens": 2}))
+            after = await recv_json(ws)
+        return resumed, after, idle, beside
+
+    resumed, after, idle, beside = asyncio.run(attack())
+    ends = sorted((frames[-1]["type"], frames[-1].get("code")) for frames in resumed)
+    assert ends == [("chat.done", None), ("error", "overloaded")], resumed
+    (ran,) = [f for f in resumed if f[-1]["type"] == "chat.done"]
+    assert len([f for f in ran if f["type"] == "chat.delta"]) == 4  # the whole stream, once
+    (refused,) = [f[-1] for f in resumed if f[-1]["type"] == "error"]
+    assert "replay" in refused["message"], refused
+    assert refused["retry_after_ms"], refused
+    # The two resumes took the burst; the 40,000 records read are four requests more, at one
+    # a second: the next request waits seconds, not the one second the resumes alone cost.
+    assert after["type"] == "error", after
+    assert after["code"] == "rate_limited", after
+    assert after["retry_after_ms"] > 1500, after
+    # The victim, beside the replay (the replay reads with a consumer of its own, and the
+    # shared reader skips the other stream's records unparsed): its p90 within twice the
+    # idle one (plus 0.25 s: the scheduler's batch wait, on a machine another test shares).
+    assert _p90(beside) <= 2 * _p90(idle) + 0.25, (beside, idle)
