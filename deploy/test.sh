@@ -177,7 +177,6 @@ real_engine() {
     echo "test.sh: the real-engine suite collected no tests; that is a failure" >&2
   fi
   [ "$real_status" -eq 0 ] || status=$real_status
-  real_args=()
 }
 if [ $# -eq 0 ]; then
   if [ -n "$tools_build$jaeger_build" ]; then
@@ -185,6 +184,7 @@ if [ $# -eq 0 ]; then
     # they build (niced: it comes first, they take the CPU it leaves), then the run waits
     # for what is left of them.
     real_engine
+    real_args=() # ran: not again at the end
     phase "builds wait" wait_builds
   fi
   # The broker tier: two pytest workers side by side (pytest-xdist), most of whose time is

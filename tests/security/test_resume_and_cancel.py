@@ -36,8 +36,8 @@ import pytest
 import websockets
 
 from services.edge.quotas import SCANNED_PER_REQUEST
-from shared.kafka import encode, make_producer
-from shared.messages import DeltaResult
+from shared.kafka import make_producer
+from shared.messages import DeltaFrames
 from tests.chat_client import recv_json
 from tests.stack import Stack, read_records
 from tests.tenants import RESUME_ATTACKER_RPS, paced
@@ -258,10 +258,11 @@ async def _others_traffic(stack: Stack, partition: int, count: int) -> None:
     await producer.start()
     try:
         other = f"others-{uuid.uuid4().hex[:12]}"
+        frames = DeltaFrames(other, attempt=0)  # the bytes a worker writes, made as it does
         sent = [
             await producer.send(
                 stack.topics.results,
-                encode(DeltaResult(request_id=other, seq=seq, text=" word")),
+                frames.encode(seq, " word"),
                 key=other.encode(),
                 partition=partition,
             )
@@ -277,8 +278,7 @@ async def _resume(url: str, token: str) -> list[dict[str, Any]]:
     async with websockets.connect(url) as ws:
         await ws.send(json.dumps({"type": "stream.resume", "resume_token": token}))
         frames: list[dict[str, Any]] = []
-        while not frames or frames[-1]["type"] not in ("chat.done", "error"):
-            frames.append(await recv_json(ws, timeout=60))
+        await _until_final(ws, frames)
         return frames
 
 
