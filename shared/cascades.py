@@ -23,6 +23,8 @@ from jsonschema import SchemaError
 from jsonschema.validators import validator_for
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from shared.nested_quantifiers import nested_quantifier
+
 ROUTE_NAME = r"^[A-Za-z0-9._:-]{1,200}$"
 PLAN_NAME = r"^[A-Za-z0-9._-]{1,64}$"
 
@@ -68,7 +70,8 @@ class JsonSchemaVerifier(_Config):
 class RegexVerifier(_Config):
     """The answer matches `pattern` (the `regex` package, as Python's `re` reads it; searched,
     anchor it for a whole match; a search stops after services/worker/verifiers.py's
-    REGEX_TIMEOUT_S, and an answer not shown to match by then fails it)."""
+    REGEX_TIMEOUT_S, and an answer not shown to match by then fails it). A pattern that
+    repeats a repeat (`(a+)+`) is refused here (shared/nested_quantifiers.py)."""
 
     kind: Literal["regex"]
     pattern: str = Field(min_length=1, max_length=4096)
@@ -80,6 +83,8 @@ class RegexVerifier(_Config):
             regex.compile(pattern)
         except regex.error as exc:
             raise ValueError(f"not a valid regular expression: {exc}") from None
+        if (why := nested_quantifier(pattern)) is not None:
+            raise ValueError(why)
         return pattern
 
 

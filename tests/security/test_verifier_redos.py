@@ -20,12 +20,13 @@ from types import SimpleNamespace
 from typing import Any, cast
 
 import pytest
+from pydantic import ValidationError
 
 from services.worker.cascade import Cascade
 from services.worker.engines.base import ChatTurn, EngineFinish, EngineRequest
 from services.worker.engines.structured import NO_CALLS, guided_calls, template_messages
 from services.worker.verifiers import REGEX_TIMEOUT_S, Answer, failing
-from shared.cascades import Route
+from shared.cascades import RegexVerifier, Route
 from shared.messages import FunctionCall, NamedToolChoice, QueuedRequest, ReplyTo, Tier, ToolCall
 from shared.settings import TokenbusSettings
 from shared.topics import Topics
@@ -59,13 +60,33 @@ def state_of(text: str) -> Any:
     )
 
 
+@pytest.mark.parametrize(
+    "pattern", [RE_BOMB, r"(\w*\s?)*$", r"(x{1,9})+y", r"((?:ab)+c?)*", r"(?=(a+)+$)"]
+)
+def test_a_pattern_that_repeats_a_repeat_is_refused_where_the_routes_are_read(
+    pattern: str,
+) -> None:
+    """N9, "nested quantifiers refused at config load": before, `(a+)+` was accepted and
+    only the search's timeout stood between it and a tenant's steered answer."""
+    with pytest.raises(ValidationError, match=r"holds a repeat of its own.*possessive"):
+        route({"kind": "regex", "pattern": pattern})
+
+
+@pytest.mark.parametrize(
+    "pattern", [r"^\d{4}-\d{2}-\d{2}$", r"(ab?)+", r"(a{3})+", r"(?>a+)+", r"(\d++,)*", "^(a|aa)+$"]
+)
+def test_patterns_without_a_variable_repeat_under_a_repeat_are_kept(pattern: str) -> None:
+    assert route({"kind": "regex", "pattern": pattern})["auto"].verifiers
+
+
 @pytest.mark.timeout(30)  # before: Python's re on the same call ran for hours
 @pytest.mark.parametrize("pattern", [RE_BOMB, REGEX_BOMB], ids=["re_bomb", "regex_bomb"])
 def test_a_catastrophic_pattern_fails_the_answer_within_its_timeout(pattern: str) -> None:
+    """The second guard: the search's timeout, for what the load check lets through (the
+    overlapping alternatives of REGEX_BOMB) and, built past the check, for `(a+)+` itself."""
     started = time.monotonic()
-    reason = failing(
-        route({"kind": "regex", "pattern": pattern})["auto"].verifiers, Answer(STEERED, 61)
-    )
+    verifier = RegexVerifier.model_construct(kind="regex", pattern=pattern)
+    reason = failing([verifier], Answer(STEERED, 61))
     assert reason == "regex"  # not shown to match: the next model answers
     assert time.monotonic() - started < 4 * REGEX_TIMEOUT_S + 1
 
