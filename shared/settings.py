@@ -161,6 +161,24 @@ class TokenbusSettings(BaseSettings):
         " next model. Every service must be given the same.",
     )
 
+    # A canary's evidence (issue 37, N7, shared/tenant_share.py): read by the workers that
+    # count outcomes and the schedulers that window shadow scores.
+    canary_tenant_share: float = Field(
+        default=0.5,
+        gt=0,
+        le=1,
+        description="The most one tenant's requests may be of a canary's evidence (its"
+        " workers' outcomes, each 10 s; its shadow scores, each window) beside other"
+        " tenants': past it its oldest are left out. A tenant alone counts whole; 1 counts"
+        " everything.",
+    )
+    canary_tenant_floor: int = Field(
+        default=4,
+        ge=0,
+        description="Per 10 s: this many of one tenant's requests count in a canary's evidence"
+        " whatever canary_tenant_share leaves.",
+    )
+
     @model_validator(mode="after")
     def _routes_are_names(self) -> Self:
         check_route_names(self.routes, self.served_models)

@@ -51,6 +51,14 @@ class ShadowScore(Model):
     )
     deterministic: bool = Field(description="The request was greedy or seeded.")
     scored_at: float = Field(default_factory=time.time, description="Unix time, seconds.")
+    tenant: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=128,
+        exclude_if=lambda v: v is None,  # readers from before it still read the record
+        description="Whose request it was: no tenant is more than `canary_tenant_share` of a"
+        " window's scores (shared/tenant_share.py); absent: counted as one unnamed tenant.",
+    )
 
     @classmethod
     def of(
@@ -63,6 +71,7 @@ class ShadowScore(Model):
         request_id: str,
         deterministic: bool,
         scored_at: float,
+        tenant: str | None = None,
     ) -> ShadowScore:
         return cls(
             model=model,
@@ -71,5 +80,6 @@ class ShadowScore(Model):
             request_id=request_id,
             deterministic=deterministic,
             scored_at=scored_at,
+            tenant=tenant,
             **agreement.model_dump(),
         )

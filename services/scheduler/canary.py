@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from shared.messages import OUTCOME_TTFT_BOUNDS_S, Heartbeat
 from shared.shadows import ShadowScore
+from shared.tenant_share import SLICE_S, capped
 from shared.variants import BASELINE, ModelRollout, Variant
 from shared.verdicts import CHECKS, Check, ModelVerdicts, RolledBack, VariantEvidence
 
@@ -63,6 +64,14 @@ class _Slice:
     ttft: tuple[tuple[int, int], ...]  # (bucket, count), the buckets that grew
 
 
+@dataclass(frozen=True)
+class _Scored:
+    at: float
+    quality: float
+    deterministic: bool
+    tenant: str | None
+
+
 @dataclass
 class _Seen:
     """One worker incarnation's largest counts so far."""
@@ -83,11 +92,15 @@ class CanaryWindows:
     (`tally`), on one event loop. Affects: only itself.
     """
 
-    def __init__(self, window_s: float) -> None:
+    def __init__(self, window_s: float, tenant_share: float = 1.0, tenant_floor: int = 0) -> None:
         self.window_s = window_s
+        # No tenant above this share of a window's scores (issue 37, N7): the floor is per
+        # SLICE_S, as the workers apply it to their outcomes.
+        self._share = tenant_share
+        self._floor = math.floor(tenant_floor * window_s / SLICE_S)
         self._seen: dict[tuple[str, float], _Seen] = {}
         self._slices: dict[Key, deque[_Slice]] = {}
-        self._scores: dict[Key, deque[tuple[float, float, bool]]] = {}
+        self._scores: dict[Key, deque[_Scored]] = {}
         self.golds: dict[str, str] = {}  # model -> the gold of its latest score
 
     def beat(self, beat: Heartbeat, now: float) -> None:
@@ -120,7 +133,9 @@ class CanaryWindows:
     def score(self, score: ShadowScore, now: float) -> None:
         """A shadow score of one sampled request of `score.variant`."""
         key = (score.model, score.variant)
-        scored = (min(score.scored_at, now), score.quality, score.deterministic)
+        scored = _Scored(
+            min(score.scored_at, now), score.quality, score.deterministic, score.tenant
+        )
         self._scores.setdefault(key, deque()).append(scored)
         self.golds[score.model] = score.gold
         self._prune(now)
@@ -135,9 +150,10 @@ class CanaryWindows:
                 out.failed += s.failed
                 for i, n in s.ttft:
                     out.ttft[i] += n
-        scores = [s for s in self._scores.get((model, variant), ()) if s[0] > since]
-        out.qualities = [q for _, q, _ in scores]
-        out.greedy = [q for _, q, deterministic in scores if deterministic]
+        window = [s for s in self._scores.get((model, variant), ()) if s.at > since]
+        scores = capped(window, lambda s: s.tenant or "", self._share, self._floor)
+        out.qualities = [s.quality for s in scores]
+        out.greedy = [s.quality for s in scores if s.deterministic]
         return out
 
     def _prune(self, now: float) -> None:
@@ -145,15 +161,11 @@ class CanaryWindows:
         for windows in (self._slices, self._scores):
             for key in list(windows):
                 held = windows[key]
-                while held and _at(held[0]) <= since:
+                while held and held[0].at <= since:
                     held.popleft()
         forget = since - FORGET_AFTER_S
         for incarnation in [k for k, v in self._seen.items() if v.seen_at < forget]:
             del self._seen[incarnation]
-
-
-def _at(item: _Slice | tuple[float, float, bool]) -> float:
-    return item.at if isinstance(item, _Slice) else item[0]
 
 
 def quantile(counts: Sequence[int], q: float) -> float | None:

@@ -57,7 +57,9 @@ class CanaryJudge:
     ) -> None:
         self._settings = settings
         self._rule: CanaryRule = settings.canary_rule()
-        self.windows = CanaryWindows(self._rule.window_s)
+        self.windows = CanaryWindows(
+            self._rule.window_s, settings.canary_tenant_share, settings.canary_tenant_floor
+        )
         self._rollouts = rollouts
         self._producer = producer
         self._topics = Topics(settings.topic_prefix)

@@ -29,6 +29,7 @@ from services.worker.intake import BatchIntake
 from services.worker.liveness import Liveness
 from services.worker.load_time import load_seconds, process_started_at
 from services.worker.outbox import ResultOutbox
+from services.worker.outcomes import OutcomeCounts
 from services.worker.request_state import RunningRequests
 from services.worker.runner import RequestRunner
 from services.worker.settings import WorkerSettings
@@ -89,7 +90,8 @@ class Worker:
     ) -> None:
         s, engine, topics = self.settings, self.engine, Topics(self.settings.topic_prefix)
         load_s = load_seconds(time.time(), process_started_at())
-        telemetry, runs = WorkerTelemetry(), RunningRequests(engine)
+        outcomes = OutcomeCounts(s.canary_tenant_share, s.canary_tenant_floor)
+        telemetry, runs = WorkerTelemetry(outcomes=outcomes), RunningRequests(engine)
         drain = self._drain = Drain(s.worker_drain_timeout_s)
         liveness = Liveness.starting(s, intake, runs)  # starting up is no silence
         answers, early_cancels = Answers(producer, s), CancelBook()

@@ -6,6 +6,9 @@ schedulers can compare a canary's workers with its baseline's (ADR 0058).
 from __future__ import annotations
 
 import bisect
+import math
+import time
+from collections.abc import Callable
 
 from shared.messages import (
     OUTCOME_TTFT_BOUNDS_S,
@@ -15,6 +18,7 @@ from shared.messages import (
     Outcomes,
     QueuedRequest,
 )
+from shared.tenant_share import SLICE_S, capped
 
 # Errors the worker answers for: the engine failed the request. A cancel is the client's
 # wish, a refused request (too long a prompt) its own fault, neither the variant's.
@@ -30,14 +34,26 @@ def ttft_bucket(seconds: float) -> int:
 class OutcomeCounts:
     """Cumulative counts of this process's finished requests.
 
+    With a tenant share below 1 (`canary_tenant_share`, issue 37, N7) the requests that end
+    in a slice of `SLICE_S` are held until it ends, then counted less each tenant's oldest
+    beyond its allowance (shared/tenant_share.py): a heartbeat carries them a slice late.
+
     Caller: `WorkerTelemetry.answered` (`record`, each final record stored) and the
     heartbeat (`snapshot`), on one event loop. Affects: only itself.
     """
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        share: float = 1.0,
+        floor: int = 0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._share, self._floor, self._clock = share, floor, clock
         self._answered = 0
         self._failed = 0
         self._ttft = [0] * (len(OUTCOME_TTFT_BOUNDS_S) + 1)
+        self._slot: int | None = None
+        self._held: list[tuple[str, int | None]] = []  # (tenant, TTFT bucket; None: failed)
 
     def record(self, request: QueuedRequest, final: DoneResult | ErrorResult) -> None:
         """A request's final record is stored. A shadow validation's gold run (`judged`) is
@@ -48,10 +64,34 @@ class OutcomeCounts:
         if request.judged is not None or request.variant is not None:
             return
         if isinstance(final, DoneResult):
-            self._answered += 1
-            self._ttft[ttft_bucket(max(0.0, final.timings.ttft_ms) / 1000.0)] += 1
+            outcome: int | None = ttft_bucket(max(0.0, final.timings.ttft_ms) / 1000.0)
         elif final.code in FAILURES:
-            self._failed += 1
+            outcome = None
+        else:
+            return
+        if self._share >= 1.0:
+            self._count(outcome)
+            return
+        self._close(self._clock())
+        self._held.append((request.tenant, outcome))
 
     def snapshot(self) -> Outcomes:
+        if self._share < 1.0:
+            self._close(self._clock())
         return Outcomes(answered=self._answered, failed=self._failed, ttft=list(self._ttft))
+
+    def _close(self, now: float) -> None:
+        """Count the slice held, once `now` lies past it."""
+        slot = math.floor(now / SLICE_S)
+        if slot == self._slot:
+            return
+        for _, outcome in capped(self._held, lambda held: held[0], self._share, self._floor):
+            self._count(outcome)
+        self._slot, self._held = slot, []
+
+    def _count(self, outcome: int | None) -> None:
+        if outcome is None:
+            self._failed += 1
+        else:
+            self._answered += 1
+            self._ttft[outcome] += 1

@@ -121,6 +121,7 @@ def shadow_score(
         request_id=judged.request_id,
         deterministic=deterministic,
         scored_at=now,
+        tenant=request.tenant,
     )
 
 

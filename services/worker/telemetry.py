@@ -77,12 +77,18 @@ class RunTrace:
 class WorkerTelemetry:
     """Caller: the worker's batch loop (`batch_received`, `run`), its runner and heartbeat."""
 
-    def __init__(self, metrics: WorkerMetrics | None = None, *, recording: bool | None = None):
+    def __init__(
+        self,
+        metrics: WorkerMetrics | None = None,
+        *,
+        recording: bool | None = None,
+        outcomes: OutcomeCounts | None = None,
+    ):
         self._metrics = metrics or worker_metrics()
         self._recording = tracing_on() if recording is None else recording
         self._received: OrderedDict[str, SpanContext] = OrderedDict()
         self._engine_cpu_s = 0.0
-        self.outcomes = OutcomeCounts()  # carried by every heartbeat (ADR 0058)
+        self.outcomes = outcomes or OutcomeCounts()  # carried by every heartbeat (ADR 0058)
 
     def batch_received(self, batch: Batch, record: Any, consumer: Any, partition: Any) -> None:
         """A batch record was read: count it, and record its `receive` span in the batch's trace."""

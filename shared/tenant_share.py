@@ -1,0 +1,74 @@
+"""No one tenant above a share of a canary's evidence (issue 37, N7).
+
+A canary's verdict (services/scheduler/canary.py) rests on the outcomes its workers count and
+on the shadow scores of its sampled requests. Traffic is the tenants', so a tenant sending
+most of a window could decide it: flood the canary with answers that fail or score badly
+(and have it rolled back), or with easy ones (and keep a regression in). Here, beside
+`others` items of every other tenant, one tenant's items count up to
+`share / (1 - share) * others`, its share of what counts then at most `share`, and always
+up to `floor`. A tenant alone (no other's item beside its own) counts whole: a deployment
+with one tenant judges its canaries as before. `share` 1 counts everything.
+
+Two forms of the same rule: `SliceShare` for a worker counting as requests end (per slice of
+time, its counts cumulative as heartbeats carry them), `capped` for a scheduler's window of
+scores (each tenant's oldest beyond its allowance left out). Pure.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+T = TypeVar("T")
+
+SLICE_S = 10.0  # a worker's slice: a canary window (60 s by default) spans several
+
+
+def allowance(share: float, others: int, floor: int) -> int | float:
+    """How many of one tenant's items count beside `others` of everyone else's."""
+    if share >= 1.0 or others == 0:
+        return math.inf
+    return max(floor, math.floor(share / (1.0 - share) * others))
+
+
+class SliceShare:
+    """Which of a worker's finished requests count, slice by slice of `slice_s`.
+
+    Caller: `OutcomeCounts.record`, on the worker's event loop. Affects: only itself.
+    """
+
+    def __init__(self, share: float, floor: int, slice_s: float = SLICE_S) -> None:
+        self.share = share
+        self.floor = floor
+        self.slice_s = slice_s
+        self._slot = -1
+        self._counted: Counter[str] = Counter()
+        self._total = 0
+
+    def admit(self, tenant: str, now: float) -> bool:
+        """Whether `tenant`'s request ending at `now` counts; counted if so."""
+        slot = math.floor(now / self.slice_s)
+        if slot != self._slot:
+            self._slot, self._counted, self._total = slot, Counter(), 0
+        mine = self._counted[tenant]
+        if mine >= allowance(self.share, self._total - mine, self.floor):
+            return False
+        self._counted[tenant] += 1
+        self._total += 1
+        return True
+
+
+def capped(items: Sequence[T], tenant_of: Callable[[T], str], share: float, floor: int) -> list[T]:
+    """`items` (oldest first) less each tenant's oldest beyond its allowance, in order."""
+    per = Counter(tenant_of(item) for item in items)
+    drop = {t: n - allowance(share, len(items) - n, floor) for t, n in per.items()}
+    out: list[T] = []
+    for item in items:
+        tenant = tenant_of(item)
+        if drop[tenant] > 0:
+            drop[tenant] -= 1
+            continue
+        out.append(item)
+    return out
