@@ -668,6 +668,14 @@ class QueuedRequest(RequestRecord):
         description="On a shadow validation's gold run (written by the worker that answered"
         " the original): the answer it is scored against once it is done (ShadowScore).",
     )
+    requeued: int = Field(
+        default=0,
+        ge=0,
+        exclude_if=lambda v: v == 0,  # readers from before it still read the record
+        description="How many times a scheduler moved this request, held long at its tier"
+        " partition's commit position, to the partition's tail (services/scheduler/"
+        "requeue.py): a record with a higher count is the request moved on, not a second copy.",
+    )
 
     @property
     def deadline_at(self) -> float | None:

@@ -11,6 +11,7 @@ report shows the faithful variant equal to the baseline and the wrong one apart.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import time
@@ -21,18 +22,25 @@ from typing import Any
 import openai
 import pytest
 import websockets
+from aiokafka import TopicPartition
 
 from services.edge import keys as keyfile
 from services.edge.keys import PIN_VARIANT
 from services.worker.engines.sim_text import natural_tokens
-from tests.chat_client import openai_sdk, run_requests
+from shared.kafka import make_admin, make_consumer
+from shared.messages import Tier
+from tests.chat_client import openai_sdk, recv_json, run_requests
 from tests.stack import UNLIMITED, Stack, new_prefix, wait_until
 
 MODEL = "m"
 WORKERS = {"worker": None, "worker-same": "same", "worker-wrong": "wrong"}
 EVALUATOR = "evaluator"  # a tenant whose key may pin variants
 ITEMS = 40
-UNSERVED_HOLD_S = 3.0  # a pin no live worker serves is answered after this (issue 37, N3)
+UNSERVED_HOLD_S = 12.0  # a pin no live worker serves is answered after this (issue 37, N3)
+# A short read-ahead and requeue wait, so that a few hundred requests show what 16,000 and
+# 30 s do in production (issue 37, N3: services/scheduler/requeue.py).
+MAX_OPEN_OFFSETS = 64
+REQUEUE_AFTER_S = 1.0
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +60,8 @@ def pinned_stack(bootstrap: str, log_dir: Path) -> Iterator[Stack]:
         env_overrides={
             "TOKENBUS_WORKER_MODEL": MODEL,
             "TOKENBUS_SCHEDULER_UNSERVED_HOLD_S": str(UNSERVED_HOLD_S),
+            "TOKENBUS_SCHEDULER_MAX_OPEN_OFFSETS": str(MAX_OPEN_OFFSETS),
+            "TOKENBUS_SCHEDULER_REQUEUE_AFTER_S": str(REQUEUE_AFTER_S),
         },
         workers=workers,
     )
@@ -137,6 +147,88 @@ async def test_a_pinned_request_runs_only_on_its_variant(pinned_stack: Stack) ->
     assert (final["type"], final["code"]) == ("error", "overloaded"), final
     assert "no live worker has served model 'm', variant 'ghost'" in final["message"]
     assert UNSERVED_HOLD_S * 0.9 <= time.monotonic() - started < UNSERVED_HOLD_S + 30
+
+
+async def tier_records(stack: Stack, request_id: str) -> list[tuple[int, int, dict[str, Any]]]:
+    """(partition, offset, record) of every interactive tier record of `request_id`."""
+    topic = stack.topics.tier(Tier.interactive)
+    consumer = make_consumer(stack.settings, group_id=None, client_id="test-tier-read")
+    await consumer.start()
+    try:
+        tps = [TopicPartition(topic, p) for p in range(stack.topics.partitions()[topic])]
+        consumer.assign(tps)
+        await consumer.seek_to_beginning(*tps)
+        ends = await consumer.end_offsets(tps)
+        found: list[tuple[int, int, dict[str, Any]]] = []
+        while [tp for tp in tps if await consumer.position(tp) < ends[tp]]:
+            for tp, records in (await consumer.getmany(timeout_ms=500)).items():
+                for r in records:
+                    body = json.loads(r.value or b"{}")
+                    if body.get("request_id") == request_id:
+                        found.append((tp.partition, r.offset, body))
+        return found
+    finally:
+        await consumer.stop()
+
+
+async def committed(stack: Stack, tp: TopicPartition) -> int:
+    """The schedulers' committed position of `tp` (-1: none yet)."""
+    admin = make_admin(stack.settings, client_id="test-commits")
+    await admin.start()
+    try:
+        offsets = await admin.list_consumer_group_offsets(f"{stack.prefix}.scheduler")
+    finally:
+        await admin.close()
+    entry = offsets.get(tp)
+    return -1 if entry is None else entry.offset
+
+
+async def test_a_request_held_for_its_variant_does_not_hold_its_partitions_commit(
+    pinned_stack: Stack,
+) -> None:
+    """Issue 37, N3: a request pinned to a variant no worker declares, without a deadline,
+    waits for the unserved hold. Before, its record fixed its tier partition's commit
+    position all that time, and 16,000 records later (here 64) the partition paused for
+    every tenant. Now, once it has waited and lies far behind, it is written again at the
+    partition's tail: the commit moves past it while it still waits, every other request
+    is answered, and it still ends exactly once, `overloaded`, after the hold."""
+    stack = pinned_stack
+    started = time.monotonic()
+    async with websockets.connect(stack.ws_url_as(EVALUATOR)) as held_ws:
+        await held_ws.send(json.dumps({"type": "chat.request", **ask(20, "ghost")}))
+        accepted = await recv_json(held_ws, 30)
+        assert accepted["type"] == "chat.accepted", accepted
+        request_id = accepted["request_id"]
+        # On its tier partition once ingest has passed it on.
+        while not (records := await tier_records(stack, request_id)):
+            assert time.monotonic() < started + 30, "the held request never reached its tier"
+            await asyncio.sleep(0.2)
+        [(partition, offset, _)] = records
+        tp = TopicPartition(stack.topics.tier(Tier.interactive), partition)
+
+        # Others' traffic: enough that a few dozen records land behind it on its partition.
+        flood = [ask(100 + i, None, max_tokens=2) for i in range(240)]
+        async with websockets.connect(stack.ws_url_as(EVALUATOR)) as ws:
+            answering = asyncio.create_task(run_requests(ws, flood, timeout=60))
+            # Well inside the hold (before: not until the hold had answered it).
+            deadline = started + UNSERVED_HOLD_S / 2
+            while await committed(stack, tp) <= offset:
+                assert time.monotonic() < deadline, "the commit did not move past the held record"
+                await asyncio.sleep(0.2)
+            answered = await answering
+        ends = [t.final["type"] if t.final else None for t in answered.values()]
+        assert ends == ["chat.done"] * len(flood)
+        copies = await tier_records(stack, request_id)
+        assert len(copies) >= 2
+        assert all(p == partition for p, _, _ in copies)
+        assert [body.get("requeued", 0) for _, _, body in copies] == list(range(len(copies)))
+
+        final = await recv_json(held_ws, UNSERVED_HOLD_S + 30)
+        while final["type"] not in ("chat.done", "error"):
+            assert final.get("request_id") == request_id, final
+            final = await recv_json(held_ws, UNSERVED_HOLD_S + 30)
+    assert (final["type"], final.get("code")) == ("error", "overloaded"), final
+    assert time.monotonic() - started >= UNSERVED_HOLD_S * 0.9
 
 
 def tokenbus(stack: Stack, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:

@@ -92,3 +92,40 @@ def test_the_records_trace_headers_win_and_a_handed_back_request_keeps_its_own()
     )
     assert isinstance(won, Queue)
     assert won.waiting.request.trace == {"traceparent": PARENTS[1]}
+
+
+def moved(offset: int, requeued: int) -> ConsumerRecord[bytes, bytes]:
+    """The record at `offset` of request r1, moved to the tail `requeued` times."""
+    return record(encode(queued_request().model_copy(update={"requeued": requeued})), offset)
+
+
+def test_a_request_moved_to_the_tail_is_let_in_under_its_next_count_once() -> None:
+    """Issue 37, N3 (requeue.py): the copy a scheduler wrote is the request moved on."""
+    a = admission()
+    first = a.decide(TP, moved(0, 0), now=101.0)
+    assert isinstance(first, Queue)
+    a.moved(first.waiting)
+    copy = a.decide(TP, moved(9000, 1), now=102.0)
+    assert isinstance(copy, Queue)
+    assert copy.waiting.request.requeued == 1
+    assert a.decide(TP, moved(9001, 1), now=102.0) == Skip(TP, 9001, "r1", "duplicate")
+
+
+def test_a_copy_left_by_a_crash_beside_the_record_it_copied_runs_once() -> None:
+    """The scheduler stored the copy and crashed before its commit handed the record on:
+    its successor reads both, and only the first runs (it is moved again later)."""
+    a = admission()
+    assert isinstance(a.decide(TP, moved(0, 0), now=101.0), Queue)
+    assert a.decide(TP, moved(9000, 1), now=101.0) == Skip(TP, 9000, "r1", "duplicate")
+
+
+def test_a_copy_whose_record_was_handed_on_before_a_take_over_is_let_in() -> None:
+    """The commit handed the record on: the successor skips it by the ledger, finds it in
+    the partition's history (tier_history.py), and still runs the copy; a second copy of
+    the same count (a hand-back redone) is dropped as before."""
+    a = admission()
+    a.remember({TP: [("r1", 0, 0)]})
+    assert isinstance(a.decide(TP, moved(9000, 1), now=101.0), Queue)
+    b = admission()
+    b.remember({TP: [("r1", 0, 1)]})
+    assert b.decide(TP, moved(9000, 1), now=101.0) == Skip(TP, 9000, "r1", "duplicate")

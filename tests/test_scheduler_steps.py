@@ -22,11 +22,12 @@ from aiokafka import TopicPartition
 from aiokafka.errors import CommitFailedError
 from prometheus_client import CollectorRegistry
 
-from services.scheduler.admission import Waiting
+from services.scheduler.admission import Admission, Waiting
 from services.scheduler.answers import Answerer
 from services.scheduler.dispatch import Dispatcher
 from services.scheduler.ledger import Ledger
 from services.scheduler.policy import Policy
+from services.scheduler.requeue import Requeue
 from services.scheduler.settings import SchedulerSettings
 from services.scheduler.steps import Steps
 from services.scheduler.telemetry import SchedulerTelemetry
@@ -66,16 +67,21 @@ def steps(tiers: FakeTiers) -> Steps:
     producer = FakeProducer()
     dispatcher = Dispatcher(Topics(PREFIX).batches, producer, telemetry, workers)  # type: ignore[arg-type]
     answerer = Answerer(s, Topics(PREFIX), producer)  # type: ignore[arg-type]
+    ledger = Ledger()
+    admission = Admission(policy.config)
+    limit, after_s = s.scheduler_max_open_offsets, s.scheduler_requeue_after_s
+    requeue = Requeue(policy, ledger, admission, producer, limit, after_s)  # type: ignore[arg-type]
     return Steps(
         s,
         policy,
         workers,
-        Ledger(),
+        ledger,
         dispatcher,
         answerer,
         telemetry,
         tiers,
         asyncio.Event(),
+        requeue,
     )
 
 

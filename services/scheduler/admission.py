@@ -26,6 +26,13 @@ TRACE_HEADERS = ("traceparent", "tracestate")
 TRACEPARENT_CHARS = 55  # version-trace_id-parent_id-flags
 
 Attempt = tuple[str, int]  # (request_id, attempt)
+Copy = tuple[str, int, int]  # (request_id, attempt, requeued)
+
+
+@dataclass(frozen=True)
+class _Seen:
+    requeued: int  # the copy's count (QueuedRequest.requeued)
+    here: bool  # read by this process (False: remembered from the partition's history)
 
 
 @dataclass(frozen=True)
@@ -92,8 +99,10 @@ class Admission:
         if output_estimate is not None:
             limits = RequestLimits(default_max_tokens=output_estimate)
         self._context = {"limits": limits}
-        # Per tier partition we own, the (request_id, attempt) read from it.
-        self._seen: dict[TopicPartition, OrderedDict[Attempt, None]] = {}
+        # Per tier partition we own, the (request_id, attempt) read from it, and which copy.
+        self._seen: dict[TopicPartition, OrderedDict[Attempt, _Seen]] = {}
+        # Copies this process wrote to a partition's tail (requeue.py), not yet read back.
+        self._moved: dict[TopicPartition, dict[Attempt, int]] = {}
         self._dispatched_before: dict[Attempt, float] = {}  # found by restart scans
 
     def decide(
@@ -108,10 +117,17 @@ class Admission:
             return Poison(tp, record, error_message(exc), read_address(value))
         key = (request.request_id, request.attempt)
         seen = self._seen.setdefault(tp, OrderedDict())
-        if key in seen:
-            # Handed back twice (a recovery redone after a crash): one run is enough.
+        if self._moved.get(tp, {}).get(key) == request.requeued:
+            del self._moved[tp][key]  # the request this process moved to the tail
+        elif (prior := seen.get(key)) is not None and (
+            prior.requeued == request.requeued or prior.here
+        ):
+            # Handed back twice (a recovery redone after a crash), or a copy moved to the
+            # tail by a scheduler that crashed before committing the move, beside the
+            # record it copied, read here too: one run is enough.
             return Skip(tp, record.offset, request.request_id, "duplicate")
-        seen[key] = None
+        seen[key] = _Seen(request.requeued, here=True)
+        seen.move_to_end(key)
         if len(seen) > SEEN_MEMORY:
             seen.popitem(last=False)
         if self._dispatched_before.pop(key, None) is not None:
@@ -132,12 +148,16 @@ class Admission:
             return Answer(waiting, deadline_error(request), expired=True)
         return Queue(waiting)
 
-    def remember(self, recent: Mapping[TopicPartition, Iterable[Attempt]]) -> None:
-        """Attempts a partition held just before its last commit (a take-over's history read)."""
-        for tp, keys in recent.items():
+    def remember(self, recent: Mapping[TopicPartition, Iterable[Copy]]) -> None:
+        """Copies a partition held just before its last commit (a take-over's history read).
+
+        Only the same copy is dropped after it: a record moved to the tail is found there
+        under its next count, and is the request, not a second copy of it."""
+        for tp, copies in recent.items():
             seen = self._seen.setdefault(tp, OrderedDict())
-            for key in keys:
-                seen[key] = None
+            for request_id, attempt, requeued in copies:
+                if (prior := seen.get((request_id, attempt))) is None or not prior.here:
+                    seen[(request_id, attempt)] = _Seen(requeued, here=False)
             while len(seen) > SEEN_MEMORY:
                 seen.popitem(last=False)
 
@@ -149,6 +169,12 @@ class Admission:
         """
         for w in waiting:
             self._seen.get(w.tp, OrderedDict()).pop((w.request.request_id, w.request.attempt), None)
+
+    def moved(self, w: Waiting) -> None:
+        """`w` was written to its partition's tail as `w.request.requeued + 1` (requeue.py):
+        that copy is let in when read back, as no other copy of the request is."""
+        key = (w.request.request_id, w.request.attempt)
+        self._moved.setdefault(w.tp, {})[key] = w.request.requeued + 1
 
     def dispatched_before(self, found: Iterable[Attempt], now: float) -> None:
         """Attempts a restart scan found in the batches topic: skipped when read again."""

@@ -37,6 +37,7 @@ from services.scheduler.models import ModelCheck
 from services.scheduler.ownership import Ownership
 from services.scheduler.policy import Policy
 from services.scheduler.recovery import Recovery
+from services.scheduler.requeue import Requeue
 from services.scheduler.rollback import CanaryJudge
 from services.scheduler.settings import SchedulerSettings
 from services.scheduler.steps import Steps
@@ -86,8 +87,25 @@ class Scheduler:
         self.batch_log = batch_log = BatchLog(clients.log_reader)
         wake = asyncio.Event()
         log_lock = asyncio.Lock()  # the batch log consumer has one reader at a time
+        requeue = Requeue(
+            policy,
+            ledger,
+            admission,
+            clients.producer,
+            s.scheduler_max_open_offsets,
+            s.scheduler_requeue_after_s,
+        )
         steps = Steps(
-            s, policy, workers, ledger, dispatcher, answerer, telemetry, clients.tiers, wake
+            s,
+            policy,
+            workers,
+            ledger,
+            dispatcher,
+            answerer,
+            telemetry,
+            clients.tiers,
+            wake,
+            requeue,
         )
         self.steps, self._start_ends = steps, steps.start_ends
         rollouts = Rollouts()

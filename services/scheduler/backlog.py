@@ -251,6 +251,10 @@ class Backlog(Generic[T]):
         if self._where.pop(p.number, None) is not None:
             self.lanes[self.lane_of(p.tier, p.prompt_tokens, p.model, p.variant)].remove(p)
 
+    def passengers(self) -> list[Passenger[T]]:
+        """Every waiting request, in no particular order."""
+        return list(self._where.values())
+
     def remove_where(self, predicate: Callable[[T], bool]) -> list[Passenger[T]]:
         """Drop every waiting request whose payload matches (e.g. a revoked partition's)."""
         gone = [p for p in self._where.values() if predicate(p.item)]

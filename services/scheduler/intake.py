@@ -71,6 +71,9 @@ class TierIntake:
             async with self.lock:
                 fetched = self._owned(consumer, fetched)
                 if not fetched:
+                    # A paused partition fetches nothing: it resumes here once what held it
+                    # back was handed on (answered, dispatched, or moved to the tail).
+                    self._pause_far_ahead(consumer)
                     continue
                 now = time.time()
                 for tp, records in fetched.items():
@@ -129,7 +132,8 @@ class TierIntake:
             tier=request.tier,
             cost=request.token_cost,
             prompt_tokens=request.prompt_tokens,
-            now=now,
+            # A request moved to its partition's tail keeps its age (requeue.py).
+            now=now if not request.requeued else min(now, request.accepted_at),
             deadline_at=request.deadline_at,
             tenant=request.tenant,
             model=model,

@@ -148,6 +148,14 @@ class Ledger:
         part = self._parts.get(tp)
         return 0 if part is None else part.span()
 
+    def behind(self, tp: TopicPartition, offset: int) -> int:
+        """How far reading has run past `offset` of `tp` (0 if not owned)."""
+        part = self._parts.get(tp)
+        return 0 if part is None else part.high - offset
+
+    def owned(self) -> list[TopicPartition]:
+        return list(self._parts)
+
     def pending(self) -> int:
         return sum(len(p.pending) for p in self._parts.values())
 

@@ -99,6 +99,13 @@ class SchedulerSettings(TokenbusSettings):
         " waiting requests answered `overloaded` instead of held for ever: a pin to a"
         " variant no worker declares, a pool that cannot start. Above the longest cold start.",
     )
+    scheduler_requeue_after_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="A request that has waited this long, more than half of"
+        " scheduler_max_open_offsets behind its tier partition's reading, is written again"
+        " at the partition's tail so the partition's commit moves on (requeue.py).",
+    )
     scheduler_affinity_hold_ms: float = Field(
         default=DEFAULT_HOLD_S[Tier.interactive] * 1000.0,
         ge=0,

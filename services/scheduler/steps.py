@@ -26,6 +26,7 @@ from services.scheduler.dispatch import Dispatcher
 from services.scheduler.ledger import Ledger
 from services.scheduler.models import ModelCheck
 from services.scheduler.policy import Plan, Policy, WorkerSlots
+from services.scheduler.requeue import Requeue
 from services.scheduler.settings import SchedulerSettings
 from services.scheduler.telemetry import SchedulerTelemetry
 from services.scheduler.workers import WorkerRegistry
@@ -50,8 +51,10 @@ class Steps:
         telemetry: SchedulerTelemetry,
         tiers: AIOKafkaConsumer,
         wake: asyncio.Event,
+        requeue: Requeue,
     ) -> None:
         self.policy = policy
+        self.requeue = requeue
         self.workers = workers
         self.ledger = ledger
         self.dispatcher = dispatcher
@@ -102,6 +105,8 @@ class Steps:
                 await self._carry_out(plan, now)
                 for w, error in refused:
                     await self.answerer.answer(w, error)
+                    self.hand_on(w.tp, w.offset)
+                for w in await self.requeue.step(now):  # what waits far behind: to the tail
                     self.hand_on(w.tp, w.offset)
                 await self.commit()
 

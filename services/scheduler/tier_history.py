@@ -7,7 +7,9 @@ scheduler restarted between the two copies let the second run beside the first: 
 workers, one attempt, two chunkings in one stream (ADR 0014 "Left open"; ADR 0021). Both
 copies are keyed by request id, so they land on the same partition, seconds apart: a
 take-over reads the partition back from `LOOKBACK_S` before now up to its committed offset
-and remembers every `(request_id, attempt)` there, as the process that handed them on did.
+and remembers every `(request_id, attempt)` there, as the process that handed them on did,
+with the copy's `requeued` count: a request moved to the tail (requeue.py) is read there
+under its next count, and is not a second copy.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections.abc import Mapping
 import structlog
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
+from services.scheduler.admission import Copy
 from shared.kafka import make_consumer
 from shared.settings import TokenbusSettings
 
@@ -28,8 +31,8 @@ LOOKBACK_S = 120.0  # two copies of one hand-back are seconds apart; this is amp
 FETCH_TIMEOUT_MS = 500
 
 
-def key_of_record(value: bytes | None) -> tuple[str, int] | None:
-    """`(request_id, attempt)` of a tier record; None if it has none (poison)."""
+def key_of_record(value: bytes | None) -> Copy | None:
+    """`(request_id, attempt, requeued)` of a tier record; None if it has none (poison)."""
     try:
         body = json.loads(value or b"")
     except (ValueError, RecursionError):
@@ -37,14 +40,15 @@ def key_of_record(value: bytes | None) -> tuple[str, int] | None:
     if not isinstance(body, dict):
         return None
     request_id, attempt = body.get("request_id"), body.get("attempt", 0)
-    if not isinstance(request_id, str) or not isinstance(attempt, int):
+    requeued = body.get("requeued", 0)
+    if not all(isinstance(n, int) for n in (attempt, requeued)) or not isinstance(request_id, str):
         return None
-    return request_id, attempt
+    return request_id, attempt, requeued
 
 
 async def recent_keys(
     settings: TokenbusSettings, committed: Mapping[TopicPartition, int], client_id: str
-) -> dict[TopicPartition, list[tuple[str, int]]]:
+) -> dict[TopicPartition, list[Copy]]:
     """Per partition, the keys of its committed records from LOOKBACK_S ago to `committed`.
 
     Read committed, as the tier reader reads: a hand-back whose transaction was aborted
@@ -64,7 +68,7 @@ async def recent_keys(
 
 async def _read(
     consumer: AIOKafkaConsumer, committed: Mapping[TopicPartition, int]
-) -> dict[TopicPartition, list[tuple[str, int]]]:
+) -> dict[TopicPartition, list[Copy]]:
     since = int((time.time() - LOOKBACK_S) * 1000)
     found = await consumer.offsets_for_times({tp: since for tp in committed})
     todo: dict[TopicPartition, int] = {}
@@ -74,7 +78,7 @@ async def _read(
         start = end if at is None else min(at.offset, end)
         if start < end:
             starts[tp], todo[tp] = start, end
-    out: dict[TopicPartition, list[tuple[str, int]]] = {tp: [] for tp in committed}
+    out: dict[TopicPartition, list[Copy]] = {tp: [] for tp in committed}
     if not todo:
         return out
     consumer.assign(list(todo))
