@@ -241,7 +241,17 @@ def test_engine_args_carry_the_settings_and_priority_scheduling() -> None:
         scheduling_policy="priority",
         enable_prefix_caching=True,
         enforce_eager=False,
+        # llguidance unless the operator names another (issue 37, N2, ADR 0069).
+        structured_outputs_config={"backend": "guidance", "disable_additional_properties": True},
     )
+    auto = WorkerSettings(
+        worker_engine="vllm",
+        worker_model_path="/m",
+        worker_structured_outputs_backend="auto",
+    )
+    assert engine_args_from_settings(API, auto).kwargs["structured_outputs_config"] == {
+        "backend": "auto"
+    }
 
 
 def test_on_vllms_cpu_build_the_rotary_embedding_is_pytorchs_own() -> None:

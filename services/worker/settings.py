@@ -192,6 +192,13 @@ class WorkerSettings(TokenbusSettings):
         description="vLLM: no CUDA graphs or torch.compile (starts faster; the CPU build and"
         " `make run ENGINE=vllm` set it).",
     )
+    worker_structured_outputs_backend: Literal["guidance", "auto", "xgrammar", "outlines"] = Field(
+        default="guidance",
+        description="vLLM: the grammar backend that guides JSON answers and tool calls (vLLM's"
+        " --structured-outputs-config backend). guidance (llguidance), built for schemas an"
+        " adversary writes (issue 37, N2, ADR 0069); auto is vLLM's own default (xgrammar, else"
+        " llguidance).",
+    )
     worker_tool_call_parser: str = Field(
         default="hermes",
         min_length=1,

@@ -347,8 +347,9 @@ async def answer_of(engine: VllmEngine, request: EngineRequest) -> tuple[str, En
 
 @ON_THE_ENGINES_LOOP
 async def test_json_schema_answers_valid_json(one_slot: VllmEngine) -> None:
-    """`response_format` json_schema: vLLM's structured outputs (xgrammar on CPU) make even
-    this small model's answer JSON valid against the schema; json_object gives an object."""
+    """`response_format` json_schema: vLLM's structured outputs (llguidance, the worker's
+    default) make even this small model's answer JSON valid against the schema; json_object
+    gives an object."""
     import jsonschema
 
     fmt = ResponseFormat.model_validate(
@@ -372,8 +373,8 @@ async def test_json_schema_answers_valid_json(one_slot: VllmEngine) -> None:
         assert isinstance(json.loads(text), dict), text
 
 
-# The worst schema shared/schema_bounds.py accepts compiles (xgrammar on vLLM's CPU build)
-# and answers 16 tokens within this on this 2-core machine: 2.9 s measured (docs/security.md, N2).
+# The worst schema shared/schema_bounds.py accepts compiles (llguidance on vLLM's CPU build)
+# and is answered within this on a 2-core machine: 2.7-3.8 s measured (ADR 0069, N2).
 WORST_SCHEMA_S = 30.0
 
 
@@ -386,10 +387,13 @@ async def test_the_worst_accepted_schema_compiles_in_bounded_time(one_slot: Vllm
     )
     request = EngineRequest("worst", "q", 16, temperature=0.0, messages=ASK, response_format=fmt)
     started = time.monotonic()
-    _, finish = await answer_of(one_slot, request)
+    text, finish = await answer_of(one_slot, request)
     took = time.monotonic() - started
-    print(f"\nthe worst accepted schema: compiled and answered in {took:.1f} s")
+    print(f"\nthe worst accepted schema: compiled and answered in {took:.1f} s: {text!r}")
     assert finish.finish_reason in ("stop", "length")
+    # Its answer is empty, with either backend: llguidance's matcher refuses a grammar this
+    # large (more than 65,525 symbols), xgrammar's ends it at once (ADR 0069). Bounded time
+    # is what is asked of it here: the engine core goes on.
     assert took < WORST_SCHEMA_S, took
 
 

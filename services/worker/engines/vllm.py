@@ -130,6 +130,7 @@ def engine_args_from_settings(api: VllmApi, settings: WorkerSettings) -> Any:
         max_model_len=settings.worker_max_model_len,
         tensor_parallel_size=settings.worker_tensor_parallel_size,
         enforce_eager=settings.worker_enforce_eager,
+        structured_outputs_backend=settings.worker_structured_outputs_backend,
     )
 
 
@@ -144,6 +145,7 @@ def engine_args(
     max_model_len: int | None = None,
     tensor_parallel_size: int = 1,
     enforce_eager: bool = False,
+    structured_outputs_backend: str = "guidance",
 ) -> Any:
     """`AsyncEngineArgs` for a worker: priority scheduling, so tier priority is honoured;
     prefix caching on (vLLM's default, said here: the affinity router counts on it).
@@ -152,6 +154,9 @@ def engine_args(
     kernel: on an AVX-512/AMX machine that kernel gave wrong rotations in bfloat16 under
     `enforce_eager` (the model answered gibberish; ADR 0062). vLLM's compiled mode leaves
     every custom op out on CPU anyway, so this changes nothing there.
+
+    Structured outputs by `structured_outputs_backend`: llguidance unless the operator says
+    otherwise, the backend built for schemas an adversary writes (issue 37, N2, ADR 0069).
     """
     cpu_ops = {"compilation_config": {"custom_ops": list(CPU_CUSTOM_OPS)}} if api.cpu else {}
     return api.engine_args(
@@ -165,8 +170,19 @@ def engine_args(
         scheduling_policy="priority",
         enable_prefix_caching=True,
         enforce_eager=enforce_eager,
+        structured_outputs_config=structured_outputs_config(structured_outputs_backend),
         **cpu_ops,
     )
+
+
+def structured_outputs_config(backend: str) -> dict[str, Any]:
+    """vLLM's structured outputs config. With llguidance, a schema's object takes only the
+    properties it names unless it says `additionalProperties` (as xgrammar reads a schema):
+    read as JSON Schema says, a small model adds keys of its own until `max_tokens` cuts the
+    answer, and a named tool call is never whole (langchain's `bind_tools`, ADR 0069)."""
+    if backend == "guidance":
+        return {"backend": backend, "disable_additional_properties": True}
+    return {"backend": backend}
 
 
 # vLLM's custom ops turned off on its CPU build (ADR 0062); vLLM adds its default ("all"

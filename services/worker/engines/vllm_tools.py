@@ -3,7 +3,8 @@
 A request's guide (`structured.py`) becomes vLLM's
 `SamplingParams(structured_outputs=StructuredOutputsParams(json=<schema>))` (or
 `json_object=True`), so the engine core's structured-output backend guides the answer
-(`auto`: xgrammar, else llguidance; both run on CPU). An answer to `tool_choice: auto` is
+(llguidance unless `TOKENBUS_WORKER_STRUCTURED_OUTPUTS_BACKEND` names another, ADR 0069;
+it runs on CPU too). An answer to `tool_choice: auto` is
 read by vLLM's tool-call parser named by `TOKENBUS_WORKER_TOOL_CALL_PARSER` (its
 `ToolParserManager`, `--tool-call-parser`'s names), as vLLM's server reads a whole answer
 (`extract_tool_calls`); a guided answer (named, `required`) by `structured.guided_calls`.
