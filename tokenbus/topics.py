@@ -30,6 +30,12 @@ from tokenbus.acls import (
     parse_principals,
     service_acls,
 )
+from tokenbus.app_quotas import (
+    DEFAULT_APP_PRODUCE_BYTES_PER_S,
+    QuotaError,
+    set_app_quotas,
+    user_of,
+)
 
 if TYPE_CHECKING:
     from tokenbus.commands import Subcommands
@@ -123,8 +129,16 @@ def register(commands: Subcommands) -> None:
         metavar="NAME[=PRINCIPAL]",
         help="an outside application: create its requests topic (<prefix>.app-requests.NAME)"
         " and reply topic (<prefix>.replies.NAME); with --acls, its principal (default"
-        " User:NAME) may write the one and read the other, nothing else; list it in ingest's"
-        " TOKENBUS_INGEST_APPS; repeatable",
+        " User:NAME) may write the one and read the other, nothing else, at most"
+        " --app-produce-bytes-per-s; list it in ingest's TOKENBUS_INGEST_APPS; repeatable",
+    )
+    create.add_argument(
+        "--app-produce-bytes-per-s",
+        type=int,
+        default=DEFAULT_APP_PRODUCE_BYTES_PER_S,
+        metavar="N",
+        help="with --acls: the Kafka produce quota (producer_byte_rate, per broker) of each"
+        f" --app principal (default {DEFAULT_APP_PRODUCE_BYTES_PER_S})",
     )
     create.set_defaults(handler=_create)
 
@@ -137,13 +151,26 @@ def _create(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     settings = TokenbusSettings()
+    if args.app_produce_bytes_per_s < 1:
+        print("error: --app-produce-bytes-per-s must be at least 1", file=sys.stderr)
+        return 2
+    try:
+        for principal in apps.values():
+            user_of(principal)  # its produce quota is set for its user
+    except ValueError as exc:
+        print(f"error: --app: {exc}", file=sys.stderr)
+        return 2
     try:
         asyncio.run(
             _wait_and_create(
-                settings, args.replication_factor, principals if args.acls else None, apps
+                settings,
+                args.replication_factor,
+                principals if args.acls else None,
+                apps,
+                args.app_produce_bytes_per_s,
             )
         )
-    except (TimeoutError, KafkaError, KafkaLoginRefused, AclError) as exc:
+    except (TimeoutError, KafkaError, KafkaLoginRefused, AclError, QuotaError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     return 0
@@ -154,8 +181,10 @@ async def _wait_and_create(
     replication: int | None,
     principals: Mapping[str, str] | None,
     apps: Mapping[str, str],
+    app_produce_bytes_per_s: int = DEFAULT_APP_PRODUCE_BYTES_PER_S,
 ) -> None:
     await wait_for_broker(settings, timeout_s=BROKER_TIMEOUT_S)
     await ensure_topics(settings, replication, apps)
     if principals is not None:
         await grant_acls(settings, principals, apps)
+        await set_app_quotas(settings, apps, app_produce_bytes_per_s)

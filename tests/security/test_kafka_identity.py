@@ -31,12 +31,19 @@ from shared.kafka import key_of, make_admin, make_consumer, make_producer
 from shared.settings import TokenbusSettings
 from shared.topics import Topics
 from tests.stack import SERVICES, Stack, new_prefix, read_records, settings_from_env
+from tokenbus.app_quotas import (
+    DEFAULT_APP_PRODUCE_BYTES_PER_S,
+    PRODUCER_BYTE_RATE,
+    set_app_quotas,
+    user_quotas,
+)
 from tokenbus.topics import ensure_topics, grant_acls
 
 pytestmark = pytest.mark.integration
 
 A, B = secured.APPS  # the victim and the attacker, each its own SCRAM user
 BURST_BYTES = 1_000_000
+APP_PRODUCE_BYTES_PER_S = DEFAULT_APP_PRODUCE_BYTES_PER_S
 BURST = 6  # ingest_app_burst here: B's flood goes over it, the other tests stay under it
 
 
@@ -67,6 +74,7 @@ def stack(cluster: launcher.Cluster, log_dir: Path) -> Iterator[Stack]:
     async def provision() -> None:
         await ensure_topics(admin, replication=1, apps=apps)
         await grant_acls(admin, principals, apps)
+        await set_app_quotas(admin, apps, APP_PRODUCE_BYTES_PER_S)  # as `topics create --acls`
 
     asyncio.run(provision())
     stack = Stack.logged_in(
@@ -354,3 +362,18 @@ async def test_a_flood_of_big_records_is_refused_unread_and_dead_lettered_short(
         assert letter.headers[REASON] == "rate_limited"
         assert letter.value == raws[scoped[rid]][:UNREAD_COPY_BYTES]
         assert letter.headers[TRUNCATED] == str(len(raws[scoped[rid]]))
+
+
+async def test_each_apps_principal_has_a_kafka_produce_quota(
+    cluster: launcher.Cluster, stack: Stack
+) -> None:
+    """Issue 37, N6: ingest charges an app's records before it parses them, but only the
+    broker can bound how fast they reach its disks. `tokenbus topics create --acls --app`
+    sets a produce quota for each app's principal (Kafka's `producer_byte_rate`, enforced
+    by the broker by delaying the app's produce responses); before, none was set. Read back
+    from the secured broker under the admin's login."""
+    admin = settings_of(cluster, secured.ADMIN, stack.prefix)
+    for app in (A, B):
+        quotas = await user_quotas(admin, f"User:{app}")
+        assert quotas == {PRODUCER_BYTE_RATE: APP_PRODUCE_BYTES_PER_S}, (app, quotas)
+    assert await user_quotas(admin, "User:ingest") == {}  # the services' own are not limited
