@@ -9,9 +9,10 @@ most of a window could decide it: flood the canary with answers that fail or sco
 up to `floor`. A tenant alone (no other's item beside its own) counts whole: a deployment
 with one tenant judges its canaries as before. `share` 1 counts everything.
 
-Two forms of the same rule: `SliceShare` for a worker counting as requests end (per slice of
-time, its counts cumulative as heartbeats carry them), `capped` for a scheduler's window of
-scores (each tenant's oldest beyond its allowance left out). Pure.
+Two forms of the same rule: a worker counts as requests end (services/worker/outcomes.py,
+with `allowance`: its counts are cumulative, as heartbeats carry them, so one past the
+allowance counts later or never), a scheduler caps a window of scores (`capped`: each
+tenant's oldest beyond its allowance left out). Pure.
 """
 
 from __future__ import annotations
@@ -31,33 +32,6 @@ def allowance(share: float, others: int, floor: int) -> int | float:
     if share >= 1.0 or others == 0:
         return math.inf
     return max(floor, math.floor(share / (1.0 - share) * others))
-
-
-class SliceShare:
-    """Which of a worker's finished requests count, slice by slice of `slice_s`.
-
-    Caller: `OutcomeCounts.record`, on the worker's event loop. Affects: only itself.
-    """
-
-    def __init__(self, share: float, floor: int, slice_s: float = SLICE_S) -> None:
-        self.share = share
-        self.floor = floor
-        self.slice_s = slice_s
-        self._slot = -1
-        self._counted: Counter[str] = Counter()
-        self._total = 0
-
-    def admit(self, tenant: str, now: float) -> bool:
-        """Whether `tenant`'s request ending at `now` counts; counted if so."""
-        slot = math.floor(now / self.slice_s)
-        if slot != self._slot:
-            self._slot, self._counted, self._total = slot, Counter(), 0
-        mine = self._counted[tenant]
-        if mine >= allowance(self.share, self._total - mine, self.floor):
-            return False
-        self._counted[tenant] += 1
-        self._total += 1
-        return True
 
 
 def capped(items: Sequence[T], tenant_of: Callable[[T], str], share: float, floor: int) -> list[T]:

@@ -18,7 +18,7 @@ from shared.messages import (
     Outcomes,
     QueuedRequest,
 )
-from shared.tenant_share import SLICE_S, capped
+from shared.tenant_share import SLICE_S, allowance
 
 # Errors the worker answers for: the engine failed the request. A cancel is the client's
 # wish, a refused request (too long a prompt) its own fault, neither the variant's.
@@ -34,9 +34,11 @@ def ttft_bucket(seconds: float) -> int:
 class OutcomeCounts:
     """Cumulative counts of this process's finished requests.
 
-    With a tenant share below 1 (`canary_tenant_share`, issue 37, N7) the requests that end
-    in a slice of `SLICE_S` are held until it ends, then counted less each tenant's oldest
-    beyond its allowance (shared/tenant_share.py): a heartbeat carries them a slice late.
+    With a tenant share below 1 (`canary_tenant_share`, issue 37, N7, ADR 0068), each slice
+    of `SLICE_S` counts a tenant's requests as they end up to its allowance beside the other
+    tenants' requests of the slice (shared/tenant_share.py); one past it counts later, if
+    the others' grow, or never. A count is never taken back (heartbeats carry cumulative
+    counts), so a tenant alone in a slice counts whole until another is seen.
 
     Caller: `WorkerTelemetry.answered` (`record`, each final record stored) and the
     heartbeat (`snapshot`), on one event loop. Affects: only itself.
@@ -53,7 +55,8 @@ class OutcomeCounts:
         self._failed = 0
         self._ttft = [0] * (len(OUTCOME_TTFT_BOUNDS_S) + 1)
         self._slot: int | None = None
-        self._held: list[tuple[str, int | None]] = []  # (tenant, TTFT bucket; None: failed)
+        self._ended: dict[str, list[int | None]] = {}  # this slice's, per tenant, in order
+        self._counted: dict[str, int] = {}  # how many of them are counted
 
     def record(self, request: QueuedRequest, final: DoneResult | ErrorResult) -> None:
         """A request's final record is stored. A shadow validation's gold run (`judged`) is
@@ -72,22 +75,20 @@ class OutcomeCounts:
         if self._share >= 1.0:
             self._count(outcome)
             return
-        self._close(self._clock())
-        self._held.append((request.tenant, outcome))
+        slot = math.floor(self._clock() / SLICE_S)
+        if slot != self._slot:
+            self._slot, self._ended, self._counted = slot, {}, {}
+        self._ended.setdefault(request.tenant, []).append(outcome)
+        total = sum(len(ended) for ended in self._ended.values())
+        for tenant, ended in self._ended.items():
+            allowed = int(min(len(ended), allowance(self._share, total - len(ended), self._floor)))
+            counted = self._counted.get(tenant, 0)
+            for held in ended[counted:allowed]:
+                self._count(held)
+            self._counted[tenant] = max(counted, allowed)
 
     def snapshot(self) -> Outcomes:
-        if self._share < 1.0:
-            self._close(self._clock())
         return Outcomes(answered=self._answered, failed=self._failed, ttft=list(self._ttft))
-
-    def _close(self, now: float) -> None:
-        """Count the slice held, once `now` lies past it."""
-        slot = math.floor(now / SLICE_S)
-        if slot == self._slot:
-            return
-        for _, outcome in capped(self._held, lambda held: held[0], self._share, self._floor):
-            self._count(outcome)
-        self._slot, self._held = slot, []
 
     def _count(self, outcome: int | None) -> None:
         if outcome is None:

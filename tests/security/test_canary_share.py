@@ -79,7 +79,7 @@ def errors_hidden_by_a_flood(share: float) -> VariantEvidence:
             canary.finish(tenant, failed=(second * 6 + i) % 5 == 0)
         for _ in range(100):
             canary.finish(ATTACKER)
-    clock.now = T0 + 31 + SLICE_S  # the last slice closed
+    clock.now = T0 + 31  # the last beats
     base.send(windows)
     canary.send(windows)
     return verdict(windows, clock.now)
@@ -116,19 +116,24 @@ def test_a_flood_of_easy_scores_does_not_hide_a_worse_answering_canary() -> None
 
 
 def test_a_tenant_alone_counts_whole_and_beside_others_at_most_its_share() -> None:
+    """As requests end, never later: a heartbeat carries them at once. Counted is never
+    taken back, so a tenant alone counts whole; beside another, up to the allowance, and
+    more as the other's requests grow."""
     clock = Clock()
     counts = OutcomeCounts(SHARE, FLOOR, clock)
-    request = REQUEST.model_copy(update={"tenant": ATTACKER})
+    mine = REQUEST.model_copy(update={"tenant": ATTACKER})
+    theirs = REQUEST.model_copy(update={"tenant": "acme"})
     for _ in range(100):
-        counts.record(request, done(0.03))
-    assert counts.snapshot().answered == 0  # held until its slice ends
-    clock.now += SLICE_S
+        counts.record(mine, done(0.03))
     assert counts.snapshot().answered == 100  # alone: a deployment of one tenant, as before
+    clock.now += SLICE_S  # a new slice: the other tenant is there first this time
+    counts.record(theirs, done(0.03))
     for _ in range(100):
-        counts.record(request, done(0.03))
-    counts.record(REQUEST.model_copy(update={"tenant": "acme"}), done(0.03))
-    clock.now += SLICE_S
+        counts.record(mine, done(0.03))
     assert counts.snapshot().answered == 100 + 1 + FLOOR  # beside one: the floor
+    for _ in range(20):
+        counts.record(theirs, done(0.03))
+    assert counts.snapshot().answered == 100 + 21 + 21  # as many as the other's, now
 
 
 @pytest.mark.parametrize("others", [0, 1, 10, 1000])
