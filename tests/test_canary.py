@@ -46,6 +46,7 @@ def shadow_score(
     scored_at: float,
     gold: str = "baseline",
     deterministic: bool = True,
+    tenant: str | None = None,
 ) -> ShadowScore:
     return ShadowScore(
         model=MODEL,
@@ -58,6 +59,7 @@ def shadow_score(
         quality=quality,
         deterministic=deterministic,
         scored_at=scored_at,
+        tenant=tenant,
     )
 
 

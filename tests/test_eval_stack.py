@@ -27,10 +27,10 @@ from aiokafka import TopicPartition
 from services.edge import keys as keyfile
 from services.edge.keys import PIN_VARIANT
 from services.worker.engines.sim_text import natural_tokens
-from shared.kafka import make_admin, make_consumer
+from shared.kafka import make_admin
 from shared.messages import Tier
 from tests.chat_client import openai_sdk, recv_json, run_requests
-from tests.stack import UNLIMITED, Stack, new_prefix, wait_until
+from tests.stack import UNLIMITED, Stack, new_prefix, read_records, wait_until
 
 MODEL = "m"
 WORKERS = {"worker": None, "worker-same": "same", "worker-wrong": "wrong"}
@@ -152,23 +152,9 @@ async def test_a_pinned_request_runs_only_on_its_variant(pinned_stack: Stack) ->
 async def tier_records(stack: Stack, request_id: str) -> list[tuple[int, int, dict[str, Any]]]:
     """(partition, offset, record) of every interactive tier record of `request_id`."""
     topic = stack.topics.tier(Tier.interactive)
-    consumer = make_consumer(stack.settings, group_id=None, client_id="test-tier-read")
-    await consumer.start()
-    try:
-        tps = [TopicPartition(topic, p) for p in range(stack.topics.partitions()[topic])]
-        consumer.assign(tps)
-        await consumer.seek_to_beginning(*tps)
-        ends = await consumer.end_offsets(tps)
-        found: list[tuple[int, int, dict[str, Any]]] = []
-        while [tp for tp in tps if await consumer.position(tp) < ends[tp]]:
-            for tp, records in (await consumer.getmany(timeout_ms=500)).items():
-                for r in records:
-                    body = json.loads(r.value or b"{}")
-                    if body.get("request_id") == request_id:
-                        found.append((tp.partition, r.offset, body))
-        return found
-    finally:
-        await consumer.stop()
+    records = await read_records(stack.settings, topic, stack.topics.partitions()[topic])
+    bodies = ((r, json.loads(r.value or b"{}")) for r in records)
+    return [(r.partition, r.offset, b) for r, b in bodies if b.get("request_id") == request_id]
 
 
 async def committed(stack: Stack, tp: TopicPartition) -> int:

@@ -16,6 +16,7 @@ those of `make_admin`.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 from aiokafka.errors import for_code
 from aiokafka.protocol.admin import DescribeClientQuotasRequest
@@ -103,12 +104,7 @@ async def set_app_quotas(
         ([("user", user_of(principal))], [(PRODUCER_BYTE_RATE, float(produce_bytes_per_s), False)])
         for principal in apps.values()
     ]
-    admin = make_admin(settings, client_id="tokenbus-quotas")
-    await admin.start()
-    try:
-        response = await admin._send_request(AlterClientQuotasRequest(entries))
-    finally:
-        await admin.close()
+    response = await _send(settings, AlterClientQuotasRequest(entries))
     failures = [
         f"{entity}: {for_code(code).__name__} {message or ''}".rstrip()
         for code, message, entity in response.entries
@@ -120,14 +116,18 @@ async def set_app_quotas(
 
 async def user_quotas(settings: TokenbusSettings, principal: str) -> dict[str, float]:
     """The quotas set for exactly `principal`'s user entity (name -> value)."""
-    admin = make_admin(settings, client_id="tokenbus-quotas")
-    await admin.start()
-    try:
-        response = await admin._send_request(
-            DescribeClientQuotasRequest([("user", MATCH_EXACT, user_of(principal))], True)
-        )
-    finally:
-        await admin.close()
+    request = DescribeClientQuotasRequest([("user", MATCH_EXACT, user_of(principal))], True)
+    response = await _send(settings, request)
     if response.error_code != 0:
         raise QuotaError(f"{for_code(response.error_code).__name__} {response.error_message}")
     return {name: value for _, values in response.entries for name, value in values}
+
+
+async def _send(settings: TokenbusSettings, request: Any) -> Any:
+    """`request`'s response, over an admin client's connection (its TLS and SASL login)."""
+    admin = make_admin(settings, client_id="tokenbus-quotas")
+    await admin.start()
+    try:
+        return await admin._send_request(request)
+    finally:
+        await admin.close()

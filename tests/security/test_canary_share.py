@@ -22,10 +22,9 @@ from services.scheduler.canary import CanaryWindows, judge
 from services.scheduler.settings import SchedulerSettings
 from services.worker.outcomes import OutcomeCounts
 from shared.messages import ErrorCode
-from shared.shadows import ShadowScore
 from shared.tenant_share import SLICE_S, allowance, capped
 from shared.verdicts import VariantEvidence
-from tests.test_canary import MODEL, REQUEST, RULE, T0, FakeWorker, done, error
+from tests.test_canary import MODEL, REQUEST, RULE, T0, FakeWorker, done, error, shadow_score
 
 DEFAULTS = SchedulerSettings()
 SHARE, FLOOR = DEFAULTS.canary_tenant_share, DEFAULTS.canary_tenant_floor
@@ -99,10 +98,10 @@ def scores_hidden_by_a_flood(share: float) -> VariantEvidence:
     windows = CanaryWindows(RULE.window_s, share, FLOOR)
     now = T0 + 30
     for i in range(30):
-        windows.score(_score(None, 1.0, T0 + i, VICTIMS[i % 3]), now)
-        windows.score(_score("c", float(i % 2), T0 + i, VICTIMS[i % 3]), now)
+        windows.score(shadow_score(None, 1.0, T0 + i, tenant=VICTIMS[i % 3]), now)
+        windows.score(shadow_score("c", float(i % 2), T0 + i, tenant=VICTIMS[i % 3]), now)
     for i in range(300):
-        windows.score(_score("c", 1.0, T0 + i * 0.1, ATTACKER), now)
+        windows.score(shadow_score("c", 1.0, T0 + i * 0.1, tenant=ATTACKER), now)
     _answered_everywhere(windows, now)
     return verdict(windows, now)
 
@@ -150,22 +149,6 @@ def test_capped_drops_each_tenants_oldest_and_keeps_the_order() -> None:
     items = [("a", 0), ("b", 1), ("a", 2), ("a", 3), ("a", 4), ("b", 5)]
     assert capped(items, lambda item: item[0], 0.5, 0) == [("b", 1), ("a", 3), ("a", 4), ("b", 5)]
     assert capped(items, lambda item: item[0], 1.0, 0) == items
-
-
-def _score(variant: str | None, quality: float, at: float, tenant: str) -> ShadowScore:
-    return ShadowScore(
-        model=MODEL,
-        variant=variant,
-        gold="baseline",
-        request_id="r1",
-        exact=quality == 1.0,
-        f1=quality,
-        rouge_l=quality,
-        quality=quality,
-        deterministic=True,
-        scored_at=at,
-        tenant=tenant,
-    )
 
 
 def _answered_everywhere(windows: CanaryWindows, now: float) -> None:
