@@ -7,7 +7,13 @@ import itertools
 
 import pytest
 
-from services.worker.engines.base import EngineDelta, EngineFinish, EngineRequest, PromptTooLong
+from services.worker.engines.base import (
+    EngineDelta,
+    EngineFinish,
+    EngineRequest,
+    FieldNotHonoured,
+    PromptTooLong,
+)
 from services.worker.engines.sim import SimEngine, paced_rate
 from services.worker.engines.sim_profiles import PROFILES, SimProfile, sim_profile
 
@@ -181,6 +187,29 @@ async def test_a_prompt_over_the_context_is_refused_by_submit_itself() -> None:
         assert engine.capacity().queued == 0
     finally:
         await engine.stop()
+
+
+async def test_logprobs_are_refused_unless_the_sim_is_told_to_make_them_up() -> None:
+    request = EngineRequest("r1", "weigh these tokens", max_tokens=6, logprobs=20)
+    with pytest.raises(FieldNotHonoured, match="logprobs"):
+        SimEngine().submit(request, RecordingSink())
+    engine = SimEngine(SimProfile(token_rate=2000.0, max_num_seqs=4), logprobs=True)
+    assert "logprobs" in engine.sampling_fields
+    assert "logprobs" not in SimEngine.sampling_fields
+    await engine.start()
+    try:
+        outputs = [out async for out in engine.generate(request)]
+        plain = [o async for o in engine.generate(EngineRequest("r2", "weigh", max_tokens=3))]
+    finally:
+        await engine.stop()
+    deltas = [o for o in outputs if isinstance(o, EngineDelta)]
+    given = [lp for d in deltas for lp in d.logprobs or ()]
+    # One per token, in order, with the 20 alternatives asked, the chosen one first.
+    assert [lp.token for lp in given] == [d.text for d in deltas]
+    assert len(given) == 6
+    assert all(len(lp.top) == 20 and lp.top[0].token == lp.token for lp in given)
+    assert all(lp.top[i].logprob > lp.top[i + 1].logprob for lp in given for i in range(19))
+    assert all(o.logprobs is None for o in plain if isinstance(o, EngineDelta))
 
 
 PACE = "SIMPACE-test"

@@ -8,11 +8,15 @@ client that stops reading an SSE stream held it, its buffers and its place among
 connections for ever. `TimedProtocol` adds both timeouts to uvicorn's h11 protocol (ADR 0045),
 and a bound on the connections one client address holds at once (`max_per_ip`: its idle
 keep-alive and WebSocket connections count, which no request-level limit sees; issue 37, N10).
+It also sets each connection's kernel send buffer (`send_buffer_bytes`): the kernel's own
+tuning grows it to 4 MB, which a client reading slowly fills before any frame of its queues
+where the edge weighs it (issue 37, N1).
 """
 
 from __future__ import annotations
 
 import asyncio
+import socket
 import weakref
 from typing import Any, ClassVar, cast
 
@@ -42,6 +46,7 @@ class TimedProtocol(H11Protocol):
     header_timeout_s: float = 10.0  # set by `protocol_class`
     write_timeout_s: float = 10.0
     max_per_ip: int = 0  # 0: no limit
+    send_buffer_bytes: int = 0  # 0: the kernel's tuning
     # Client address -> its open connections' transports (one map per `protocol_class`, so
     # per server). Weak: a transport leaves with its connection, whether it stayed HTTP or
     # was handed to a WebSocket protocol (whose loss this protocol never hears of).
@@ -53,6 +58,8 @@ class TimedProtocol(H11Protocol):
         self._write_deadline: asyncio.TimerHandle | None = None
         if self.max_per_ip and not self._admitted(cast(asyncio.Transport, transport)):
             return
+        if self.send_buffer_bytes and (sock := transport.get_extra_info("socket")) is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.send_buffer_bytes)
         self._await_head()
 
     def _admitted(self, transport: asyncio.Transport) -> bool:
@@ -124,13 +131,17 @@ class TimedProtocol(H11Protocol):
 
 
 def protocol_class(
-    header_timeout_s: float, write_timeout_s: float, max_per_ip: int = 0
+    header_timeout_s: float,
+    write_timeout_s: float,
+    max_per_ip: int = 0,
+    send_buffer_bytes: int = 0,
 ) -> type[TimedProtocol]:
     """`TimedProtocol` with these bounds (uvicorn builds its protocol from a class)."""
     bounds = {
         "header_timeout_s": header_timeout_s,
         "write_timeout_s": write_timeout_s,
         "max_per_ip": max_per_ip,
+        "send_buffer_bytes": send_buffer_bytes,
         "open_by_ip": {},
     }
     return type("TimedProtocol", (TimedProtocol,), bounds)
@@ -145,6 +156,7 @@ def uvicorn_options(settings: EdgeSettings) -> dict[str, Any]:
             settings.edge_header_timeout_s,
             settings.edge_http_write_timeout_s,
             settings.edge_max_connections_per_ip,
+            settings.edge_send_buffer_bytes,
         ),
         "h11_max_incomplete_event_size": settings.edge_max_header_bytes,
         "timeout_keep_alive": settings.edge_keep_alive_timeout_s,

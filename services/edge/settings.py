@@ -259,6 +259,14 @@ class EdgeSettings(KeysSettings):
         " behind a load balancer or an ingress every client shares its address). Set it where"
         " clients reach the edge directly.",
     )
+    edge_send_buffer_bytes: int = Field(
+        default=256 * 1024,
+        ge=0,
+        description="The kernel's send buffer of each client connection (SO_SNDBUF; Linux"
+        " doubles it): what a client that reads slowly holds in the kernel before its frames"
+        " queue in the edge's outbox, where they are weighed. A token stream needs KB/s; the"
+        " kernel's own tuning grows a buffer to 4 MB. 0: the kernel's tuning.",
+    )
     edge_max_header_bytes: int = Field(
         default=16384,
         ge=1024,

@@ -168,6 +168,12 @@ class WorkerSettings(TokenbusSettings):
         " share of prompts (chosen by a hash of the prompt) answered with other text than a"
         " faithful sim worker gives (services/worker/engines/sim_wrong.py).",
     )
+    worker_sim_logprobs: bool = Field(
+        default=False,
+        description="sim (tests and benches of logprob traffic; off in production): honour"
+        " `logprobs` with made-up values shaped and sized as vLLM's"
+        " (services/worker/engines/sim_logprobs.py); off, the sim refuses the field.",
+    )
 
     # vllm and transformers engines
     worker_model_path: str | None = Field(

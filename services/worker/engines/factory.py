@@ -27,6 +27,7 @@ def build_engine(settings: WorkerSettings) -> Engine:
             rate_marker=settings.worker_sim_rate_marker,
             refuse_share=settings.worker_sim_refuse_share,
             wrong_share=settings.worker_sim_wrong_share,
+            logprobs=settings.worker_sim_logprobs,
         )
     if settings.worker_engine == "vllm":
         from services.worker.engines.vllm import VllmEngine, engine_args_from_settings, load_vllm

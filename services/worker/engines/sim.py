@@ -22,7 +22,10 @@ after the marker, verbatim (`sim_text.echo`; the chat page's XSS tests). A pace 
 own (tests only): with `rate_marker` set, a request whose prompt contains `<marker>=<rate>`
 (tokens a second, e.g. `PACE=20`) makes its tokens at that rate, at most one a step: on the
 engine's step clock it simply emits on fewer steps, as a slow sequence of a continuous
-batch would (`_Sequence.paced`), so tests with other rates share one stack.
+batch would (`_Sequence.paced`), so tests with other rates share one stack. Logprobs
+(tests and benches only): with `logprobs` set, the sim honours the field and gives each
+token a made-up logprob and as many alternatives as asked (`sim_logprobs.py`): they weigh
+what vLLM's weigh on the bus and at the edge, and mean nothing.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from services.worker.engines.base import (
     tokens_to_generate,
 )
 from services.worker.engines.sim_cache import ANSWER_HEADER, PrefixCache
+from services.worker.engines.sim_logprobs import token_logprob
 from services.worker.engines.sim_profiles import SimProfile
 from services.worker.engines.sim_refusals import refusal, refuses
 from services.worker.engines.sim_text import Completion, complete, echo
@@ -135,12 +139,14 @@ class _Sequence:
         out = outputs.popleft()
         if not isinstance(out, EngineDelta) or not outputs:
             return out
-        texts, tokens = [out.text], out.tokens
+        texts, tokens, logprobs = [out.text], out.tokens, list(out.logprobs or ())
         while outputs and isinstance(nxt := outputs[0], EngineDelta):
             outputs.popleft()
             texts.append(nxt.text)
             tokens += nxt.tokens
-        return EngineDelta("".join(texts), tokens)
+            logprobs.extend(nxt.logprobs or ())
+        given = tuple(logprobs) if out.logprobs is not None else None
+        return EngineDelta("".join(texts), tokens, given)
 
     def fail(self) -> None:
         self.finished = True
@@ -188,8 +194,11 @@ class SimEngine:
         rate_marker: str | None = None,
         refuse_share: float = 0.0,
         wrong_share: float = 0.0,
+        logprobs: bool = False,
     ) -> None:
         self.profile = profile or SimProfile()
+        if logprobs:  # made-up values (tests and benches): sim_logprobs.py
+            self.sampling_fields = self.sampling_fields | {"logprobs"}
         self.mode = mode
         self.context_length: int | None = self.profile.context_length
         self.fail_marker = fail_marker or None
@@ -447,7 +456,9 @@ class SimEngine:
         if not seq.done and not seq.paced(seconds):
             return
         if not seq.done:
-            seq.put(EngineDelta(seq.plan.pieces[seq.position], 1))
+            piece, top = seq.plan.pieces[seq.position], seq.request.logprobs
+            given = None if top is None else (token_logprob(piece, seq.position, top),)
+            seq.put(EngineDelta(piece, 1, given))
             seq.position += 1
         if seq.done:
             seq.position = seq.plan.completion_tokens
