@@ -15,7 +15,12 @@ with the limit it breaks:
   (a recursive schema is an unbounded grammar);
 - `pattern` (and `patternProperties`' keys) at most `MAX_PATTERN_CHARS`, valid for Python's `re`;
 - `minLength`/`maxLength`, `minItems`/`maxItems`, `minProperties`/`maxProperties`,
-  `minContains`/`maxContains` at most `MAX_COUNT`.
+  `minContains`/`maxContains` at most `MAX_COUNT`;
+- the arrays' and objects' counts (each node's largest of `REPEATS`, a definition counted
+  once however often it is referred to) at most `MAX_REPEATS` in all: llguidance unrolls
+  each such count into grammar symbols and gives up past 65,525 of them (its matcher
+  fails, the answer is empty: ADR 0069), where a string's length is its lexer's and costs
+  no symbol. Measured on the real engine: 61,440 counted items guided, 184,320 gave up.
 
 The worst schema these bounds accept is compiled on the real engine by
 tests/real_engine/test_vllm_engine.py, whose time docs/security.md records.
@@ -35,6 +40,7 @@ MAX_COMBINATORS = 32
 MAX_COMBINATOR_NESTING = 2
 MAX_PATTERN_CHARS = 512
 MAX_COUNT = 1024
+MAX_REPEATS = 16 * 1024
 
 COMBINATORS = ("anyOf", "oneOf", "allOf")
 COUNTS = (
@@ -47,6 +53,8 @@ COUNTS = (
     "minContains",
     "maxContains",
 )
+# Counts of an array's items or an object's members: unrolled into a grammar's symbols.
+REPEATS = ("minItems", "maxItems", "minProperties", "maxProperties", "minContains", "maxContains")
 _LOCAL_REF = re.compile(r"^#/(\$defs|definitions)/([^/]+)$")
 
 
@@ -60,8 +68,9 @@ def schema_problem(schema: object) -> str | None:
         return f"{size} bytes, above the limit of {MAX_SCHEMA_BYTES}"
     if (depth := _depth(schema)) > MAX_DEPTH:
         return f"nested {depth} deep, above the limit of {MAX_DEPTH}"
-    combinators = 0
+    combinators = repeats = 0
     for node in _nodes(schema):
+        repeats += max((_count(node.get(key)) for key in REPEATS), default=0)
         for key in COMBINATORS:
             branches = node.get(key)
             if branches is None:
@@ -73,6 +82,11 @@ def schema_problem(schema: object) -> str | None:
             return problem
     if combinators > MAX_COMBINATORS:
         return f"{combinators} anyOf/oneOf/allOf, above the limit of {MAX_COMBINATORS}"
+    if repeats > MAX_REPEATS:
+        return (
+            f"array and object counts (maxItems, minItems, ...) adding up to {repeats},"
+            f" above the limit of {MAX_REPEATS}"
+        )
     if problem := _ref_problem(schema):
         return problem
     nesting = _combinator_nesting(schema, _definitions(schema), {})
@@ -82,6 +96,13 @@ def schema_problem(schema: object) -> str | None:
             f" of {MAX_COMBINATOR_NESTING}"
         )
     return None
+
+
+def _count(value: object) -> int:
+    """A count keyword's value as a number of repetitions (0: not a count)."""
+    if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
+        return int(value)
+    return 0
 
 
 def _node_problem(node: dict[str, Any]) -> str | None:

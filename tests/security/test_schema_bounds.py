@@ -25,6 +25,7 @@ from shared.schema_bounds import (
     MAX_COUNT,
     MAX_DEPTH,
     MAX_PATTERN_CHARS,
+    MAX_REPEATS,
     MAX_SCHEMA_BYTES,
     schema_problem,
 )
@@ -95,6 +96,18 @@ ATTACKS: list[tuple[str, dict[str, Any], str]] = [
     ("a long pattern", {"type": "string", "pattern": "a" * (MAX_PATTERN_CHARS + 1)}, "pattern"),
     ("a huge maxItems", {"type": "array", "maxItems": 100_000}, "maxItems 100000"),
     ("a huge maxLength", {"type": "string", "maxLength": MAX_COUNT + 1}, "maxLength"),
+    (
+        # 12 KB: llguidance gave up on its grammar (184,320 symbols) and answered nothing.
+        "many counted arrays",
+        {
+            "type": "object",
+            "properties": {
+                f"a{i}": {"type": "array", "items": {"type": "integer"}, "maxItems": MAX_COUNT}
+                for i in range(180)
+            },
+        },
+        f"adding up to {180 * MAX_COUNT}, above the limit of {MAX_REPEATS}",
+    ),
 ]
 
 
@@ -125,7 +138,21 @@ def test_the_worst_accepted_schema_sits_at_every_bound() -> None:
     assert MAX_SCHEMA_BYTES - 1024 < size <= MAX_SCHEMA_BYTES
     assert all(len(b["anyOf"]) <= MAX_BRANCHES for b in schema["anyOf"])
     assert MAX_COMBINATOR_NESTING == 2  # anyOf of anyOf: as deep as allowed
+    leaves = [leaf for branch in schema["anyOf"] for leaf in branch["anyOf"]]
+    repeats = sum(leaf["properties"]["n"]["maxItems"] for leaf in leaves)
+    assert MAX_REPEATS - len(leaves) < repeats <= MAX_REPEATS
     chat(response_format=as_response_format(schema))  # accepted where requests are read
+
+
+def test_a_definition_counts_its_repeats_once_however_often_it_is_referred_to() -> None:
+    """llguidance compiles a definition once: 256 references to an array of MAX_COUNT items
+    were guided on the real engine; the same arrays written out 180 times were not."""
+    leaf = {"type": "object", "properties": {"a": {"$ref": "#/$defs/big"}}, "required": ["a"]}
+    schema = {
+        "$defs": {"big": {"type": "array", "items": {"type": "integer"}, "maxItems": MAX_COUNT}},
+        "anyOf": [{"anyOf": [leaf] * MAX_BRANCHES}] * MAX_BRANCHES,
+    }
+    assert schema_problem(schema) is None
 
 
 def test_a_schema_is_charged_as_prompt() -> None:
