@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from tests.stack import UNLIMITED
 
-# tests/test_quotas_e2e.py: each quota, one tenant each.
+# tests/test_quotas_e2e.py: each quota, one tenant each; tests/security/test_output_charges.py:
+# the streamer and the abandoner.
 QUOTAS: dict[str, dict[str, object]] = {
     # One request per 100 s after a burst of two: the third is refused however slow the test.
     "quota-slow": {**UNLIMITED, "rps": 0.01, "burst": 2},
