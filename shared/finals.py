@@ -8,6 +8,11 @@ was dispatched. Rare (a death), so one group-less consumer per question is cheap
 
 The read is bounded; when it fails, the caller is told nothing is answered (runs everything
 again: at least once, never lost) and the failure is logged.
+
+`since_ms` is the batch record's timestamp (the scheduler's clock), a final's is the worker's:
+the read starts `shared/clocks.py`'s margin earlier, so that a worker whose clock runs behind
+is not taken for one that never answered (a request answered would run again). A worker
+further behind than the margin gets its requests run again: at least once, never lost.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from aiokafka import TopicPartition
 from aiokafka.cluster import ClusterMetadata
 from aiokafka.errors import KafkaError
 
+from shared.clocks import since_with_margin_ms
 from shared.kafka import make_consumer
 from shared.messages import QueuedRequest
 from shared.settings import TokenbusSettings
@@ -42,7 +48,8 @@ async def answered(
     *,
     client_id: str,
 ) -> set[str]:
-    """The ids of `requests` whose `reply_to` holds a final record written since `since_ms`.
+    """The ids of `requests` whose `reply_to` holds a final record written since `since_ms`
+    (by another clock than the caller's: with `shared/clocks.py`'s margin).
 
     Empty (answer nothing: run everything again) if the read fails or takes longer than
     `timeout_s`; the failure is logged as `finals.check_failed`.
@@ -79,7 +86,8 @@ async def _read(
         if not tps:
             return set()
         consumer.assign(sorted(tps))
-        found = await consumer.offsets_for_times({tp: since_ms for tp in tps})
+        earliest = since_with_margin_ms(since_ms)
+        found = await consumer.offsets_for_times({tp: earliest for tp in tps})
         ends = await consumer.end_offsets(sorted(tps))
         todo: dict[TopicPartition, int] = {}
         for tp in tps:
