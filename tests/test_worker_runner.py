@@ -10,8 +10,10 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
+import pytest
 from opentelemetry.context import Context
 from prometheus_client import CollectorRegistry
 from pydantic import TypeAdapter
@@ -35,6 +37,7 @@ from shared.messages import (
     TokenLogprob,
 )
 from shared.metrics import WorkerMetrics
+from tests.test_engine_health import strike
 
 MARKER = "FAULT-HERE"
 UNTRACED = RunTrace(Context(), None)
@@ -154,6 +157,49 @@ async def test_an_engine_failure_is_answered_with_one_internal_error_after_its_d
     # What it made, for the edge to settle the tenant's charge with (issue 37, N5).
     assert final.usage is not None
     assert (final.usage.prompt_tokens, final.usage.completion_tokens) == (0, 1)
+
+
+@pytest.mark.parametrize(
+    ("attempt", "outcome"), [(0, "engine_dead"), (1, "engine_dead"), (2, "answered")]
+)
+async def test_a_request_on_an_engine_that_died_runs_again_elsewhere_a_bounded_number_of_times(
+    tmp_path: Path, attempt: int, outcome: str
+) -> None:
+    """Issue 38, item 2: the engine died (not the request): it is left unanswered for the
+    recovery to run elsewhere once the worker has exited, not answered `internal`; from its
+    third attempt on it is answered, since a request that kills every engine it meets would
+    take down each worker in turn."""
+    fault = tmp_path / "fault"
+    profile = sim_profile("constant", max_num_seqs=4, token_rate=200.0)
+    engine = SimEngine(profile, fault_file=str(fault))
+    producer = FakeProducer()
+    await engine.start()
+    try:
+        async with ResultOutbox(producer, resend_s=0.5) as outbox:
+            runner = RequestRunner(
+                engine,
+                outbox,
+                RunningRequests(engine),
+                flush_ms=1.0,
+                flush_tokens=1,
+                telemetry=_telemetry(),
+                epoch_now=lambda: 0,
+                write_timeout_s=0.5,
+                model="m",
+            )
+            queued = request("a long one", max_tokens=2000).model_copy(update={"attempt": attempt})
+            strike(fault, "dead")
+            got = await asyncio.wait_for(runner.run(queued, 1, UNTRACED), 10)
+    finally:
+        await engine.stop()
+    assert got == outcome
+    finals = [r for r in producer.records() if not isinstance(r, DeltaResult)]
+    if outcome == "engine_dead":
+        assert finals == []  # nothing final written: the next attempt answers
+    else:
+        [final] = finals
+        assert isinstance(final, ErrorResult)
+        assert final.code == "internal"
 
 
 async def test_a_prompt_over_the_context_is_refused_before_the_engine_runs_it() -> None:

@@ -2,7 +2,8 @@
 
 Wiring of `batches.py` (the batch loop), `runner.py` and `request_state.py` (a state per
 run), `outbox.py`, `cancel.py`, `shadow.py`, `heartbeat.py`, `beat_producers.py` and
-`liveness.py` (heartbeats, self-fencing: `fence.py`), `drain.py`, `answers.py` (errors).
+`liveness.py` (heartbeats, self-fencing: `fence.py`), `drain.py`, `answers.py` (errors),
+`engine_health.py` (a dead or hung engine ends the process).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from services.worker.cache_writes import CacheWriter
 from services.worker.cancel import CancelBook, CancelListener, control_consumer
 from services.worker.cascade import Cascade
 from services.worker.drain import Drain
+from services.worker.engine_health import EngineWatch
 from services.worker.engines.base import Engine
 from services.worker.engines.factory import static_engine
 from services.worker.heartbeat import Heartbeats
@@ -54,6 +56,7 @@ class Worker:
         # What `/readyz` looks at, once `run` has built them.
         self._reading: AIOKafkaConsumer | None = None
         self._drain: Drain | None = None
+        self._watch: EngineWatch | None = None
 
     async def run(self) -> None:
         s = self.settings
@@ -75,7 +78,10 @@ class Worker:
             await self._serve(producer, beats, intake, batches, control)
 
     async def readiness(self) -> Readiness:
-        """`/readyz` (shared/health.py): batch partition assigned, broker answering."""
+        """`/readyz` (shared/health.py): engine healthy, batch partition assigned, broker
+        answering."""
+        if self._watch is not None and (why := self._watch.sick or self._watch.problem()):
+            return Readiness.not_ready(f"engine: {why}")
         if self._drain is not None and self._drain.requested.is_set():
             return Readiness.not_ready("draining")
         return await consumer_readiness([self._reading])
@@ -96,6 +102,12 @@ class Worker:
         liveness = Liveness.starting(s, intake, runs)  # starting up is no silence
         answers, early_cancels = Answers(producer, s), CancelBook()
         heartbeats = Heartbeats(s, beats, engine, intake, liveness, drain, telemetry, load_s=load_s)
+        watch = self._watch = EngineWatch(engine, runs, s.worker_engine_stall_s)
+
+        async def last_beat() -> None:  # the engine is sick: no slot is offered again
+            heartbeats.closed = True
+            await heartbeats.send_stored()
+
         cancels = CancelListener(engine, early_cancels, answers)
         if self._drain_on_sigterm:
             # SIGTERM drains (SIGINT still cancels at once, via run_service).
@@ -142,6 +154,7 @@ class Worker:
                 others = [
                     tg.create_task(for_life("cancel listener", cancels.run(control))),
                     tg.create_task(for_life("heartbeats", heartbeats.run())),
+                    tg.create_task(for_life("engine watch", watch.run(last_beat))),
                 ]
                 await drain.requested.wait()
                 taker.cancel()

@@ -163,6 +163,12 @@ class BatchLoop:
             results = ["handed_back"] * len(batch.requests)
         else:
             results = await runs
+        if "engine_dead" in results:
+            # The worker exits (engine_health.py): the batch stays open, and its requests run
+            # elsewhere as after a kill -9 (the schedulers' recovery, or this worker's own
+            # takeover once restarted), each once.
+            log.warning("batch.left_to_recovery", batch_id=batch.batch_id)
+            return
         for request, result in zip(batch.requests, results, strict=True):
             if isinstance(result, BaseException):
                 # A bug, not the engine (the runner answers engine failures itself).

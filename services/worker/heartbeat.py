@@ -80,6 +80,7 @@ class Heartbeats:
         self._intake = intake
         self._liveness = liveness
         self._drain = drain
+        self.closed = False  # set when the engine is sick: no slot is offered again
         self._telemetry = telemetry
         self._load_s = load_s  # process start to ready (load_time.py): in every beat
         # By partition: the newest beat's delivery there and its monotonic send time.
@@ -125,7 +126,7 @@ class Heartbeats:
         cap = self._engine.capacity()
         static = self._settings.worker_batch_mode == "static"
         free = free_slots(cap, len(self._intake), one_batch_at_a_time=static)
-        return 0 if self._drain.requested.is_set() else free
+        return 0 if self._drain.requested.is_set() or self.closed else free
 
     async def send(self) -> None:
         """Send a beat to every partition not still busy with the last one; waits for none."""
@@ -137,6 +138,13 @@ class Heartbeats:
                 continue  # its node is slow or away: the other partitions carry this beat
             delivery = asyncio.create_task(self._deliver(partition, producer, value, sent_at))
             self._unsettled[partition] = (delivery, sent_at)
+
+    async def send_stored(self) -> None:
+        """Send a beat and wait until each partition's is stored (or given up)."""
+        await self.send()
+        deliveries = [delivery for delivery, _ in self._unsettled.values()]
+        if deliveries:
+            await asyncio.wait(deliveries)
 
     async def _deliver(
         self, partition: int, producer: RenewingProducer, value: bytes, sent_at: float

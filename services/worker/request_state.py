@@ -93,6 +93,8 @@ class RequestState:
     keep_answer: bool = False  # a cascade's verifier reads the answer (services/worker/cascade.py)
     logprobs: list[float] = field(default_factory=list)  # the answer's, where kept and given
     exited: asyncio.Event = field(default_factory=asyncio.Event)
+    # Monotonic time of its start or its last output: the engine's progress (engine_health.py).
+    progressed_at: float = field(default_factory=time.monotonic)
     _timer: asyncio.TimerHandle | None = None
     _ended: asyncio.Future[EngineFinish] | None = None  # push mode: the run waits on it
     _frames: DeltaFrames = field(init=False)
@@ -107,6 +109,7 @@ class RequestState:
     def on_delta(self, out: EngineDelta) -> None:
         """One engine output: buffer it, and send the chunk if it is due."""
         now = time.time()
+        self.progressed_at = time.monotonic()
         if self.first_token_at is None and out.tokens:
             self.first_token_at = now
         self.generated += out.tokens
@@ -275,6 +278,12 @@ class RunningRequests:
 
     def start(self, state: RequestState) -> None:
         self._states[state.request_id] = state
+
+    def progress(self) -> tuple[int, float]:
+        """How many requests run here, and the latest start or output among them
+        (monotonic; -inf with none)."""
+        states = self._states.values()
+        return len(states), max((s.progressed_at for s in states), default=float("-inf"))
 
     def end(self, state: RequestState) -> None:
         """The run returned: no more flushes; whoever waits for it to exit goes on."""

@@ -27,6 +27,7 @@ from services.worker.engines.base import (
     EngineRequest,
     PushEngine,
     RequestRefused,
+    engine_failure,
 )
 from services.worker.outbox import ResultOutbox
 from services.worker.replies import Fenced, ReplyFailed, ReplyWriter
@@ -46,7 +47,11 @@ log = structlog.get_logger()
 # declared dead while it ran this one), so this one stops without a word and is done; or
 # "escalated": its answer failed its route's verifier and its next attempt, on the
 # cascade's next model, is stored on its tier topic (cascade.py).
-RunOutcome = Literal["answered", "handed_back", "rerun", "superseded", "escalated"]
+# A request on an engine that died is run again elsewhere, up to this attempt; past it, it
+# is answered `internal`: a request that kills every engine it meets (a query of death)
+# would otherwise take down each worker in turn.
+RERUNS_AFTER_ENGINE_DEATHS = 2
+RunOutcome = Literal["answered", "handed_back", "rerun", "superseded", "escalated", "engine_dead"]
 
 
 def engine_request(
@@ -212,6 +217,12 @@ class RequestRunner:
                 request, ErrorCode.invalid_request, str(exc), seq=state.seq
             )
         except Exception as exc:
+            why = engine_failure(self._engine)
+            if why is not None and request.attempt < RERUNS_AFTER_ENGINE_DEATHS:
+                # The engine died, not this request: the worker exits (engine_health.py) and
+                # the request, left unanswered, runs elsewhere as after a kill -9.
+                log.warning("request.engine_dead", request_id=request.request_id, why=why)
+                return "engine_dead"
             # The engine failed this request (not the worker): answer it, serve the next.
             log.exception("request.engine_failed", request_id=request.request_id)
             message = f"the engine failed this request ({type(exc).__name__})"

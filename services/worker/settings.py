@@ -73,6 +73,14 @@ class WorkerSettings(TokenbusSettings):
         ge=0,
         description="On SIGTERM: how long running requests may finish before being handed back.",
     )
+    worker_engine_stall_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="An engine that holds requests and makes no output for this long is taken"
+        " for hung: the worker turns not ready, advertises no free slot and exits to be"
+        " restarted, its requests run elsewhere (services/worker/engine_health.py). Above the"
+        " longest prefill the model may take.",
+    )
     worker_fence_missed_beats: float | None = Field(
         default=None,
         gt=1,
@@ -167,6 +175,14 @@ class WorkerSettings(TokenbusSettings):
         description="sim (tests and canary drills of shadow validation; 0 in production): the"
         " share of prompts (chosen by a hash of the prompt) answered with other text than a"
         " faithful sim worker gives (services/worker/engines/sim_wrong.py).",
+    )
+    worker_sim_fault_file: str | None = Field(
+        default=None,
+        min_length=1,
+        description="sim engine faults (tests only; unset in production): a file here saying"
+        " `dead` kills the whole sim engine at its next step (every request fails, it says it"
+        " died), as an engine core's death does; `hang` stops its steps for good, as a hung"
+        " core's. Read at most every 0.25 s, and removed once read.",
     )
     worker_sim_logprobs: bool = Field(
         default=False,

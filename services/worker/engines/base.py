@@ -237,6 +237,13 @@ class Engine(Protocol):
     async def stop(self) -> None: ...
 
 
+def engine_failure(engine: Engine) -> str | None:
+    """Why the engine is dead, if it says so: an engine may have `failure() -> str | None`
+    (vLLM: its engine core gone; the sim: its dead marker); one without it never says."""
+    failure = getattr(engine, "failure", None)
+    return failure() if callable(failure) else None
+
+
 class OutputSink(Protocol):
     """Where a push engine hands one request's outputs (`PushEngine.submit`).
 

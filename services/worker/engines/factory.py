@@ -28,6 +28,7 @@ def build_engine(settings: WorkerSettings) -> Engine:
             refuse_share=settings.worker_sim_refuse_share,
             wrong_share=settings.worker_sim_wrong_share,
             logprobs=settings.worker_sim_logprobs,
+            fault_file=settings.worker_sim_fault_file,
         )
     if settings.worker_engine == "vllm":
         from services.worker.engines.vllm import VllmEngine, engine_args_from_settings, load_vllm

@@ -22,7 +22,12 @@ after the marker, verbatim (`sim_text.echo`; the chat page's XSS tests). A pace 
 own (tests only): with `rate_marker` set, a request whose prompt contains `<marker>=<rate>`
 (tokens a second, e.g. `PACE=20`) makes its tokens at that rate, at most one a step: on the
 engine's step clock it simply emits on fewer steps, as a slow sequence of a continuous
-batch would (`_Sequence.paced`), so tests with other rates share one stack. Logprobs
+batch would (`_Sequence.paced`), so tests with other rates share one stack. Engine faults
+(tests only): with `fault_file` set, a file there saying `dead` kills the whole engine at
+its next step (every request fails, `failure` says why), as an engine core's death does;
+`hang` stops its steps for good, as a hung core's (services/worker/engine_health.py sees
+both). A file, not a prompt: a request that kills engines would kill each worker it is
+handed to. Logprobs
 (tests and benches only): with `logprobs` set, the sim honours the field and gives each
 token a made-up logprob and as many alternatives as asked (`sim_logprobs.py`): they weigh
 what vLLM's weigh on the bus and at the edge, and mean nothing.
@@ -39,6 +44,7 @@ import time
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 from services.worker.engines.base import (
@@ -62,6 +68,7 @@ from services.worker.engines.sim_wrong import answered_as
 from shared.tokens import sim_split, sim_tokens
 
 SimMode = Literal["continuous", "static"]
+FAULT_READ_EVERY_S = 0.25
 # Sums of a step's share of a token (0.1 ten times) fall short of 1 by a rounding error.
 _CREDIT_SLACK = 1e-9
 
@@ -195,8 +202,12 @@ class SimEngine:
         refuse_share: float = 0.0,
         wrong_share: float = 0.0,
         logprobs: bool = False,
+        fault_file: str | None = None,
     ) -> None:
         self.profile = profile or SimProfile()
+        self.fault_file = Path(fault_file) if fault_file else None
+        self._fault_read_at = 0.0  # monotonic: the fault file is read at most every 0.25 s
+        self._died: str | None = None
         if logprobs:  # made-up values (tests and benches): sim_logprobs.py
             self.sampling_fields = self.sampling_fields | {"logprobs"}
         self.mode = mode
@@ -219,6 +230,10 @@ class SimEngine:
         # steps themselves (not what their readers or sinks do with the outputs).
         self.cpu_seconds = 0.0
         self.prefix_cache = PrefixCache(self.profile.prefix_cache_tokens)
+
+    def failure(self) -> str | None:
+        """Why the engine died (`dead_marker`), or None while it lives."""
+        return self._died
 
     async def start(self) -> None:
         if self._loop is None:
@@ -279,6 +294,8 @@ class SimEngine:
         """The request planned as a sequence; raises `RequestRefused` (a sampling field it
         does not honour, a prompt or max_tokens the context cannot hold) before planning."""
         check_sampling(request, self.name, self.sampling_fields)
+        if self._died is not None:
+            raise SimulatedFault(f"the sim engine is dead: {self._died}")
         # Planning the text is the engine's own work (a real one's model): counted as its time.
         cpu_at = time.thread_time()
         prompt_tokens = sim_tokens(request.prompt)
@@ -337,7 +354,7 @@ class SimEngine:
         queued_tokens = sum(s.prompt_tokens + s.limit - s.position for s in self._all())
         return Capacity(
             total_slots=total,
-            free_slots=max(0, total - running - queued),
+            free_slots=0 if self._died else max(0, total - running - queued),
             running=running,
             queued=queued,
             queued_tokens=queued_tokens,
@@ -387,6 +404,8 @@ class SimEngine:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 self._step_due = loop.time()
+            if self.fault_file is not None and (fault := self._fault_asked()) is not None:
+                await self._break(fault)
             cpu_at = time.thread_time()
             # A batch given as one call runs as a static batch in either mode.
             if self.mode == "continuous" and self._batch is None and not self._groups:
@@ -409,6 +428,35 @@ class SimEngine:
             for seq in stepped:
                 if seq.sink is not None:
                     seq.deliver()
+
+    def _fault_asked(self) -> str | None:
+        """`dead` or `hang` if the fault file asks for it now (read, then removed)."""
+        now = time.monotonic()
+        if self.fault_file is None or now - self._fault_read_at < FAULT_READ_EVERY_S:
+            return None
+        self._fault_read_at = now
+        try:
+            fault = self.fault_file.read_text().strip()
+        except FileNotFoundError:
+            return None
+        self.fault_file.unlink(missing_ok=True)
+        return fault if fault in ("dead", "hang") else None
+
+    async def _break(self, fault: str) -> None:
+        """The fault asked for: every request fails and the engine is dead from now on, or
+        the step loop waits for ever."""
+        if fault == "hang":
+            await asyncio.Event().wait()
+        self._died = f"{fault} (sim fault injection)"
+        for seq in self._all():
+            seq.finished = True
+            seq.put(SimulatedFault(f"sim engine died running {seq.request.request_id}"))
+            seq.deliver()
+        self._running.clear()
+        self._waiting.clear()
+        self._groups.clear()
+        self._batch = None
+        await asyncio.Event().wait()  # a dead engine steps no more
 
     def _plan_continuous_step(self) -> float:
         joined = self._admit(self.profile.max_num_seqs)

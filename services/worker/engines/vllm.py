@@ -77,6 +77,12 @@ class AsyncLLMLike(Protocol):
 
     def shutdown(self) -> None: ...
 
+    @property
+    def errored(self) -> bool: ...
+
+    @property
+    def dead_error(self) -> BaseException: ...
+
 
 @dataclass(frozen=True)
 class VllmApi:
@@ -421,6 +427,13 @@ class VllmEngine:
             context_length=self.context_length,
             sampling_defaults=self.sampling_defaults,
         )
+
+    def failure(self) -> str | None:
+        """Why vLLM's engine is dead (its engine core gone: `AsyncLLM.errored`), or None."""
+        llm = self._llm
+        if llm is None or not getattr(llm, "errored", False):
+            return None
+        return repr(getattr(llm, "dead_error", "the engine core died"))
 
     async def stop(self) -> None:
         for flight in list(self._inflight.values()):
