@@ -32,6 +32,7 @@ from bench.stats import percentile
 from services.worker.engines.sim_text import complete
 from tests.chat_client import recv_json
 from tests.stack import Stack, new_prefix
+from tests.tenants import RATE_MARKER, paced
 
 TOKEN_RATE = 100  # sim tokens/s per sequence; with one token per chunk: a delta every 10 ms
 WAVE = 200  # requests of max_tokens 4096 the slow client sends at a time
@@ -50,6 +51,9 @@ ATTACKERS = 32
 STREAMS_EACH = 1
 TOP_LOGPROBS = 20
 READ_EVERY_S = 15.0  # 64 KiB each time
+# Each attacking stream's pace: 32 of them at 50 tokens/s with 20 logprobs a token is what
+# two cores carry beside the victim; faster, the machine's CPU, not the edge, sets its TTFT.
+ATTACK_RATE = 50
 ATTACK_S = 150.0
 WATCH_PROMPT = "outage stream 11"  # 117 tokens: about 1.2 s per request
 
@@ -68,6 +72,10 @@ def slow_stack(bootstrap: str, log_dir: Path) -> Iterator[Stack]:
             "TOKENBUS_EDGE_DISCONNECT_GRACE_S": "1",
             "TOKENBUS_EDGE_OUTBOX_BUDGET_BYTES": str(OUTBOX_BUDGET_BYTES),
             "TOKENBUS_WORKER_SIM_LOGPROBS": "true",
+            "TOKENBUS_WORKER_SIM_RATE_MARKER": RATE_MARKER,
+            # A kernel buffer of 128 KiB a socket: the attack's volume, and so its CPU on two
+            # cores, is what fills the edge's outbox, not the kernel's share before it.
+            "TOKENBUS_EDGE_SEND_BUFFER_BYTES": str(64 * 1024),
         },
     )
     try:
@@ -262,8 +270,8 @@ async def test_slow_readers_of_logprob_deltas_are_let_go_at_the_edges_budget(
     slow_stack: Stack,
 ) -> None:
     """32 sockets of one key each run a stream asking 20 logprobs a token, and read 64 KiB
-    every 15 s, as the issue's attacker did: past the kernel's buffers (512 KiB a socket:
-    TOKENBUS_EDGE_SEND_BUFFER_BYTES, doubled) their frames pile up at the edge. Each is let
+    every 15 s, as the issue's attacker did: past the kernel's buffers (128 KiB a socket
+    here: TOKENBUS_EDGE_SEND_BUFFER_BYTES, doubled) their frames pile up at the edge. Each is let
     go once its outbox, or the edge's budget, is full; the edge's RSS stays within
     LOGPROB_RSS_GROWTH_LIMIT_KB of where it was, and another tenant's time to first token
     within twice its idle value."""
@@ -280,7 +288,7 @@ async def test_slow_readers_of_logprob_deltas_are_let_go_at_the_edges_budget(
     rss_peak, let_go = rss_before, 0.0
     started = next_read = time.monotonic()
     try:
-        asks = {"prompt": "slow reader", "max_tokens": 4000, "ignore_eos": True}
+        asks = {"prompt": paced("slow reader", ATTACK_RATE), "max_tokens": 4000, "ignore_eos": True}
         for i, attacker in enumerate(attackers):
             for j in range(STREAMS_EACH):
                 request = {"type": "chat.request", "client_id": f"n1-{i}-{j}", **asks}
