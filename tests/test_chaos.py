@@ -37,7 +37,7 @@ from shared.kafka import create_topics
 from tests import stack_dumps
 from tests.chaos import availability
 from tests.chaos.checker import failures, judge, summarize, table
-from tests.chaos.faults import NODE_KINDS, SERVICE_KINDS, Fault, last_end_s, plan
+from tests.chaos.faults import ENGINE_KINDS, NODE_KINDS, SERVICE_KINDS, Fault, last_end_s, plan
 from tests.chaos.load import KafkaRequester, LoadRun, WsUser, cancel_all, plan_load
 from tests.chaos.system import CHAOS_ENV, ChaosSystem, Injector, LocalCluster, ProxiedLinks
 from tests.chaos.toxiproxy import ProxiedCluster
@@ -75,10 +75,11 @@ TAIL_S = 15.0
 DRAIN_STALL_S = 20.0
 CALL_BUDGET_S = 420.0
 WS_USERS = 6
-# Every process kind once, workers and edges twice (each instance in turn), and every node
-# fault once: a leader of a requests and of a results partition killed, a leader hung, and
-# the five network faults on the services' link to a leader.
-KINDS = (*SERVICE_KINDS, "worker", "edge", *NODE_KINDS)
+# Every process kind once, workers and edges twice (each instance in turn), a worker's
+# engine dead and one hung (issue 38), and every node fault once: a leader of a requests
+# and of a results partition killed, a leader hung, and the five network faults on the
+# services' link to a leader.
+KINDS = (*SERVICE_KINDS, "worker", "edge", *ENGINE_KINDS, *NODE_KINDS)
 REPLY_PARTITIONS = 2
 REPORT = ROOT / ".tokenbus" / "chaos" / "last-run.md"
 # The last run's service logs and timeline (chaos.log, which names the cluster's state dir
@@ -193,6 +194,8 @@ def test_no_acknowledged_request_is_lost_or_answered_twice_under_kill_9(
     assert not [u.protocol_errors for u in run.users if u.protocol_errors]
     assert not run.app.foreign, f"records for no request on the reply topic: {run.app.foreign[:3]}"
     assert len(done) == len(faults), f"faults played: {done}"
+    # A sick engine ends its worker by itself (services/worker/engine_health.py).
+    assert not injector.engine_misses, injector.engine_misses
 
 
 async def _run(
@@ -271,6 +274,7 @@ def _report(
     played = "\n".join(f"- {line}" for line in injector.done)
     skipped = "\n".join(f"- {line}" for line in injector.skipped) or "- none"
     exits = "\n".join(f"- {line}" for line in injector.self_exits) or "- none"
+    misses = "\n".join(f"- {line}" for line in injector.engine_misses) or "- none"
     planned = "\n".join(f"- {f.describe()}" for f in faults)
     extra = ", ".join(f"{k}={v}" for k, v in counts.items())
     return (
@@ -279,6 +283,7 @@ def _report(
         f"Faults planned:\n{planned}\n\nFaults played:\n{played}\n\n"
         f"Faults skipped (not begun when the load ended):\n{skipped}\n\n"
         f"Services that exited on their own (restarted by the supervisor):\n{exits}\n\n"
+        f"Sick engines whose worker did not exit by itself:\n{misses}\n\n"
         f"Exits while the system came up: {', '.join(startup_exits) or 'none'}\n\n"
         f"{summary_table}\n\n"
         f"Availability and TTFT under faults (TTFT after settle: sent {SETTLE_S:g} s or more"

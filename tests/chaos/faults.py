@@ -3,7 +3,9 @@
 Pure: a seed and the fault kinds in, a list of faults out, so a run's faults print as one
 line each and `TOKENBUS_CHAOS_SEED=<seed>` plays the same plan again.
 
-Service faults kill -9 a process. Node faults strike the broker node that leads a planned
+Service faults kill -9 a process. Engine faults make a worker's engine die or hang inside
+the live process (the sim's fault file): the worker must see it, exit, and be started again
+(issue 38, item 2). Node faults strike the broker node that leads a planned
 partition at that moment: kill -9 (`broker-*-leader`), SIGSTOP then SIGCONT (`broker-hang`:
 a GC pause, a stuck disk), or a network fault on the services' link to that node only,
 through Toxiproxy (`net-*`). Node faults never overlap: one node of three at a time, and
@@ -23,10 +25,12 @@ HANG_KINDS = ("broker-hang",)
 NET_KINDS = ("net-latency", "net-bandwidth", "net-black-hole", "net-reset", "net-slow-close")
 NODE_KINDS = (*BROKER_KINDS, *HANG_KINDS, *NET_KINDS)
 SERVICE_KINDS = ("ingest", "scheduler", "worker", "edge")
+ENGINE_KINDS = ("engine-dead", "engine-hang")
 # Edges lease the lowest free results partitions: 0 and 1 carry the traffic.
 _LEADERS = (*(f"requests/{p}" for p in range(4)), "results/0", "results/1")
 INSTANCES = {
     "worker": ("worker-a", "worker-b"),
+    **{kind: ("worker-a", "worker-b") for kind in ENGINE_KINDS},
     "edge": ("edge-a", "edge-b"),
     "broker-requests-leader": tuple(f"requests/{p}" for p in range(4)),
     "broker-results-leader": ("results/0", "results/1"),
@@ -50,6 +54,8 @@ WHAT = {
     "net-black-hole": "black hole (Toxiproxy `timeout`) on the services' link to {who} for {s}",
     "net-reset": "connection resets on the services' link to {who} for {s}",
     "net-slow-close": "slow close (2 s) on the services' link to {who} for {s}",
+    "engine-dead": "the engine of {who} dies; started again {s} after it exits",
+    "engine-hang": "the engine of {who} hangs; started again {s} after it exits",
 }
 
 

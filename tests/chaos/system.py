@@ -13,18 +13,21 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
 import time
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 from deploy.kafka import launcher
+from services.worker.engine_health import EXIT_ENGINE_SICK
 from shared.kafka import create_topics, make_admin, wait_for_broker
 from shared.messages import Heartbeat
 from shared.settings import TokenbusSettings
 from tests.chaos.availability import FaultWindow
-from tests.chaos.faults import BROKER_KINDS, HANG_KINDS, Fault
+from tests.chaos.faults import BROKER_KINDS, ENGINE_KINDS, HANG_KINDS, Fault
 from tests.chaos.toxiproxy import Toxiproxy
 from tests.stack import Stack, free_port
 from tests.stack_dumps import dump_stacks
@@ -42,7 +45,11 @@ CHAOS_ENV = {
     # 50 tokens/s per sequence: a request streams for 0.2-0.8 s, so every kill finds some
     # mid-stream.
     "TOKENBUS_WORKER_SIM_TOKEN_RATE": "50",
+    # A hung engine (`engine-hang`) is seen after 3 s without output while it holds work.
+    "TOKENBUS_WORKER_ENGINE_STALL_S": "3",
 }
+# How long an engine fault may take to end its worker: the stall, the watch, the last beat.
+ENGINE_EXIT_S = 20.0
 
 
 class Brokers(Protocol):
@@ -148,6 +155,10 @@ class LocalCluster:
         os.kill(pid, sig)
 
 
+def _fault_file(stack: Stack, worker: str) -> str:
+    return str(stack.log_dir / f"{stack.prefix}-worker-{worker}.fault")
+
+
 async def _leader(bootstrap: str, topic: str, partition: int) -> int:
     admin = make_admin(TokenbusSettings(KAFKA_BOOTSTRAP_SERVERS=bootstrap))
     await admin.start()
@@ -190,11 +201,17 @@ class ChaosSystem:
         services = {
             "ingest": Service("ingest", "ingest"),
             "scheduler": Service("scheduler", "scheduler"),
-            "worker-a": Service("worker", "worker"),
+            "worker-a": Service(
+                "worker", "worker", {"TOKENBUS_WORKER_SIM_FAULT_FILE": _fault_file(stack, "a")}
+            ),
             "worker-b": Service(
                 "worker",
                 "worker-b",
-                {"TOKENBUS_WORKER_ID": "worker-b", "TOKENBUS_WORKER_BATCH_PARTITION": "1"},
+                {
+                    "TOKENBUS_WORKER_ID": "worker-b",
+                    "TOKENBUS_WORKER_BATCH_PARTITION": "1",
+                    "TOKENBUS_WORKER_SIM_FAULT_FILE": _fault_file(stack, "b"),
+                },
             ),
             "edge-a": Service("edge", "edge"),
             "edge-b": Service("edge", "edge-b", {"TOKENBUS_EDGE_PORT": str(port_b)}),
@@ -237,6 +254,19 @@ class ChaosSystem:
     def kill(self, name: str) -> None:
         self.stack.stop_service(self.services[name].key, signal.SIGKILL)
 
+    def break_engine(self, name: str, fault: str) -> int | None:
+        """Make worker `name`'s engine die or hang (`dead`, `hang`); wait until the worker
+        exits on its own, as it must; its exit code (None: it did not within ENGINE_EXIT_S,
+        and it is killed)."""
+        service = self.services[name]
+        Path(service.env["TOKENBUS_WORKER_SIM_FAULT_FILE"]).write_text(fault)
+        proc = self.stack.processes[service.key]
+        try:
+            return proc.wait(timeout=ENGINE_EXIT_S)
+        except subprocess.TimeoutExpired:
+            self.kill(name)
+            return None
+
     def dump_stacks(self, timeout_s: float = 10.0) -> dict[str, list[str]]:
         """Where every task of every running service waits (tests/stack_dumps.py), by name."""
         running = {
@@ -267,6 +297,8 @@ class Injector:
     windows: list[FaultWindow] = field(default_factory=list)  # one per fault played
     self_exits: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)  # not begun when the load ended
+    # Engine faults whose worker did not exit by itself with EXIT_ENGINE_SICK in time.
+    engine_misses: list[str] = field(default_factory=list)
     closed: bool = False  # the load has ended: no fault begins any more
     _down: set[str] = field(default_factory=set)  # killed by a fault, not yet restarted
     _one_node: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -285,7 +317,11 @@ class Injector:
             async with self._one_node:
                 if not self._skip(fault, zero):
                     await self._strike_node(fault, zero)
-        elif not self._skip(fault, zero):
+        elif self._skip(fault, zero):
+            return
+        elif fault.kind in ENGINE_KINDS:
+            await self._break_engine(fault, zero)
+        else:
             await self._kill_service(fault, zero)
 
     def close(self) -> None:
@@ -330,6 +366,23 @@ class Injector:
             self._down.discard(fault.target)
         label = f"kill -9 {fault.target}"
         self._played(f"t={struck:5.1f}s {label}", zero, label, struck)
+
+    async def _break_engine(self, fault: Fault, zero: float) -> None:
+        """The worker's engine dies or hangs; the worker must exit by itself (code 70),
+        and is started again `down_s` later, as its supervisor would."""
+        struck = time.monotonic() - zero
+        self._down.add(fault.target)
+        how = fault.kind.removeprefix("engine-")
+        try:
+            code = await asyncio.to_thread(self.system.break_engine, fault.target, how)
+            await asyncio.sleep(fault.down_s)
+            self.system.launch(fault.target)
+        finally:
+            self._down.discard(fault.target)
+        if code != EXIT_ENGINE_SICK:
+            self.engine_misses.append(f"{fault.describe()}: exit code {code}")
+        label = f"engine {how} {fault.target}"
+        self._played(f"t={struck:5.1f}s {label} (exit {code})", zero, label, struck)
 
     async def _strike_node(self, fault: Fault, zero: float) -> None:
         """Strike the node leading the fault's partition; undo it; wait until it is back.
