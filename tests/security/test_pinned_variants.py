@@ -1,6 +1,11 @@
-"""Pinned variants and `tokenbus eval` on a real stack: one model with a baseline worker, a
-faithful variant (`same`) and one made wrong half of the time (`wrong`,
+"""Pinned variants on a real stack, and `tokenbus eval`, which pins: one model with a
+baseline worker, a faithful variant (`same`) and one made wrong half of the time (`wrong`,
 TOKENBUS_WORKER_SIM_WRONG_SHARE=0.5), all sim engines, no rollout.
+
+Here (tests/security/, moved from tests/test_eval_stack.py) because a pin is a privilege:
+only a key with the `pin_variant` scope may pin, and a pin no worker serves must never hold
+its tier partition for every other tenant (issue 37, N3: the attack, held requests, and the
+partition's commit that keeps moving past them).
 
 A request that names its variant runs there whatever the rollout says (here: all to the
 baseline), over the edge only with a key that has the `pin_variant` scope; one pinned to a
