@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -109,6 +109,27 @@ def request(prompt: str, max_tokens: int = 30) -> QueuedRequest:
     )
 
 
+def runner_of(
+    engine: SimEngine,
+    outbox: ResultOutbox,
+    epoch_now: Callable[[], int] = lambda: 0,
+    variant: str | None = None,
+) -> RequestRunner:
+    """The runner these tests run: a chunk per token, writes given up after 0.5 s."""
+    return RequestRunner(
+        engine,
+        outbox,
+        RunningRequests(engine),
+        flush_ms=1.0,
+        flush_tokens=1,
+        telemetry=_telemetry(),
+        epoch_now=epoch_now,
+        write_timeout_s=0.5,
+        model="m",
+        variant=variant,
+    )
+
+
 async def run(
     prompt: str,
     producer: FakeProducer,
@@ -123,18 +144,8 @@ async def run(
     clock = iter(epochs) if epochs is not None else None
     try:
         async with ResultOutbox(producer, resend_s=0.5) as outbox:
-            runner = RequestRunner(
-                engine,
-                outbox,
-                RunningRequests(engine),
-                flush_ms=1.0,
-                flush_tokens=1,
-                telemetry=_telemetry(),
-                epoch_now=(lambda: next(clock, 1)) if clock is not None else (lambda: 0),
-                write_timeout_s=0.5,
-                model="m",
-                variant=variant,
-            )
+            epoch_now = (lambda: next(clock, 1)) if clock is not None else (lambda: 0)
+            runner = runner_of(engine, outbox, epoch_now, variant)
             outcome = await runner.run(request(prompt), 1, UNTRACED)
     finally:
         await engine.stop()
@@ -176,17 +187,7 @@ async def test_a_request_on_an_engine_that_died_runs_again_elsewhere_a_bounded_n
     await engine.start()
     try:
         async with ResultOutbox(producer, resend_s=0.5) as outbox:
-            runner = RequestRunner(
-                engine,
-                outbox,
-                RunningRequests(engine),
-                flush_ms=1.0,
-                flush_tokens=1,
-                telemetry=_telemetry(),
-                epoch_now=lambda: 0,
-                write_timeout_s=0.5,
-                model="m",
-            )
+            runner = runner_of(engine, outbox)
             queued = request("a long one", max_tokens=2000).model_copy(update={"attempt": attempt})
             strike(fault, "dead")
             got = await asyncio.wait_for(runner.run(queued, 1, UNTRACED), 10)

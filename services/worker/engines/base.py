@@ -239,7 +239,7 @@ class Engine(Protocol):
 
 def engine_failure(engine: Engine) -> str | None:
     """Why the engine is dead, if it says so: an engine may have `failure() -> str | None`
-    (vLLM: its engine core gone; the sim: its dead marker); one without it never says."""
+    (vLLM: its engine core gone; the sim: its fault file); one without it never says."""
     failure = getattr(engine, "failure", None)
     return failure() if callable(failure) else None
 

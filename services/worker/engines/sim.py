@@ -27,10 +27,10 @@ batch would (`_Sequence.paced`), so tests with other rates share one stack. Engi
 its next step (every request fails, `failure` says why), as an engine core's death does;
 `hang` stops its steps for good, as a hung core's (services/worker/engine_health.py sees
 both). A file, not a prompt: a request that kills engines would kill each worker it is
-handed to. Logprobs
-(tests and benches only): with `logprobs` set, the sim honours the field and gives each
-token a made-up logprob and as many alternatives as asked (`sim_logprobs.py`): they weigh
-what vLLM's weigh on the bus and at the edge, and mean nothing.
+handed to. Logprobs (tests and benches only): with `logprobs` set, the sim honours the field
+and gives each token a made-up logprob and as many alternatives as asked
+(`sim_logprobs.py`): they weigh what vLLM's weigh on the bus and at the edge, and mean
+nothing.
 """
 
 from __future__ import annotations
@@ -232,7 +232,7 @@ class SimEngine:
         self.prefix_cache = PrefixCache(self.profile.prefix_cache_tokens)
 
     def failure(self) -> str | None:
-        """Why the engine died (`dead_marker`), or None while it lives."""
+        """Why the engine died (its fault file said `dead`), or None while it lives."""
         return self._died
 
     async def start(self) -> None:
@@ -404,7 +404,7 @@ class SimEngine:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 self._step_due = loop.time()
-            if self.fault_file is not None and (fault := self._fault_asked()) is not None:
+            if (fault := self._fault_asked()) is not None:
                 await self._break(fault)
             cpu_at = time.thread_time()
             # A batch given as one call runs as a static batch in either mode.
