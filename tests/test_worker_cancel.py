@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 from typing import Any
 
@@ -56,9 +57,17 @@ async def test_apply_cancel_reports_the_slot_freed() -> None:
         await engine.stop()
 
 
+def slots_in_use(stack: Stack) -> float:
+    found = re.search(r"^tokenbus_worker_slots_in_use ([0-9.]+)$", stack.metrics("worker"), re.M)
+    return float(found.group(1)) if found else -1.0
+
+
 async def test_chat_cancel_mid_stream_frees_the_worker_slot_within_100ms(stack: Stack) -> None:
     cancelled: list[str] = []
     client_ms: list[float] = []
+    # The session's stack: a module before this one may have left a stream running out on
+    # its worker (a clean clone saw 62 slots free of 64, not 63); rounds start with none.
+    wait_until(lambda: slots_in_use(stack) == 0, 60, "the shared worker idle")
     async with websockets.connect(stack.ws_url) as ws:
         for i in range(ROUNDS):
             request = {"client_id": f"k{i}", "prompt": f"cancel me {i}", "max_tokens": 2000}
