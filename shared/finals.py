@@ -6,8 +6,11 @@ over: the scheduler's recovery and the worker's own next process. Both ask here 
 and leave out every request with a `done` or `error` (any attempt) written since its batch
 was dispatched. Rare (a death), so one group-less consumer per question is cheap enough.
 
-The read is bounded; when it fails, the caller is told nothing is answered (runs everything
-again: at least once, never lost) and the failure is logged.
+The same read gives the text each unanswered request's attempt has sent (`ReadBack.sent`):
+its next attempt continues it rather than start over (ADR 0071).
+
+The read is bounded; when it fails, the caller is told nothing is answered and nothing sent
+(runs everything again from the start: at least once, never lost) and the failure is logged.
 
 `since_ms` is the batch record's timestamp (the scheduler's clock), a final's is the worker's:
 the read starts `shared/clocks.py`'s margin earlier, so that a worker whose clock runs behind
@@ -20,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import structlog
 from aiokafka import TopicPartition
@@ -40,6 +44,28 @@ FETCH_MS = 200
 REQUEST_TIMEOUT_MS = 1500
 
 
+@dataclass
+class ReadBack:
+    """What `requests`' reply streams hold: which are answered, what the others sent."""
+
+    answered: set[str] = field(default_factory=set)
+    # request_id -> the text its attempt's deltas carry, from seq 0 without a hole (only
+    # requests that sent some): what its next attempt continues.
+    sent: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class _Attempt:
+    attempt: int
+    texts: dict[int, str] = field(default_factory=dict)  # seq -> delta text
+
+    def text(self) -> str:
+        out: list[str] = []
+        while (text := self.texts.get(len(out))) is not None:
+            out.append(text)
+        return "".join(out)
+
+
 async def answered(
     settings: TokenbusSettings,
     requests: Sequence[QueuedRequest],
@@ -49,25 +75,40 @@ async def answered(
     client_id: str,
 ) -> set[str]:
     """The ids of `requests` whose `reply_to` holds a final record written since `since_ms`
-    (by another clock than the caller's: with `shared/clocks.py`'s margin).
+    (`read_back`'s `answered`)."""
+    found = await read_back(settings, requests, since_ms, timeout_s, client_id=client_id)
+    return found.answered
 
-    Empty (answer nothing: run everything again) if the read fails or takes longer than
-    `timeout_s`; the failure is logged as `finals.check_failed`.
+
+async def read_back(
+    settings: TokenbusSettings,
+    requests: Sequence[QueuedRequest],
+    since_ms: int,
+    timeout_s: float,
+    *,
+    client_id: str,
+) -> ReadBack:
+    """Which of `requests` have a final record on their `reply_to` written since `since_ms`
+    (by another clock than the caller's: with `shared/clocks.py`'s margin), and the text
+    each other one's attempt sent.
+
+    Empty (nothing answered, nothing sent: run everything again from the start) if the read
+    fails or takes longer than `timeout_s`; the failure is logged as `finals.check_failed`.
     """
     if not requests:
-        return set()
+        return ReadBack()
     try:
         async with asyncio.timeout(timeout_s):
             return await _read(settings, requests, since_ms, client_id)
     except (KafkaError, TimeoutError, OSError) as exc:
         log.warning("finals.check_failed", error=repr(exc), requests=len(requests))
-        return set()
+        return ReadBack()
 
 
 async def _read(
     settings: TokenbusSettings, requests: Sequence[QueuedRequest], since_ms: int, client_id: str
-) -> set[str]:
-    wanted = {r.request_id for r in requests}
+) -> ReadBack:
+    attempts = {r.request_id: _Attempt(r.attempt) for r in requests}
     consumer = make_consumer(
         settings,
         group_id=None,
@@ -84,7 +125,7 @@ async def _read(
             raise KafkaError("no broker answered the metadata request")
         tps = _partitions(requests, cluster)
         if not tps:
-            return set()
+            return ReadBack()
         consumer.assign(sorted(tps))
         earliest = since_with_margin_ms(since_ms)
         found = await consumer.offsets_for_times({tp: earliest for tp in tps})
@@ -95,17 +136,18 @@ async def _read(
             if at is not None and at.offset < ends[tp]:
                 consumer.seek(tp, at.offset)
                 todo[tp] = ends[tp]
-        out: set[str] = set()
+        out = ReadBack()
         while todo:
             fetched = await consumer.getmany(*todo, timeout_ms=FETCH_MS)
             for records in fetched.values():
                 for record in records:
-                    request_id = final_of(record.value)
-                    if request_id in wanted:
-                        out.add(request_id)
+                    _observe(record.value, attempts, out.answered)
             for tp in list(todo):
                 if await consumer.position(tp) >= todo[tp]:
                     del todo[tp]
+        for request_id, attempt in attempts.items():
+            if request_id not in out.answered and (text := attempt.text()):
+                out.sent[request_id] = text
         return out
     finally:
         await consumer.stop()
@@ -124,13 +166,22 @@ def _partitions(requests: Sequence[QueuedRequest], cluster: ClusterMetadata) -> 
     return out
 
 
-def final_of(value: bytes | None) -> str | None:
-    """The request id of a final result record (`done` or `error`); None for anything else."""
+def _observe(value: bytes | None, attempts: dict[str, _Attempt], answered: set[str]) -> None:
+    """One result record: a final of a wanted request marks it answered; a delta of its
+    running attempt adds to what it sent."""
     try:
         body = json.loads(value or b"")
     except ValueError:
-        return None
-    if not isinstance(body, dict) or body.get("kind") not in FINAL_KINDS:
-        return None
-    request_id = body.get("request_id")
-    return request_id if isinstance(request_id, str) else None
+        return
+    if not isinstance(body, dict):
+        return
+    request_id, kind = body.get("request_id"), body.get("kind")
+    if not isinstance(request_id, str) or (attempt := attempts.get(request_id)) is None:
+        return
+    if kind in FINAL_KINDS:
+        answered.add(request_id)
+        return
+    text, seq = body.get("text"), body.get("seq")
+    ours = kind == "delta" and body.get("attempt", 0) == attempt.attempt
+    if ours and isinstance(text, str) and isinstance(seq, int) and seq >= 0:
+        attempt.texts.setdefault(seq, text)

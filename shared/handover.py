@@ -91,12 +91,17 @@ async def commit_hand_backs(
     requests: Iterable[QueuedRequest],
     offsets: Mapping[TopicPartition, int],
     group: str,
+    sent: Mapping[str, str] | None = None,
 ) -> None:
     """In one transaction: each request back on its tier topic as the next attempt, and
-    `group`'s committed offsets moved to `offsets`. Raises if the producer was fenced."""
+    `group`'s committed offsets moved to `offsets`. Raises if the producer was fenced.
+
+    `sent`: request_id -> the text its attempt sent (`shared/finals.py`), which the next
+    attempt continues."""
+    sent = sent or {}
     async with producer.transaction():
         for request in requests:
-            again = request.next_attempt()
+            again = request.next_attempt(sent.get(request.request_id))
             await producer.send(
                 topics.tier(request.tier), encode(again), key=key_of(again.request_id)
             )

@@ -668,6 +668,16 @@ class QueuedRequest(RequestRecord):
         description="On a shadow validation's gold run (written by the worker that answered"
         " the original): the answer it is scored against once it is done (ShadowScore).",
     )
+    continues: str | None = Field(
+        default=None,
+        exclude_if=_unset,
+        description="The answer's text its earlier attempts wrote to `reply_to` before they"
+        " were lost (a worker killed, fenced or drained, its engine dead): this attempt"
+        " continues it, with `max_tokens` counted from the start of the answer, rather than"
+        " start over. Its worker writes this text again as the attempt's first delta, so a"
+        " reader that starts the answer over at each new attempt still has it whole; the"
+        " edge shows only what extends what its client was shown (ADR 0071).",
+    )
     requeued: int = Field(
         default=0,
         ge=0,
@@ -688,13 +698,18 @@ class QueuedRequest(RequestRecord):
         """Tokens this request may occupy: its prompt plus everything it may generate."""
         return self.prompt_tokens + self.effective_max_tokens
 
-    def next_attempt(self) -> QueuedRequest:
+    def next_attempt(self, sent: str | None = None) -> QueuedRequest:
         """The request as it is run again elsewhere: same id, the next attempt number.
 
         The one place the retry rule lives: a hand-back, a recovery and a replay all count
-        attempts with it, and a reset announces the attempt it returns.
+        attempts with it, and a reset announces the attempt it returns. `sent`: the text
+        this attempt wrote to `reply_to` (its first delta on, `continues` included), which
+        the next attempt continues; None or empty: it continues what this one was given.
         """
-        return self.model_copy(update={"attempt": self.attempt + 1})
+        update: dict[str, object] = {"attempt": self.attempt + 1}
+        if sent:
+            update["continues"] = sent
+        return self.model_copy(update=update)
 
     @classmethod
     def from_record(

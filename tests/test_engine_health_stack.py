@@ -92,10 +92,13 @@ async def test_a_sick_engine_ends_its_worker_and_the_answer_is_whole_elsewhere(
     assert took < (STALL_S + 5 if fault == "hang" else 5), took
     assert t.final is not None
     assert t.final["type"] == "chat.done", t.frames
-    # One reset (the next attempt, announced), then the whole answer once, then done.
-    assert t.resets == [1], t.resets
-    again = "".join(f["text"] for f in t.final_attempt if f["type"] == "chat.delta")
-    assert again == complete(request["prompt"], MAX_TOKENS, ignore_eos=True).text
+    # The next attempt continued the answer (ADR 0071): no reset, the whole answer once.
+    assert t.resets == [], t.frames
+    shown = [f for f in t.frames if f["type"] == "chat.delta"]
+    assert [f["seq"] for f in shown] == list(range(len(shown)))
+    whole = complete(request["prompt"], MAX_TOKENS, ignore_eos=True)
+    assert "".join(f["text"] for f in shown) == whole.text
+    assert t.final["usage"]["completion_tokens"] == whole.completion_tokens == MAX_TOKENS
     assert [f["type"] for f in t.frames].count("chat.done") == 1
     # Started again, as its supervisor would: it serves once more.
     stack.processes.pop(sick)

@@ -13,7 +13,7 @@ from pydantic import SecretStr, ValidationError
 from services.edge.resume import ResumeClaims, ResumeKeys, ResumeRefused, check_resume, sign
 from services.edge.settings import EdgeSettings
 from services.edge.streams import ResumePoint
-from shared.messages import DeltaResult, ErrorCode
+from shared.messages import ErrorCode
 
 OLD_SECRET = secrets.token_urlsafe(32)
 NEW_SECRET = secrets.token_urlsafe(32)
@@ -118,7 +118,7 @@ def test_after_seq_beyond_the_log_is_refused_and_anything_within_is_not(
     point = ResumePoint(attempt=attempt, after_seq=after_seq)
     for a in range(attempts):
         for seq in range(sent):
-            point.observe(DeltaResult(request_id="r", attempt=a, seq=seq, text="x"))
+            point.observe(a, seq)
     claims_nothing = attempt == 0 and after_seq == -1
     possible = claims_nothing or (attempt < attempts and after_seq < sent)
     # An attempt exists in the log only through its records; one with no delta yet is

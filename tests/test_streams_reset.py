@@ -1,7 +1,9 @@
 """A `reset` record (the scheduler re-running a dead worker's request) at the edge's router.
 
-It announces the next attempt once, so whatever a paused worker writes of the old attempt
-afterwards is dropped, and the new attempt's own records show no second `chat.reset`.
+It announces the next attempt, so whatever a paused worker writes of the old attempt
+afterwards is dropped; it shows the client nothing itself: the new attempt's first record
+decides whether the client sees a `chat.reset` (it starts over) or the answer going on
+(tests/test_streams_continuation.py), and only one `chat.reset` per attempt.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ def test_a_reset_announces_the_attempt_and_later_records_of_older_ones_are_dropp
     router, client = accepted_router()
     assert router.route(delta(0))
     assert router.route(delta(1))
-    assert router.route(reset(1))
+    assert not router.route(reset(1))  # shows nothing by itself
     # The paused worker wakes and writes on: attempt 0 is superseded, nothing shown.
     assert not router.route(delta(2))
     assert not router.route(done(3))
@@ -39,12 +41,22 @@ def test_a_reset_announces_the_attempt_and_later_records_of_older_ones_are_dropp
 
 def test_a_reset_for_the_attempt_already_shown_changes_nothing() -> None:
     router, client = accepted_router()
+    assert router.route(delta(0))
     # The new attempt's first delta overtook the reset (another worker was quick).
     assert router.route(delta(0, attempt=1))
     assert not router.route(reset(1))
     assert router.route(delta(1, attempt=1))
     assert client.kinds.count("chat.reset") == 1
-    assert client.shown() == [(1, 0), (1, 1)]
+    assert client.shown() == [(0, 0), (1, 0), (1, 1)]
+
+
+def test_a_new_attempt_before_any_text_was_shown_shows_no_reset() -> None:
+    router, client = accepted_router()
+    assert not router.route(reset(1))
+    assert router.route(delta(0, attempt=1))
+    assert router.route(done(1, attempt=1))
+    assert client.kinds == ["chat.accepted", "chat.delta", "chat.done"]
+    assert client.shown() == [(0, 0)]
 
 
 def test_nothing_is_shown_after_done_not_even_a_reset() -> None:

@@ -107,7 +107,7 @@ def test_an_attempt_a_cascade_declined_is_charged_beside_the_final_once() -> Non
     router.route(delta(0))
     declined = Usage(prompt_tokens=5, completion_tokens=40)
     reset = ResetResult(request_id=RID, attempt=1, reason="escalated: refusal", usage=declined)
-    assert router.route(reset)
+    assert not router.route(reset)  # it shows nothing by itself
     assert not router.route(reset)  # read twice (a replay): counted once
     assert stream.spent is None  # no final yet: the charge stands as admitted
     router.route(delta(0, attempt=1))

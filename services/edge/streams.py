@@ -1,10 +1,14 @@
 """Routes result records to the streams they belong to: drops duplicates, announces attempts.
 
 Pure: no I/O and no clock, so every framing rule is tested with plain values. The rules:
-- a record of an older attempt than the one shown is dropped;
-- the first record of a newer attempt is preceded by `chat.reset`, and `seq` restarts;
+- a record of an older attempt than the newest read is dropped;
 - a `reset` record only announces its attempt (so later records of older ones are dropped);
-- a record whose `seq` was already shown (a replay, a duplicate) is dropped;
+- a newer attempt that continues the answer shown (its first delta's text begins with all
+  the text shown: a continuation's worker writes the text so far first, ADR 0071) is shown
+  as the same answer going on: only its text past what was shown, under the same shown
+  attempt, `seq` counting on. One that does not (it starts over) is preceded by
+  `chat.reset` and its `seq` restarts; an error as its first record just ends the stream;
+- a record whose `seq` was already read (a replay, a duplicate) is dropped;
 - the first final record (`done` or `error`) ends the stream: nothing after it is shown,
   a re-run's `reset` included (ADR 0055);
 - a record that would leave a hole in `seq` ends the stream with an error: a client is told
@@ -13,6 +17,7 @@ Pure: no I/O and no clock, so every framing rule is tested with plain values. Th
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -50,20 +55,19 @@ class Client(Protocol):
 class ResumePoint:
     """What a resuming client says it has seen, and what the replayed log shows of it.
 
-    A client can only have seen records that were in the log before it resumed, so once the
-    replay has read up to the log end of that moment, a claim beyond what was read is false.
+    Positions are as shown to clients (the shown attempt, the delta frame's `seq`), which
+    the replay rebuilds from the stream's first record with the same rules. A client can
+    only have seen what was in the log before it resumed, so once the replay has read up
+    to the log end of that moment, a claim beyond what was read is false.
     """
 
     attempt: int
     after_seq: int
-    # attempt -> highest delta seq read for it (-1: the attempt exists, no delta yet)
+    # shown attempt -> highest delta frame seq shown of it (-1: the attempt shown, no delta)
     seen: dict[int, int] = field(default_factory=dict)
 
-    def observe(self, record: Result) -> None:
-        top = self.seen.get(record.attempt, -1)
-        if isinstance(record, DeltaResult):
-            top = max(top, record.seq)
-        self.seen[record.attempt] = top
+    def observe(self, attempt: int, seq: int = -1) -> None:
+        self.seen[attempt] = max(self.seen.get(attempt, -1), seq)
 
     def ahead_of_log(self) -> bool:
         """True if the client claims an attempt or a delta the log never had."""
@@ -72,6 +76,37 @@ class ResumePoint:
         if self.attempt not in self.seen:
             return True
         return self.seen[self.attempt] < self.after_seq
+
+    def covers(self, shown_attempt: int, frame: ServerFrame) -> bool:
+        """Whether the client has seen `frame`, of shown attempt `shown_attempt`, already."""
+        if isinstance(frame, ResetFrame):
+            return frame.attempt <= self.attempt
+        if isinstance(frame, DeltaFrame):
+            return (shown_attempt, frame.seq) <= (self.attempt, self.after_seq)
+        return False
+
+
+class Shown:
+    """The text of the answer as shown so far, as a length and a digest: what a new attempt's
+    first delta must begin with to continue it (a fixed few bytes a stream, not its text)."""
+
+    __slots__ = ("_digest", "chars")
+
+    def __init__(self) -> None:
+        self.chars = 0
+        self._digest = hashlib.blake2b(digest_size=16)
+
+    def add(self, text: str) -> None:
+        if text:
+            self.chars += len(text)
+            self._digest.update(text.encode())
+
+    def begins(self, text: str) -> bool:
+        """Whether `text` begins with everything shown."""
+        if len(text) < self.chars:
+            return False
+        head = hashlib.blake2b(text[: self.chars].encode(), digest_size=16)
+        return head.digest() == self._digest.digest()
 
 
 @dataclass(eq=False)
@@ -86,8 +121,13 @@ class ResultStream:
 
     request_id: str
     client: Client | None
-    attempt: int = 0
-    next_seq: int = 0
+    attempt: int = 0  # the newest attempt read
+    next_seq: int = 0  # the next `seq` of it to read
+    # Whether `attempt`'s first record, still to come, decides if it continues what is shown.
+    deciding: bool = False
+    shown_attempt: int = 0  # the attempt the client is shown (a continuation keeps it)
+    shown_seq: int = 0  # the next delta frame's `seq`
+    shown: Shown = field(default_factory=Shown)
     held: list[ServerFrame] | None = field(default_factory=list)
     resume: ResumePoint | None = None
     ended: bool = False  # its final frame is emitted; nothing more is shown
@@ -128,6 +168,13 @@ class ResultStream:
         )
 
     def emit(self, frame: ServerFrame) -> None:
+        if self.resume is not None:
+            if isinstance(frame, DeltaFrame):
+                self.resume.observe(self.shown_attempt, frame.seq)
+            elif isinstance(frame, ResetFrame):
+                self.resume.observe(frame.attempt)
+            if self.resume.covers(self.shown_attempt, frame):
+                return  # shown before the client resumed
         if self.held is not None:  # not yet accepted / caught up: keep order behind it
             self.held.append(frame)
         elif self.client is not None:  # a detached stream's frames are not shown
@@ -173,14 +220,14 @@ class StreamRouter:
     ) -> ResultStream:
         """A resumed stream: shows what follows `point`; held until `caught_up`.
 
-        Replaces any stream of the same request on this edge: the resuming socket is now
-        the one the client reads.
+        Its records are replayed from the stream's first, so the answer shown is rebuilt as
+        the client saw it (a continuation's text included) and only what follows `point`
+        is delivered. Replaces any stream of the same request on this edge: the resuming
+        socket is now the one the client reads.
         """
         stream = ResultStream(
             request_id,
             client,
-            attempt=point.attempt,
-            next_seq=point.after_seq + 1,
             resume=point,
             followed=followed,
             flight=flight,
@@ -257,8 +304,6 @@ class StreamRouter:
         stream = self._streams.get(record.request_id)
         if stream is None or stream.ended:
             return False
-        if stream.resume is not None:
-            stream.resume.observe(record)
         if isinstance(record, ResetResult) and record.usage is not None:
             stream.declined[record.attempt] = record.usage
         if record.attempt < stream.attempt:
@@ -266,11 +311,9 @@ class StreamRouter:
         if record.attempt > stream.attempt:
             stream.attempt = record.attempt
             stream.next_seq = 0
-            stream.emit(ResetFrame(request_id=record.request_id, attempt=record.attempt))
-            if isinstance(record, ResetResult):
-                return True
+            stream.deciding = True
         if isinstance(record, ResetResult):
-            return False  # its attempt is already shown: nothing to announce
+            return False  # it announces its attempt; that attempt's first record decides
         if record.seq < stream.next_seq:
             return False
         if record.seq > stream.next_seq:
@@ -289,15 +332,30 @@ class StreamRouter:
             self._finish(stream)
             return False
         stream.next_seq = record.seq + 1
+        skip = 0  # characters of the delta the client was shown already
+        if stream.deciding:
+            stream.deciding = False
+            if isinstance(record, DeltaResult) and stream.shown.begins(record.text):
+                skip = stream.shown.chars  # it continues the answer shown
+            elif not isinstance(record, ErrorResult) and (stream.shown.chars or stream.shown_seq):
+                stream.shown_attempt, stream.shown_seq, stream.shown = record.attempt, 0, Shown()
+                stream.emit(ResetFrame(request_id=record.request_id, attempt=record.attempt))
         if isinstance(record, DeltaResult):
+            text = record.text[skip:]
+            if skip and not text:
+                return False  # all of it was shown
+            stream.shown.add(text)
             stream.emit(
                 DeltaFrame(
                     request_id=record.request_id,
-                    seq=record.seq,
-                    text=record.text,
-                    logprobs=record.logprobs,
+                    seq=stream.shown_seq,
+                    text=text,
+                    # A continuation's text so far has no logprobs: the first attempt's
+                    # deltas carried them.
+                    logprobs=None if skip else record.logprobs,
                 )
             )
+            stream.shown_seq += 1
             return True
         if isinstance(record, DoneResult):
             stream.usage = record.usage

@@ -15,6 +15,9 @@ declared dead may only have been paused, and whatever it writes when it wakes be
 an attempt the edge now drops. A `reply_to` that cannot be written gets none (its request
 is dead-lettered by the worker that takes it next).
 
+Each other request's next attempt continues the text its attempt sent, read back from its
+`reply_to` in the same read (ADR 0071).
+
 A request whose `reply_to` already holds a final record (`done` or `error`, any attempt)
 written since its batch was dispatched is not handed back: the worker finished it and was
 killed, or went unheard, before it said so (its next heartbeat or offset commit). Each
@@ -144,18 +147,20 @@ class Recovery:
                 return []
             batches = await self._batch_log.read({tp: start})
         requests = unfinished(batches, last, exclude)
+        sent: dict[str, str] = {}
         if requests:
             since_ms = min(b.timestamp_ms for b in batches)
             # A final the worker wrote may be stored but not yet readable (an away replica):
             # settled first, it is found here, not after the next attempt's reset.
             await settle(self._producer, requests)
-            answered = await finals.answered(
+            found = await finals.read_back(
                 self._settings,
                 requests,
                 since_ms,
                 FINAL_CHECK_TIMEOUT_S,
                 client_id="scheduler-recovery-finals",
             )
+            answered, sent = found.answered, found.sent
             if answered:
                 log.info(
                     "worker.recovery_skipped_answered",
@@ -171,11 +176,12 @@ class Recovery:
         await announce_next_attempts(
             self._producer, requests, "the worker running it was declared dead"
         )
-        await handover.commit_hand_backs(producer, self._topics, requests, {tp: end}, group)
+        await handover.commit_hand_backs(producer, self._topics, requests, {tp: end}, group, sent)
         log.info(
             "worker.recovered",
             worker_id=last.worker_id,
             handed_back=len(requests),
+            continued=len(sent),
             batches=len(batches),
             start=start,
             end=end,

@@ -178,7 +178,8 @@ class BatchLoop:
                 )
                 await self._answers.error(request.reply_to, error)
             elif result in ("handed_back", "rerun"):
-                await hand_back(self._producer, self._topics, request)
+                sent = self._runner.left_text(request)
+                await hand_back(self._producer, self._topics, request, sent)
                 self._intake.finished(request)
         self._finished_batches[batch.batch_id] = None
         while len(self._finished_batches) > FINISHED_BATCHES_KEPT:

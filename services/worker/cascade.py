@@ -81,7 +81,8 @@ def onwards(
     if route is None or request.cascade_step is None or request.model is None:
         return None
     step = request.cascade_step
-    raised = request.model_copy(update={"cascade_step": step + 1})
+    # The next model answers anew: it continues nothing of the answer it replaces.
+    raised = request.model_copy(update={"cascade_step": step + 1, "continues": None})
     return Escalation(
         route=request.model,
         from_model=route.model_at(step),

@@ -17,13 +17,17 @@ from shared.topics import Topics
 log = structlog.get_logger()
 
 
-async def hand_back(producer: AIOKafkaProducer, topics: Topics, request: QueuedRequest) -> None:
+async def hand_back(
+    producer: AIOKafkaProducer, topics: Topics, request: QueuedRequest, sent: str | None = None
+) -> None:
     """Put the request back on its tier topic, keyed by request_id; return once stored.
 
-    Retried with backoff for as long as it takes (a broker outage): it is the request's
-    only way on, and the worker keeps it held (in its heartbeats) until then.
+    `sent`: the text its run sent, which the next attempt continues (None: what this
+    attempt was given to continue, if anything). Retried with backoff for as long as it
+    takes (a broker outage): it is the request's only way on, and the worker keeps it held
+    (in its heartbeats) until then.
     """
-    again = request.next_attempt()
+    again = request.next_attempt(sent)
 
     async def write() -> None:
         await producer.send_and_wait(

@@ -179,10 +179,10 @@ class BatchIntake:
             # A new id starts at the live end: nothing was addressed to it before its first
             # heartbeat, which comes after this commit.
             start = end if committed is None else min(committed, end)
-            requests = await self._left_unfinished(consumer, producer, start, end)
+            requests, sent = await self._left_unfinished(consumer, producer, start, end)
             await announce_next_attempts(producer, requests, "the worker running it was restarted")
             await handover.commit_hand_backs(
-                txn, self._topics, requests, {self.tp: end}, self.group
+                txn, self._topics, requests, {self.tp: end}, self.group, sent
             )
         finally:
             await txn.stop()
@@ -198,10 +198,11 @@ class BatchIntake:
 
     async def _left_unfinished(
         self, consumer: AIOKafkaConsumer, producer: AIOKafkaProducer, start: int, end: int
-    ) -> list[QueuedRequest]:
-        """The requests of our batches in [start, end), less those already answered."""
+    ) -> tuple[list[QueuedRequest], dict[str, str]]:
+        """The requests of our batches in [start, end), less those already answered, and
+        the text each of them sent (its next attempt continues it: ADR 0071)."""
         if end <= start:
-            return []
+            return [], {}
         consumer.seek(self.tp, start)
         batches: list[tuple[int, Batch]] = []  # (record timestamp, batch)
         while await consumer.position(self.tp) < end:
@@ -214,19 +215,20 @@ class BatchIntake:
                     batches.append((record.timestamp, batch))
         requests = handover.distinct(r for _, b in batches for r in b.requests)
         if not requests:
-            return []
+            return [], {}
         # The former process's last finals may be stored but not yet readable: settle first.
         await settle(producer, requests)
-        done = await finals.answered(
+        found = await finals.read_back(
             self.settings,
             requests,
             min(ts for ts, _ in batches),
             REPLAY_CHECK_TIMEOUT_S,
             client_id=f"{self.worker_id}-takeover-finals",
         )
+        done = found.answered
         if done:
             log.info("takeover.skipped_answered", worker_id=self.worker_id, answered=len(done))
-        return [r for r in requests if r.request_id not in done]
+        return [r for r in requests if r.request_id not in done], found.sent
 
     async def take(
         self, consumer: AIOKafkaConsumer

@@ -89,8 +89,10 @@ class RequestState:
     final_sent_at: float | None = None
     stopping: Stopping | None = None
     gaps: ChunkGaps = field(default_factory=ChunkGaps)
-    chunks: list[str] = field(default_factory=list)  # kept for the response cache, or:
-    keep_answer: bool = False  # a cascade's verifier reads the answer (services/worker/cascade.py)
+    # The text sent so far, chunk by chunk: the response cache stores it, a cascade's verifier
+    # reads it (cascade.py), and a hand-back gives it to the next attempt to continue.
+    chunks: list[str] = field(default_factory=list)
+    keep_answer: bool = False  # read when done (a cascade's verifier, a shadow): logprobs kept
     logprobs: list[float] = field(default_factory=list)  # the answer's, where kept and given
     exited: asyncio.Event = field(default_factory=asyncio.Event)
     # Monotonic time of its start or its last output: the engine's progress (engine_health.py).
@@ -105,6 +107,20 @@ class RequestState:
     @property
     def request_id(self) -> str:
         return self.request.request_id
+
+    def continue_answer(self) -> None:
+        """Write the text the request's earlier attempts sent (`continues`) as this attempt's
+        first delta, before the engine's own: a reader that starts the answer over at each
+        attempt still has it whole, and the edge shows only what extends it (ADR 0071)."""
+        text = self.request.continues
+        if text:
+            self.writer.send_encoded(self._frames.encode(self.seq, text))
+            self.chunks.append(text)
+            self.seq += 1
+
+    def sent_text(self) -> str:
+        """Everything this attempt has sent, its continued text included."""
+        return "".join(self.chunks)
 
     def on_delta(self, out: EngineDelta) -> None:
         """One engine output: buffer it, and send the chunk if it is due."""
@@ -224,8 +240,7 @@ class RequestState:
         coalescer = self.coalescer
         self.gaps.chunk(time.monotonic(), coalescer.last_wait, coalescer.last_overdue)
         self.writer.send_encoded(self._frames.encode(self.seq, text, coalescer.last_logprobs))
-        if self.request.cache_key is not None or self.keep_answer:
-            self.chunks.append(text)
+        self.chunks.append(text)
         if self.keep_answer and coalescer.last_logprobs:
             self.logprobs.extend(t.logprob for t in coalescer.last_logprobs)
         self.seq += 1

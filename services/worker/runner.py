@@ -55,8 +55,13 @@ RunOutcome = Literal["answered", "handed_back", "rerun", "superseded", "escalate
 
 
 def engine_request(
-    request: QueuedRequest, trace_headers: Mapping[str, str] | None = None
+    request: QueuedRequest,
+    trace_headers: Mapping[str, str] | None = None,
+    *,
+    continued: bool = False,
 ) -> EngineRequest:
+    """The request as its engine takes it; `continued`: the engine continues the text the
+    request's earlier attempts sent (`continues`), rather than start the answer over."""
     messages = (
         tuple(
             ChatTurn(
@@ -96,6 +101,7 @@ def engine_request(
         messages=messages,
         trace_headers=dict(trace_headers or {}),
         cache_salt=cache_salt(request.tenant),  # one tenant's prompts never hit another's
+        continues=request.continues if continued else None,
     )
 
 
@@ -141,6 +147,12 @@ class RequestRunner:
         self._flush_tokens = flush_tokens
         self._flush_first = flush_first
         self.runs = runs
+        # Whether the engine continues an answer (`EngineRequest.continues`); if not, a
+        # request's next attempt starts over and the edge shows a reset (ADR 0071).
+        self._continues = bool(getattr(engine, "continues_answers", False))
+        # (request_id, attempt) -> the text a run stopped to be run again had sent: its
+        # next attempt continues it (`left_text`).
+        self._left: dict[tuple[str, int], str] = {}
 
     async def run(
         self,
@@ -189,7 +201,7 @@ class RequestRunner:
         )
         self.runs.start(state)
         try:
-            return await self._run(state, trace, stream)
+            outcome = await self._run(state, trace, stream)
         except (Fenced, ReplyFailed) as exc:
             log.warning(
                 "request.stopped_for_rerun",
@@ -198,9 +210,28 @@ class RequestRunner:
                 reason=type(exc).__name__,
                 error=str(exc),
             )
-            return "rerun"
+            outcome = "rerun"
         finally:
             self.runs.end(state)
+        if outcome in ("handed_back", "rerun") and self._continues:
+            self._left[(rid, request.attempt)] = state.sent_text()
+        return outcome
+
+    def _continued(self, request: QueuedRequest) -> bool:
+        """Whether this run continues the text its request's earlier attempts sent: where
+        the engine can, and the answer is free text (a response format's grammar and a tool
+        parser read the answer from its start: such a request starts over)."""
+        return (
+            self._continues
+            and request.continues is not None
+            and request.response_format is None
+            and request.tools is None
+        )
+
+    def left_text(self, request: QueuedRequest) -> str | None:
+        """What a run of `request` handed back (or stopped for a rerun) had sent, once: its
+        next attempt continues it (`QueuedRequest.next_attempt`); None if none is kept."""
+        return self._left.pop((request.request_id, request.attempt), None)
 
     async def _run(
         self, state: RequestState, trace: RunTrace, stream: AsyncIterator[EngineOutput] | None
@@ -209,6 +240,8 @@ class RequestRunner:
         finish: EngineFinish | None = None
         failure: ErrorResult | None = None
         try:
+            if stream is None and self._continued(request):
+                state.continue_answer()
             finish = await self._stream(state, trace, stream)
         except (Fenced, ReplyFailed):
             raise  # closing the stream has aborted the request in the engine
@@ -266,13 +299,16 @@ class RequestRunner:
         self, state: RequestState, trace: RunTrace, given: AsyncIterator[EngineOutput] | None
     ) -> EngineFinish:
         """Feed the engine's outputs to the state until the finish record."""
+        continued = self._continued(state.request)
         if given is None and self._push is not None:
-            return await self._pushed(self._push, state, trace)
+            return await self._pushed(self._push, state, trace, continued)
         # The engine (vLLM) gets the request's trace context, so its spans join the trace.
         generated = (
             given
             if given is not None
-            else self._engine.generate(engine_request(state.request, carrier(trace.context)))
+            else self._engine.generate(
+                engine_request(state.request, carrier(trace.context), continued=continued)
+            )
         )
         stream = cast(AsyncGenerator[EngineOutput], generated)
         async with contextlib.aclosing(stream):
@@ -283,11 +319,15 @@ class RequestRunner:
         raise AssertionError("engine stream ended without a finish record")
 
     @staticmethod
-    async def _pushed(engine: PushEngine, state: RequestState, trace: RunTrace) -> EngineFinish:
+    async def _pushed(
+        engine: PushEngine, state: RequestState, trace: RunTrace, continued: bool
+    ) -> EngineFinish:
         """As `_stream`, the engine pushing each step's outputs to the state: no wakeup per
         token; a run that stops listening before the finish aborts its request."""
         ended = state.pushed()
-        engine.submit(engine_request(state.request, carrier(trace.context)), state)
+        engine.submit(
+            engine_request(state.request, carrier(trace.context), continued=continued), state
+        )
         try:
             return await ended
         finally:

@@ -76,6 +76,11 @@ class EngineRequest:
     # The prefix cache's salt (shared/prefixes.py `cache_salt`, one per tenant): a prompt
     # reuses cached blocks only of prompts with the same salt. None: unsalted.
     cache_salt: str | None = None
+    # The answer's text so far, sent by the request's earlier attempts (QueuedRequest.
+    # `continues`): generate what follows it, within `max_tokens` counted from the answer's
+    # start, and count its tokens in the finish's `completion_tokens`. Given only to an
+    # engine whose `continues_answers` is True (ADR 0071).
+    continues: str | None = None
 
 
 @dataclass(frozen=True)
@@ -212,6 +217,9 @@ class Engine(Protocol):
     the stream is the engine failing that request. `abort` returns whether the request was
     still in the engine; once it returns, the request's slot is counted free in
     `capacity()`.
+
+    An engine that continues an answer (`EngineRequest.continues`) says so with a class
+    attribute `continues_answers = True`; without it, a request's next attempt starts over.
     """
 
     name: str

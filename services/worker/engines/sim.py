@@ -102,6 +102,7 @@ class _Sequence:
     sink: OutputSink | None = None  # pushed to (`submit`) rather than read (`generate`)
     rate: float | None = None  # tokens/s of its own (`rate_marker`); None: one every step
     credit: float = 0.0  # the share of its next token its steps have made so far
+    counted: int = 0  # tokens of an answer it continues that are not in `plan` (`continued`)
 
     def paced(self, seconds: float) -> bool:
         """Whether the step of `seconds` makes this sequence's next token: every step without
@@ -167,7 +168,7 @@ class _Sequence:
             EngineFinish(
                 finish_reason=self.plan.finish_reason if reason is None else reason,
                 prompt_tokens=self.prompt_tokens,
-                completion_tokens=self.position,
+                completion_tokens=self.counted + self.position,
             )
         )
 
@@ -186,6 +187,7 @@ class SimEngine:
     """Runs up to `max_num_seqs` sequences, one token each per step; others wait by priority."""
 
     name = "sim"
+    continues_answers = True  # ADR 0071: an answer's next attempt goes on where it stood
     # What its text can honestly show: a seed picks another sample; min_tokens and
     # ignore_eos hold off its natural end. It has no logits (penalties, top_k, min_p,
     # logit_bias) nor token ids (stop_token_ids): those it refuses.
@@ -317,6 +319,8 @@ class SimEngine:
             ignore_eos=bool(request.ignore_eos),
         )
         seq = _Sequence(request, plan, prompt_tokens, limit)
+        if request.continues:
+            continued(seq, request.continues)
         seq.fails = self.fail_marker is not None and self.fail_marker in request.prompt
         seq.rate = paced_rate(request.prompt, self.rate_marker)
         self.cpu_seconds += time.thread_time() - cpu_at
@@ -517,6 +521,41 @@ class SimEngine:
                     [*seq.tokens, *ANSWER_HEADER, *answer], seq.request.cache_salt
                 )
             seq.finish()
+
+
+def continued(seq: _Sequence, text: str) -> None:
+    """Start `seq` after `text`, the answer its request's earlier attempts sent.
+
+    Where `text` is where its own plan stands after some tokens (greedy or seeded: the same
+    plan each attempt), it goes on from there, so the answer is the uninterrupted one to the
+    character. Otherwise (another sample) it plans anew from the prompt and `text`, within
+    what `max_tokens` leaves, and counts `text`'s tokens as generated.
+    """
+    pieces, at = seq.plan.pieces, 0
+    for count, piece in enumerate(pieces, start=1):
+        at += len(piece)
+        if at >= len(text):
+            if at == len(text) and seq.plan.text.startswith(text):
+                seq.position = count
+                return
+            break
+    if not text:
+        return
+    seq.counted = sim_tokens(text)
+    left = max(0, seq.limit - seq.counted)
+    request = seq.request
+    seq.plan = (
+        complete(
+            f"{request.prompt}\n{text}",
+            left,
+            request.stop,
+            request.temperature,
+            request.top_p,
+            seed=request.seed,
+        )
+        if left
+        else Completion((), 0, "length")
+    )
 
 
 async def _refused(exc: RequestRefused) -> AsyncIterator[EngineOutput]:

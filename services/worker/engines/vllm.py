@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -385,6 +386,7 @@ class VllmEngine:
     """
 
     name = "vllm"
+    continues_answers = True  # ADR 0071: the prompt, then the answer's text so far
     # All of them (vLLM's own names), logprobs, tools and response_format.
     sampling_fields: frozenset[str] = SAMPLING_FIELDS | OUTPUT_FIELDS | STRUCTURED_FIELDS
     cpu_seconds = 0.0  # the engine core runs in its own process
@@ -465,14 +467,19 @@ class VllmEngine:
         # max_tokens goes to vLLM unset (it generates to max_model_len - prompt); `limit`
         # is that same count, for this worker's capacity.
         limit = tokens_to_generate(len(prompt_ids), request.max_tokens, self.context_length)
+        said = await asyncio.to_thread(continued_ids, self._tokenizer, request)
+        if said and len(said) >= limit:
+            # The answer it continues had used every token it may: it ends there.
+            yield EngineFinish("length", len(prompt_ids), len(said))
+            return
         engine_id = f"{request.request_id}-{next(self._submissions)}"
-        flight = _InFlight(request, engine_id, len(prompt_ids), limit)
+        flight = _InFlight(request, engine_id, len(prompt_ids), limit, generated=len(said))
         if tool_mode(request) != "none":
-            flight.text = []
+            flight.text = [request.continues or ""]
         self._inflight[request.request_id] = flight
         stream = llm.generate(
-            tokens_prompt(prompt_ids, request),
-            sampling_params(self._api, request, self.sampling_defaults),
+            tokens_prompt(prompt_ids + said, request),
+            sampling_params(self._api, rest_of(request, len(said)), self.sampling_defaults),
             engine_id,
             trace_headers=dict(request.trace_headers) or None,
             priority=request.priority,
@@ -626,6 +633,30 @@ def prompt_token_ids(tokenizer: Any, request: EngineRequest) -> list[int]:
         )
         return list(tokenizer.encode(text, add_special_tokens=False))
     return list(tokenizer.encode(request.prompt, add_special_tokens=True))
+
+
+def continued_ids(tokenizer: Any, request: EngineRequest) -> list[int]:
+    """The token ids of the answer the request continues (none: it starts the answer).
+
+    Its text tokenized anew, not the ids its earlier attempt generated (result records carry
+    text only, ADR 0071): the ids can differ where a token boundary falls, the text cannot.
+    """
+    if not request.continues:
+        return []
+    return list(tokenizer.encode(request.continues, add_special_tokens=False))
+
+
+def rest_of(request: EngineRequest, said: int) -> EngineRequest:
+    """The request as sampled after `said` tokens of its answer: what is left of
+    `max_tokens` and `min_tokens` (an unset max_tokens stays unset: vLLM then generates to
+    the end of the context, which the continued prompt is counted against)."""
+    if not said:
+        return request
+    return dataclasses.replace(
+        request,
+        max_tokens=None if request.max_tokens is None else request.max_tokens - said,
+        min_tokens=None if request.min_tokens is None else max(0, request.min_tokens - said),
+    )
 
 
 def tokens_prompt(prompt_ids: list[int], request: EngineRequest) -> dict[str, Any]:
