@@ -196,6 +196,9 @@ def test_no_acknowledged_request_is_lost_or_answered_twice_under_kill_9(
     assert len(done) == len(faults), f"faults played: {done}"
     # A sick engine ends its worker by itself (services/worker/engine_health.py).
     assert not injector.engine_misses, injector.engine_misses
+    # Every re-run here follows a lost worker or engine, and continues the answer its client
+    # was shown (ADR 0071): no `chat.reset` (the checker above holds each text to the sim's).
+    assert run.seen()["ws_resets"] == 0, report
 
 
 async def _run(
