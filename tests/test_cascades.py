@@ -408,9 +408,9 @@ def test_the_edge_takes_a_route_as_a_model_listed_while_its_cascade_is_served() 
     asks_auto = ChatRequest(prompt="hi", model="auto")
     assert directory.unknown(asks_auto, 100.0) is None  # no worker yet: still a model
     assert "auto" not in directory.served(100.0)
-    directory.observe(beat("w1", "small", 100.0, 4096))
-    directory.observe(beat("w2", "large", 101.0, 8192))
-    directory.observe(beat("w3", "other", 99.0, 2048))
+    directory.observe(beat("w1", "small", 100.0, 4096), 100.0)
+    directory.observe(beat("w2", "large", 101.0, 8192), 101.0)
+    directory.observe(beat("w3", "other", 99.0, 2048), 99.0)
     assert directory.served(102.0) == {"auto": 100, "large": 101, "other": 99, "small": 100}
     # Either model of its cascade may run it: the smaller context and both engines count.
     assert directory.context_length("auto", 102.0) == 4096

@@ -180,7 +180,7 @@ def beat(worker_id: str, model: str, sent_at: float) -> Heartbeat:
 
 def test_the_edge_lets_a_named_model_through_while_none_of_its_workers_is_live() -> None:
     models = ModelDirectory(stale_s=10, listening_since=0.0, grace_s=3.0, pooled=frozenset({"big"}))
-    models.observe(beat("w1", "small", 100.0))
+    models.observe(beat("w1", "small", 100.0), 100.0)
     assert models.unknown(ChatRequest(prompt="hi", model="big"), now=104.0) is None
     fallback = ChatRequest(prompt="hi", model="small", fallback_model="big")
     assert models.unknown(fallback, now=104.0) is None
@@ -195,8 +195,8 @@ def test_the_edge_lists_a_pools_model_with_or_without_a_live_worker() -> None:
         stale_s=10, listening_since=50.0, grace_s=3.0, pooled=frozenset({"big"})
     )
     assert models.served(now=60.0) == {"big": 50}  # scaled to zero: listed all the same
-    models.observe(beat("w1", "big", 100.0))
-    models.observe(beat("w2", "small", 100.0))
+    models.observe(beat("w1", "big", 100.0), 100.0)
+    models.observe(beat("w2", "small", 100.0), 100.0)
     assert models.served(now=101.0) == {"big": 100, "small": 100}
     assert models.served(now=120.0) == {"big": 50}  # its workers gone: still a pool's model
 

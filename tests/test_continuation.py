@@ -8,6 +8,7 @@ sent for the next attempt; the recovery's read-back takes an attempt's text from
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 
@@ -16,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.worker.cascade import onwards
+from services.worker.drain import Drain
 from services.worker.engines.base import EngineDelta, EngineFinish, EngineRequest
 from services.worker.engines.sim import SimEngine
 from services.worker.engines.sim_profiles import sim_profile
@@ -188,3 +190,24 @@ def test_vllm_samples_the_rest_of_max_tokens_and_min_tokens(
     words = " ".join(["w"] * said)
     assert len(continued_ids(WordTokenizer(), dataclasses.replace(req, continues=words))) == said
     assert continued_ids(WordTokenizer(), req) == []
+
+
+async def test_a_drain_hands_back_at_once_what_can_be_continued_and_waits_for_the_rest() -> None:
+    drain = Drain(timeout_s=0.3)
+    running = {"free-text", "with-tools"}
+    stopped: list[tuple[str, float]] = []
+    began = asyncio.get_running_loop().time()
+    all_stopped = asyncio.Event()
+
+    async def stop(request_id: str) -> bool:
+        stopped.append((request_id, asyncio.get_running_loop().time() - began))
+        running.discard(request_id)
+        if not running:
+            all_stopped.set()
+        return True
+
+    task = asyncio.create_task(all_stopped.wait())  # the batch: ends once both are stopped
+    await drain.run({task}, lambda: frozenset(running), stop, at_once=lambda r: r == "free-text")
+    assert [r for r, _ in stopped] == ["free-text", "with-tools"]
+    assert stopped[0][1] < 0.1  # at once
+    assert stopped[1][1] >= 0.3  # after the drain window

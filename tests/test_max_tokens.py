@@ -154,15 +154,15 @@ def beat(worker: str, model: str, at: float, context: int | None) -> Heartbeat:
 def test_the_context_of_a_request_is_the_smallest_of_the_live_workers_that_may_run_it() -> None:
     models = ModelDirectory(stale_s=10)
     assert models.context_length("a", now=100) is None  # none known: no cap
-    models.observe(beat("w1", "a", 100, 4096))
-    models.observe(beat("w2", "a", 100, 2048))
-    models.observe(beat("w3", "b", 100, 1024))
-    models.observe(beat("w4", "b", 100, None))  # an old worker: it does not say
+    models.observe(beat("w1", "a", 100, 4096), 100)
+    models.observe(beat("w2", "a", 100, 2048), 100)
+    models.observe(beat("w3", "b", 100, 1024), 100)
+    models.observe(beat("w4", "b", 100, None), 100)  # an old worker: it does not say
     assert models.context_length("a", now=101) == 2048
     assert models.context_length("b", now=101) == 1024
     assert models.context_length(None, now=101) == 1024  # any live worker may run it
     assert models.context_length("c", now=101) is None
-    models.observe(beat("w1", "a", 108, 4096))
+    models.observe(beat("w1", "a", 108, 4096), 108)
     assert models.context_length("a", now=111) == 4096  # w2 went quiet
 
 

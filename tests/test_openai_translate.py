@@ -380,7 +380,7 @@ def test_the_variant_that_answered_is_the_system_fingerprint() -> None:
 
 def test_unknown_models_are_refused_only_after_the_directory_listened_a_while() -> None:
     models = ModelDirectory(stale_s=10, listening_since=100.0, grace_s=3.0)
-    models.observe(beat("w1", "a", 100))
+    models.observe(beat("w1", "a", 100), 100)
     named = ChatRequest(prompt="hi", model="b")
     assert models.unknown(named, now=102.0) is None  # too new to say
     assert models.unknown(named, now=104.0) == (
@@ -509,29 +509,39 @@ def beat(worker: str, model: str, at: float) -> Heartbeat:
 
 def test_model_directory_lists_live_workers_models() -> None:
     models = ModelDirectory(stale_s=10)
-    models.observe(beat("w1", "a", 100))
-    models.observe(beat("w2", "b", 105))
-    models.observe(beat("w3", "a", 106))
+    models.observe(beat("w1", "a", 100), 100)
+    models.observe(beat("w2", "b", 105), 105)
+    models.observe(beat("w3", "a", 106), 106)
     assert models.served(now=108) == {"a": 100, "b": 105}
     assert models.served(now=112) == {"a": 100, "b": 105}  # w1 stale, w3 still serves `a`
     assert models.served(now=117) == {}
-    models.observe(beat("w1", "a", 120))
+    models.observe(beat("w1", "a", 120), 120)
     assert models.served(now=121) == {"a": 120}
 
 
 def test_model_directory_reports_the_smallest_context_of_a_models_live_workers() -> None:
     models = ModelDirectory(stale_s=10)
-    models.observe(beat("w1", "a", 100).model_copy(update={"max_model_len": 4096}))
-    models.observe(beat("w2", "a", 101).model_copy(update={"max_model_len": 2048}))
-    models.observe(beat("w3", "b", 101))  # an old worker: it does not say
+    models.observe(beat("w1", "a", 100).model_copy(update={"max_model_len": 4096}), 100)
+    models.observe(beat("w2", "a", 101).model_copy(update={"max_model_len": 2048}), 101)
+    models.observe(beat("w3", "b", 101), 101)  # an old worker: it does not say
     assert models.max_model_len(now=102) == {"a": 2048}
     assert models.max_model_len(now=111) == {"a": 2048}  # w1 stale; w2 still live
-    models.observe(beat("w2", "a", 112))  # no longer says
+    models.observe(beat("w2", "a", 112), 112)  # no longer says
     assert models.max_model_len(now=113) == {}
 
 
 def test_model_directory_ignores_a_late_older_beat() -> None:
     models = ModelDirectory(stale_s=10)
-    models.observe(beat("w1", "new", 200))
-    models.observe(beat("w1", "old", 150))
+    models.observe(beat("w1", "new", 200), 200)
+    models.observe(beat("w1", "old", 150), 150)
     assert list(models.served(now=201)) == ["new"]
+
+
+def test_a_worker_whose_clock_runs_behind_stays_listed_while_it_is_heard() -> None:
+    """Issue 38, item 4: staleness is judged on when the edge heard a beat, not its sent_at."""
+    models = ModelDirectory(stale_s=10)
+    behind = 40.0  # the worker's clock runs 40 s behind the edge's
+    for now in (100.0, 101.0, 102.0):
+        models.observe(beat("w1", "a", now - behind), now)
+    assert models.served(now=103.0) == {"a": 100}
+    assert models.served(now=113.0) == {}  # unheard for 11 s: gone

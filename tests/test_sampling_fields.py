@@ -135,10 +135,14 @@ def test_one_worker_must_honour_all_the_fields() -> None:
 def test_the_directory_keeps_each_live_workers_capabilities() -> None:
     models = ModelDirectory(stale_s=10.0, listening_since=0.0)
     beat = dict(total_slots=1, free_slots=1, running=0, queued_tokens=0, utilisation=0.0)
-    models.observe(Heartbeat(worker_id="w1", model="m", sent_at=100.0, capabilities=SIM, **beat))
-    models.observe(Heartbeat(worker_id="w2", model="m2", sent_at=100.0, capabilities=VLLM, **beat))
+    models.observe(
+        Heartbeat(worker_id="w1", model="m", sent_at=100.0, capabilities=SIM, **beat), 100.0
+    )
+    models.observe(
+        Heartbeat(worker_id="w2", model="m2", sent_at=100.0, capabilities=VLLM, **beat), 100.0
+    )
     # A worker from before capabilities were advertised: the base set, engine unknown.
-    models.observe(Heartbeat(worker_id="w3", model="m3", sent_at=100.0, **beat))
+    models.observe(Heartbeat(worker_id="w3", model="m3", sent_at=100.0, **beat), 100.0)
     assert models.capabilities("m", 101.0) == [SIM]
     assert models.capabilities(None, 101.0) == [SIM, VLLM, models.capabilities("m3", 101.0)[0]]
     (old,) = models.capabilities("m3", 101.0)

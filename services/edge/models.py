@@ -32,7 +32,8 @@ OLD_WORKER = Capabilities(engine="unknown", sampling=BASE_SAMPLING)
 @dataclass
 class _Seen:
     model: str
-    last_at: float  # when its latest heartbeat was sent (the worker's clock, Unix seconds)
+    sent_at: float  # when its latest heartbeat was sent (the worker's clock, Unix seconds)
+    last_at: float  # when this edge heard it (this edge's clock: staleness is judged on it)
     max_model_len: int | None = None
     capabilities: Capabilities = OLD_WORKER
 
@@ -64,14 +65,22 @@ class ModelDirectory:
         self._workers: dict[str, _Seen] = {}
         self._first_seen: dict[str, float] = {}  # model -> when it was first advertised
 
-    def observe(self, beat: Heartbeat) -> None:
+    def observe(self, beat: Heartbeat, heard_at: float) -> None:
+        """A heartbeat this edge read at `heard_at` (its own clock). Whether a worker is live
+        is judged on when it was heard, not on its `sent_at`: a worker whose clock runs behind
+        would otherwise drop off the list while it beats (issue 38, item 4); `sent_at` (one
+        worker's own clock) only orders its beats."""
         seen = self._workers.get(beat.worker_id)
-        if seen is not None and seen.last_at > beat.sent_at:
+        if seen is not None and seen.sent_at > beat.sent_at:
             return  # an older beat, read late
         self._workers[beat.worker_id] = _Seen(
-            beat.model, beat.sent_at, beat.max_model_len, beat.capabilities or OLD_WORKER
+            beat.model,
+            beat.sent_at,
+            heard_at,
+            beat.max_model_len,
+            beat.capabilities or OLD_WORKER,
         )
-        self._first_seen.setdefault(beat.model, beat.sent_at)
+        self._first_seen.setdefault(beat.model, heard_at)
 
     def served(self, now: float) -> dict[str, int]:
         """Model name -> when it was first seen (Unix seconds; a pool's model without a live

@@ -159,7 +159,14 @@ class Worker:
                 await drain.requested.wait()
                 taker.cancel()
                 await heartbeats.send()  # tell schedulers: no free slots here
-                await drain.run(loop.tasks, lambda: frozenset(runs.ids()), runs.hand_back)
+                await drain.run(
+                    loop.tasks,
+                    lambda: frozenset(runs.ids()),
+                    runs.hand_back,
+                    at_once=lambda rid: (
+                        (st := runs.get(rid)) is not None and runner.continuable(st.request)
+                    ),
+                )
                 for task in others:
                     task.cancel()
         log.info("worker.drained", worker_id=s.worker_id)

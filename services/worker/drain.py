@@ -1,4 +1,5 @@
-"""Graceful shutdown: stop taking batches, let running work finish, hand back the rest."""
+"""Graceful shutdown: stop taking batches, hand back what another worker can continue, let
+the rest finish within the drain window, hand back what is left."""
 
 from __future__ import annotations
 
@@ -62,9 +63,15 @@ class Drain:
         batches: set[asyncio.Task[None]],
         running: Callable[[], frozenset[str]],
         stop_request: Callable[[str], Awaitable[bool]],
+        at_once: Callable[[str], bool] = lambda _: False,
     ) -> None:
-        """Wait up to the drain timeout for `batches`, then stop what still runs, then wait."""
-        log.info("drain.started", batches=len(batches), running=len(running()))
+        """Stop the running requests `at_once` says to (their next attempt continues them
+        elsewhere: ADR 0071), wait up to the drain timeout for `batches`, then stop what
+        still runs, then wait."""
+        now = sorted(r for r in running() if at_once(r))
+        log.info("drain.started", batches=len(batches), running=len(running()), at_once=len(now))
+        for request_id in now:
+            await stop_request(request_id)
         if batches:
             waiter = asyncio.ensure_future(asyncio.wait(set(batches)))
             skip = asyncio.ensure_future(self.now.wait())
@@ -79,4 +86,4 @@ class Drain:
         if batches:
             # Each batch now hands its stopped requests back and commits its offset.
             await asyncio.wait(set(batches))
-        log.info("drain.finished", handed_back=len(unfinished))
+        log.info("drain.finished", handed_back=len(now) + len(unfinished))

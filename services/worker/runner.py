@@ -217,16 +217,16 @@ class RequestRunner:
             self._left[(rid, request.attempt)] = state.sent_text()
         return outcome
 
+    def continuable(self, request: QueuedRequest) -> bool:
+        """Whether a run of `request` can go on from text sent before: where the engine can,
+        and the answer is free text (a response format's grammar and a tool parser read the
+        answer from its start: such a request starts over). A drain hands such runs back at
+        once: their next attempt continues them elsewhere."""
+        return self._continues and request.response_format is None and request.tools is None
+
     def _continued(self, request: QueuedRequest) -> bool:
-        """Whether this run continues the text its request's earlier attempts sent: where
-        the engine can, and the answer is free text (a response format's grammar and a tool
-        parser read the answer from its start: such a request starts over)."""
-        return (
-            self._continues
-            and request.continues is not None
-            and request.response_format is None
-            and request.tools is None
-        )
+        """Whether this run continues the text its request's earlier attempts sent."""
+        return request.continues is not None and self.continuable(request)
 
     def left_text(self, request: QueuedRequest) -> str | None:
         """What a run of `request` handed back (or stopped for a rerun) had sent, once: its

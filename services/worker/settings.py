@@ -71,7 +71,8 @@ class WorkerSettings(TokenbusSettings):
     worker_drain_timeout_s: float = Field(
         default=10.0,
         ge=0,
-        description="On SIGTERM: how long running requests may finish before being handed back.",
+        description="On SIGTERM: how long running requests may finish before being handed back"
+        " (a request another worker can continue, ADR 0071, is handed back at once).",
     )
     worker_engine_stall_s: float = Field(
         default=30.0,

@@ -93,7 +93,7 @@ class EdgeStreams:
         except ValueError as exc:
             log.warning("heartbeat.invalid", error=error_message(exc)[:200])
             return
-        self._models.observe(beat)
+        self._models.observe(beat, time.time())
 
     async def open(
         self, principal: Principal, request: ChatRequest, client: HttpClient, headers: Headers
