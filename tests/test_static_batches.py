@@ -24,12 +24,11 @@ from services.worker.engines.sim import SimEngine
 from services.worker.engines.sim_profiles import PROFILES, SimProfile
 from services.worker.heartbeat import free_slots
 from services.worker.outbox import ResultOutbox
-from services.worker.request_state import RunningRequests
-from services.worker.runner import RequestRunner, engine_request
+from services.worker.runner import engine_request
 from services.worker.settings import WorkerSettings
 from shared.messages import DoneResult
 from tests.test_scheduler_workers import beat
-from tests.test_worker_runner import UNTRACED, FakeProducer, _telemetry, request
+from tests.test_worker_runner import UNTRACED, FakeProducer, request, runner_of
 
 H100 = PROFILES["llama3-8b-h100"]
 
@@ -248,14 +247,7 @@ async def test_the_runner_streams_each_row_of_one_call_and_answers_it_when_its_r
     await engine.start()
     try:
         async with ResultOutbox(producer, resend_s=1.0) as outbox:
-            runner = RequestRunner(
-                engine,
-                outbox,
-                RunningRequests(engine),
-                flush_ms=1.0,
-                flush_tokens=1,
-                telemetry=_telemetry(),
-            )
+            runner = runner_of(engine, outbox)
             streams = engine.generate_batch([engine_request(q) for q in queued])
             steps_at_start = engine.steps
             outcomes = await asyncio.gather(

@@ -262,10 +262,7 @@ async def test_a_later_attempt_of_a_request_running_here_supersedes_it_silently(
     again = first.next_attempt()
     try:
         async with ResultOutbox(producer, resend_s=0.5) as outbox:
-            telemetry = _telemetry()
-            runner = RequestRunner(
-                engine, outbox, RunningRequests(engine), 1.0, 1, telemetry=telemetry
-            )
+            runner = runner_of(engine, outbox)
             old = asyncio.create_task(runner.run(first, 1, UNTRACED))
             await producer.stored_one.wait()  # the old attempt is streaming
             outcome = await runner.run(again, 1, UNTRACED)
@@ -297,15 +294,7 @@ async def test_logprobs_reach_the_records_in_order_a_chunk_without_text_included
     profile = sim_profile("constant", max_num_seqs=4, token_rate=500.0)
     engine = SimEngine(profile)
     async with ResultOutbox(producer, resend_s=0.5) as outbox:
-        runner = RequestRunner(
-            engine,
-            outbox,
-            RunningRequests(engine),
-            flush_ms=1.0,
-            flush_tokens=1,
-            telemetry=_telemetry(),
-            write_timeout_s=0.5,
-        )
+        runner = runner_of(engine, outbox)
         outcome = await runner.run(request("x"), 1, UNTRACED, stream=outputs())
     assert outcome == "answered"
     deltas = [r for r in producer.records() if isinstance(r, DeltaResult)]

@@ -239,10 +239,12 @@ class RequestRunner:
         request = state.request
         finish: EngineFinish | None = None
         failure: ErrorResult | None = None
+        # Static mode's rows (`stream` given) were submitted as they came: they start over.
+        continued = stream is None and self._continued(request)
         try:
-            if stream is None and self._continued(request):
+            if continued:
                 state.continue_answer()
-            finish = await self._stream(state, trace, stream)
+            finish = await self._stream(state, trace, stream, continued)
         except (Fenced, ReplyFailed):
             raise  # closing the stream has aborted the request in the engine
         except RequestRefused as exc:  # too long a prompt, a sampling field not honoured
@@ -296,10 +298,14 @@ class RequestRunner:
         return "answered"
 
     async def _stream(
-        self, state: RequestState, trace: RunTrace, given: AsyncIterator[EngineOutput] | None
+        self,
+        state: RequestState,
+        trace: RunTrace,
+        given: AsyncIterator[EngineOutput] | None,
+        continued: bool,
     ) -> EngineFinish:
-        """Feed the engine's outputs to the state until the finish record."""
-        continued = self._continued(state.request)
+        """Feed the engine's outputs to the state until the finish record; `continued`: the
+        engine continues the text the request's earlier attempts sent."""
         if given is None and self._push is not None:
             return await self._pushed(self._push, state, trace, continued)
         # The engine (vLLM) gets the request's trace context, so its spans join the trace.

@@ -539,8 +539,6 @@ def continued(seq: _Sequence, text: str) -> None:
                 seq.position = count
                 return
             break
-    if not text:
-        return
     seq.counted = sim_tokens(text)
     left = max(0, seq.limit - seq.counted)
     request = seq.request

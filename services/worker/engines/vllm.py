@@ -475,7 +475,7 @@ class VllmEngine:
         engine_id = f"{request.request_id}-{next(self._submissions)}"
         flight = _InFlight(request, engine_id, len(prompt_ids), limit, generated=len(said))
         if tool_mode(request) != "none":
-            flight.text = [request.continues or ""]
+            flight.text = []
         self._inflight[request.request_id] = flight
         stream = llm.generate(
             tokens_prompt(prompt_ids + said, request),
