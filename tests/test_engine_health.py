@@ -136,3 +136,22 @@ async def test_a_sick_engine_sends_the_last_beat_then_ends_the_process(tmp_path:
     assert ended == ["ended"]
     assert watch.sick is not None
     assert watch.sick.startswith("the engine died")
+
+
+async def test_the_sims_dead_fault_is_seen_while_the_engine_is_idle(tmp_path: Path) -> None:
+    # A chaos run struck a worker that held no work: its engine read the fault only at its
+    # next step, the worker did not exit, and the next fault found it still there. vLLM's
+    # engine core dies idle too, and `errored` says so at once.
+    fault = tmp_path / "fault"
+    engine = SimEngine(SimProfile(token_rate=200.0, max_num_seqs=4), fault_file=str(fault))
+    await engine.start()
+    try:
+        strike(fault, "dead")
+        deadline = asyncio.get_running_loop().time() + 5.0
+        while engine_failure(engine) is None:
+            assert asyncio.get_running_loop().time() < deadline, "an idle engine never died"
+            await asyncio.sleep(0.05)
+        assert engine_failure(engine) == "dead (sim fault injection)"
+        assert not fault.exists()
+    finally:
+        await engine.stop()

@@ -249,6 +249,9 @@ class ChaosSystem:
 
     def launch(self, name: str) -> None:
         service = self.services[name]
+        if (proc := self.stack.processes.get(service.key)) is not None and proc.poll() is None:
+            # Two faults on one instance at once would leave a process no one stops.
+            raise RuntimeError(f"{name} is running already (pid {proc.pid}): not started twice")
         self.stack.start_service(service.module, key=service.key, **service.env)
 
     def kill(self, name: str) -> None:
@@ -302,9 +305,11 @@ class Injector:
     closed: bool = False  # the load has ended: no fault begins any more
     _down: set[str] = field(default_factory=set)  # killed by a fault, not yet restarted
     _one_node: asyncio.Lock = field(default_factory=asyncio.Lock)
+    _instances: dict[str, asyncio.Lock] = field(default_factory=dict)  # by service instance
 
     async def run(self, faults: list[Fault], zero: float) -> None:
-        """Each fault strikes at its own time; broker faults one after another (see below)."""
+        """Each fault strikes at its own time; node faults one after another (see below), and
+        faults on one service instance too."""
         async with asyncio.TaskGroup() as tg:
             for fault in faults:
                 tg.create_task(self._at(fault, zero))
@@ -317,12 +322,16 @@ class Injector:
             async with self._one_node:
                 if not self._skip(fault, zero):
                     await self._strike_node(fault, zero)
-        elif self._skip(fault, zero):
             return
-        elif fault.kind in ENGINE_KINDS:
-            await self._break_engine(fault, zero)
-        else:
-            await self._kill_service(fault, zero)
+        # One fault at a time per service instance: a kill of a worker whose engine fault
+        # still waits for it to exit would take that exit for the engine fault's (seen: -9).
+        async with self._instances.setdefault(fault.target, asyncio.Lock()):
+            if self._skip(fault, zero):
+                return
+            if fault.kind in ENGINE_KINDS:
+                await self._break_engine(fault, zero)
+            else:
+                await self._kill_service(fault, zero)
 
     def close(self) -> None:
         """The load has ended: faults not begun yet are skipped (and listed), the ones under

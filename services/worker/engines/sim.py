@@ -24,11 +24,12 @@ own (tests only): with `rate_marker` set, a request whose prompt contains `<mark
 engine's step clock it simply emits on fewer steps, as a slow sequence of a continuous
 batch would (`_Sequence.paced`), so tests with other rates share one stack. Engine faults
 (tests only): with `fault_file` set, a file there saying `dead` kills the whole engine at
-its next step (every request fails, `failure` says why), as an engine core's death does;
-`hang` stops its steps for good, as a hung core's (services/worker/engine_health.py sees
-both). A file, not a prompt: a request that kills engines would kill each worker it is
-handed to. Logprobs (tests and benches only): with `logprobs` set, the sim honours the field
-and gives each token a made-up logprob and as many alternatives as asked
+its next step, or within `FAULT_READ_EVERY_S` while it is idle (every request fails,
+`failure` says why), as an engine core's death does; `hang` stops its steps for good, as a
+hung core's (services/worker/engine_health.py sees both). A file, not a prompt: a request
+that kills engines would kill each worker it is handed to. Logprobs (tests and benches
+only): with `logprobs` set, the sim honours the field and gives each token a made-up
+logprob and as many alternatives as asked
 (`sim_logprobs.py`): they weigh what vLLM's weigh on the bus and at the edge, and mean
 nothing.
 """
@@ -404,11 +405,12 @@ class SimEngine:
         loop = asyncio.get_running_loop()
         while True:
             idle = not self._running and not self._waiting and not self._groups
+            fault = None
             if idle and self._batch is None:
                 self._wakeup.clear()
-                await self._wakeup.wait()
+                fault = await self._until_work()
                 self._step_due = loop.time()
-            if (fault := self._fault_asked()) is not None:
+            if fault is not None or (fault := self._fault_asked()) is not None:
                 await self._break(fault)
             cpu_at = time.thread_time()
             # A batch given as one call runs as a static batch in either mode.
@@ -432,6 +434,21 @@ class SimEngine:
             for seq in stepped:
                 if seq.sink is not None:
                     seq.deliver()
+
+    async def _until_work(self) -> str | None:
+        """Wait until work arrives. With a fault file, read it meanwhile and return the fault
+        it asks for: an engine core dies while idle too, and vLLM's `errored` shows it then (a
+        fault read only at a step was missed by a worker that had no work, and its chaos
+        fault overran into the next one)."""
+        every = None if self.fault_file is None else FAULT_READ_EVERY_S
+        while True:
+            try:
+                async with asyncio.timeout(every):
+                    await self._wakeup.wait()
+                return None
+            except TimeoutError:
+                if (fault := self._fault_asked()) is not None:
+                    return fault
 
     def _fault_asked(self) -> str | None:
         """`dead` or `hang` if the fault file asks for it now (read, then removed)."""
