@@ -70,8 +70,9 @@ class Model(BaseModel):
 
 
 def _unset(value: object) -> bool:
-    """A field added to a record later is left out of it while unset, so a reader from
-    before it (its models forbid unknown fields) still reads the record."""
+    """A field added to a record later is left out of it while unset, so a reader that
+    forbids unknown fields still reads the record: ingest reading a request, and every
+    reader of a release before ADR 0072."""
     return value is None
 
 

@@ -8,6 +8,7 @@ the caller is shown the final attempt's text exactly once, in order.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import pytest
@@ -104,6 +105,11 @@ def test_a_reset_of_a_newer_attempt_restarts_the_text_and_seq() -> None:
     assert state.resume_frame()["after_seq"] == 0
     assert state.receive(ResetFrame(request_id=RID, attempt=1)) is None, "already shown"
     assert state.text == "new"
+
+
+def test_a_frame_with_a_field_a_newer_edge_added_is_read() -> None:
+    newer = delta(0, "hi").model_dump() | {"added_later": 1}
+    assert parse_frame(json.dumps(newer)) == delta(0, "hi")  # ADR 0072
 
 
 def test_stream_resumed_must_name_the_point_resumed_from() -> None:

@@ -15,10 +15,12 @@ from dataclasses import dataclass, field
 
 import pytest
 from aiokafka import ConsumerRecord, TopicPartition
+from pydantic import TypeAdapter
 
 from services.edge import results as results_module
 from services.edge.results import ResultReader
 from shared.messages import DeltaResult, DoneResult, ResultRecord, Timings, Usage
+from shared.records import read
 from tests.factories import consumer_record
 
 CONTROL = TopicPartition("t.control", 0)
@@ -214,14 +216,12 @@ def test_a_followed_partitions_records_of_other_streams_are_not_parsed(
     """Issue 37, N8: a stream resumed from another edge's partition makes the reader follow
     that partition; its other streams' records are skipped by key, never parsed here."""
     parsed: list[bytes] = []
-    adapter = results_module._results
 
-    class Counting:
-        def validate_json(self, value: bytes) -> ResultRecord:
-            parsed.append(value)
-            return adapter.validate_json(value)
+    def counting(kind: TypeAdapter[ResultRecord], raw: bytes) -> ResultRecord:
+        parsed.append(raw)
+        return read(kind, raw)
 
-    monkeypatch.setattr(results_module, "_results", Counting())
+    monkeypatch.setattr(results_module, "read", counting)
 
     async def scenario() -> None:
         consumer = FakeConsumer()

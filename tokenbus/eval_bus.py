@@ -31,6 +31,7 @@ from shared.messages import (
     ResultRecord,
     Tier,
 )
+from shared.records import read
 from shared.settings import TokenbusSettings
 from shared.topics import Topics
 from shared.variants import BASELINE
@@ -142,7 +143,7 @@ class EvalBus:
                     if pending is None:
                         continue  # another run's, or one that timed out
                     try:
-                        result = _results.validate_json(record.value or b"")
+                        result = read(_results, record.value or b"")
                     except ValidationError as exc:
                         log.warning("eval.result_invalid", offset=record.offset, error=str(exc))
                         continue

@@ -43,6 +43,7 @@ from shared.kafka import (
 )
 from shared.logs import configure_logging
 from shared.messages import Heartbeat, error_message
+from shared.records import read
 from shared.settings import TokenbusSettings
 from shared.topics import Topics
 from shared.variants import BASELINE, ModelRollout, Shadow, Variant
@@ -349,7 +350,7 @@ async def _recent_beats(consumer: AIOKafkaConsumer, tps: list[TopicPartition]) -
 
 def _beat(value: bytes | None) -> Heartbeat | None:
     try:
-        return Heartbeat.model_validate_json(value or b"")
+        return read(Heartbeat, value or b"")
     except ValidationError:
         return None  # not this command's to judge: the schedulers dead-letter it
 

@@ -17,6 +17,7 @@ from aiokafka import TopicPartition
 from pydantic import ValidationError
 
 from shared.kafka import make_admin, make_consumer
+from shared.records import read
 from shared.settings import TokenbusSettings
 from shared.topics import Topics
 from shared.variants import Variant
@@ -101,7 +102,7 @@ async def read_verdicts(settings: TokenbusSettings) -> dict[str, ModelVerdicts]:
             for records in fetched.values():
                 for record in records:
                     try:
-                        verdicts = ModelVerdicts.model_validate_json(record.value or b"")
+                        verdicts = read(ModelVerdicts, record.value or b"")
                     except ValidationError as exc:
                         log.warning("verdicts.invalid", offset=record.offset, error=str(exc))
                         continue

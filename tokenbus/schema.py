@@ -4,13 +4,20 @@ Writes JSON Schema of the records a producer or consumer outside tokenbus meets
 (`docs/schema/request.json`, `result.json`, `control.json`) and an AsyncAPI 3 document of
 every topic (`docs/asyncapi.yaml`): its key, headers, payload, and which service sends or
 receives it. `--check` fails when the checked-in files differ from what the models say.
+
+`--release`, at each release: a copy of those files and a corpus of every kind of record,
+written by this release with every feature on (tokenbus/corpus.py), under
+`docs/schema/released/`; the next release's contract check (tests/test_contract_compat.py)
+holds its own contract and records to them (ADR 0072).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from importlib.metadata import version
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -37,11 +44,14 @@ from shared.telemetry import SENT_AT_HEADER
 from shared.topics import Topics
 from shared.variants import ModelRollout
 from shared.verdicts import ModelVerdicts
+from tokenbus import corpus
 
 if TYPE_CHECKING:
     from tokenbus.commands import Subcommands
 
 DEFAULT_OUT = Path("docs")
+# Under the docs directory: the previous release's contract and records (`--release`).
+RELEASED = Path("schema") / "released"
 KAFKA_BINDING = "0.5.0"
 TRACE_HEADERS = {
     "traceparent": "W3C trace context: the span this record continues (optional for "
@@ -536,6 +546,27 @@ def render() -> dict[Path, str]:
     return files
 
 
+def released(commit: str, date: str) -> dict[Path, str]:
+    """The released copy of the contract, relative to the docs directory: every file
+    `render` writes, the corpus of records (records.jsonl), and RELEASE naming the commit
+    and the date it was taken from."""
+    files = {RELEASED / rel.name: text for rel, text in render().items()}
+    files[RELEASED / "records.jsonl"] = corpus.lines()
+    files[RELEASED / "RELEASE"] = f"commit: {commit}\ndate: {date}\n"
+    return files
+
+
+def _head_commit(where: Path) -> str | None:
+    """The commit checked out where the docs are, or None outside a git work tree."""
+    try:
+        found = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=where, capture_output=True, text=True, check=True
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return found.stdout.strip()
+
+
 def stale(out: Path) -> list[Path]:
     """The generated files under `out` that are missing or differ from `render()`."""
     return [
@@ -553,8 +584,17 @@ def register(commands: Subcommands) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="docs directory")
-    parser.add_argument(
+    action = parser.add_mutually_exclusive_group()
+    action.add_argument(
         "--check", action="store_true", help="write nothing; exit 1 if a file is stale"
+    )
+    action.add_argument(
+        "--release",
+        action="store_true",
+        help=f"write the released copy of the contract and its records under --out/{RELEASED}",
+    )
+    parser.add_argument(
+        "--commit", help="the release's commit, for --release (default: git rev-parse HEAD)"
     )
     parser.set_defaults(handler=run)
 
@@ -566,7 +606,15 @@ def run(args: argparse.Namespace) -> int:
         for path in behind:
             print(f"stale: {path} (run `tokenbus schema`)")
         return 1 if behind else 0
-    for rel, text in render().items():
+    if args.release:
+        commit = args.commit or _head_commit(out)
+        if commit is None:
+            print(f"no git commit checked out at {out}: name the release's with --commit")
+            return 1
+        files = released(commit, datetime.now(UTC).date().isoformat())
+    else:
+        files = render()
+    for rel, text in files.items():
         path = out / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)

@@ -70,6 +70,7 @@ from shared.messages import (
     Tier,
     over_budget,
 )
+from shared.records import read
 from shared.topics import Topics
 
 log = structlog.get_logger()
@@ -550,7 +551,7 @@ class Gateway:
 
     def on_control(self, value: bytes) -> None:
         try:
-            record = _control.validate_json(value)
+            record = read(_control, value)
         except ValidationError:
             return  # kinds this edge does not know are for someone else
         if isinstance(record, StreamResumed) and record.edge_id != self.edge_id:

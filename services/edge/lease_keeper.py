@@ -18,6 +18,7 @@ from services.edge.leases import Lease, LeaseBook, LeaseRecord
 from shared.kafka import cluster_replication, encode, make_consumer, new_topic
 from shared.messages import error_message
 from shared.producers import RenewingProducer
+from shared.records import read
 from shared.settings import TokenbusSettings
 
 log = structlog.get_logger()
@@ -252,7 +253,7 @@ class LeaseKeeper:
                 if record.timestamp_type != LOG_APPEND_TIME:
                     continue  # written before the topic was switched to append time
                 try:
-                    lease = LeaseRecord.model_validate_json(record.value or b"")
+                    lease = read(LeaseRecord, record.value or b"")
                 except ValueError as exc:
                     log.error("lease.invalid", offset=record.offset, error=error_message(exc))
                     continue

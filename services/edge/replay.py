@@ -39,6 +39,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from shared.kafka import key_of
 from shared.messages import ErrorCode, ResultRecord, error_message
+from shared.records import read
 
 log = structlog.get_logger()
 
@@ -305,7 +306,7 @@ class _Partition:
             if not mine:
                 continue
             try:
-                result = _results.validate_json(record.value or b"")
+                result = read(_results, record.value or b"")
             except ValidationError as exc:
                 log.error(
                     "result.invalid",

@@ -18,6 +18,7 @@ from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 from pydantic import TypeAdapter, ValidationError
 
 from shared.messages import ResultRecord, error_message
+from shared.records import read
 
 log = structlog.get_logger()
 
@@ -263,7 +264,7 @@ class ResultReader:
                 if not sink.wants(record.key):
                     continue
                 try:
-                    parsed.append((record, _results.validate_json(record.value or b"")))
+                    parsed.append((record, read(_results, record.value or b"")))
                 except ValidationError as exc:
                     log.error(
                         "result.invalid",

@@ -6,12 +6,12 @@ import base64
 import binascii
 import hashlib
 import hmac
-import json
 import re
 
 from pydantic import Field, SecretStr, ValidationError
 
 from shared.messages import ErrorCode, Model
+from shared.records import read
 
 MIN_SECRET_BYTES = 32
 # A random secret of 32 bytes has far more; this catches `aaaa...` and `abababab...`.
@@ -150,7 +150,7 @@ def verify(token: str, keys: ResumeKeys, now: float) -> ResumeClaims:
     if not hmac.compare_digest(_mac(key, signed), given):
         raise ResumeRefused(ErrorCode.unauthorized, "resume_token: signature does not match")
     try:
-        claims = ResumeClaims.model_validate(json.loads(_unb64(body)))
+        claims = read(ResumeClaims, _unb64(body))
     except (ValueError, binascii.Error, ValidationError):
         # Signed by us but unreadable: only a change of claim format gets here.
         raise ResumeRefused(ErrorCode.unauthorized, "resume_token: malformed") from None

@@ -31,6 +31,7 @@ from shared.messages import (
     RequestRecord,
     Timings,
 )
+from shared.records import read
 from shared.results import Result
 
 log = structlog.get_logger()
@@ -261,7 +262,7 @@ class CacheFollower:
                 self.cache.drop(record.key.decode(errors="replace"))  # a tombstone
             return None
         try:
-            entry = CacheEntry.model_validate_json(record.value)
+            entry = read(CacheEntry, record.value)
         except ValidationError as exc:
             log.warning(
                 "cache.record_skipped",

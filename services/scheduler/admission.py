@@ -19,6 +19,7 @@ from pydantic import ValidationError
 from services.scheduler.limits import PolicyConfig
 from shared.dead_letters import Addressed, read_address
 from shared.messages import ErrorCode, ErrorResult, QueuedRequest, RequestLimits, error_message
+from shared.records import read
 
 SEEN_MEMORY = 200_000  # (request_id, attempt) remembered per partition to drop a second copy
 DISPATCHED_MEMORY_S = 600.0  # how long restart-scan findings are kept
@@ -111,7 +112,7 @@ class Admission:
         """The decision for one record, read at `now` (Unix seconds)."""
         value = record.value or b""
         try:
-            request = QueuedRequest.model_validate_json(value, context=self._context)
+            request = read(QueuedRequest, value, context=self._context)
         except ValidationError as exc:
             # Ingest and recovery write tier topics, but so can anyone with access.
             return Poison(tp, record, error_message(exc), read_address(value))

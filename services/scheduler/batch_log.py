@@ -10,6 +10,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from pydantic import ValidationError
 
 from shared.messages import Batch, error_message
+from shared.records import read
 
 log = structlog.get_logger()
 
@@ -57,7 +58,7 @@ class BatchLog:
                     if record.offset >= todo.get(tp, 0):
                         continue
                     try:
-                        batch = Batch.model_validate_json(record.value or b"")
+                        batch = read(Batch, record.value or b"")
                     except ValidationError as exc:
                         log.error(
                             "batch_log.invalid", offset=record.offset, error=error_message(exc)

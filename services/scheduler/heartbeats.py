@@ -18,6 +18,7 @@ from services.scheduler.answers import Answerer
 from services.scheduler.workers import WorkerRegistry
 from shared.fetches import fetches
 from shared.messages import Heartbeat, error_message
+from shared.records import read
 
 log = structlog.get_logger()
 
@@ -68,7 +69,7 @@ class HeartbeatReader:
                 live_from = self._live_from.get(tp, 0)
                 for record in records:
                     try:
-                        beat = Heartbeat.model_validate_json(record.value or b"")
+                        beat = read(Heartbeat, record.value or b"")
                         problem = self._problem(beat)
                     except ValidationError as exc:
                         problem = error_message(exc)

@@ -26,6 +26,7 @@ from pydantic import ValidationError
 
 from shared.fetches import fetches
 from shared.messages import error_message
+from shared.records import read
 from shared.shadows import ShadowScore
 from shared.variants import BASELINE
 
@@ -96,7 +97,7 @@ def score_metrics() -> ScoreMetrics:
 def parse(value: bytes | None) -> ShadowScore | str:
     """The score a record holds, or why it holds none."""
     try:
-        return ShadowScore.model_validate_json(value or b"")
+        return read(ShadowScore, value or b"")
     except ValidationError as exc:
         return error_message(exc)
 

@@ -20,6 +20,7 @@ from pydantic import ValidationError
 
 from shared.fetches import fetches, reads
 from shared.messages import error_message
+from shared.records import read
 from shared.variants import BASELINE, ModelRollout, choose
 
 log = structlog.get_logger()
@@ -159,7 +160,7 @@ class RolloutReader:
             return None
         else:
             try:
-                rollout = ModelRollout.model_validate_json(record.value)
+                rollout = read(ModelRollout, record.value)
             except ValidationError as exc:
                 problem = error_message(exc)
             else:

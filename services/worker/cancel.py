@@ -17,6 +17,7 @@ from services.worker.settings import WorkerSettings
 from shared.fetches import fetches
 from shared.kafka import make_consumer
 from shared.messages import CancelRecord, ControlRecord, error_message
+from shared.records import read
 from shared.topics import Topics
 
 log = structlog.get_logger()
@@ -117,7 +118,7 @@ class CancelListener:
     async def _obey(self, record: ConsumerRecord[bytes, bytes]) -> None:
         arrived_at, arrived_wall = time.perf_counter(), time.time()
         try:
-            control = _control_records.validate_json(record.value or b"")
+            control = read(_control_records, record.value or b"")
         except ValidationError as exc:
             log.error("control.invalid", offset=record.offset, error=error_message(exc)[:500])
             await self._answers.dead_letter(record, f"invalid control record: {error_message(exc)}")

@@ -37,6 +37,7 @@ from shared.dead_letters import Addressed, address_of
 from shared.kafka import make_consumer, make_producer
 from shared.messages import Batch, QueuedRequest, error_message
 from shared.offsets import OffsetTracker
+from shared.records import read, read_value
 from shared.resets import announce_next_attempts, settle
 from shared.retry import retrying
 from shared.topics import Topics
@@ -77,7 +78,7 @@ def parse_batch(raw: bytes) -> ParsedBatch:
     surrogate) is rejected here rather than failing when its results are encoded.
     """
     try:
-        return ParsedBatch(Batch.model_validate_json(raw))
+        return ParsedBatch(read(Batch, raw))
     except ValidationError as exc:
         problem = error_message(exc)
     try:
@@ -91,14 +92,14 @@ def parse_batch(raw: bytes) -> ParsedBatch:
     rejected: list[Rejected] = []
     for item in items:
         try:
-            valid.append(QueuedRequest.model_validate_json(json.dumps(item)))
+            valid.append(read(QueuedRequest, json.dumps(item)))
         except (ValidationError, ValueError, RecursionError) as exc:
             reason = error_message(exc) if isinstance(exc, ValidationError) else repr(exc)
             rejected.append(Rejected(address_of(item), reason))
     if not valid:
         return ParsedBatch(None, problem, rejected)
     try:
-        batch = Batch.model_validate({**value, "requests": valid})
+        batch = read_value(Batch, {**value, "requests": valid})
     except ValidationError as exc:
         # The batch's own fields are broken: its valid requests cannot be placed either.
         why = f"batch fields: {error_message(exc)}"

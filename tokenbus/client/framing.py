@@ -29,6 +29,7 @@ from services.edge.protocol import (
     StreamResumedFrame,
 )
 from shared.messages import ErrorCode
+from shared.records import read
 
 Frame = Annotated[
     AcceptedFrame | DeltaFrame | ResetFrame | DoneFrame | ErrorFrame | StreamResumedFrame,
@@ -38,8 +39,9 @@ _frames: TypeAdapter[Frame] = TypeAdapter(Frame)
 
 
 def parse_frame(data: str | bytes) -> Frame:
-    """A server frame, checked against the edge's own protocol models."""
-    return _frames.validate_json(data)
+    """A server frame, checked against the edge's own protocol models; fields a newer edge
+    added are ignored (ADR 0072)."""
+    return read(_frames, data)
 
 
 class StreamBroken(Exception):

@@ -18,6 +18,7 @@ from services.edge.openai.sse import EventId
 from services.edge.protocol import ErrorFrame, ServerFrame, StreamResumeFrame
 from services.edge.streams import ResultStream
 from shared.messages import ChatRequest, ErrorCode, Heartbeat, RequestLimits, error_message
+from shared.records import read
 
 log = structlog.get_logger()
 
@@ -89,7 +90,7 @@ class EdgeStreams:
     def heartbeat(self, value: bytes) -> None:
         """One record of the workers topic."""
         try:
-            beat = Heartbeat.model_validate_json(value)
+            beat = read(Heartbeat, value)
         except ValueError as exc:
             log.warning("heartbeat.invalid", error=error_message(exc)[:200])
             return
