@@ -26,6 +26,7 @@ import os
 import random
 import shutil
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from pathlib import Path
@@ -33,12 +34,15 @@ from pathlib import Path
 import pytest
 
 from bench.loadgen import warm_up
+from bench.stats import percentile
 from shared.kafka import create_topics
 from tests import stack_dumps
 from tests.chaos import availability
-from tests.chaos.checker import failures, judge, summarize, table
+from tests.chaos.availability import FaultWindow
+from tests.chaos.checker import OPENAI_CHANNELS, failures, judge, summarize, table
 from tests.chaos.faults import ENGINE_KINDS, NODE_KINDS, SERVICE_KINDS, Fault, last_end_s, plan
 from tests.chaos.load import KafkaRequester, LoadRun, WsUser, cancel_all, plan_load
+from tests.chaos.openai_load import OpenAiRequester
 from tests.chaos.system import CHAOS_ENV, ChaosSystem, Injector, LocalCluster, ProxiedLinks
 from tests.chaos.toxiproxy import ProxiedCluster
 from tests.stack import ROOT, Stack, new_prefix
@@ -46,7 +50,9 @@ from tests.stack import ROOT, Stack, new_prefix
 # In `make test`; `make chaos` runs it alone (`-m chaos`).
 pytestmark = pytest.mark.chaos
 
-RATE = {"websocket": 20.0, "kafka": 10.0}  # requests/s, open loop
+# Requests/s, open loop: chat users, an application on Kafka, and applications on the
+# OpenAI API through the `openai` SDK, streaming and not (tests/chaos/openai_load.py).
+RATE = {"websocket": 16.0, "kafka": 8.0, "openai-stream": 4.0, "openai": 2.0}
 # Faults are planned in this window; node faults, one at a time, may run past its end
 # (tests/chaos/faults.py), and the load lasts until LOAD_TAIL_S after the last fault ended.
 # The first 15 s are steady state: the baseline every fault window's TTFT is compared with.
@@ -171,6 +177,7 @@ def test_no_acknowledged_request_is_lost_or_answered_twice_under_kill_9(
         run.seen(),
         failures(verdicts, limit=10),
         availability.markdown(figures),
+        _by_fault(run.marks(), injector.windows) + "\n\n" + _splices(run.splice_gaps()),
     )
     REPORT.parent.mkdir(parents=True, exist_ok=True)
     REPORT.write_text(report)
@@ -179,6 +186,10 @@ def test_no_acknowledged_request_is_lost_or_answered_twice_under_kill_9(
         for verdict, history in zip(verdicts, histories, strict=True):
             if not verdict.ok:
                 out.write(json.dumps({**asdict(verdict), "events": history.events}) + "\n")
+    with (run_dir / "reruns.jsonl").open("w") as out:  # the Kafka channel's, with read times
+        for r in run.app.requests.values():
+            if any(int(x.get("attempt", 0)) for x in r.records):
+                out.write(json.dumps({"records": r.records, "read_at": r.read_at}) + "\n")
 
     # The report (seed, faults played, table) and the timeline's end in the failure itself:
     # CI keeps the test's output, not the run directory.
@@ -198,7 +209,8 @@ def test_no_acknowledged_request_is_lost_or_answered_twice_under_kill_9(
     assert not injector.engine_misses, injector.engine_misses
     # Every re-run here follows a lost worker or engine, and continues the answer its client
     # was shown (ADR 0071): no `chat.reset` (the checker above holds each text to the sim's).
-    assert run.seen()["ws_resets"] == 0, report
+    # Nor an SSE `error` event: an OpenAI stream simply goes on.
+    assert run.seen()["ws_resets"] == run.seen()["sse_error_events"] == 0, report
 
 
 async def _run(
@@ -217,7 +229,11 @@ async def _run(
         await warm_up(url, requests=2, timeout_s=90)
     app = KafkaRequester(stack.bootstrap, stack.topics.requests, reply_topic, REPLY_PARTITIONS, "a")
     users = [WsUser(f"u{i}", system.urls, i % 2, say) for i in range(WS_USERS)]
-    run = LoadRun(users, app, plan_load(seed, RATE, load_s))
+    apis = {
+        channel: OpenAiRequester(channel, system.api_urls, system.api_key)
+        for channel in OPENAI_CHANNELS
+    }
+    run = LoadRun(users, app, plan_load(seed, RATE, load_s), apis)
     injector = Injector(system, brokers, say, network=brokers.network)
     await app.start()
     tasks = [asyncio.create_task(u.run()) for u in users]
@@ -241,6 +257,8 @@ async def _run(
     finally:
         await cancel_all(tasks)
         await app.stop()
+        for api in apis.values():
+            await api.stop()
     return run, injector
 
 
@@ -273,6 +291,7 @@ def _report(
     seen: dict[str, int],
     failed: str,
     availability_table: str,
+    continuity: str,
 ) -> str:
     played = "\n".join(f"- {line}" for line in injector.done)
     skipped = "\n".join(f"- {line}" for line in injector.skipped) or "- none"
@@ -282,7 +301,8 @@ def _report(
     extra = ", ".join(f"{k}={v}" for k, v in counts.items())
     return (
         f"Seed {seed}; load {load_s:.0f} s open loop at {RATE['websocket']:g} req/s over"
-        f" WebSocket and {RATE['kafka']:g} req/s from a Kafka producer.\n\n"
+        f" WebSocket, {RATE['kafka']:g} req/s from a Kafka producer, and over the OpenAI API"
+        f" {RATE['openai-stream']:g} req/s streaming and {RATE['openai']:g} req/s whole.\n\n"
         f"Faults planned:\n{planned}\n\nFaults played:\n{played}\n\n"
         f"Faults skipped (not begun when the load ended):\n{skipped}\n\n"
         f"Services that exited on their own (restarted by the supervisor):\n{exits}\n\n"
@@ -291,7 +311,37 @@ def _report(
         f"{summary_table}\n\n"
         f"Availability and TTFT under faults (TTFT after settle: sent {SETTLE_S:g} s or more"
         f" after the fault struck):\n\n{availability_table}\n\n"
+        f"What clients were shown of a re-run, per fault (from its start to {TAIL_S:g} s"
+        f" after its end):\n\n{continuity}\n\n"
         f"Not acknowledged, so not judged: {extra}\n\n"
         f"What the faults showed: {', '.join(f'{k}={v}' for k, v in seen.items())}\n"
         + (f"\nFirst failed requests:\n```\n{failed}\n```\n" if failed else "")
+    )
+
+
+def _by_fault(marks: list[tuple[str, float]], windows: list[FaultWindow]) -> str:
+    """A Markdown table: the `chat.reset` frames and SSE `error` events clients were shown
+    in each fault's window (to TAIL_S after its end), and outside every window."""
+    kinds = ("chat.reset", "sse error")
+    lines = ["| fault | window (s) | chat.reset | SSE error events |", "|---|---|---:|---:|"]
+    for w in windows:
+        n = Counter(kind for kind, at in marks if w.holds(at, TAIL_S))
+        lines.append(
+            f"| {w.label} | {w.start_s:.1f}-{w.end_s:.1f} | {n[kinds[0]]} | {n[kinds[1]]} |"
+        )
+    outside = Counter(kind for kind, at in marks if not any(w.holds(at, TAIL_S) for w in windows))
+    lines.append(f"| outside every fault | - | {outside[kinds[0]]} | {outside[kinds[1]]} |")
+    return "\n".join(lines)
+
+
+def _splices(gaps: list[float]) -> str:
+    """The splice gap of the re-runs on the Kafka channel (`KafkaRequest.splice_gaps`)."""
+    if not gaps:
+        return "Splice gap: no re-run on the Kafka channel."
+    ordered = sorted(gaps)
+    p50, p99 = (percentile(ordered, q) for q in (50, 99))
+    return (
+        f"Splice gap (Kafka channel: from the lost attempt's last record to the next attempt's"
+        f" first that adds text), {len(gaps)} re-runs: p50 {p50:.2f} s, p99 {p99:.2f} s,"
+        f" max {max(gaps):.2f} s"
     )

@@ -8,6 +8,7 @@ sees it, a result write that fails or a fencing stops the run without a final re
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -312,3 +313,45 @@ async def test_the_done_record_names_the_workers_variant_and_leaves_the_baseline
     [value] = [v for v in baseline.sent if v["kind"] == "done"]
     assert value["model"] == "m"
     assert "variant" not in value
+
+
+class UnstoringProducer(FakeProducer):
+    """A producer whose records are never stored: their leader's node is away."""
+
+    async def send_batch(
+        self, batch: FakeBatch, topic: str, *, partition: int
+    ) -> asyncio.Future[Any]:
+        return asyncio.get_running_loop().create_future()  # never resolved
+
+
+async def test_a_run_whose_engine_is_done_is_not_held_while_its_records_wait_to_be_stored() -> None:
+    """A chaos check's black-holed node held the finals of a worker's runs, and its engine
+    watch (engine_health.py) took the idle engine for hung and ended the worker."""
+    profile = sim_profile("constant", max_num_seqs=4, token_rate=500.0)
+    engine = SimEngine(profile)
+    await engine.start()
+    try:
+        async with ResultOutbox(UnstoringProducer(), resend_s=30.0) as outbox:
+            runs = RunningRequests(engine)
+            runner = RequestRunner(
+                engine,
+                outbox,
+                runs,
+                flush_ms=1.0,
+                flush_tokens=1,
+                telemetry=_telemetry(),
+                epoch_now=lambda: 0,
+                write_timeout_s=30.0,
+                model="m",
+            )
+            task = asyncio.create_task(runner.run(request("short", max_tokens=4), 1, UNTRACED))
+            deadline = asyncio.get_running_loop().time() + 5.0
+            while runs.progress()[0] or not runs.get("r1"):
+                assert asyncio.get_running_loop().time() < deadline, runs.progress()
+                await asyncio.sleep(0.01)
+            assert not task.done()  # its final still waits to be stored
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    finally:
+        await engine.stop()

@@ -97,6 +97,9 @@ class RequestState:
     exited: asyncio.Event = field(default_factory=asyncio.Event)
     # Monotonic time of its start or its last output: the engine's progress (engine_health.py).
     progressed_at: float = field(default_factory=time.monotonic)
+    # The engine has given its finish (or failed it): what follows (the final's write, a
+    # flush waiting on a node away) is the bus's time, not the engine's.
+    engine_done: bool = False
     _timer: asyncio.TimerHandle | None = None
     _ended: asyncio.Future[EngineFinish] | None = None  # push mode: the run waits on it
     _frames: DeltaFrames = field(init=False)
@@ -295,9 +298,11 @@ class RunningRequests:
         self._states[state.request_id] = state
 
     def progress(self) -> tuple[int, float]:
-        """How many requests run here, and the latest start or output among them
-        (monotonic; -inf with none)."""
-        states = self._states.values()
+        """How many requests the engine holds, and the latest start or output among them
+        (monotonic; -inf with none). A run whose engine is done and that waits for its
+        records to be stored is not counted: a node away held the finals of a worker's
+        runs, and its watch took the engine for hung (a chaos check's 20 s black hole)."""
+        states = [s for s in self._states.values() if not s.engine_done]
         return len(states), max((s.progressed_at for s in states), default=float("-inf"))
 
     def end(self, state: RequestState) -> None:

@@ -244,7 +244,10 @@ class RequestRunner:
         try:
             if continued:
                 state.continue_answer()
-            finish = await self._stream(state, trace, stream, continued)
+            try:
+                finish = await self._stream(state, trace, stream, continued)
+            finally:
+                state.engine_done = True
         except (Fenced, ReplyFailed):
             raise  # closing the stream has aborted the request in the engine
         except RequestRefused as exc:  # too long a prompt, a sampling field not honoured

@@ -29,7 +29,10 @@ Definitions:
   (None) without a steady p99. Requests with no first token are not in it: they show in the
   answered ratio and the "no first token" count.
 
-Every figure is given per channel scope: `websocket`, `kafka` and `all` (both together).
+Every figure is given per channel scope: `websocket`, `kafka`, `openai-stream`, `openai` and
+`all` (every channel together). For `openai-stream` accepted is the stream's `200` and TTFT
+runs to the first chunk with text; for `openai` (non-streaming) accepted is the answer's
+arrival and TTFT runs to it (the whole answer is its first token).
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from typing import Literal
 from bench.stats import percentile
 from tests.chaos.checker import CHANNELS, Channel
 
-Scope = Literal["all", "websocket", "kafka"]
+Scope = Literal["all", "websocket", "kafka", "openai-stream", "openai"]
 SCOPES: tuple[Scope, ...] = ("all", *CHANNELS)
 SLOW_FACTOR = 2.0
 STEADY = "steady"
@@ -308,7 +311,9 @@ def check(
 
 
 def markdown(result: Figures, scopes: Sequence[Scope] = SCOPES) -> str:
-    """A summary line and a table: per scope, the steady row, then one row per fault window."""
+    """A summary line and a table: per scope, the steady row, then one row per fault window
+    (a channel the run offered nothing on is left out)."""
+    scopes = [s for s in scopes if result.total(s).offered]
     summary = "; ".join(
         f"{t.scope}: offered {t.offered}, accepted {t.accepted} ({_pct(t.accepted_ratio)}),"
         f" answered {t.answered} ({_pct(t.answered_ratio)} of accepted)"

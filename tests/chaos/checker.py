@@ -15,6 +15,12 @@ requester saw of one acknowledged request, in arrival order:
   after it is dropped (ADR 0054); anything else that repeats or skips a `seq` is a fault.
   Records of a newer attempt after the final (a re-run of a request already answered) are
   counted as `rerun_after_final`: not shown, but work done twice.
+- `openai-stream`: the SSE events an `openai` SDK stream read, across the connections it
+  resumed on (`id: <attempt>:<seq>`), and what its requester did (`dropped`, `resumed`, an
+  HTTP `status` that ended it). The edge applies the stream rules and SSE has no reset, so
+  the text must come under one attempt, each `seq` once, then a `finish_reason`, then
+  `[DONE]`; an `error` event is the request's outcome (`sse error <code>`).
+- `openai`: a non-streaming call's whole `answer` (or the HTTP `status` that ended it).
 
 Verdicts, per request:
 - lost: no final outcome (`done` or `error`) at all;
@@ -34,8 +40,9 @@ from typing import Any, Literal
 
 from shared.messages import ErrorCode
 
-Channel = Literal["websocket", "kafka"]
-CHANNELS: tuple[Channel, ...] = ("websocket", "kafka")
+Channel = Literal["websocket", "kafka", "openai-stream", "openai"]
+CHANNELS: tuple[Channel, ...] = ("websocket", "kafka", "openai-stream", "openai")
+OPENAI_CHANNELS = ("openai-stream", "openai")
 STABLE_CODES = frozenset(code.value for code in ErrorCode)
 
 
@@ -88,6 +95,8 @@ class _Stream:
     stale: int = 0
     after_final: int = 0  # frames or records past the final: named once, then counted
     rerun_after_final: bool = False
+    stable_codes: bool = True  # an error outcome must be a stable protocol code
+    finish_reason: str | None = None  # openai-stream: the chunk that finished, read
 
     def duplicate(self, problem: str) -> None:
         self.duplicated = True
@@ -120,14 +129,14 @@ class _Stream:
             text = "".join(self.text)
             if text != self.expected_text:
                 self.fault(_text_mismatch(text, self.expected_text, self.attempt))
-        elif outcome not in STABLE_CODES:
+        elif self.stable_codes and outcome not in STABLE_CODES:
             self.fault(f"error code {outcome!r} is not a stable protocol code")
 
 
 def judge(history: History) -> Verdict:
     """The verdict on one request."""
-    stream = _Stream(history.expected_text)
-    step = _websocket_step if history.channel == "websocket" else _kafka_step
+    stream = _Stream(history.expected_text, stable_codes=history.channel not in OPENAI_CHANNELS)
+    step = _STEPS[history.channel]
     for event in history.events:
         step(stream, event)
     return Verdict(
@@ -227,6 +236,68 @@ def _kafka_step(stream: _Stream, record: Mapping[str, Any]) -> None:
         stream.fault(f"unexpected record kind {kind!r}")
 
 
+def _openai_stream_step(stream: _Stream, event: Mapping[str, Any]) -> None:
+    """One SSE event (`id`, `data`) as the SDK client read it, or what its requester did
+    (`dropped`, `resumed`, an HTTP `status` that ended it). There is no reset over SSE: text
+    of another attempt than the one shown is corrupt."""
+    if "status" in event:
+        stream.finish(f"http {event['status']} {event.get('code')}", (stream.attempt, -1, "status"))
+        return
+    if "data" not in event:
+        return  # dropped, resumed: how it was read, judged by what came
+    data, event_id = event["data"], event.get("id")
+    if stream.outcome is not None:
+        if data == "[DONE]" and stream.outcome != "done" and stream.final_id == (-1, -1, "error"):
+            stream.final_id = (-1, -1, "error [DONE]")  # the [DONE] an error event ends with
+        else:
+            stream.past_final(f"event {event_id} {str(data)[:60]}")
+        return
+    if data == "[DONE]":
+        if stream.finish_reason is None:
+            stream.fault("[DONE] before a chunk with a finish_reason")
+        stream.finish("done", (stream.attempt, stream.next_seq, "done"))
+        return
+    if "error" in data:
+        error = data["error"]
+        stream.finish(f"sse error {error.get('code')}", (-1, -1, "error"))
+        return
+    choices = data.get("choices") or []
+    if not choices:
+        return  # the usage chunk
+    choice, (attempt, seq) = choices[0], _event_id(event_id)
+    if stream.finish_reason is not None:
+        stream.duplicate(f"a chunk after the finish ({stream.finish_reason}): {event_id}")
+        return
+    if text := choice.get("delta", {}).get("content"):
+        if stream.next_seq == 0:
+            stream.attempt = attempt  # the attempt its text is shown under
+        if attempt != stream.attempt:
+            stream.fault(f"text of attempt {attempt} after attempt {stream.attempt}'s ({event_id})")
+        elif seq < stream.next_seq:
+            stream.duplicate(f"event {event_id} shown again")
+        elif seq > stream.next_seq:
+            stream.fault(f"gap: event {event_id}, seq {stream.next_seq} due")
+        else:
+            stream.next_seq = seq + 1
+            stream.text.append(str(text))
+    if choice.get("finish_reason") is not None:
+        stream.finish_reason = str(choice["finish_reason"])
+
+
+def _event_id(value: object) -> tuple[int, int]:
+    attempt, _, seq = str(value).partition(":")
+    return int(attempt), int(seq)
+
+
+def _openai_step(stream: _Stream, event: Mapping[str, Any]) -> None:
+    """A non-streaming call's whole `answer`, its HTTP `status` error, or a resend."""
+    if "answer" in event:
+        stream.text = [str(event["answer"])]
+        stream.finish("done", (0, 0, "done"))
+    elif "status" in event:
+        stream.finish(f"http {event['status']} {event.get('code')}", (0, 0, "error"))
+
+
 def _kafka_reset(stream: _Stream, attempt: int) -> None:
     """`reset`: attempt `attempt` supersedes every earlier one; it carries no text or seq."""
     if stream.outcome is not None:
@@ -268,6 +339,14 @@ class Summary:
     @property
     def passed(self) -> bool:
         return self.acknowledged > 0 and self.lost == self.duplicated == self.corrupt == 0
+
+
+_STEPS = {
+    "websocket": _websocket_step,
+    "kafka": _kafka_step,
+    "openai-stream": _openai_stream_step,
+    "openai": _openai_step,
+}
 
 
 def summarize(verdicts: Iterable[Verdict]) -> Summary:

@@ -18,7 +18,7 @@ import urllib.parse
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import websockets
 from aiokafka import AIOKafkaConsumer, TopicPartition
@@ -29,6 +29,9 @@ from shared.kafka import make_producer
 from shared.settings import TokenbusSettings
 from tests.chaos.availability import Sample
 from tests.chaos.checker import Channel, History
+
+if TYPE_CHECKING:
+    from tests.chaos.openai_load import OpenAiRequester
 
 Frame = dict[str, Any]
 # A refused resume (`overloaded`) is tried again after 0.5 s, doubling to 4 s, as a client
@@ -41,14 +44,19 @@ class Planned:
     """One request of the load: when it leaves, over what, and what it asks."""
 
     at_s: float
-    channel: str  # "websocket" or "kafka"
+    channel: str  # a checker channel: "websocket", "kafka", "openai-stream", "openai"
     prompt: str
     max_tokens: int
     priority: str
 
     @property
     def expected_text(self) -> str:
-        return complete(self.prompt, self.max_tokens).text
+        return self.expected_text_of(self.prompt)
+
+    def expected_text_of(self, engine_prompt: str) -> str:
+        """The sim's answer when its engine is given `engine_prompt` (a chat request's
+        messages reach it as `role: content` lines)."""
+        return complete(engine_prompt, self.max_tokens).text
 
 
 def plan_load(seed: int, rate: dict[str, float], duration_s: float) -> list[Planned]:
@@ -96,6 +104,7 @@ class WsRequest:
     accepted_at: float | None = None
     first_token_at: float | None = None
     final_at: float | None = None
+    resets_at: list[float] = field(default_factory=list)  # each `chat.reset` shown
 
     @property
     def settled(self) -> bool:
@@ -243,6 +252,7 @@ class WsUser:
                 r.first_token_at = time.monotonic()
         elif kind == "chat.reset":
             r.attempt, r.last_seq = int(frame["attempt"]), -1
+            r.resets_at.append(time.monotonic())
         elif kind in ("chat.done", "error"):
             if not r.final:
                 r.final_at = time.monotonic()
@@ -263,6 +273,7 @@ class KafkaRequest:
     request_id: str
     acked: bool | None = None  # None: the produce has not answered yet
     records: list[Frame] = field(default_factory=list)
+    read_at: list[float] = field(default_factory=list)  # each record's, monotonic
     # time.monotonic() when the app called send, the broker acknowledged the write, the first
     # `delta` record was read from the reply topic, the first final record was read.
     sent_at: float | None = None
@@ -286,6 +297,29 @@ class KafkaRequest:
         if record.get("kind") in ("done", "error") and self.final_at is None:
             self.final_at = at
         self.records.append(record)
+        self.read_at.append(at)
+
+    def splice_gaps(self) -> list[float]:
+        """For each later attempt of one whose text was read: from the last record read of
+        the attempt it replaced to its first record that adds text beyond that attempt's (or
+        its final): how long a reader waited for the answer to go on (a continuation writes
+        the text so far first)."""
+        gaps: list[float] = []
+        attempt, text, shown = 0, 0, None
+        lost_at: float | None = None  # the last record read of the attempt under way
+        for record, at in zip(self.records, self.read_at, strict=True):
+            kind, a = record.get("kind"), int(record.get("attempt", 0))
+            if a < attempt or kind == "reset":
+                continue
+            if a > attempt:  # a re-run: a splice only where the lost attempt sent text
+                attempt, shown, text = a, (text if text and lost_at is not None else None), 0
+            text += len(str(record.get("text") or "")) if kind == "delta" else 0
+            if shown is not None and lost_at is not None and (text > shown or kind != "delta"):
+                gaps.append(at - lost_at)
+                shown = None
+            if shown is None:  # in a splice, the loss stays where the replaced attempt ended
+                lost_at = at
+        return gaps
 
 
 class KafkaRequester:
@@ -393,6 +427,8 @@ class LoadRun:
     users: list[WsUser]
     app: KafkaRequester
     planned: list[Planned]
+    # The OpenAI API's requesters, by channel (tests/chaos/openai_load.py).
+    apis: dict[str, OpenAiRequester] = field(default_factory=dict)
     zero: float | None = None  # time.monotonic() of the load's t=0, once send_all began
 
     async def send_all(self, zero: float) -> None:
@@ -405,20 +441,25 @@ class LoadRun:
                 await asyncio.sleep(delay)
             if p.channel == "kafka":
                 self.app.submit(p)
+            elif p.channel in self.apis:
+                self.apis[p.channel].submit(p)
             else:
                 self.users[ws_i % len(self.users)].submit(p)
                 ws_i += 1
 
     def settled(self) -> bool:
-        return self.app.settled() and all(u.settled() for u in self.users)
+        apis = all(api.settled() for api in self.apis.values())
+        return apis and self.app.settled() and all(u.settled() for u in self.users)
 
     def finals(self) -> int:
         """How many requests have their final outcome now: rises while the system answers."""
         ws = sum(r.final for u in self.users for r in u.requests.values())
-        return ws + sum(r.final for r in self.app.requests.values())
+        apis = sum(r.final for api in self.apis.values() for r in api.requests)
+        return ws + apis + sum(r.final for r in self.app.requests.values())
 
     def histories(self) -> list[History]:
-        return [h for u in self.users for h in u.histories()] + self.app.histories()
+        apis = [h for api in self.apis.values() for h in api.histories()]
+        return [h for u in self.users for h in u.histories()] + self.app.histories() + apis
 
     def counts(self) -> dict[str, int]:
         ws = [r for u in self.users for r in u.requests.values()]
@@ -431,6 +472,7 @@ class LoadRun:
             "ws_resent": sum(r.resent for r in ws),
             "ws_unsent": sum(not r.sent for r in ws),
             "kafka_unacked": sum(r.acked is False for r in self.app.requests.values()),
+            **{k: n for api in self.apis.values() for k, n in api.counts().items()},
         }
 
     def samples(self) -> list[Sample]:
@@ -444,14 +486,33 @@ class LoadRun:
         zero = self.zero
         samples = [_ws_sample(r, zero) for u in self.users for r in u.requests.values()]
         samples += [_kafka_sample(r, zero) for r in self.app.requests.values()]
+        samples += [s for api in self.apis.values() for s in api.samples(zero)]
         handed = {r.planned for u in self.users for r in u.requests.values()}
         handed |= {r.planned for r in self.app.requests.values()}
+        handed |= {r.planned for api in self.apis.values() for r in api.requests}
         samples += [
             Sample(cast(Channel, p.channel), p.at_s, None, accepted=False, answered=False)
             for p in self.planned
             if p not in handed
         ]
         return sorted(samples, key=lambda s: s.sent_at_s)
+
+    def marks(self) -> list[tuple[str, float]]:
+        """When each `chat.reset` and each SSE `error` event reached its client, from zero."""
+        zero = self.zero or 0.0
+        resets = [at for u in self.users for r in u.requests.values() for at in r.resets_at]
+        errors = [
+            at for api in self.apis.values() for r in api.requests for at in r.error_events_at
+        ]
+        return sorted(
+            [("chat.reset", at - zero) for at in resets]
+            + [("sse error", at - zero) for at in errors],
+            key=lambda mark: mark[1],
+        )
+
+    def splice_gaps(self) -> list[float]:
+        """Every re-run's splice gap on the Kafka channel (`KafkaRequest.splice_gaps`)."""
+        return [g for r in self.app.requests.values() for g in r.splice_gaps()]
 
     def seen(self) -> dict[str, int]:
         """How often the faults showed: resets, resumes, re-run attempts on the reply topic."""
@@ -463,6 +524,7 @@ class LoadRun:
             "ws_reconnects": sum(u.reconnects for u in self.users),
             "ws_resume_retries": sum(u.resume_retries for u in self.users),
             "kafka_later_attempt_records": sum(int(x["attempt"]) > 0 for x in records),
+            **{k: n for api in self.apis.values() for k, n in api.seen().items()},
         }
 
 

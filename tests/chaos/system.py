@@ -247,6 +247,15 @@ class ChaosSystem:
         # Both with the `default` tenant's key: the edges refuse sockets without one.
         return [self.stack.ws_url, self.stack.ws_url_as("default", port=self.port_b)]
 
+    @property
+    def api_urls(self) -> list[str]:
+        """The OpenAI API of each edge (with the `default` tenant's key, `api_key`)."""
+        return [f"http://127.0.0.1:{port}/v1" for port in (self.stack.edge_port, self.port_b)]
+
+    @property
+    def api_key(self) -> str:
+        return self.stack.keys["default"]
+
     def launch(self, name: str) -> None:
         service = self.services[name]
         if (proc := self.stack.processes.get(service.key)) is not None and proc.poll() is None:

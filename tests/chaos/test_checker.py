@@ -255,3 +255,107 @@ def test_table_and_failures_name_the_counts() -> None:
     assert "websocket c: no final outcome" in listed
     assert "websocket e: chat.done after the final (done)" in listed
     assert "kafka d" not in listed
+
+
+# -- openai: the SDK's streams and whole answers ----------------------------------------------
+
+
+def sse(event_id: str | None, data: object) -> dict[str, Any]:
+    return {"id": event_id, "data": data}
+
+
+def chunk(event_id: str, text: str | None, finish: str | None = None) -> dict[str, Any]:
+    delta = {"content": text} if text is not None else {}
+    return sse(event_id, {"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
+
+
+def streamed(*events: dict[str, Any], expected: str = TEXT) -> Verdict:
+    return judge(History("o1", "openai-stream", expected, events))
+
+
+def answered(*events: dict[str, Any], expected: str = TEXT) -> Verdict:
+    return judge(History("o2", "openai", expected, events))
+
+
+ROLE = sse("0:-1", {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+USAGE = sse("0:1", {"choices": [], "usage": {"completion_tokens": 3}})
+
+
+def test_an_sse_stream_with_its_finish_and_done_is_one_whole_answer() -> None:
+    v = streamed(
+        ROLE,
+        chunk("0:0", "The bus "),
+        chunk("0:1", "leaves."),
+        chunk("0:1", None, "stop"),
+        USAGE,
+        sse(None, "[DONE]"),
+    )
+    assert v.ok, v.problems
+    assert v.outcome == "done"
+
+
+def test_an_sse_stream_resumed_on_the_other_edge_goes_on_after_its_last_event() -> None:
+    v = streamed(
+        ROLE,
+        chunk("0:0", "The bus "),
+        {"dropped": "RemoteProtocolError", "edge": 0},
+        {"resumed": "0:0", "edge": 1},
+        chunk("0:1", "leaves."),
+        chunk("0:1", None, "stop"),
+        sse(None, "[DONE]"),
+    )
+    assert v.ok, v.problems
+
+
+def test_text_first_shown_under_a_later_attempt_passes() -> None:
+    # An attempt reset before it showed text: the stream's text comes under the next one.
+    v = streamed(
+        ROLE,
+        chunk("1:0", "The bus "),
+        chunk("1:1", "leaves."),
+        chunk("1:1", None, "stop"),
+        sse(None, "[DONE]"),
+    )
+    assert v.ok, v.problems
+    assert streamed(ROLE, chunk("1:0", "The bus ")).lost  # no [DONE]: no outcome yet
+
+
+@pytest.mark.parametrize(
+    ("events", "what"),
+    [
+        ((chunk("0:0", "The bus "), chunk("0:0", "The bus ")), "duplicated"),
+        ((chunk("0:0", "The bus "), chunk("0:2", "leaves.")), "corrupt"),
+        ((chunk("0:0", "The bus "), chunk("1:1", "leaves.")), "corrupt"),
+        ((chunk("0:0", "The bus "), chunk("0:1", "leaves!")), "corrupt"),
+        ((chunk("0:0", "The bus leaves."),), "corrupt"),  # [DONE] without a finish
+    ],
+)
+def test_an_sse_stream_that_repeats_skips_or_changes_text_fails(
+    events: tuple[dict[str, Any], ...], what: str
+) -> None:
+    finish = () if what == "corrupt" and len(events) == 1 else (chunk("0:1", None, "stop"),)
+    v = streamed(ROLE, *events, *finish, sse(None, "[DONE]"))
+    assert getattr(v, what), v.problems
+
+
+def test_an_sse_error_event_is_the_outcome_and_its_done_belongs_to_it() -> None:
+    error_event = sse("0:0", {"error": {"code": "internal", "message": "m"}})
+    v = streamed(ROLE, chunk("0:0", "The bus "), error_event, sse(None, "[DONE]"))
+    assert v.outcome == "sse error internal"
+    assert v.ok, v.problems
+
+
+def test_an_event_after_done_is_a_duplicate() -> None:
+    v = streamed(
+        chunk("0:0", TEXT), chunk("0:0", None, "stop"), sse(None, "[DONE]"), chunk("0:1", "x")
+    )
+    assert v.duplicated
+
+
+def test_a_whole_answer_is_judged_by_its_text_and_a_status_is_its_outcome() -> None:
+    assert answered({"dropped": "APIConnectionError", "edge": 0}, {"answer": TEXT}).ok
+    assert answered({"answer": "The bus left."}).corrupt
+    status = answered({"status": 504, "code": "deadline_exceeded"})
+    assert status.outcome == "http 504 deadline_exceeded"
+    assert status.ok
+    assert answered({"dropped": "APIConnectionError", "edge": 0}).lost

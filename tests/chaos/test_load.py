@@ -10,6 +10,7 @@ import pytest
 
 from tests.chaos.availability import Sample
 from tests.chaos.load import KafkaRequest, KafkaRequester, LoadRun, Planned, WsUser, plan_load
+from tests.chaos.openai_load import sse_events
 
 
 def test_the_same_seed_plans_the_same_load() -> None:
@@ -104,3 +105,34 @@ async def test_samples_time_each_request_from_the_load_zero(idle_app: KafkaReque
     ]
     assert kafka_samples[1].sent_at_s == pytest.approx(9.0)
     assert (done.first_token_at, done.final_at) == (now - 0.25, now)
+
+
+def test_the_splice_gap_runs_from_the_lost_attempts_last_record_to_new_text() -> None:
+    planned = Planned(0.0, "kafka", "p", 8, "interactive")
+    r = KafkaRequest(planned, "k1")
+
+    def record(kind: str, attempt: int, seq: int, text: str = "") -> dict[str, Any]:
+        return {"request_id": "k1", "kind": kind, "attempt": attempt, "seq": seq, "text": text}
+
+    r.read(record("delta", 0, 0, "The "), 1.0)
+    r.read(record("delta", 0, 1, "bus "), 1.5)  # then its worker dies
+    r.read(record("reset", 1, 0), 3.0)
+    r.read(record("delta", 1, 0, "The bus "), 3.2)  # the text so far: nothing new yet
+    r.read(record("delta", 1, 1, "leaves."), 4.0)
+    r.read(record("done", 1, 2), 4.1)
+    assert r.splice_gaps() == [4.0 - 1.5]
+
+
+async def test_sse_events_are_read_with_their_ids_and_keep_alives_skipped() -> None:
+    async def lines() -> AsyncIterator[str]:
+        for line in [": keep-alive", "", "id: 0:-1", 'data: {"a": 1}', "", "data: [DONE]", ""]:
+            yield line
+
+    assert [e async for e in sse_events(lines())] == [("0:-1", '{"a": 1}'), (None, "[DONE]")]
+
+
+def test_a_re_run_of_an_attempt_that_sent_no_text_is_no_splice() -> None:
+    r = KafkaRequest(Planned(0.0, "kafka", "p", 8, "interactive"), "k1")
+    r.read({"request_id": "k1", "kind": "delta", "attempt": 1, "seq": 0, "text": "The"}, 9.0)
+    r.read({"request_id": "k1", "kind": "done", "attempt": 1, "seq": 1}, 9.5)
+    assert r.splice_gaps() == []
