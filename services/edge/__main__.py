@@ -6,6 +6,7 @@ import uvicorn
 from pydantic import ValidationError
 
 from services.edge.app import Edge, build_app
+from services.edge.drain import DrainingServer
 from services.edge.listener import uvicorn_options
 from services.edge.settings import EdgeSettings
 from shared.health import health_port, with_health
@@ -32,7 +33,8 @@ def main() -> None:
         lifespan="on",
         loop=UVICORN_LOOP,
     )
-    server = uvicorn.Server(config)  # owns SIGINT and SIGTERM, as under `uvicorn.run`
+    # Owns SIGINT and SIGTERM, as under `uvicorn.run`; the first drains the edge (drain.py).
+    server = DrainingServer(config, edge.start_drain)
     # /metrics on its own port (TOKENBUS_METRICS_HOST, loopback by default), never on the
     # public one; /healthz and /readyz answer on both.
     serving = with_health(

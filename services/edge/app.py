@@ -8,6 +8,7 @@ the gateway once `runtime.running` has built it, and the routes: the WebSocket c
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import secrets
@@ -28,6 +29,7 @@ from starlette.websockets import WebSocket
 from services.edge.auth import Guard
 from services.edge.budget import ByteBudget
 from services.edge.chat_socket import ChatSocket
+from services.edge.drain import drain
 from services.edge.gateway import Gateway
 from services.edge.metrics import EdgeMetrics
 from services.edge.models import ModelDirectory
@@ -65,6 +67,7 @@ class Edge:
         # Keys, origins, quotas (auth.py); tenant ids are keyed by the resume keys.
         self.guard = Guard(settings, self.resume_keys)
         self.gateway: Gateway | None = None  # None until the lifespan reached Kafka
+        self.draining = False  # SIGTERM came: not ready, no new work (drain.py)
         # The weight of frames queued for all clients, WebSockets and HTTP (outbox.py).
         self.outbox_budget = ByteBudget(settings.edge_outbox_budget_bytes)
         # The OpenAI-compatible API (services/edge/openai/): the models workers advertise.
@@ -88,6 +91,15 @@ class Edge:
             finally:
                 self.gateway = None
 
+    def start_drain(self) -> asyncio.Task[int] | None:
+        """SIGTERM's first step (drain.py): None where the edge stops at once (starting, or
+        its lease lost)."""
+        gateway = self.gateway
+        if gateway is None:
+            return None
+        self.draining = True
+        return asyncio.create_task(drain(gateway, self.settings.edge_drain_s), name="edge-drain")
+
     def _lease_lost(self) -> None:
         """Another edge may own our results partition: stop serving, and exit."""
         self.gateway = None
@@ -100,6 +112,8 @@ class Edge:
         gateway = self.gateway
         if gateway is None:
             return Readiness.not_ready("starting")
+        if self.draining:
+            return Readiness.not_ready("draining")
         if not gateway.link.health.reachable:
             return Readiness.not_ready("kafka unreachable")
         return Readiness(ready=True, reason="ok")

@@ -39,6 +39,8 @@ CLOSE_TRY_AGAIN_LATER = 1013
 CLOSE_TIMEOUT_S = 5.0
 # RFC 6455 close code 1009 "message too big": a frame above the limit before the key.
 CLOSE_MESSAGE_TOO_BIG = 1009
+# RFC 6455 close code 1012 "service restart": the edge drains; resume on another edge.
+SERVICE_RESTART = 1012
 
 
 class ChatSocket:
@@ -70,6 +72,7 @@ class ChatSocket:
         self._closed = False  # served: nothing more is queued
         self._too_slow = asyncio.Event()
         self._revoked = asyncio.Event()  # its key was revoked: closed at once (1008)
+        self._restarting = asyncio.Event()  # the edge drains: closed 1012, to resume elsewhere
         # Who the socket speaks for; nothing but `auth` is read before that is known.
         self.auth = SocketAuth(
             gateway.guard, upgrade, time.monotonic(), on_revoked=self._revoked.set
@@ -94,6 +97,11 @@ class ChatSocket:
             self._fall_behind()
             return
         self.queued_bytes += weight
+
+    def drain(self) -> None:
+        """The edge is restarting (drain.py): the socket closes 1012 (service restart) and its
+        streams wait out the disconnect grace for a resume on another edge."""
+        self._restarting.set()
 
     def _fall_behind(self) -> None:
         """The client reads slower than its streams arrive: let go of it, keep its streams.
@@ -131,13 +139,19 @@ class ChatSocket:
                 reader = tg.create_task(self._read(tg))
                 too_slow = tg.create_task(self._too_slow.wait())
                 revoked = tg.create_task(self._revoked.wait())
-                await asyncio.wait({reader, too_slow, revoked}, return_when=asyncio.FIRST_COMPLETED)
-                for task in (writer, reader, too_slow, revoked):
+                restarting = tg.create_task(self._restarting.wait())
+                await asyncio.wait(
+                    {reader, too_slow, revoked, restarting}, return_when=asyncio.FIRST_COMPLETED
+                )
+                for task in (writer, reader, too_slow, revoked, restarting):
                     task.cancel()
             if self._revoked.is_set():
                 await self.ws.close(POLICY_VIOLATION, "the socket's API key was revoked")
             elif self._too_slow.is_set():
                 await self._close_too_slow()
+            elif self._restarting.is_set():
+                self.gateway.detach(self)  # before the close: nothing more is queued
+                await self._close_bounded(SERVICE_RESTART, "the edge is restarting; resume")
             elif (close := reader.result()) is not None:
                 await self.ws.close(close.code, close.reason)
         except* (WebSocketDisconnect, ConnectionError):
@@ -157,13 +171,13 @@ class ChatSocket:
         self.queued_bytes = 0
 
     async def _close_too_slow(self) -> None:
+        await self._close_bounded(CLOSE_TRY_AGAIN_LATER, "reading too slowly; resume the streams")
+
+    async def _close_bounded(self, code: int, reason: str) -> None:
         # The close frame queues behind what the client has not read: bounded, then given up
         # (the server's close timeout drops the connection).
         try:
-            await asyncio.wait_for(
-                self.ws.close(CLOSE_TRY_AGAIN_LATER, "reading too slowly; resume the streams"),
-                CLOSE_TIMEOUT_S,
-            )
+            await asyncio.wait_for(self.ws.close(code, reason), CLOSE_TIMEOUT_S)
         except (TimeoutError, RuntimeError) as exc:
             log.info("socket.close_unsent", error=repr(exc))
 

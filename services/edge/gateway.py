@@ -78,6 +78,8 @@ log = structlog.get_logger()
 _control: TypeAdapter[ControlRecord] = TypeAdapter(ControlRecord)
 
 RESUME_TIMEOUT_S = 10.0
+# What a draining edge answers a new request or resume (`overloaded`, with the retry hint).
+RESTARTING = "the edge is restarting: send it to another edge"
 
 
 def request_record(
@@ -153,6 +155,7 @@ class Gateway:
         self.token_budget = settings.largest_token_budget  # the most one request may ask
         self.stalls = StallGuard(settings.edge_stream_stall_s)
         self.wake = asyncio.Event()  # housekeeping has an earlier deadline to look at
+        self.draining = False  # SIGTERM: no new request or resume is taken (drain.py)
         link.on_reachable.append(self.on_reachable)
 
     # -- the client seam ------------------------------------------------------------------
@@ -172,6 +175,9 @@ class Gateway:
         `request` was validated under `self.limits` (as `parse_client_frame` and the OpenAI
         translation do). `parent`: headers that may carry the caller's `traceparent`.
         """
+        if self.draining:
+            client.send(self.link.overloaded(RESTARTING, client_id=request.client_id))
+            return None
         if unknown := self.models.unknown(request, time.time()):
             _, message = unknown
             client.send(
@@ -353,6 +359,9 @@ class Gateway:
                 now=time.time(),
             )
             request_id = claims.request_id
+            if self.draining:
+                client.send(self.link.overloaded(RESTARTING, request_id=request_id))
+                return
             previous = self.router.get(request_id)
             if previous is not None and previous.client is client:
                 return  # already attached to this client: nothing to replay
@@ -396,6 +405,14 @@ class Gateway:
                     request_id=request_id,
                 )
             )
+
+    def attached(self) -> list[Client]:
+        """The clients streams are delivered to now (each once)."""
+        clients: dict[int, Client] = {}
+        for stream in self.router:
+            if stream.client is not None:
+                clients.setdefault(id(stream.client), stream.client)
+        return list(clients.values())
 
     def detach(self, client: Client) -> None:
         """A client went away: its streams wait out the grace period for a resume."""

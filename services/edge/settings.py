@@ -90,6 +90,15 @@ class EdgeSettings(KeysSettings):
         ge=0,
         description="A dropped socket's requests are cancelled after this long without a resume.",
     )
+    edge_drain_s: float = Field(
+        default=20.0,
+        ge=0,
+        description="On SIGTERM the edge takes no new request (/readyz 503; requests and"
+        " resumes refused `overloaded`) and lets the streams in flight finish for up to this"
+        " long; then sockets close 1012, SSE streams end with an `edge_restarting` event that"
+        " says where to resume, whole answers still running are refused 503 and cancelled, all"
+        " to go on at another edge. A second signal stops it at once.",
+    )
     edge_stream_stall_s: float = Field(
         default=60.0,
         gt=0,

@@ -50,6 +50,11 @@ class Client(Protocol):
 
     def send(self, frame: ServerFrame, stream: ResultStream | None = None) -> None: ...
 
+    def drain(self) -> None:
+        """The edge is restarting: let go of this client's streams so that it goes on at
+        another edge (a socket closes 1012, an SSE stream ends with where to resume, a whole
+        answer is refused 503 and its request cancelled). Never waits."""
+
 
 @dataclass
 class ResumePoint:

@@ -76,6 +76,27 @@ def too_large(limit: int) -> HttpError:
     return _body_refused(413, f"body: above the limit of {limit} bytes", "request_too_large")
 
 
+# A draining edge's answers say to go on at another edge now: the hint is short.
+RESTART_RETRY_AFTER_MS = 100
+
+
+def restarting(resume_from: str | None = None) -> HttpError:
+    """The edge is restarting (services/edge/drain.py): 503 `edge_restarting`, to be sent
+    again to another edge; for a stream cut short, `resume_from` is its last event's id."""
+    message = "the edge is restarting: send the request again to another edge"
+    if resume_from is not None:
+        message += (
+            f" with `Last-Event-ID: {resume_from}` and its `X-Tokenbus-Resume-Token` to go on"
+            " from this event"
+        )
+    return http_error(
+        ErrorCode.overloaded,
+        message,
+        retry_after_ms=RESTART_RETRY_AFTER_MS,
+        openai_code="edge_restarting",
+    )
+
+
 def too_slow(timeout_s: float) -> HttpError:
     """A body not whole within `timeout_s` of its head: 408, and the connection closed."""
     return _body_refused(408, f"body: not received whole within {timeout_s:g} s", "request_timeout")

@@ -37,6 +37,7 @@ from services.edge.openai.errors import (
     bodies_busy,
     http_error,
     invalid,
+    restarting,
     too_large,
     too_slow,
     unknown_model,
@@ -101,6 +102,7 @@ class HttpClient:
         self.frames: asyncio.Queue[tuple[ServerFrame, object, int]] = asyncio.Queue(max_frames)
         self.behind = asyncio.Event()
         self.revoked = False  # its key was revoked: let go of, as one behind is
+        self.restarting = False  # the edge drains: let go of, told where to go on (drain.py)
         # Bounded in weight too, and within the edge's budget (services/edge/outbox.py).
         self.max_bytes = max_bytes
         self.queued_bytes = 0
@@ -109,6 +111,10 @@ class HttpClient:
 
     def revoke(self) -> None:
         self.revoked = True
+        self.behind.set()
+
+    def drain(self) -> None:
+        self.restarting = True
         self.behind.set()
 
     def send(self, frame: ServerFrame, stream: object = None) -> None:
@@ -341,6 +347,11 @@ class SseResponse(Response):
                     request_id=self._sse.ident.request_id,
                 )
                 await self._write(send, self._sse.take(revoked))
+            elif self._client.restarting and not self._sse.ended:
+                # The edge drains: the stream is detached (below) and waits out the grace for
+                # the client to go on at another edge, from the event this one names.
+                await self._write(send, self._sse.restarting())
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
             if self._sse.ended:
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         except OSError as exc:  # the client's connection broke mid-write
@@ -558,6 +569,10 @@ class OpenAIApi:
         while True:
             got = await next_frame(client, disconnect, self._keepalive_s)
             if got is None:
+                if client.restarting and answer is not None:
+                    # The edge drains: the client's retry (at another edge) is the one run.
+                    await self._streams.cancel(answer.ident.request_id, client)
+                    return error_response(restarting())
                 if disconnect.gone.is_set() or client.behind.is_set():
                     self._streams.detach(client)  # cancelled after the grace
                     if client.revoked:

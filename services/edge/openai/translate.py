@@ -29,7 +29,7 @@ from typing import Literal
 from pydantic import ValidationError
 
 from services.edge.openai import tool_calls
-from services.edge.openai.errors import HttpError, http_error, invalid
+from services.edge.openai.errors import HttpError, http_error, invalid, restarting
 from services.edge.openai.logprobs import asked as asked_logprobs
 from services.edge.openai.logprobs import chat_logprobs, completion_logprobs
 from services.edge.openai.schema import (
@@ -357,6 +357,13 @@ class SseStream:
             out.append(event(self._usage_chunk(usage_of(frame)), self._id()))
         out.append(DONE)
         return out
+
+    def restarting(self) -> list[bytes]:
+        """The edge drains: an `error` event (`edge_restarting`) that ends this connection's
+        stream and names where it stands, its `id:` sent whether ids were asked for or not:
+        the client sends the request again to another edge with it as `Last-Event-ID`."""
+        where = EventId(self._attempt, self._last_seq)
+        return [event(restarting(str(where)).body, where)]
 
     def _id(self) -> EventId | None:
         return EventId(self._attempt, self._last_seq) if self.event_ids else None
