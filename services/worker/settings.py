@@ -181,9 +181,10 @@ class WorkerSettings(TokenbusSettings):
         default=None,
         min_length=1,
         description="sim engine faults (tests only; unset in production): a file here saying"
-        " `dead` kills the whole sim engine at its next step (every request fails, it says it"
-        " died), as an engine core's death does; `hang` stops its steps for good, as a hung"
-        " core's. Read at most every 0.25 s, and removed once read.",
+        " `dead` kills the whole sim engine at its next step, or within 0.25 s while it is idle"
+        " (every request fails, it says it died), as an engine core's death does; `hang` stops"
+        " its steps for good, as a hung core's. Read at most every 0.25 s, and removed once"
+        " read.",
     )
     worker_sim_logprobs: bool = Field(
         default=False,

@@ -106,8 +106,15 @@ def bus(bootstrap: str, log_dir: Path, local_engine: LocalEngine) -> Iterator[St
     two vLLM workers, the `fp32` variant's, a continuous and a static transformers worker,
     all on SmolLM2. tests/real_engine/test_bus.py and test_clients.py ask for it; a test
     marked `ends_the_bus` (the kill -9 of a vLLM worker) runs last of the session."""
+    # An engine holding work silent for 10 s is taken for hung (the stopped engine core's
+    # test, test_bus.py): far above this model's prefills here, far below the edge's 60 s.
     workers = {
-        key: {**local_engine.worker_env("vllm"), "TOKENBUS_WORKER_ID": key} for key in VLLM_WORKERS
+        key: {
+            **local_engine.worker_env("vllm"),
+            "TOKENBUS_WORKER_ID": key,
+            "TOKENBUS_WORKER_ENGINE_STALL_S": "10",
+        }
+        for key in VLLM_WORKERS
     }
     workers[FP32_WORKER] = {
         **local_engine.worker_env("vllm"),

@@ -18,7 +18,9 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -548,26 +550,31 @@ def test_eval_reports_float32_against_bfloat16_on_the_models_own_text(
 
 
 KILLED_ANSWER_TOKENS = 1500
+# The bus's vLLM workers take an engine silent this long while it holds work for hung
+# (TOKENBUS_WORKER_ENGINE_STALL_S, tests/real_engine/conftest.py).
+STALL_S = 10.0
 
 
-@pytest.mark.ends_the_bus
-def test_kill_9_of_the_serving_workers_engine_core_ends_it_and_the_answer_goes_on(
-    bus: Stack,
-) -> None:
-    """e. The engine core of the worker streaming an answer is killed (kill -9 of its
-    `EngineCore` process alone: a CUDA fault, the OOM killer); the worker sees its engine
-    dead and exits by itself, code 70, within seconds (issue 38, item 2: before, it failed
-    the request `internal` and went on, advertising every slot free); the scheduler runs
-    the request again on the other vLLM worker, which continues the answer from the text
-    already sent (item 1, ADR 0071: prefilled after the prompt). Over the OpenAI SDK's
-    stream: no error, the text shown before the kill kept byte for byte, more after it,
-    and usage within `max_tokens`. (A kill -9 of the whole worker takes the same path from
-    the scheduler on: the sim's stacks and the chaos check play it.)
+@dataclass
+class Struck:
+    """A long answer streamed over the OpenAI SDK while its worker was struck."""
 
-    The answer is made long (`ignore_eos`, 1,500 tokens): the kill must land while the first
-    worker still streams. Stop 16's CI saw a 400-token answer that could end first."""
+    request_id: str
+    victim: str  # the vLLM worker that held it when struck
+    shown: str  # the text shown before the strike
+    rest: str  # the text shown after it
+    usage: Any
+    exit_code: int | None = None  # the victim's, where the strike waited for its exit
+    exited_s: float = 0.0  # from the strike to that exit
+
+
+def stream_struck(bus: Stack, tag: str, strike: Callable[[Struck], None]) -> Struck:
+    """A greedy answer of `KILLED_ANSWER_TOKENS` (`ignore_eos`: long enough that the strike
+    lands while its first worker streams; stop 16's CI saw a 400-token answer end first),
+    read through the SDK's stream; after its third chunk of text, `strike` hits the vLLM
+    worker holding it. The stream must end without an error event (the SDK raises one)."""
     messages: Any = [
-        {"role": "user", "content": "Count from 1 to 1000, one number per line. (kill)"}
+        {"role": "user", "content": f"Count from 1 to 1000, one number per line. ({tag})"}
     ]
     client = openai_sdk(bus).with_options(timeout=300)
     raw = client.chat.completions.with_raw_response.create(
@@ -579,45 +586,124 @@ def test_kill_9_of_the_serving_workers_engine_core_ends_it_and_the_answer_goes_o
         stream_options={"include_usage": True},
         extra_body={"ignore_eos": True},
     )
-    rid = raw.headers["x-request-id"]
-    before: list[str] = []
-    after: list[str] = []
-    usage = None
-    exited_s, code, victim = 0.0, None, ""
+    struck = Struck(raw.headers["x-request-id"], "", "", "", None)
     with raw.parse() as stream:
         for chunk in stream:
             if chunk.usage is not None:
-                usage = chunk.usage
+                struck.usage = chunk.usage
             text = chunk.choices[0].delta.content if chunk.choices else None
             if not text:
                 continue
-            (after if victim else before).append(text)
-            if not victim and len(before) >= 3:
-                victim = holder(bus, rid)
-                proc = bus.processes[victim]
-                os.kill(engine_core_of(proc.pid), signal.SIGKILL)  # the engine core alone
-                killed = time.monotonic()
-                code = wait_exit(proc, 30)
-                exited_s = time.monotonic() - killed
-    assert code == EXIT_ENGINE_SICK, code
-    assert exited_s < 5.0, exited_s
-    shown, rest = "".join(before), "".join(after)
-    print(f"\nshown before the kill: {len(shown)} chars; after: {len(rest)} chars")
-    # The stream ended without an error event (the SDK raises on one), and what came after
-    # the kill goes on from what was shown: no restart (it would repeat the shown text).
-    assert rest, "nothing came after the kill"
-    assert not rest.startswith(shown), (shown, rest[: len(shown) + 20])
-    [other] = [k for k in VLLM_WORKERS if k != victim]
+            if struck.victim:
+                struck.rest += text
+                continue
+            struck.shown += text
+            if len(struck.shown) >= 3:
+                struck.victim = holder(bus, struck.request_id)
+                strike(struck)
+    return struck
+
+
+def check_continued(bus: Stack, struck: Struck) -> None:
+    """The answer went on from the text shown (no restart, which would repeat it) on the
+    other vLLM worker, as one attempt there, each token counted once in the usage."""
+    print(f"\nshown before the strike: {len(struck.shown)} chars; after: {len(struck.rest)}")
+    assert struck.rest, "nothing came after the strike"
+    assert not struck.rest.startswith(struck.shown), (struck.shown, struck.rest[:80])
+    [other] = [k for k in VLLM_WORKERS if k != struck.victim]
 
     def finished() -> list[int]:
-        return [e["attempt"] for e in events(bus, other, rid) if e["event"] == "request.finished"]
+        return [
+            e["attempt"]
+            for e in events(bus, other, struck.request_id)
+            if e["event"] == "request.finished"
+        ]
 
     wait_until(lambda: bool(finished()), 10, f"{other} to log the answer")
     assert finished() == [1]  # one attempt ran there: the continuation
     # ignore_eos: the continuation generates what max_tokens leaves after the text so far
     # (re-tokenized), so the usage is max_tokens, each token counted once.
-    assert usage is not None
-    assert usage.completion_tokens == KILLED_ANSWER_TOKENS
+    assert struck.usage is not None
+    assert struck.usage.completion_tokens == KILLED_ANSWER_TOKENS
+
+
+def restart(bus: Stack, key: str) -> None:
+    """Start the worker `key` again, as its supervisor would, and wait for its model."""
+    bus.start_service("worker", key, **bus.workers[key])
+    wait_until(lambda: bus.health(key, "/readyz")[0] == 200, 240, f"{key} loaded again")
+
+
+def test_kill_9_of_the_serving_worker_and_the_answer_goes_on(bus: Stack) -> None:
+    """a. The whole worker streaming an answer is killed (kill -9 of its process group, its
+    engine core with it: a node lost, a pod evicted): the schedulers declare it dead and run
+    the request again on the other vLLM worker, which continues the answer from the text
+    already sent (issue 38, item 1, ADR 0071). Over the SDK's stream: no error, the text
+    shown kept byte for byte, more after it, usage within `max_tokens`. Then the worker is
+    started again, as its supervisor would."""
+
+    def kill(struck: Struck) -> None:
+        proc = bus.processes[struck.victim]
+        os.killpg(proc.pid, signal.SIGKILL)
+        struck.exit_code = wait_exit(proc, 10)  # reaped: its Popen is replaced on restart
+
+    struck = stream_struck(bus, "kill -9", kill)
+    assert struck.exit_code == -signal.SIGKILL, struck.exit_code
+    check_continued(bus, struck)
+    restart(bus, struck.victim)
+
+
+def test_a_stopped_engine_core_ends_its_worker_and_the_answer_goes_on(bus: Stack) -> None:
+    """c. The engine core of the worker streaming an answer is stopped (SIGSTOP: a hung GPU
+    kernel, a wedged driver) and left stopped: the worker sees its engine hold work and
+    make no output for its stall bound, turns not ready and exits by itself, code 70, the
+    stopped core killed with it (issue 38, item 2); the answer goes on on the other vLLM
+    worker, as after a kill. Then the worker is started again."""
+    stopped: list[int] = []
+
+    def stop_engine_core(struck: Struck) -> None:
+        proc = bus.processes[struck.victim]
+        core = engine_core_of(proc.pid)
+        os.kill(core, signal.SIGSTOP)
+        stopped.append(core)
+        at = time.monotonic()
+        struck.exit_code = wait_exit(proc, STALL_S + 30)
+        struck.exited_s = time.monotonic() - at
+
+    struck = stream_struck(bus, "SIGSTOP", stop_engine_core)
+    try:
+        assert struck.exit_code == EXIT_ENGINE_SICK, struck.exit_code
+        # Seen within a watch period and a last beat of the stall bound.
+        assert struck.exited_s < STALL_S + 5.0, struck.exited_s
+        assert not Path(f"/proc/{stopped[0]}").exists(), "the stopped engine core outlived it"
+        check_continued(bus, struck)
+    finally:
+        if stopped and Path(f"/proc/{stopped[0]}").exists():
+            os.kill(stopped[0], signal.SIGKILL)
+        restart(bus, struck.victim)
+
+
+@pytest.mark.ends_the_bus
+def test_kill_9_of_the_serving_workers_engine_core_ends_it_and_the_answer_goes_on(
+    bus: Stack,
+) -> None:
+    """b. The engine core of the worker streaming an answer is killed (kill -9 of its
+    `EngineCore` process alone: a CUDA fault, the OOM killer); the worker sees its engine
+    dead and exits by itself, code 70, within seconds (issue 38, item 2: before, it failed
+    the request `internal` and went on, advertising every slot free); the scheduler runs
+    the request again on the other vLLM worker, which continues the answer from the text
+    already sent (item 1, ADR 0071: prefilled after the prompt)."""
+
+    def kill_engine_core(struck: Struck) -> None:
+        proc = bus.processes[struck.victim]
+        os.kill(engine_core_of(proc.pid), signal.SIGKILL)  # the engine core alone
+        at = time.monotonic()
+        struck.exit_code = wait_exit(proc, 30)
+        struck.exited_s = time.monotonic() - at
+
+    struck = stream_struck(bus, "kill", kill_engine_core)
+    assert struck.exit_code == EXIT_ENGINE_SICK, struck.exit_code
+    assert struck.exited_s < 5.0, struck.exited_s
+    check_continued(bus, struck)
 
 
 def engine_core_of(worker_pid: int) -> int:
