@@ -550,6 +550,9 @@ def test_eval_reports_float32_against_bfloat16_on_the_models_own_text(
 
 
 KILLED_ANSWER_TOKENS = 1500
+# A strike the test makes at once (kill -9 of the worker, SIGSTOP of its core) lands early
+# in an answer this long; the rest runs on the other worker while the victim loads again.
+STRUCK_AT_ONCE_TOKENS = 600
 # The bus's vLLM workers take an engine silent this long while it holds work for hung
 # (TOKENBUS_WORKER_ENGINE_STALL_S, tests/real_engine/conftest.py).
 STALL_S = 10.0
@@ -564,15 +567,19 @@ class Struck:
     shown: str  # the text shown before the strike
     rest: str  # the text shown after it
     usage: Any
+    asked: int  # max_tokens
     exit_code: int | None = None  # the victim's, where the strike waited for its exit
     exited_s: float = 0.0  # from the strike to that exit
 
 
-def stream_struck(bus: Stack, tag: str, strike: Callable[[Struck], None]) -> Struck:
-    """A greedy answer of `KILLED_ANSWER_TOKENS` (`ignore_eos`: long enough that the strike
-    lands while its first worker streams; stop 16's CI saw a 400-token answer end first),
-    read through the SDK's stream; after its third chunk of text, `strike` hits the vLLM
-    worker holding it. The stream must end without an error event (the SDK raises one)."""
+def stream_struck(
+    bus: Stack, tag: str, strike: Callable[[Struck], None], tokens: int = KILLED_ANSWER_TOKENS
+) -> Struck:
+    """A greedy answer of `tokens` (`ignore_eos`: long enough that the strike lands while its
+    first worker streams; stop 16's CI saw a 400-token answer end before an engine core's
+    kill was seen), read through the SDK's stream; after its third chunk of text, `strike`
+    hits the vLLM worker holding it. The stream must end without an error event (the SDK
+    raises one)."""
     messages: Any = [
         {"role": "user", "content": f"Count from 1 to 1000, one number per line. ({tag})"}
     ]
@@ -580,13 +587,13 @@ def stream_struck(bus: Stack, tag: str, strike: Callable[[Struck], None]) -> Str
     raw = client.chat.completions.with_raw_response.create(
         model=MODEL_NAME,
         messages=messages,
-        max_tokens=KILLED_ANSWER_TOKENS,
+        max_tokens=tokens,
         temperature=0,
         stream=True,
         stream_options={"include_usage": True},
         extra_body={"ignore_eos": True},
     )
-    struck = Struck(raw.headers["x-request-id"], "", "", "", None)
+    struck = Struck(raw.headers["x-request-id"], "", "", "", None, tokens)
     with raw.parse() as stream:
         for chunk in stream:
             if chunk.usage is not None:
@@ -624,12 +631,16 @@ def check_continued(bus: Stack, struck: Struck) -> None:
     # ignore_eos: the continuation generates what max_tokens leaves after the text so far
     # (re-tokenized), so the usage is max_tokens, each token counted once.
     assert struck.usage is not None
-    assert struck.usage.completion_tokens == KILLED_ANSWER_TOKENS
+    assert struck.usage.completion_tokens == struck.asked
 
 
 def restart(bus: Stack, key: str) -> None:
-    """Start the worker `key` again, as its supervisor would, and wait for its model."""
+    """Start the worker `key` again, as its supervisor would: its model loads while the
+    answer goes on elsewhere (`loaded_again` waits for it)."""
     bus.start_service("worker", key, **bus.workers[key])
+
+
+def loaded_again(bus: Stack, key: str) -> None:
     wait_until(lambda: bus.health(key, "/readyz")[0] == 200, 240, f"{key} loaded again")
 
 
@@ -638,18 +649,19 @@ def test_kill_9_of_the_serving_worker_and_the_answer_goes_on(bus: Stack) -> None
     engine core with it: a node lost, a pod evicted): the schedulers declare it dead and run
     the request again on the other vLLM worker, which continues the answer from the text
     already sent (issue 38, item 1, ADR 0071). Over the SDK's stream: no error, the text
-    shown kept byte for byte, more after it, usage within `max_tokens`. Then the worker is
-    started again, as its supervisor would."""
+    shown kept byte for byte, more after it, usage within `max_tokens`. The worker is started
+    again at once, as its supervisor would: it loads while the answer goes on."""
 
     def kill(struck: Struck) -> None:
         proc = bus.processes[struck.victim]
         os.killpg(proc.pid, signal.SIGKILL)
         struck.exit_code = wait_exit(proc, 10)  # reaped: its Popen is replaced on restart
+        restart(bus, struck.victim)
 
-    struck = stream_struck(bus, "kill -9", kill)
+    struck = stream_struck(bus, "kill -9", kill, STRUCK_AT_ONCE_TOKENS)
     assert struck.exit_code == -signal.SIGKILL, struck.exit_code
     check_continued(bus, struck)
-    restart(bus, struck.victim)
+    loaded_again(bus, struck.victim)
 
 
 def test_a_stopped_engine_core_ends_its_worker_and_the_answer_goes_on(bus: Stack) -> None:
@@ -657,29 +669,29 @@ def test_a_stopped_engine_core_ends_its_worker_and_the_answer_goes_on(bus: Stack
     kernel, a wedged driver) and left stopped: the worker sees its engine hold work and
     make no output for its stall bound, turns not ready and exits by itself, code 70, the
     stopped core killed with it (issue 38, item 2); the answer goes on on the other vLLM
-    worker, as after a kill. Then the worker is started again."""
-    stopped: list[int] = []
+    worker, as after a kill. The worker is started again as soon as it has exited."""
+    outlived: list[bool] = []  # whether the stopped engine core outlived its worker
 
     def stop_engine_core(struck: Struck) -> None:
         proc = bus.processes[struck.victim]
         core = engine_core_of(proc.pid)
         os.kill(core, signal.SIGSTOP)
-        stopped.append(core)
         at = time.monotonic()
         struck.exit_code = wait_exit(proc, STALL_S + 30)
         struck.exited_s = time.monotonic() - at
+        outlived.append(not ended(core, within_s=5.0))
+        if outlived[-1]:
+            os.kill(core, signal.SIGKILL)  # its memory, for the restart; the test fails below
+        if struck.exit_code is not None:
+            restart(bus, struck.victim)
 
-    struck = stream_struck(bus, "SIGSTOP", stop_engine_core)
-    try:
-        assert struck.exit_code == EXIT_ENGINE_SICK, struck.exit_code
-        # Seen within a watch period and a last beat of the stall bound.
-        assert struck.exited_s < STALL_S + 5.0, struck.exited_s
-        assert not Path(f"/proc/{stopped[0]}").exists(), "the stopped engine core outlived it"
-        check_continued(bus, struck)
-    finally:
-        if stopped and Path(f"/proc/{stopped[0]}").exists():
-            os.kill(stopped[0], signal.SIGKILL)
-        restart(bus, struck.victim)
+    struck = stream_struck(bus, "SIGSTOP", stop_engine_core, STRUCK_AT_ONCE_TOKENS)
+    assert struck.exit_code == EXIT_ENGINE_SICK, struck.exit_code
+    # Seen within a watch period and a last beat of the stall bound.
+    assert struck.exited_s < STALL_S + 5.0, struck.exited_s
+    assert outlived == [False], "the stopped engine core outlived its worker"
+    check_continued(bus, struck)
+    loaded_again(bus, struck.victim)
 
 
 @pytest.mark.ends_the_bus
@@ -720,6 +732,21 @@ def engine_core_of(worker_pid: int) -> int:
         if ppid == worker_pid and "EngineCore" in (name + stat):
             return int(entry.name)
     raise AssertionError(f"no EngineCore process under worker {worker_pid}")
+
+
+def ended(pid: int, within_s: float) -> bool:
+    """Whether process `pid` is gone (or a zombie: killed, not yet reaped) within `within_s`."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return True
+        if state == "Z":
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
 
 
 def wait_exit(proc: subprocess.Popen[bytes], timeout_s: float) -> int | None:
