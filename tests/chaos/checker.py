@@ -117,6 +117,17 @@ class _Stream:
         self.corrupt = True
         self.problems.append(problem)
 
+    def shown(self, seq: int, text: str, what: str) -> None:
+        """A delta shown to the client under the current attempt: the next `seq`, else a
+        duplicate (an earlier one) or a gap (a later one)."""
+        if seq < self.next_seq:
+            self.duplicate(f"{what} shown again")
+        elif seq > self.next_seq:
+            self.fault(f"gap: {what}, {self.next_seq} due")
+        else:
+            self.next_seq = seq + 1
+            self.text.append(text)
+
     def new_attempt(self, attempt: int) -> None:
         self.attempt, self.next_seq, self.text = attempt, 0, []
 
@@ -174,13 +185,7 @@ def _websocket_step(stream: _Stream, frame: Mapping[str, Any]) -> None:
             stream.new_attempt(attempt)
     elif kind == "chat.delta":
         seq = int(frame["seq"])
-        if seq < stream.next_seq:
-            stream.duplicate(f"delta seq {seq} of attempt {stream.attempt} shown again")
-        elif seq > stream.next_seq:
-            stream.fault(f"gap: delta seq {seq} of attempt {stream.attempt}, {stream.next_seq} due")
-        else:
-            stream.next_seq = seq + 1
-            stream.text.append(str(frame["text"]))
+        stream.shown(seq, str(frame["text"]), f"delta seq {seq} of attempt {stream.attempt}")
     elif kind == "chat.done":
         stream.finish("done", (stream.attempt, stream.next_seq, "done"))
     elif kind == "error":
@@ -273,13 +278,8 @@ def _openai_stream_step(stream: _Stream, event: Mapping[str, Any]) -> None:
             stream.attempt = attempt  # the attempt its text is shown under
         if attempt != stream.attempt:
             stream.fault(f"text of attempt {attempt} after attempt {stream.attempt}'s ({event_id})")
-        elif seq < stream.next_seq:
-            stream.duplicate(f"event {event_id} shown again")
-        elif seq > stream.next_seq:
-            stream.fault(f"gap: event {event_id}, seq {stream.next_seq} due")
         else:
-            stream.next_seq = seq + 1
-            stream.text.append(str(text))
+            stream.shown(seq, str(text), f"event {event_id}")
     if choice.get("finish_reason") is not None:
         stream.finish_reason = str(choice["finish_reason"])
 
