@@ -66,20 +66,6 @@ class _Attempt:
         return "".join(out)
 
 
-async def answered(
-    settings: TokenbusSettings,
-    requests: Sequence[QueuedRequest],
-    since_ms: int,
-    timeout_s: float,
-    *,
-    client_id: str,
-) -> set[str]:
-    """The ids of `requests` whose `reply_to` holds a final record written since `since_ms`
-    (`read_back`'s `answered`)."""
-    found = await read_back(settings, requests, since_ms, timeout_s, client_id=client_id)
-    return found.answered
-
-
 async def read_back(
     settings: TokenbusSettings,
     requests: Sequence[QueuedRequest],

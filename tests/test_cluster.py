@@ -243,15 +243,16 @@ async def test_a_final_behind_a_hung_replica_is_found_once_its_partition_is_sett
         try:
             stored = await send_result(worker, request.reply_to, done)
             # In the leader's log, not yet readable: what the recovery read before.
-            unsettled = await finals.answered(
+            unsettled = await finals.read_back(
                 settings, [request], since_ms, 3.0, client_id="settle-unsettled"
             )
-            assert unsettled == set()
+            assert unsettled.answered == set()
             assert not stored.done()
             assert await resets.settle(scheduler, [request])
-            assert await finals.answered(
+            settled = await finals.read_back(
                 settings, [request], since_ms, 10.0, client_id="settle-settled"
-            ) == {request.request_id}
+            )
+            assert settled.answered == {request.request_id}
             await asyncio.wait_for(stored, 30)  # the worker's write is acknowledged too
         finally:
             os.kill(pid, signal.SIGCONT)

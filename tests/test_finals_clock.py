@@ -64,8 +64,8 @@ async def test_a_final_from_a_worker_5_s_behind_counts_as_answered(bootstrap: st
         )
     finally:
         await worker.stop()
-    found = await finals.answered(
+    found = await finals.read_back(
         settings, [behind[0], on_time[0]], dispatched_ms, 10.0, client_id="clock-behind"
     )
     # The answered one is found; the one with no final is still run again.
-    assert found == {"behind"}
+    assert found.answered == {"behind"}

@@ -67,7 +67,6 @@ class Edge:
         # Keys, origins, quotas (auth.py); tenant ids are keyed by the resume keys.
         self.guard = Guard(settings, self.resume_keys)
         self.gateway: Gateway | None = None  # None until the lifespan reached Kafka
-        self.draining = False  # SIGTERM came: not ready, no new work (drain.py)
         # The weight of frames queued for all clients, WebSockets and HTTP (outbox.py).
         self.outbox_budget = ByteBudget(settings.edge_outbox_budget_bytes)
         # The OpenAI-compatible API (services/edge/openai/): the models workers advertise.
@@ -97,7 +96,6 @@ class Edge:
         gateway = self.gateway
         if gateway is None:
             return None
-        self.draining = True
         return asyncio.create_task(drain(gateway, self.settings.edge_drain_s), name="edge-drain")
 
     def _lease_lost(self) -> None:
@@ -112,7 +110,7 @@ class Edge:
         gateway = self.gateway
         if gateway is None:
             return Readiness.not_ready("starting")
-        if self.draining:
+        if gateway.draining:
             return Readiness.not_ready("draining")
         if not gateway.link.health.reachable:
             return Readiness.not_ready("kafka unreachable")

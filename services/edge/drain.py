@@ -43,16 +43,14 @@ class Drained(Protocol):
     def attached(self) -> list[Client]: ...
 
 
-async def drain(
-    gateway: Drained, within_s: float, clock: Callable[[], float] = time.monotonic
-) -> int:
+async def drain(gateway: Drained, within_s: float) -> int:
     """Take no new work, wait up to `within_s` for the attached streams to end, then let go
     of the clients still attached; how many there were."""
     gateway.draining = True
     attached = gateway.attached()
     log.info("edge.draining", clients=len(attached), within_s=within_s)
-    deadline = clock() + within_s
-    while attached and clock() < deadline:
+    deadline = time.monotonic() + within_s
+    while attached and time.monotonic() < deadline:
         await asyncio.sleep(POLL_S)
         attached = gateway.attached()
     for client in attached:

@@ -21,7 +21,6 @@ The SDK makes each call, raises its status errors and parses each chunk
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
 from collections import Counter
@@ -285,8 +284,4 @@ def _elapsed(start: float | None, end: float | None) -> float | None:
 
 def _code(exc: openai.APIStatusError) -> str:
     """The tokenbus error code an error answer carries (its `error.code`), else its status."""
-    with contextlib.suppress(AttributeError, TypeError, KeyError):
-        code = exc.body["code"] if "code" in exc.body else exc.body["error"]["code"]  # type: ignore[index,operator]
-        if code:
-            return str(code)
-    return str(exc.status_code)
+    return exc.code or str(exc.status_code)
