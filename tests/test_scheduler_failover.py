@@ -142,17 +142,28 @@ async def test_a_worker_killed_mid_batch_has_its_requests_finished_by_another(
         await asyncio.to_thread(stack.stop_service, WORKER_B, signal.SIGKILL)
         await session.until(session.all_ended, within=60)
     ours = {t.request_id for t in session.by_client.values()}
-    moved = reruns([stack.log("worker")]) & ours  # run again on worker A (its key: "worker")
-    assert moved, "worker B held none of the requests: the test proved nothing"
-    assert len(moved) < len(requests), "worker A should have run some at their first attempt"
+    recovered = events(stack.log("scheduler"), "worker.recovered")
+    assert [e["worker_id"] for e in recovered][:1] == [WORKER_B]
+
+    def moved() -> set[str]:  # run again on worker A (its key: "worker")
+        return reruns([stack.log("worker")]) & ours
+
+    # Worker A logs a run's end after its final is stored: the client may have seen the
+    # `chat.done` first (CI of 9eae431 read 3 of the 4 handed back). Wait for the log.
+    await asyncio.to_thread(
+        wait_until,
+        lambda: len(moved()) >= recovered[0]["handed_back"],
+        10,
+        "worker A to log each re-run it finished",
+    )
+    assert moved(), "worker B held none of the requests: the test proved nothing"
+    assert len(moved()) < len(requests), "worker A should have run some at their first attempt"
     for request in requests:
         t = session.by_client[request["client_id"]]
         check_complete(t, request)  # the exact answer, once
         # Its re-run continued what worker B had sent (ADR 0071): no `chat.reset`.
         assert t.resets == [], t.frames
-    recovered = events(stack.log("scheduler"), "worker.recovered")
-    assert [e["worker_id"] for e in recovered][:1] == [WORKER_B]
-    assert recovered[0]["handed_back"] == len(moved)
+    assert recovered[0]["handed_back"] == len(moved())
 
 
 async def test_two_schedulers_share_the_tier_partitions_and_lose_nothing(
