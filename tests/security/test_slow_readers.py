@@ -276,7 +276,7 @@ async def test_slow_readers_of_logprob_deltas_are_let_go_at_the_edges_budget(
     here: TOKENBUS_EDGE_SEND_BUFFER_BYTES, doubled) their frames pile up at the edge. Each is let
     go once its outbox, or the edge's budget, is full; the edge's RSS stays within
     LOGPROB_RSS_GROWTH_LIMIT_KB of where it was, and another tenant's time to first token
-    within twice its idle value."""
+    within twice its idle value (or 150 ms more, on a shared machine)."""
     stack = slow_stack
     edge_pid = stack.processes["edge"].pid
     await ttfts_while(stack, "alice", _set(), 3)  # warm up
@@ -322,4 +322,9 @@ async def test_slow_readers_of_logprob_deltas_are_let_go_at_the_edges_budget(
     )
     assert let_go >= ATTACKERS, f"{let_go:.0f} of {ATTACKERS} slow readers let go in {took:.0f} s"
     assert growth < LOGPROB_RSS_GROWTH_LIMIT_KB, f"edge RSS grew by {growth / 1024:.1f} MB"
-    assert attacked <= 2 * base, f"TTFT p90 {attacked * 1000:.0f} ms, idle {base * 1000:.0f} ms"
+    # Twice the idle p90, or 150 ms more: at an idle p90 of 30-45 ms, the other pytest worker
+    # beside this one moves it by tens of ms on two cores (9eae431's clean clone: 34 -> 75 ms;
+    # alone: 44 -> 52, 38 -> 41). A victim the edge held up behind the slow sockets would
+    # wait for them: seconds.
+    limit = max(2 * base, base + 0.15)
+    assert attacked <= limit, f"TTFT p90 {attacked * 1000:.0f} ms, idle {base * 1000:.0f} ms"
