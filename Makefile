@@ -8,7 +8,7 @@ PYTHON ?= $(shell for p in python3.13 python3.12 python3.11 python3; do \
 	$$p -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null && { echo $$p; break; }; \
 	done)
 
-.PHONY: venv run check unit test chaos lint bench bench-capacity bench-policies bench-static bench-affinity bench-cache bench-cold-start bench-cascade bench-real bench-vllm-serve profile
+.PHONY: venv run check unit test chaos upgrade-check lint bench bench-capacity bench-policies bench-static bench-affinity bench-cache bench-cold-start bench-cascade bench-real bench-vllm-serve profile
 
 venv: $(VENV)/.installed
 
@@ -47,6 +47,12 @@ test:
 # leaders, a checker that counts): docs/reliability.md.
 chaos: venv
 	$(PY) -m pytest -q -m chaos tests/test_chaos.py $(PYTEST_ARGS)
+
+# A rolling upgrade from FROM (a commit; default: the previous release, docs/schema/released/)
+# to this checkout and back, one process at a time under load on four channels: about ten
+# minutes, not in `make test` (tests/upgrade/check_upgrade.py; docs/operations.md).
+upgrade-check: venv
+	TOKENBUS_UPGRADE_FROM=$(FROM) $(PY) -m pytest -q -p no:cacheprovider tests/upgrade/check_upgrade.py $(PYTEST_ARGS)
 
 # ruff (lint and format) and mypy --strict (pyproject's [tool.mypy] packages); all three run,
 # and any one failing fails it. The `lint` extra installs them.

@@ -1056,6 +1056,12 @@ class Outcomes(Model):
         return ttft
 
 
+# On a drained worker's last heartbeat ("1"): it has handed back what it held and exits;
+# schedulers take it as gone at once, not as dead after its silence. A header, not a field:
+# the releases before ADR 0072 refuse a heartbeat with a field they do not know.
+LEAVING_HEADER = "tokenbus-leaving"
+
+
 class Heartbeat(Model):
     """On `tokenbus.workers`: what a worker can take now."""
 

@@ -102,6 +102,9 @@ class Stack:
     # Tenants beyond TENANTS, or other limits for them: name -> TenantLimits fields.
     tenant_limits: dict[str, dict[str, object]] = field(default_factory=dict)
     keys: dict[str, str] = field(default_factory=dict)  # tenant -> its API key
+    # The source tree each service runs from, by key (a rolling upgrade runs two releases
+    # side by side: tests/upgrade/); any other key runs this checkout's.
+    trees: dict[str, Path] = field(default_factory=dict)
     # Service key -> its /metrics, /healthz, /readyz port (an edge's is not its HTTP port,
     # which answers /healthz and /readyz but never /metrics).
     health_ports: dict[str, int] = field(default_factory=dict)
@@ -214,10 +217,12 @@ class Stack:
             self.counted = True
         if name == "worker" and (load := ledger.engine_load(full.get("TOKENBUS_WORKER_ENGINE"))):
             ledger.note(load, where=f"{self.prefix}-{key}")
+        tree = self.trees.get(key, ROOT)
+        full["PYTHONPATH"] = str(tree)
         with open(self.log_dir / f"{self.prefix}-{key}.log", "ab") as log:
             self.processes[key] = subprocess.Popen(
                 [sys.executable, "-m", f"services.{name}"],
-                cwd=ROOT,
+                cwd=tree,
                 env=full,
                 stdout=log,
                 stderr=subprocess.STDOUT,

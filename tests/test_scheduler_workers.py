@@ -51,6 +51,19 @@ def test_a_worker_is_dead_after_its_missed_beats_and_reported_once() -> None:
     assert registry.slots(0.5) == []
 
 
+def test_a_worker_whose_last_beat_says_it_leaves_is_gone_at_once_without_a_wait() -> None:
+    registry = WorkerRegistry(missed_beats=3)
+    registry.beat(beat(sent_at=1.0), now=0.0)
+    registry.beat(beat(free=0, sent_at=2.0), now=0.1, leaving=True)
+    gone = registry.newly_dead(0.1)  # not after 0.3 s of silence
+    assert [(s.beat.worker_id, s.leaving) for s in gone] == [("w1", True)]
+    assert registry.slots(0.1) == []
+    assert registry.newly_dead(0.5) == []  # reported once
+    # A late copy of an earlier beat does not bring it back.
+    registry.beat(beat(sent_at=1.0), now=0.2)
+    assert registry.slots(0.2) == []
+
+
 def test_a_slow_worker_that_beats_again_is_alive_again() -> None:
     registry = WorkerRegistry(missed_beats=3)
     registry.beat(beat(), now=0.0)

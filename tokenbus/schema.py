@@ -30,6 +30,7 @@ from services.edge.leases import LeaseRecord
 from shared.dead_letters import HEADERS as DEAD_LETTER_HEADERS
 from shared.dead_letters import REQUIRED as DEAD_LETTER_REQUIRED
 from shared.messages import (
+    LEAVING_HEADER,
     Batch,
     CacheEntry,
     ControlRecord,
@@ -184,7 +185,10 @@ HEARTBEAT = Message(
     "What a worker can take now, and what it holds.",
     "Heartbeat",
     "worker_id (UTF-8).",
-    headers={},
+    headers={
+        LEAVING_HEADER: "On a drained worker's last heartbeat: `1`. It has handed back what it"
+        " held and exits: schedulers take it as gone at once, not as dead after its silence.",
+    },
 )
 LEASE = Message(
     "lease",

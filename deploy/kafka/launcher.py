@@ -270,6 +270,19 @@ def kill_node(cluster: Cluster, node_id: int) -> int | None:
         return pid
 
 
+def stop_node(cluster: Cluster, node_id: int, timeout_s: float = STOP_TIMEOUT_S) -> bool:
+    """Stop one node by controlled shutdown (SIGTERM: it hands its leaderships over first),
+    SIGKILL after `timeout_s`; return whether it went on SIGTERM (True if not running)."""
+    node = cluster.node(node_id)
+    with _locked(cluster):
+        pid = running_pid(node)
+        if pid is None:
+            return True
+        clean = _terminate(pid, timeout_s)
+        node.pid_file.unlink(missing_ok=True)
+        return clean
+
+
 def stop(cluster: Cluster, timeout_s: float = STOP_TIMEOUT_S) -> bool:
     """Stop every node (SIGTERM, SIGKILL after `timeout_s`); return whether any was running."""
     if not cluster.state_dir.is_dir():

@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from services.scheduler.answers import Answerer
 from services.scheduler.workers import WorkerRegistry
 from shared.fetches import fetches
-from shared.messages import Heartbeat, error_message
+from shared.messages import LEAVING_HEADER, Heartbeat, error_message
 from shared.records import read
 
 log = structlog.get_logger()
@@ -81,7 +81,10 @@ class HeartbeatReader:
                     # Read back at start-up: proof of life only if it is this fresh.
                     stale = now - beat.sent_at > beat.interval_ms / 1000.0
                     replayed = record.offset < live_from and stale
-                    if self._workers.beat(beat, now, replayed=replayed) and not replayed:
+                    leaving = (LEAVING_HEADER, b"1") in (record.headers or ())
+                    if self._workers.beat(beat, now, replayed=replayed, leaving=leaving) and (
+                        not replayed
+                    ):
                         log.info(
                             "worker.registered",
                             worker_id=beat.worker_id,

@@ -56,8 +56,10 @@ class Liveness:
             await asyncio.sleep(LIVENESS_TICK_S)
             now = time.time()
             for state in self._workers.newly_dead(now):
-                log.warning(
-                    "worker.dead",
+                # A drained worker says it leaves; its recovery only finds what it was sent
+                # after its last beat (usually nothing).
+                (log.info if state.leaving else log.warning)(
+                    "worker.left" if state.leaving else "worker.dead",
                     worker_id=state.beat.worker_id,
                     silent_s=round(now - state.seen_at, 3),
                     held=len(state.beat.held),

@@ -34,6 +34,8 @@ class WorkerState:
     # (smoothed over the requests seen to finish): the fallback estimate's service time.
     held_since: dict[tuple[str, int], float] = field(default_factory=dict)
     service_s: float | None = None
+    # Its last beat said it leaves (drained, held nothing more: `LEAVING_HEADER`).
+    leaving: bool = False
 
     def observe_held(self, held: list[tuple[str, int]], now: float) -> None:
         """Requests that left `held` since the last heartbeat finished (or were handed back)."""
@@ -65,8 +67,11 @@ class WorkerRegistry:
         self.missed_beats = missed_beats
         self._workers: dict[str, WorkerState] = {}
 
-    def beat(self, beat: Heartbeat, now: float, *, replayed: bool = False) -> bool:
+    def beat(
+        self, beat: Heartbeat, now: float, *, replayed: bool = False, leaving: bool = False
+    ) -> bool:
         """Record a heartbeat; it acknowledges every batch below its `batches_consumed`.
+        `leaving`: the worker's last beat (`LEAVING_HEADER`): it is gone at once.
 
         True if it registers a worker: a new id, or a new incarnation of a known one.
         """
@@ -76,6 +81,7 @@ class WorkerRegistry:
         if state is None or state.beat.started_at != beat.started_at:
             # New, or a new incarnation of the id.
             state = self._workers[beat.worker_id] = WorkerState(beat, now, heard_live=not replayed)
+            state.leaving = leaving
             if not replayed:
                 state.observe_held(beat.held, now)
             return True
@@ -90,6 +96,7 @@ class WorkerRegistry:
             state.unacked.clear()  # offsets of another partition mean nothing here
         state.beat = beat
         state.seen_at = now
+        state.leaving = leaving
         state.heard_live = state.heard_live or not replayed
         if not replayed:
             state.observe_held(beat.held, now)
@@ -131,10 +138,11 @@ class WorkerRegistry:
         return partition
 
     def newly_dead(self, now: float) -> list[WorkerState]:
-        """Workers silent for `missed_beats` intervals, each reported once per death."""
+        """Workers silent for `missed_beats` intervals, or whose last beat said they leave
+        (at once), each reported once per death."""
         out = []
         for state in self._workers.values():
-            if state.dead_at is None and self._silent(state, now):
+            if state.dead_at is None and (state.leaving or self._silent(state, now)):
                 state.dead_at = now
                 out.append(state)
         return out

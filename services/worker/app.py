@@ -169,4 +169,5 @@ class Worker:
                 )
                 for task in others:
                     task.cancel()
+                await heartbeats.leave()  # gone, not dead: no schedule waits for its silence
         log.info("worker.drained", worker_id=s.worker_id)

@@ -29,7 +29,7 @@ from services.worker.liveness import Liveness
 from services.worker.settings import WorkerSettings
 from services.worker.telemetry import WorkerTelemetry
 from shared.kafka import encode
-from shared.messages import Capabilities, Heartbeat
+from shared.messages import LEAVING_HEADER, Capabilities, Heartbeat
 from shared.producers import RenewingProducer
 from shared.results import WRITE_ERRORS
 from shared.topics import Topics
@@ -81,6 +81,7 @@ class Heartbeats:
         self._liveness = liveness
         self._drain = drain
         self.closed = False  # set when the engine is sick: no slot is offered again
+        self._leaving = False  # the last beat of a drained worker (`leave`)
         self._telemetry = telemetry
         self._load_s = load_s  # process start to ready (load_time.py): in every beat
         # By partition: the newest beat's delivery there and its monotonic send time.
@@ -132,12 +133,21 @@ class Heartbeats:
         """Send a beat to every partition not still busy with the last one; waits for none."""
         self._liveness.epoch_now()  # after a pause, fence before telling anyone we are alive
         value = encode(self._beat())
+        headers = [(LEAVING_HEADER, b"1")] if self._leaving else None
         sent_at = time.monotonic()
         for partition, producer in self._producers.by_partition.items():
             if self._held_back(partition, sent_at):
                 continue  # its node is slow or away: the other partitions carry this beat
-            delivery = asyncio.create_task(self._deliver(partition, producer, value, sent_at))
+            delivery = asyncio.create_task(
+                self._deliver(partition, producer, value, sent_at, headers)
+            )
             self._unsettled[partition] = (delivery, sent_at)
+
+    async def leave(self) -> None:
+        """The drained worker's last beat (with `LEAVING_HEADER`), waited for: the
+        schedulers see it go, not die. Called once `run` is cancelled."""
+        self._leaving = True
+        await self.send_stored()
 
     async def send_stored(self) -> None:
         """Send a beat and wait until each partition's is stored (or given up)."""
@@ -147,7 +157,12 @@ class Heartbeats:
             await asyncio.wait(deliveries)
 
     async def _deliver(
-        self, partition: int, producer: RenewingProducer, value: bytes, sent_at: float
+        self,
+        partition: int,
+        producer: RenewingProducer,
+        value: bytes,
+        sent_at: float,
+        headers: list[tuple[str, bytes]] | None = None,
     ) -> None:
         """Queue one beat on `partition` and wait until it is stored, for at most
         `UNSETTLED_AT_MOST_S`; a stored beat is proof of life (`Liveness.stored`)."""
@@ -155,7 +170,7 @@ class Heartbeats:
             async with asyncio.timeout(UNSETTLED_AT_MOST_S):
                 try:
                     future = await producer.send(
-                        self._topic, value, key=self._key, partition=partition
+                        self._topic, value, key=self._key, partition=partition, headers=headers
                     )
                 except WRITE_ERRORS as exc:
                     log.warning("heartbeat.send_failed", partition=partition, error=repr(exc))

@@ -44,6 +44,9 @@ Channel = Literal["websocket", "kafka", "openai-stream", "openai"]
 CHANNELS: tuple[Channel, ...] = ("websocket", "kafka", "openai-stream", "openai")
 OPENAI_CHANNELS = ("openai-stream", "openai")
 STABLE_CODES = frozenset(code.value for code in ErrorCode)
+# The SSE `error` event a draining edge ends a stream with at its bound: the stream goes on
+# at another edge from the event it names, so it is no outcome (ADR 0073).
+RESUMABLE_SSE_ERROR = "edge_restarting"
 
 
 @dataclass(frozen=True)
@@ -264,6 +267,8 @@ def _openai_stream_step(stream: _Stream, event: Mapping[str, Any]) -> None:
         return
     if "error" in data:
         error = data["error"]
+        if error.get("code") == RESUMABLE_SSE_ERROR:
+            return  # a draining edge let go of it: the client goes on elsewhere (ADR 0073)
         stream.finish(f"sse error {error.get('code')}", (-1, -1, "error"))
         return
     choices = data.get("choices") or []

@@ -34,6 +34,8 @@ if TYPE_CHECKING:
     from tests.chaos.openai_load import OpenAiRequester
 
 Frame = dict[str, Any]
+# A request refused `overloaded` is sent again after this (with `retry_refused`).
+REFUSED_RETRY_S = 1.0
 # A refused resume (`overloaded`) is tried again after 0.5 s, doubling to 4 s, as a client
 # honouring a retry hint would.
 RESUME_RETRY_S = (0.5, 4.0)
@@ -59,8 +61,11 @@ class Planned:
         return complete(engine_prompt, self.max_tokens).text
 
 
-def plan_load(seed: int, rate: dict[str, float], duration_s: float) -> list[Planned]:
-    """Poisson arrivals per channel at `rate` req/s for `duration_s`, merged by time."""
+def plan_load(
+    seed: int, rate: dict[str, float], duration_s: float, tokens: tuple[int, int] = (8, 40)
+) -> list[Planned]:
+    """Poisson arrivals per channel at `rate` req/s for `duration_s`, merged by time; each
+    asks for a `max_tokens` drawn from `tokens` (inclusive)."""
     rng = random.Random(seed)
     planned: list[Planned] = []
     for channel, per_s in sorted(rate.items()):
@@ -71,7 +76,7 @@ def plan_load(seed: int, rate: dict[str, float], duration_s: float) -> list[Plan
                     at_s=at,
                     channel=channel,
                     prompt=f"chaos {seed} {channel} {i}",
-                    max_tokens=rng.randint(8, 40),
+                    max_tokens=rng.randint(*tokens),
                     priority=rng.choice(("interactive", "interactive", "background")),
                 )
             )
@@ -115,9 +120,21 @@ class WsRequest:
 class WsUser:
     """One chat user: one socket at a time, moved to the other edge when it drops."""
 
-    def __init__(self, name: str, urls: list[str], first: int, log: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        name: str,
+        urls: list[str],
+        first: int,
+        log: Callable[[str], None],
+        *,
+        retry_refused: bool = False,
+    ) -> None:
         self.name = name
-        self.urls = urls
+        self.urls = urls  # read at each connect: who holds the list may swap an edge in it
+        # Send a request refused `overloaded` before acceptance again after a pause, as a
+        # client that honours the retry hint (a draining edge refuses: tests/upgrade/).
+        self.retry_refused = retry_refused
+        self.refusals_retried = 0
         self.edge = first
         self.log = log
         self.requests: dict[str, WsRequest] = {}
@@ -227,6 +244,12 @@ class WsUser:
         if rid is None:
             client = self.requests.get(frame.get("client_id") or "")
             if kind == "error" and client is not None and client.request_id is None:
+                if self.retry_refused and frame.get("code") == "overloaded":
+                    self.refusals_retried += 1
+                    task = asyncio.create_task(self._send_later(client))
+                    self._retries.add(task)
+                    task.add_done_callback(self._retries.discard)
+                    return
                 client.refused = str(frame.get("code"))
             else:
                 self.protocol_errors.append(f"{self.name}: frame for nobody: {frame}")
@@ -257,6 +280,13 @@ class WsUser:
             if not r.final:
                 r.final_at = time.monotonic()
             r.final, r.resuming = True, False
+
+    async def _send_later(self, r: WsRequest) -> None:
+        """`r` again, on whatever socket is open then (a socket that drops first sends it
+        again itself: `_send_unaccepted_again`)."""
+        await asyncio.sleep(REFUSED_RETRY_S)
+        r.sent = False
+        self._outbox.put_nowait(r)
 
     async def _resume_later(self, ws: websockets.ClientConnection, r: WsRequest) -> None:
         first, cap = RESUME_RETRY_S
@@ -431,14 +461,18 @@ class LoadRun:
     apis: dict[str, OpenAiRequester] = field(default_factory=dict)
     zero: float | None = None  # time.monotonic() of the load's t=0, once send_all began
 
-    async def send_all(self, zero: float) -> None:
-        """Hand each planned request to its requester at its time (open loop: never waits)."""
+    async def send_all(self, zero: float, until: Callable[[], bool] | None = None) -> None:
+        """Hand each planned request to its requester at its time (open loop: never waits);
+        with `until`, stop once it is true (what was not sent leaves the plan)."""
         self.zero = zero
         ws_i = 0
-        for p in self.planned:
+        for n, p in enumerate(self.planned):
             delay = zero + p.at_s - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
+            if until is not None and until():
+                del self.planned[n:]
+                return
             if p.channel == "kafka":
                 self.app.submit(p)
             elif p.channel in self.apis:

@@ -107,22 +107,37 @@ class OpenAiRequest:
 class OpenAiRequester:
     """Requests over the OpenAI API of two edges, one task each (open loop)."""
 
-    def __init__(self, channel: str, base_urls: list[str], api_key: str) -> None:
+    def __init__(
+        self, channel: str, base_urls: list[str], api_key: str, *, retry_refused: bool = False
+    ) -> None:
         if channel not in ("openai-stream", "openai"):
             raise ValueError(f"not an OpenAI channel: {channel!r}")
         self.channel = channel
-        self.clients = [
-            openai.AsyncOpenAI(
-                base_url=url,
-                api_key=api_key,
-                max_retries=0,  # this requester moves to the other edge itself
-                timeout=httpx2.Timeout(90.0, connect=5.0),
-            )
-            for url in base_urls
-        ]
+        self.api_key = api_key
+        self.clients = [self._client(url) for url in base_urls]
+        self._retired: list[openai.AsyncOpenAI] = []
+        # A 429 or 503 before acceptance (and a whole answer's 503 `edge_restarting`) is sent
+        # again to the next edge after its retry hint, as the SDK's retries behind a load
+        # balancer would (a draining edge refuses: tests/upgrade/); else it is `refused`.
+        self.retry_refused = retry_refused
+        self.refusals_retried = 0
         self.requests: list[OpenAiRequest] = []
         self.protocol_errors: list[str] = []
         self._tasks: set[asyncio.Task[None]] = set()
+
+    def _client(self, url: str) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(
+            base_url=url,
+            api_key=self.api_key,
+            max_retries=0,  # this requester moves to the other edge itself
+            timeout=httpx2.Timeout(90.0, connect=5.0),
+        )
+
+    def repoint(self, slot: int, url: str) -> None:
+        """Send what goes to edge `slot` from now on to `url` (a load balancer's endpoint
+        swapped); calls under way finish on the client they began with."""
+        self._retired.append(self.clients[slot])
+        self.clients[slot] = self._client(url)
 
     def submit(self, planned: Planned) -> None:
         request = OpenAiRequest(planned, len(self.requests))
@@ -182,7 +197,7 @@ class OpenAiRequester:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        for client in self.clients:
+        for client in (*self.clients, *self._retired):
             await client.close()
 
     def _body(self, planned: Planned) -> dict[str, Any]:
@@ -221,6 +236,10 @@ class OpenAiRequester:
                 r.events.append({"dropped": "the stream ended without [DONE]", "edge": edge})
             except openai.APIStatusError as exc:
                 if r.resume_token is None and exc.status_code in REFUSALS:
+                    if self.retry_refused:
+                        await self._after_refusal(exc)
+                        edge = (edge + 1) % len(self.clients)
+                        continue
                     r.refused = str(exc.status_code)
                     return
                 if r.resume_token is not None and exc.status_code == 503:
@@ -242,6 +261,10 @@ class OpenAiRequester:
             try:
                 answer = await self.clients[edge].chat.completions.create(**self._body(r.planned))
             except openai.APIStatusError as exc:
+                if exc.status_code in REFUSALS and self.retry_refused:
+                    await self._after_refusal(exc)
+                    edge = (edge + 1) % len(self.clients)
+                    continue
                 if exc.status_code in REFUSALS:
                     r.refused = str(exc.status_code)
                 else:
@@ -259,6 +282,11 @@ class OpenAiRequester:
             text, finish = choice.message.content or "", choice.finish_reason
             r.finish({"answer": text, "finish_reason": finish})
             return
+
+    async def _after_refusal(self, exc: openai.APIStatusError) -> None:
+        self.refusals_retried += 1
+        hint = exc.response.headers.get("retry-after-ms")
+        await asyncio.sleep(min(4.0, float(hint) / 1000) if hint else 1.0)
 
 
 async def sse_events(lines: AsyncIterator[str]) -> AsyncIterator[tuple[str | None, str]]:

@@ -359,3 +359,22 @@ def test_a_whole_answer_is_judged_by_its_text_and_a_status_is_its_outcome() -> N
     assert status.outcome == "http 504 deadline_exceeded"
     assert status.ok
     assert answered({"dropped": "APIConnectionError", "edge": 0}).lost
+
+
+def test_a_draining_edges_error_event_is_no_outcome_the_stream_goes_on_elsewhere() -> None:
+    # ADR 0073: at its drain bound an edge ends the stream with `edge_restarting`, naming
+    # the last event it sent; the client resumes at another edge from that event.
+    restarting = sse("0:0", {"error": {"code": "edge_restarting", "message": "m"}})
+    v = streamed(
+        ROLE,
+        chunk("0:0", "The bus "),
+        restarting,
+        {"dropped": "the stream ended without [DONE]", "edge": 0},
+        {"resumed": "0:0", "edge": 1},
+        chunk("0:1", "leaves."),
+        chunk("0:1", None, "stop"),
+        sse(None, "[DONE]"),
+    )
+    assert v.ok, v.problems
+    assert v.outcome == "done"
+    assert streamed(ROLE, chunk("0:0", "The bus "), restarting).lost  # not resumed: no end
