@@ -102,8 +102,9 @@ class Stack:
     # Tenants beyond TENANTS, or other limits for them: name -> TenantLimits fields.
     tenant_limits: dict[str, dict[str, object]] = field(default_factory=dict)
     keys: dict[str, str] = field(default_factory=dict)  # tenant -> its API key
-    # The source tree each service runs from, by key (a rolling upgrade runs two releases
-    # side by side: tests/upgrade/); any other key runs this checkout's.
+    # The source tree the services run from (this checkout's by default), and by key where
+    # one runs another (a rolling upgrade runs two releases side by side: tests/upgrade/).
+    tree: Path = ROOT
     trees: dict[str, Path] = field(default_factory=dict)
     # Service key -> its /metrics, /healthz, /readyz port (an edge's is not its HTTP port,
     # which answers /healthz and /readyz but never /metrics).
@@ -217,7 +218,7 @@ class Stack:
             self.counted = True
         if name == "worker" and (load := ledger.engine_load(full.get("TOKENBUS_WORKER_ENGINE"))):
             ledger.note(load, where=f"{self.prefix}-{key}")
-        tree = self.trees.get(key, ROOT)
+        tree = self.trees.get(key, self.tree)
         full["PYTHONPATH"] = str(tree)
         with open(self.log_dir / f"{self.prefix}-{key}.log", "ab") as log:
             self.processes[key] = subprocess.Popen(

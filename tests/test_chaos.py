@@ -24,7 +24,6 @@ import json
 import logging
 import os
 import random
-import shutil
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -43,9 +42,16 @@ from tests.chaos.checker import OPENAI_CHANNELS, failures, judge, summarize, tab
 from tests.chaos.faults import ENGINE_KINDS, NODE_KINDS, SERVICE_KINDS, Fault, last_end_s, plan
 from tests.chaos.load import KafkaRequester, LoadRun, WsUser, cancel_all, plan_load
 from tests.chaos.openai_load import OpenAiRequester
-from tests.chaos.system import CHAOS_ENV, ChaosSystem, Injector, LocalCluster, ProxiedLinks
+from tests.chaos.system import (
+    ChaosSystem,
+    Injector,
+    LocalCluster,
+    ProxiedLinks,
+    chaos_stack,
+    fresh_run_dir,
+)
 from tests.chaos.toxiproxy import ProxiedCluster
-from tests.stack import ROOT, Stack, new_prefix
+from tests.stack import ROOT
 
 # In `make test`; `make chaos` runs it alone (`-m chaos`).
 pytestmark = pytest.mark.chaos
@@ -95,9 +101,7 @@ RUN_DIR = ROOT / ".tokenbus" / "chaos" / "run"
 
 @pytest.fixture
 def run_dir() -> Path:
-    shutil.rmtree(RUN_DIR, ignore_errors=True)
-    (RUN_DIR / "logs").mkdir(parents=True)
-    return RUN_DIR
+    return fresh_run_dir(RUN_DIR)
 
 
 @pytest.fixture
@@ -111,12 +115,7 @@ def cluster(three_nodes: ProxiedCluster) -> LocalCluster:
 
 @pytest.fixture
 def system(cluster: LocalCluster, run_dir: Path) -> Iterator[ChaosSystem]:
-    stack = Stack(
-        bootstrap=cluster.cluster.bootstrap_servers,
-        prefix=new_prefix(),
-        log_dir=run_dir / "logs",
-        env_overrides=dict(CHAOS_ENV),
-    )
+    stack = chaos_stack(cluster.cluster, run_dir)
     try:
         yield ChaosSystem.start(stack)
     finally:

@@ -153,7 +153,7 @@ class OpenAiRequester:
     def histories(self) -> list[History]:
         return [
             History(
-                r.request_id or f"{self.channel}-{r.index}",
+                self.id_of(r),
                 self.channel,  # type: ignore[arg-type]
                 r.planned.expected_text_of(sim_prompt(r.planned)),
                 tuple(r.events),
@@ -161,6 +161,11 @@ class OpenAiRequester:
             for r in self.requests
             if r.refused is None and r.sent_at is not None
         ]
+
+    def id_of(self, r: OpenAiRequest) -> str:
+        """The id `r`'s history is judged under: its request id, else (refused or cut before
+        one was read) its channel and index."""
+        return r.request_id or f"{self.channel}-{r.index}"
 
     def samples(self, zero: float) -> list[Sample]:
         """One per request handed to it (tests/chaos/availability.py)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -29,7 +30,7 @@ from shared.settings import TokenbusSettings
 from tests.chaos.availability import FaultWindow
 from tests.chaos.faults import BROKER_KINDS, ENGINE_KINDS, HANG_KINDS, Fault
 from tests.chaos.toxiproxy import Toxiproxy
-from tests.stack import Stack, free_port
+from tests.stack import Stack, free_port, new_prefix
 from tests.stack_dumps import dump_stacks
 
 WORKERS = ("worker-a", "worker-b")
@@ -170,6 +171,25 @@ async def _leader(bootstrap: str, topic: str, partition: int) -> int:
     finally:
         await admin.close()
     raise RuntimeError(f"{topic}/{partition} has no leader now")
+
+
+def fresh_run_dir(path: Path) -> Path:
+    """`path` emptied, with its `logs/` folder: a check's run directory, kept after it for a
+    post-mortem and cleared by the next run."""
+    shutil.rmtree(path, ignore_errors=True)
+    (path / "logs").mkdir(parents=True)
+    return path
+
+
+def chaos_stack(cluster: launcher.Cluster, run_dir: Path, **env: str) -> Stack:
+    """A stack on `cluster` with the chaos settings (CHAOS_ENV, `env` on top), logging under
+    `run_dir`; `ChaosSystem.start` starts its processes."""
+    return Stack(
+        bootstrap=cluster.bootstrap_servers,
+        prefix=new_prefix(),
+        log_dir=run_dir / "logs",
+        env_overrides={**CHAOS_ENV, **env},
+    )
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,1 @@
+"""`make upgrade-check`: a rolling upgrade to this checkout and back, under load."""

@@ -23,7 +23,6 @@ import asyncio
 import logging
 import os
 import random
-import shutil
 import signal
 import statistics
 import time
@@ -40,9 +39,9 @@ from shared.kafka import create_topics
 from tests.chaos.checker import OPENAI_CHANNELS, Verdict, failures, judge, summarize, table
 from tests.chaos.load import KafkaRequester, LoadRun, Planned, WsUser, cancel_all, plan_load
 from tests.chaos.openai_load import OpenAiRequester, sim_prompt
-from tests.chaos.system import CHAOS_ENV, ChaosSystem, LocalCluster, Service
+from tests.chaos.system import ChaosSystem, LocalCluster, Service, chaos_stack, fresh_run_dir
 from tests.chaos.toxiproxy import ProxiedCluster
-from tests.stack import ROOT, Stack, new_prefix
+from tests.stack import ROOT
 from tests.upgrade.releases import (
     commit_of,
     dependencies_differ,
@@ -91,9 +90,7 @@ def releases() -> Releases:
 
 @pytest.fixture
 def run_dir() -> Path:
-    shutil.rmtree(RUN_DIR, ignore_errors=True)
-    (RUN_DIR / "logs").mkdir(parents=True)
-    return RUN_DIR
+    return fresh_run_dir(RUN_DIR)
 
 
 @pytest.fixture
@@ -103,14 +100,10 @@ def cluster(three_nodes: ProxiedCluster) -> LocalCluster:
 
 @pytest.fixture
 def system(cluster: LocalCluster, releases: Releases, run_dir: Path) -> Iterator[ChaosSystem]:
-    stack = Stack(
-        bootstrap=cluster.cluster.bootstrap_servers,
-        prefix=new_prefix(),
-        log_dir=run_dir / "logs",
-        env_overrides={**CHAOS_ENV, "TOKENBUS_WORKER_SIM_TOKEN_RATE": str(SIM_TOKEN_RATE)},
+    stack = chaos_stack(
+        cluster.cluster, run_dir, TOKENBUS_WORKER_SIM_TOKEN_RATE=str(SIM_TOKEN_RATE)
     )
-    for key in ("ingest", "scheduler", "scheduler-b", "worker", "worker-b", "edge", "edge-b"):
-        stack.trees[key] = releases.old_tree
+    stack.tree = releases.old_tree  # every service, until the roll starts one of another
     try:
         system = ChaosSystem.start(stack)
         system.services["scheduler-b"] = Service(
@@ -257,7 +250,7 @@ def _planned_by_id(run: LoadRun) -> dict[str, Planned]:
     out = {r.request_id: r.planned for u in run.users for r in u.requests.values() if r.request_id}
     out |= {r.request_id: r.planned for r in run.app.requests.values()}
     for api in run.apis.values():
-        out |= {r.request_id or f"{api.channel}-{r.index}": r.planned for r in api.requests}
+        out |= {api.id_of(r): r.planned for r in api.requests}
     return out
 
 
@@ -273,11 +266,7 @@ def _durations(run: LoadRun) -> dict[str, float]:
 def _sse_error_events(run: LoadRun) -> dict[str, int]:
     """The SSE `error` events each streamed request was shown, by id (those shown any)."""
     api = run.apis["openai-stream"]
-    return {
-        r.request_id or f"{api.channel}-{r.index}": len(r.error_events_at)
-        for r in api.requests
-        if r.error_events_at
-    }
+    return {api.id_of(r): len(r.error_events_at) for r in api.requests if r.error_events_at}
 
 
 def _report(
