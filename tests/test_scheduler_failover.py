@@ -23,6 +23,7 @@ from tests.stack import Stack, new_prefix, wait_until
 from tests.worker_logs import events, reruns
 
 WORKER_A, WORKER_B = "worker-a", "worker-b"
+ROUNDS = 3  # of 8 requests, until worker B is sent some (the kill test)
 
 
 @pytest.fixture(scope="module")
@@ -129,16 +130,27 @@ async def test_a_worker_killed_mid_batch_has_its_requests_finished_by_another(
     await asyncio.to_thread(
         wait_until, lambda: idle_since(stack, since) == {WORKER_A, WORKER_B}, 30, "idle beats"
     )
-    requests: list[dict[str, Any]] = [
-        {"client_id": f"w{i}", "prompt": prompt, "max_tokens": 500}
-        for i, prompt in enumerate(long_prompts(8, 80, "kill the worker"))
-    ]
+    prompts = iter(long_prompts(8 * ROUNDS, 80, "kill the worker"))
+    requests: list[dict[str, Any]] = []
+
+    def sent_to_b() -> int:
+        dispatched = events(stack.log("scheduler"), "batch.dispatched")
+        return sum(e["worker_id"] == WORKER_B for e in dispatched)
+
     async with websockets.connect(stack.ws_url) as ws:
         session = ChatSession(ws)
-        for request in requests:
-            await session.send(request)
-        # Every stream is under way (0.8 s or more each): kill worker B in the middle.
-        await session.until(lambda: all(t.deltas for t in session.by_client.values()))
+        # Even so, a scheduler that read B's last busy beat a moment before its idle one
+        # sends A all 8 (stop 57's clean clone): then 8 more go, which A's load sends to B.
+        for _ in range(ROUNDS):
+            before = sent_to_b()
+            for _ in range(8):
+                request = {"client_id": f"w{len(requests)}", "prompt": next(prompts)}
+                requests.append({**request, "max_tokens": 500})
+                await session.send(requests[-1])
+            # Every stream is under way (0.8 s or more each): kill worker B in the middle.
+            await session.until(lambda: all(t.deltas for t in session.by_client.values()))
+            if sent_to_b() > before:
+                break
         await asyncio.to_thread(stack.stop_service, WORKER_B, signal.SIGKILL)
         await session.until(session.all_ended, within=60)
     ours = {t.request_id for t in session.by_client.values()}
