@@ -89,12 +89,22 @@ async def test_a_revoked_key_stops_working_without_a_restart(stack: Stack, capsy
         assert done["a"].final is not None
         assert done["a"].final["type"] == "chat.done"
         assert tokenbus(["keys", "--file", str(stack.keys_file), "revoke", key]) == 0
-        # The open socket: its next request is refused...
-        await ws.send(
-            json.dumps({"type": "chat.request", "client_id": "b", "prompt": late, "max_tokens": 3})
-        )
-        frame = await recv_json(ws)
-        assert (frame["type"], frame["code"], frame["client_id"]) == ("error", "unauthorized", "b")
+        # The open socket: its next request is refused, or, if the edge's sweep of revoked
+        # keys comes first, the socket is closed for it (a clean clone of bcde17d saw the
+        # close before the refusal)...
+        outcome: tuple[object, ...]
+        try:
+            await ws.send(
+                json.dumps(
+                    {"type": "chat.request", "client_id": "b", "prompt": late, "max_tokens": 3}
+                )
+            )
+            frame = await recv_json(ws)
+            outcome = (frame["type"], frame["code"], frame["client_id"])
+        except websockets.ConnectionClosedError as closed:
+            rcvd = closed.rcvd
+            outcome = ("closed", rcvd.code, "revoked" in rcvd.reason) if rcvd else ("lost",)
+        assert outcome in {("error", "unauthorized", "b"), ("closed", 1008, True)}, outcome
     # ...and a new one is not opened, by header or by frame.
     assert await upgrade_status(stack.ws_url_as(None), additional_headers=header) == 403
     async with websockets.connect(stack.ws_url_as(None)) as ws:
