@@ -98,6 +98,16 @@ class Topics:
         return f"{self.prefix}.cache"
 
     @property
+    def files(self) -> str:
+        """Compacted: one record per uploaded file, keyed by its id (ADR 0074)."""
+        return f"{self.prefix}.files"
+
+    @property
+    def file_chunks(self) -> str:
+        """Compacted: the files' content, in chunks keyed `<file id>/<n>` (ADR 0074)."""
+        return f"{self.prefix}.file-chunks"
+
+    @property
     def variants(self) -> str:
         """Compacted log of each model's rollout (variants and shares), keyed by model name
         (ADR 0054)."""
@@ -158,6 +168,9 @@ class Topics:
             self.workers: 3,
             self.control: 1,
             self.cache: 4,
+            # One small record per file; the content's chunks, a file's all on one partition.
+            self.files: 1,
+            self.file_chunks: 4,
             self.variants: 1,
             self.verdicts: 1,
             self.scores: 3,
@@ -177,6 +190,9 @@ class Topics:
                 # Only closed segments are deleted or compacted: roll them well within the age.
                 "segment.ms": str(max(60_000, cache_retention_ms // 4)),
             },
+            # Files are kept until deleted (tombstones), as OpenAI keeps them (ADR 0074).
+            self.files: {"cleanup.policy": "compact"},
+            self.file_chunks: {"cleanup.policy": "compact", "max.message.bytes": str(1 << 20)},
             # The latest rollout of each model, kept for ever: a restart forgets nothing.
             self.variants: {"cleanup.policy": "compact"},
             # The latest verdicts of each model; the schedulers rewrite them every few seconds.

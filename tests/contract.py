@@ -178,6 +178,11 @@ def tolerant(schema: Any) -> Any:
     return schema
 
 
+def released(kind: Kind) -> bool:
+    """Whether the released contract has `kind` (a kind added since has no released reader)."""
+    return kind.payload in load(RELEASED / "asyncapi.yaml")["components"]["schemas"]
+
+
 def released_schema(kind: Kind) -> dict[str, Any]:
     """The released JSON Schema of `kind`: its file under docs/schema/released/ where it has
     one, else its AsyncAPI component."""

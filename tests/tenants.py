@@ -57,7 +57,14 @@ HTTP_LIMITS: dict[str, dict[str, object]] = {
     "http-one-stream": {**UNLIMITED, "sockets": 1},
 }
 
+# tests/test_files_api.py: the files' owner and a tenant that must not see them.
+FILES: dict[str, dict[str, object]] = {
+    "files-owner": dict(UNLIMITED),
+    "files-other": dict(UNLIMITED),
+}
+
 SHARED_STACK_TENANTS: dict[str, dict[str, object]] = {
+    **FILES,
     **QUOTAS,
     **TOKEN_COUNTS,
     **REVOKED_KEYS,

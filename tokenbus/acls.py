@@ -175,6 +175,8 @@ def grants(topics: Topics) -> dict[str, list[Grant]]:
                 topics.results, read, why="its streams: the partition it holds; a resumed stream's"
             ),
             _topic(topics.workers, read, why="heartbeats: the models `/v1/models` lists"),
+            _topic(topics.files, read, write, why="the uploaded files' records (ADR 0074)"),
+            _topic(topics.file_chunks, read, write, why="the uploaded files' content (ADR 0074)"),
             _topic(
                 topics.result_leases,
                 read,

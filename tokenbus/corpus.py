@@ -15,6 +15,7 @@ from typing import Any
 from pydantic import BaseModel, TypeAdapter
 
 from services.edge.leases import LeaseRecord
+from shared.files import FileObject, StoredFile
 from shared.kafka import encode
 from shared.messages import (
     OUTCOME_TTFT_BOUNDS_S,
@@ -91,6 +92,7 @@ KINDS: dict[str, Kind] = {
         Kind("rollout", "ModelRollout", ModelRollout),
         Kind("verdicts", "ModelVerdicts", ModelVerdicts),
         Kind("shadow_score", "ShadowScore", ShadowScore),
+        Kind("stored_file", "StoredFile", StoredFile),
     )
 }
 
@@ -138,6 +140,7 @@ def samples() -> list[Sample]:
         ("rollout", _rollout()),
         ("verdicts", _verdicts()),
         ("shadow_score", _shadow_score()),
+        ("stored_file", _stored_file()),
     ]
     return [Sample(KINDS[name], record) for name, record in records]
 
@@ -344,6 +347,27 @@ def _heartbeat() -> Heartbeat:
         variant="canary",
         load_s=12.5,
         outcomes=Outcomes(answered=5, failed=1, ttft=ttft),
+    )
+
+
+def _stored_file() -> StoredFile:
+    return StoredFile(
+        file=FileObject(
+            id="file-1",
+            object="file",
+            status="processed",
+            bytes=2048,
+            created_at=int(AT),
+            filename="requests.jsonl",
+            purpose="batch",
+            expires_at=int(AT) + 86400,
+            status_details="validated: 12 requests",
+        ),
+        tenant="acme",
+        lines=12,
+        sha256="e" * 64,
+        partition=2,
+        offsets=[40, 41],
     )
 
 

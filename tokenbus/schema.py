@@ -29,6 +29,7 @@ from pydantic.json_schema import JsonSchemaMode
 from services.edge.leases import LeaseRecord
 from shared.dead_letters import HEADERS as DEAD_LETTER_HEADERS
 from shared.dead_letters import REQUIRED as DEAD_LETTER_REQUIRED
+from shared.files import StoredFile
 from shared.messages import (
     LEAVING_HEADER,
     Batch,
@@ -126,6 +127,7 @@ SCHEMAS: dict[str, tuple[Any, JsonSchemaMode]] = {
     "ModelRollout": (ModelRollout, "serialization"),
     "ShadowScore": (ShadowScore, "serialization"),
     "ModelVerdicts": (ModelVerdicts, "serialization"),
+    "StoredFile": (StoredFile, "serialization"),
 }
 
 REQUEST = Message(
@@ -205,6 +207,23 @@ CACHE_ENTRY = Message(
     " answered it; ingest replays it to a later request with the same key, marked `cached`.",
     "CacheEntry",
     "The cache key: SHA-256 (hex) of the fields that decide the answer.",
+    headers={},
+)
+FILE_RECORD = Message(
+    "storedFile",
+    "Uploaded file",
+    "One file of the Files API: OpenAI's file object, its tenant, its line count and"
+    " digest, and the partition and offsets of its chunks; a tombstone deletes it.",
+    "StoredFile",
+    "The file id (UTF-8).",
+    headers={},
+)
+FILE_CHUNK = Message(
+    "fileChunk",
+    "File chunk",
+    "Up to 512 KiB of a file's bytes, as uploaded; a tombstone deletes it.",
+    "FileChunk",
+    "`<file id>/<n>`, n the chunk's number, six digits (UTF-8).",
     headers={},
 )
 ROLLOUT = Message(
@@ -338,6 +357,27 @@ def channels(topics: Topics) -> tuple[Channel, ...]:
             parts[topics.cache],
         ),
         Channel(
+            "files",
+            topics.files,
+            "Compacted: one record per uploaded file, read whole by every edge; its chunks'"
+            " offsets say where its content is (docs/decisions/0074-files-live-on-kafka-in-"
+            "chunks-found-by-offset.md).",
+            (FILE_RECORD,),
+            ("edge",),
+            ("edge",),
+            parts[topics.files],
+        ),
+        Channel(
+            "fileChunks",
+            topics.file_chunks,
+            "Compacted: the uploaded files' content, each file's chunks on one partition,"
+            " read by offset (ADR 0074).",
+            (FILE_CHUNK,),
+            ("edge",),
+            ("edge",),
+            parts[topics.file_chunks],
+        ),
+        Channel(
             "variants",
             topics.variants,
             "Compacted log of each model's rollout, written by `tokenbus models rollout` and"
@@ -430,6 +470,7 @@ def component_schemas() -> dict[str, Any]:
     schemas["DeadLetter"] = {
         "description": "The dead-lettered record's value exactly as read (any bytes)."
     }
+    schemas["FileChunk"] = {"description": "Bytes of an uploaded file, as uploaded (any bytes)."}
     return {k: _asyncapi_schema(schemas[k]) for k in sorted(schemas)}
 
 

@@ -34,12 +34,14 @@ from services.edge.gateway import Gateway
 from services.edge.metrics import EdgeMetrics
 from services.edge.models import ModelDirectory
 from services.edge.openai.edge_streams import EdgeStreams
+from services.edge.openai.files import FilesApi
 from services.edge.openai.request_ids import RequestIds
 from services.edge.openai.routes import OpenAIApi
 from services.edge.page import SecurityHeaders
 from services.edge.runtime import running
 from services.edge.settings import EdgeSettings
 from services.edge.telemetry import EdgeTelemetry
+from shared.files import FileStore
 from shared.health import Readiness, health_routes
 from shared.metrics import EdgeRequestMetrics
 from shared.topics import Topics
@@ -67,6 +69,7 @@ class Edge:
         # Keys, origins, quotas (auth.py); tenant ids are keyed by the resume keys.
         self.guard = Guard(settings, self.resume_keys)
         self.gateway: Gateway | None = None  # None until the lifespan reached Kafka
+        self.files: FileStore | None = None  # the uploaded files (ADR 0074), as the gateway
         # The weight of frames queued for all clients, WebSockets and HTTP (outbox.py).
         self.outbox_budget = ByteBudget(settings.edge_outbox_budget_bytes)
         # The OpenAI-compatible API (services/edge/openai/): the models workers advertise.
@@ -84,11 +87,13 @@ class Edge:
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
         async with running(self, on_lease_lost=self._lease_lost) as gateway:
-            self.gateway = gateway
+            files = FileStore(self.settings, self.topics, gateway.link.producer)
+            self.gateway, self.files = gateway, files
             try:
                 yield
             finally:
-                self.gateway = None
+                self.gateway = self.files = None
+                await files.stop()
 
     def start_drain(self) -> asyncio.Task[int] | None:
         """SIGTERM's first step (drain.py): None where the edge stops at once (starting, or
@@ -146,6 +151,13 @@ def build_app(edge: Edge) -> Starlette:
         max_outbox_bytes=settings.edge_outbox_bytes,
         outbox_budget=edge.outbox_budget,
     )
+    files = FilesApi(
+        edge.openai,
+        lambda: edge.files,
+        max_bytes=settings.edge_file_max_bytes,
+        uploads=settings.edge_file_uploads,
+        upload_s=settings.edge_file_upload_s,
+    )
     return Starlette(
         routes=[
             Route("/", edge.index),
@@ -156,6 +168,11 @@ def build_app(edge: Edge) -> Starlette:
             Route("/v1/completions", openai.completions, methods=["POST"]),
             Route("/v1/models", openai.models),
             Route("/v1/models/{model:path}", openai.model),  # ids may hold `/` (org/name)
+            Route("/v1/files", files.upload, methods=["POST"]),
+            Route("/v1/files", files.list, methods=["GET"]),
+            Route("/v1/files/{file_id}", files.retrieve, methods=["GET"]),
+            Route("/v1/files/{file_id}", files.delete, methods=["DELETE"]),
+            Route("/v1/files/{file_id}/content", files.content, methods=["GET"]),
         ],
         middleware=[
             Middleware(SecurityHeaders),  # the chat page's CSP (page.py)

@@ -260,6 +260,25 @@ class EdgeSettings(KeysSettings):
         " clients together (503 and a retry hint past it), and the same again of WebSocket"
         " messages (the socket closed 1013 past it).",
     )
+    edge_file_max_bytes: int = Field(
+        default=200 * 1024 * 1024,
+        ge=1024,
+        le=200 * 1024 * 1024,
+        description="Largest file `POST /v1/files` takes (OpenAI's limit for a batch's"
+        " input, 200 MB; 413 past it). It streams to a temporary file, not to memory.",
+    )
+    edge_file_uploads: int = Field(
+        default=4,
+        ge=1,
+        description="`POST /v1/files` uploads one edge takes at once (each holds up to"
+        " edge_file_max_bytes of its disk while it is checked and stored); 503 and a retry"
+        " hint past it.",
+    )
+    edge_file_upload_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="An upload must arrive whole within this (else 408, connection closed).",
+    )
     edge_max_connections_per_ip: int = Field(
         default=0,
         ge=0,

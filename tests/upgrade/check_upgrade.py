@@ -82,8 +82,9 @@ def releases() -> Releases:
     old = commit_of(os.environ.get("TOKENBUS_UPGRADE_FROM") or previous_release())
     if dependencies_differ(old):
         pytest.fail(
-            f"{old[:10]} pins other dependencies (pyproject.toml) than this checkout; both"
-            " releases run in this checkout's environment: pick a release that pins the same"
+            f"{old[:10]} pins a dependency (pyproject.toml) this checkout does not pin as it"
+            " does; both releases run in this checkout's environment: pick a release whose"
+            " dependencies this checkout's include"
         )
     return Releases(old, commit_of("HEAD")[:10] + " (this checkout)", source_tree(old))
 

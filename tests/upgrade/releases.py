@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import tomllib
 from pathlib import Path
 
 from tests.stack import ROOT
@@ -50,10 +51,16 @@ def source_tree(commit: str) -> Path:
 
 
 def dependencies_differ(commit: str) -> bool:
-    """Whether `commit` pins other dependencies than this checkout: both releases run in
-    this checkout's environment, so such a pair is not what a user would run."""
-    done = subprocess.run(["git", "diff", "--quiet", commit, "--", "pyproject.toml"], cwd=ROOT)
-    return done.returncode != 0
+    """Whether `commit` needs a dependency this checkout does not pin as it does: both
+    releases run in this checkout's environment, so such a pair is not what a user would
+    run. A dependency this checkout adds is no difference (the older release runs beside a
+    package it does not import)."""
+    shown = subprocess.run(
+        ["git", "show", f"{commit}:pyproject.toml"], cwd=ROOT, capture_output=True, check=True
+    )
+    theirs = tomllib.loads(shown.stdout.decode())["project"]["dependencies"]
+    ours = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    return not set(theirs) <= set(ours)
 
 
 def says_it_leaves(tree: Path) -> bool:

@@ -1,0 +1,246 @@
+"""OpenAI's files on the bus (ADR 0074): the content in chunks on `tokenbus.file-chunks`,
+one record per file on `tokenbus.files` saying whose it is and where its chunks are.
+
+A file exists once its record is written, after every chunk is acknowledged; a delete
+writes tombstones for the chunks, then for the record. Every reader (each edge) keeps the
+small `tokenbus.files` table and catches it up to the end before each answer, so a file
+written through one edge is seen through any other at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import secrets
+import time
+from collections.abc import AsyncGenerator
+from typing import IO, Literal
+
+import structlog
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from shared.kafka import make_consumer
+from shared.producers import RenewingProducer
+from shared.records import read
+from shared.settings import TokenbusSettings
+from shared.topics import Topics
+
+log = structlog.get_logger()
+
+# Well below the broker's default largest record (about 1 MiB, `message.max.bytes`) and
+# aiokafka's largest request (1 MiB), with room for the key and headers.
+CHUNK_BYTES = 512 * 1024
+FETCH_MS = 500
+# How long a read of the table or of a file's chunks may take before it is given up on
+# (the caller answers 503: the broker is away).
+READ_TIMEOUT_S = 30.0
+
+
+class FileObject(BaseModel):
+    """OpenAI's file object, as `client.files.create/retrieve/list` read it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    id: str
+    object: Literal["file"] = "file"
+    bytes: int
+    created_at: int
+    filename: str
+    purpose: Literal["batch"]
+    status: Literal["processed"] = "processed"
+    expires_at: int | None = None
+    status_details: str | None = None
+
+
+class StoredFile(BaseModel):
+    """The record of one file on `tokenbus.files`, keyed by its id. Read through
+    shared/records.py, which ignores fields it does not know (a later release's: ADR 0072)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    file: FileObject
+    tenant: str
+    lines: int
+    sha256: str
+    partition: int  # of `tokenbus.file-chunks`: all its chunks are on it
+    offsets: list[int]  # each chunk's, in order
+
+
+def new_file_id() -> str:
+    return f"file-{secrets.token_hex(12)}"
+
+
+def _chunk_key(file_id: str, n: int) -> bytes:
+    return f"{file_id}/{n:06d}".encode()
+
+
+class FileStore:
+    """Writes, finds, reads and deletes files; `table` is the edge's view of every file."""
+
+    def __init__(self, settings: TokenbusSettings, topics: Topics, producer: RenewingProducer):
+        self._settings = settings
+        self._topics = topics
+        self._producer = producer
+        self._table: dict[str, tuple[int, StoredFile]] = {}  # id -> (its record's offset, it)
+        self._reader: AIOKafkaConsumer | None = None
+        self._lock = asyncio.Lock()
+
+    async def _table_reader(self) -> AIOKafkaConsumer:
+        """The table's consumer, started on the first call that needs it (an edge that is
+        never asked about files never reads them)."""
+        if self._reader is None:
+            reader = make_consumer(
+                self._settings,
+                group_id=None,
+                client_id="tokenbus-files",
+                fetch_max_wait_ms=FETCH_MS,
+            )
+            await reader.start()
+            reader.assign([TopicPartition(self._topics.files, 0)])
+            await reader.seek_to_beginning()
+            self._reader = reader
+        return self._reader
+
+    async def stop(self) -> None:
+        if self._reader is not None:
+            await self._reader.stop()
+
+    async def put(
+        self, tenant: str, filename: str, source: IO[bytes], size: int, lines: int
+    ) -> FileObject:
+        """Write `source` (`size` bytes, already validated) as a new file of `tenant`."""
+        file_id = new_file_id()
+        partitions = sorted(await self._producer.partitions_for(self._topics.file_chunks))
+        partition = partitions[
+            int(hashlib.sha256(file_id.encode()).hexdigest(), 16) % len(partitions)
+        ]
+        digest = hashlib.sha256()
+        pending = []
+        source.seek(0)
+        for n, chunk in enumerate(iter(lambda: source.read(CHUNK_BYTES), b"")):
+            digest.update(chunk)
+            pending.append(
+                await self._producer.send(
+                    self._topics.file_chunks, chunk, key=_chunk_key(file_id, n), partition=partition
+                )
+            )
+        offsets = [(await sent).offset for sent in pending]
+        stored = StoredFile(
+            file=FileObject(
+                id=file_id,
+                bytes=size,
+                created_at=int(time.time()),
+                filename=filename,
+                purpose="batch",
+            ),
+            tenant=tenant,
+            lines=lines,
+            sha256=digest.hexdigest(),
+            partition=partition,
+            offsets=offsets,
+        )
+        sent = await self._producer.send(
+            self._topics.files, stored.model_dump_json().encode(), key=file_id.encode(), partition=0
+        )
+        self._table[file_id] = ((await sent).offset, stored)
+        log.info("file.stored", file_id=file_id, tenant=tenant, bytes=size, lines=lines)
+        return stored.file
+
+    async def find(self, tenant: str, file_id: str) -> StoredFile | None:
+        """The file `file_id` if `tenant` owns it (another tenant's is as good as absent)."""
+        await self.catch_up()
+        _, stored = self._table.get(file_id, (0, None))
+        return stored if stored is not None and stored.tenant == tenant else None
+
+    async def owned(self, tenant: str) -> list[StoredFile]:
+        """`tenant`'s files, newest first (by their records' order on the bus)."""
+        await self.catch_up()
+        mine = sorted((o, s) for o, s in self._table.values() if s.tenant == tenant)
+        return [s for _, s in reversed(mine)]
+
+    async def catch_up(self) -> None:
+        """Read `tokenbus.files` up to its end as it is now (read-your-writes across edges)."""
+        tp = TopicPartition(self._topics.files, 0)
+        async with self._lock, asyncio.timeout(READ_TIMEOUT_S):
+            reader = await self._table_reader()
+            end = (await reader.end_offsets([tp]))[tp]
+            while await reader.position(tp) < end:
+                fetched = await reader.getmany(tp, timeout_ms=FETCH_MS)
+                for record in fetched.get(tp, []):
+                    self._apply(record.key, record.value, record.offset)
+
+    def _apply(self, key: bytes | None, value: bytes | None, offset: int) -> None:
+        if key is None:
+            return
+        file_id = key.decode()
+        if value is None:
+            self._table.pop(file_id, None)
+            return
+        try:
+            self._table[file_id] = (offset, read(StoredFile, value))
+        except ValidationError as exc:  # not a file record: nothing to show, nothing lost
+            log.warning("files.bad_record", offset=offset, error=str(exc)[:200])
+
+    async def content(self, stored: StoredFile) -> AsyncGenerator[bytes, None]:
+        """The file's bytes, chunk by chunk, read from where its record says they are."""
+        consumer = make_consumer(
+            self._settings,
+            group_id=None,
+            client_id="tokenbus-file-reader",
+            fetch_max_wait_ms=FETCH_MS,
+        )
+        await consumer.start()
+        try:
+            tp = TopicPartition(self._topics.file_chunks, stored.partition)
+            consumer.assign([tp])
+            wanted = list(stored.offsets)
+            digest = hashlib.sha256()
+            while wanted:
+                consumer.seek(tp, wanted[0])
+                deadline = time.monotonic() + READ_TIMEOUT_S
+                got: list[bytes] = []
+                while not got:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(
+                            f"no chunk of {stored.file.id} within {READ_TIMEOUT_S} s"
+                        )
+                    fetched = await consumer.getmany(tp, timeout_ms=FETCH_MS)
+                    for record in fetched.get(tp, []):
+                        if not wanted or record.offset < wanted[0]:
+                            continue
+                        if record.offset > wanted[0] or record.value is None:
+                            raise FileGone(stored.file.id)  # compacted away: deleted meanwhile
+                        digest.update(record.value)
+                        got.append(record.value)
+                        wanted.pop(0)
+                for chunk in got:
+                    yield chunk
+            if digest.hexdigest() != stored.sha256:
+                raise FileGone(stored.file.id)
+        finally:
+            await consumer.stop()
+
+    async def delete(self, stored: StoredFile) -> None:
+        """Tombstones for every chunk, then for the record: the file is gone everywhere."""
+        file_id = stored.file.id
+        pending = [
+            await self._producer.send(
+                self._topics.file_chunks,
+                None,
+                key=_chunk_key(file_id, n),
+                partition=stored.partition,
+            )
+            for n in range(len(stored.offsets))
+        ]
+        for sent in pending:
+            await sent
+        await (
+            await self._producer.send(self._topics.files, None, key=file_id.encode(), partition=0)
+        )
+        self._table.pop(file_id, None)
+        log.info("file.deleted", file_id=file_id, tenant=stored.tenant)
+
+
+class FileGone(Exception):
+    """A file's chunks were not where its record says (deleted while it was read)."""
