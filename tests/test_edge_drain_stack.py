@@ -145,6 +145,8 @@ async def test_sigterm_drains_the_edge_and_every_answer_goes_on_at_another(
                 f"{draining}/v1/chat/completions", json=chat_body("late", 4, False), headers=auth
             )
             assert refused.status_code == 503, refused.text
+            # vLLM's health check, as guidellm and load balancers ask it: not healthy either.
+            assert (await http.get(f"{draining}/health")).status_code == 503
 
             # The socket: the short answer whole, then the close 1012 at the bound.
             code = await read_until_closed(ws, frames, DRAIN_S + 10)

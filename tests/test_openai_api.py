@@ -16,6 +16,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -133,6 +134,16 @@ async def test_models_lists_what_live_workers_advertise(api: Stack) -> None:
         MODEL_LEN,
         SLOW_LEN,
     ]
+
+
+def test_vllms_health_ping_and_version_answer_as_vllms_server_does(api: Stack) -> None:
+    """Issue 42 item 4: guidellm checks `GET /health` before its first request (vLLM's
+    server answers it, and `/ping`, `/version`, without a key); an edge that can take
+    requests answers 200 with an empty body (503 while draining: test_edge_drain_stack)."""
+    for method, path in (("GET", "/health"), ("GET", "/ping"), ("POST", "/ping")):
+        answer = httpx.request(method, f"{api.http_url}{path}")
+        assert (answer.status_code, answer.content) == (200, b""), (method, path)
+    assert httpx.get(f"{api.http_url}/version").json() == {"version": version("tokenbus")}
 
 
 def test_models_retrieve_gives_one_card_or_a_json_404(api: Stack) -> None:

@@ -37,6 +37,7 @@ from services.edge.openai.edge_streams import EdgeStreams
 from services.edge.openai.files import FilesApi
 from services.edge.openai.request_ids import RequestIds
 from services.edge.openai.routes import OpenAIApi
+from services.edge.openai.server_surface import server_routes
 from services.edge.page import SecurityHeaders
 from services.edge.runtime import running
 from services.edge.settings import EdgeSettings
@@ -163,6 +164,7 @@ def build_app(edge: Edge) -> Starlette:
             Route("/", edge.index),
             Mount("/static", StaticFiles(directory=STATIC), name="static"),  # the page's files
             *health_routes(edge.readiness),
+            *server_routes(edge.readiness),  # vLLM's /health, /ping, /version
             WebSocketRoute("/v1/chat", edge.chat),
             Route("/v1/chat/completions", openai.chat_completions, methods=["POST"]),
             Route("/v1/completions", openai.completions, methods=["POST"]),
