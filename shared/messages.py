@@ -345,6 +345,13 @@ class ChatRequest(Model):
         description="Return each generated token's logprob and this many most likely"
         " alternatives (0: the token's own only); unset: no logprobs.",
     )
+    delta_tokens: bool | None = Field(
+        default=None,
+        exclude_if=_unset,
+        description="true: each delta of the answer says how many tokens it covers, the first"
+        " also the prompt's (`tokens`, `prompt_tokens`; the OpenAI API's"
+        " `continuous_usage_stats` asks it); unset: they are left out.",
+    )
     tools: list[Tool] | None = Field(
         default=None,
         max_length=128,
@@ -797,6 +804,22 @@ class DeltaResult(ResultBase):
         description="One per generated token of `text`, in order, when the request asked for"
         " logprobs; absent otherwise (left out of the record, not null).",
     )
+    tokens: int | None = Field(
+        default=None,
+        ge=0,
+        exclude_if=_unset,
+        description="Where the request asked (`delta_tokens`): how many generated tokens"
+        " `text` covers (0 for a continuation's text so far, counted by the attempt that"
+        " generated it); absent otherwise.",
+    )
+    prompt_tokens: int | None = Field(
+        default=None,
+        ge=0,
+        exclude_if=_unset,
+        description="Where the request asked (`delta_tokens`), on the first delta of the"
+        " engine's output: the prompt's tokens as the engine counts them (a continuation's:"
+        " with the text so far); absent otherwise.",
+    )
 
 
 _LOGPROBS = TypeAdapter(Sequence[TokenLogprob])
@@ -817,10 +840,23 @@ class DeltaFrames:
             f'{{"request_id":{_json_string(framing.request_id)},"attempt":{framing.attempt},"seq":'
         )
 
-    def encode(self, seq: int, text: str, logprobs: Sequence[TokenLogprob] | None = None) -> bytes:
+    def encode(
+        self,
+        seq: int,
+        text: str,
+        logprobs: Sequence[TokenLogprob] | None = None,
+        tokens: int | None = None,
+        prompt_tokens: int | None = None,
+    ) -> bytes:
         if seq < 0:
             raise ValueError(f"seq must be >= 0, not {seq}")
+        if (tokens is not None and tokens < 0) or (prompt_tokens is not None and prompt_tokens < 0):
+            raise ValueError(f"token counts must be >= 0, not {tokens}, {prompt_tokens}")
         tail = "" if logprobs is None else f',"logprobs":{_LOGPROBS.dump_json(logprobs).decode()}'
+        if tokens is not None:
+            tail += f',"tokens":{int(tokens)}'
+        if prompt_tokens is not None:
+            tail += f',"prompt_tokens":{int(prompt_tokens)}'
         return f'{self._head}{seq},"kind":"delta","text":{_json_string(text)}{tail}}}'.encode()
 
 

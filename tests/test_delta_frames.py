@@ -51,6 +51,26 @@ def test_frames_with_logprobs_are_pydantics_bytes(text: str, logprobs: list[Toke
     assert DeltaResult.model_validate_json(encode(record)) == record
 
 
+COUNTS = st.none() | st.integers(0, 10**6)
+
+
+@given(text=TEXTS, logprobs=st.none() | LOGPROBS, tokens=COUNTS, prompt_tokens=COUNTS)
+def test_frames_with_token_counts_are_pydantics_bytes(
+    text: str, logprobs: list[TokenLogprob] | None, tokens: int | None, prompt_tokens: int | None
+) -> None:
+    record = DeltaResult(
+        request_id="r1",
+        attempt=0,
+        seq=5,
+        text=text,
+        logprobs=logprobs,
+        tokens=tokens,
+        prompt_tokens=prompt_tokens,
+    )
+    assert DeltaFrames("r1", 0).encode(5, text, logprobs, tokens, prompt_tokens) == encode(record)
+    assert DeltaResult.model_validate_json(encode(record)) == record
+
+
 def test_unset_logprobs_stay_out_of_the_record() -> None:
     # A reader from before logprobs (its models forbid unknown fields) still reads it.
     assert b"logprobs" not in encode(DeltaResult(request_id="r1", seq=0, text="x"))

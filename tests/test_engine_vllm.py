@@ -332,7 +332,7 @@ async def test_generate_forwards_sampling_priority_and_trace_headers() -> None:
     )
     outputs = [o async for o in engine.generate(request)]
     assert outputs == [
-        EngineDelta("Hel", 2),
+        EngineDelta("Hel", 2, prompt_tokens=3),  # the first output says the prompt's
         EngineDelta("lo", 1),
         EngineFinish("length", prompt_tokens=3, completion_tokens=3),
     ]
@@ -446,7 +446,7 @@ async def test_abort_calls_vllm_ends_the_stream_and_frees_capacity() -> None:
     llm.script["a-0"] = [out("a-0", "x", [1])]
     llm.hang_after_script.add("a-0")
     stream = engine.generate(EngineRequest("a", "p", None))  # unset: to the context's end
-    assert await anext(stream) == EngineDelta("x", 1)
+    assert await anext(stream) == EngineDelta("x", 1, prompt_tokens=2)
     cap = engine.capacity()
     assert (cap.free_slots, cap.running, cap.queued) == (1, 1, 0)
     # Its prompt (2) and the rest of the context (64 - 2), less the one token generated.

@@ -253,6 +253,31 @@ async def test_chat_sync_and_async_equal_the_websocket_answer(api: Stack) -> Non
     assert chunks[0].id.startswith("chatcmpl-")
 
 
+@pytest.mark.parametrize("kind", ["chat", "text"])
+def test_continuous_usage_stats_count_up_to_the_finals_usage(api: Stack, kind: str) -> None:
+    """Issue 42 item 4: guidellm streams with vLLM's `continuous_usage_stats`, which was
+    refused 400. Every chunk carries the usage so far (the role chunk the prompt's, the
+    finish chunk every token), from the counts the worker's deltas carry."""
+    client = openai_sdk(api)
+    options: Any = {"include_usage": True, "continuous_usage_stats": True}
+    asked: dict[str, Any] = {"model": MODEL, "max_tokens": 30, "stream": True}
+    if kind == "chat":
+        asked["messages"] = [{"role": "user", "content": prompt()}]
+        chunks: list[Any] = list(client.chat.completions.create(**asked, stream_options=options))
+    else:
+        asked["prompt"] = prompt()
+        chunks = list(client.completions.create(**asked, stream_options=options))
+    usages = [c.usage for c in chunks]
+    assert all(u is not None for u in usages), usages
+    final = usages[-1]
+    assert final.completion_tokens > 1
+    completions = [u.completion_tokens for u in usages]
+    assert completions == sorted(completions)  # never back
+    assert completions[-2] == final.completion_tokens  # the finish chunk counts them all
+    assert {u.prompt_tokens for u in usages} == {final.prompt_tokens}
+    assert all(u.total_tokens == u.prompt_tokens + u.completion_tokens for u in usages)
+
+
 async def test_completions_sync_stream_and_async_equal_the_websocket_answer(api: Stack) -> None:
     text = prompt()
     expected = await ws_answer(

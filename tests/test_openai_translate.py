@@ -145,7 +145,6 @@ def test_n_above_one_is_a_clear_400() -> None:
     [
         ({"tool_choice": "auto"}, "tool_choice"),  # without tools
         ({"response_format": {"type": "yaml"}}, "response_format"),
-        ({"stream_options": {"continuous_usage_stats": True}}, "stream_options"),
         (
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
             "messages",
@@ -335,6 +334,26 @@ def test_chat_stream_ids_role_chunk_usage_and_done() -> None:
     assert out[-1] == DONE
     assert stream.ended
     assert stream.take(delta(2, "late")) == []
+
+
+def test_continuous_usage_puts_the_usage_so_far_in_every_chunk_as_vllm_does() -> None:
+    """vLLM's `stream_options.continuous_usage_stats` (guidellm streams with it, issue 42):
+    every chunk carries the prompt's tokens and the completion's so far, from the counts the
+    deltas carry; the last usage chunk is the final's, as without it."""
+    assert isinstance(openai_chat(stream_options={"continuous_usage_stats": True}), ChatRequest)
+    stream = SseStream(CHAT, include_usage=True, continuous_usage=True)
+    out = stream.take(AcceptedFrame(request_id="r1", resume_token="t", tier=Tier.interactive))
+    out += stream.take(DeltaFrame(request_id="r1", seq=0, text="Hel", tokens=1, prompt_tokens=3))
+    out += stream.take(DeltaFrame(request_id="r1", seq=1, text="lo", tokens=1))
+    out += stream.take(done())
+    chunks = [d for _, d in sse_events(out) if isinstance(d, dict)]
+    usages = [(c["usage"]["prompt_tokens"], c["usage"]["completion_tokens"]) for c in chunks]
+    assert usages == [(3, 0), (3, 1), (3, 2), (3, 2), (3, 2)]  # role, Hel, lo, finish, usage
+    assert all(c["usage"]["total_tokens"] == sum(u) for c, u in zip(chunks, usages, strict=True))
+    # Without include_usage it is off, as in vLLM; without it, no chunk but the last has one.
+    for plain in (SseStream(CHAT, include_usage=False, continuous_usage=True),):
+        plain_out = plain.take(DeltaFrame(request_id="r1", seq=0, text="a", tokens=1))
+        assert all(d.get("usage") is None for _, d in sse_events(plain_out) if isinstance(d, dict))
 
 
 def test_the_model_and_fallback_map_and_the_answer_names_who_answered() -> None:

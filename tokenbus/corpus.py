@@ -194,6 +194,7 @@ def _sampling() -> dict[str, Any]:
         "ignore_eos": True,
         "stop_token_ids": [2],
         "logprobs": 2,
+        "delta_tokens": True,
     }
 
 
@@ -281,6 +282,8 @@ def _delta() -> DeltaResult:
         kind="delta",
         text=" Clear",
         logprobs=[TokenLogprob(token=" Clear", logprob=-0.25, top=top)],
+        tokens=1,
+        prompt_tokens=12,
     )
 
 

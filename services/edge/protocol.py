@@ -107,6 +107,10 @@ class DeltaFrame(Model):
     # One per generated token of `text`, when the request asked for `logprobs`; absent
     # from the frame otherwise.
     logprobs: list[TokenLogprob] | None = Field(default=None, exclude_if=lambda v: v is None)
+    # The tokens `text` covers and, on the stream's first engine output, the prompt's: for
+    # the OpenAI API's `continuous_usage_stats`; never sent over the WebSocket.
+    tokens: int | None = Field(default=None, exclude=True)
+    prompt_tokens: int | None = Field(default=None, exclude=True)
 
 
 class ResetFrame(Model):

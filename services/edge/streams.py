@@ -358,6 +358,8 @@ class StreamRouter:
                     # A continuation's text so far has no logprobs: the first attempt's
                     # deltas carried them.
                     logprobs=None if skip else record.logprobs,
+                    tokens=record.tokens,
+                    prompt_tokens=record.prompt_tokens,
                 )
             )
             stream.shown_seq += 1

@@ -25,6 +25,7 @@ class Coalescer:
     _parts: list[str] = field(default_factory=list)
     _logprobs: list[TokenLogprob] | None = None  # None: no buffered delta carried any
     _tokens: int = 0
+    _prompt_tokens: int | None = None  # the engine's count, from its first output
     _since: float | None = None
     _last_token: float | None = None
     _step: float | None = None  # the engine's latest gap between tokens
@@ -32,6 +33,10 @@ class Coalescer:
     last_overdue: float = 0.0  # how far past its flush time the last chunk left (loop lag)
     # The logprobs of the last chunk taken: its deltas' in order, or None if none had any.
     last_logprobs: list[TokenLogprob] | None = None
+    # The generated tokens of the last chunk taken, and the prompt's where one of its
+    # deltas carried them (the stream's first).
+    last_tokens: int = 0
+    last_prompt_tokens: int | None = None
 
     def add(
         self,
@@ -39,6 +44,7 @@ class Coalescer:
         tokens: int,
         now: float,
         logprobs: Sequence[TokenLogprob] | None = None,
+        prompt_tokens: int | None = None,
     ) -> str | None:
         """Buffer a delta; return the chunk to send if the buffer is now due.
 
@@ -57,6 +63,8 @@ class Coalescer:
             self._since = now
         self._parts.append(text)
         self._tokens += tokens
+        if prompt_tokens is not None:
+            self._prompt_tokens = prompt_tokens
         if logprobs is not None:
             if self._logprobs is None:
                 self._logprobs = []
@@ -81,8 +89,10 @@ class Coalescer:
         text = "".join(self._parts)
         self._sent_any = self._sent_any or bool(text)
         self.last_logprobs, self._logprobs = self._logprobs, None
+        self.last_tokens, self.last_prompt_tokens = self._tokens, self._prompt_tokens
         self._parts.clear()
         self._tokens = 0
+        self._prompt_tokens = None
         self._since = None
         return text
 

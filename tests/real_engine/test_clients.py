@@ -88,16 +88,23 @@ def test_openai_sdk_streams_with_usage_and_vllm_fields(bus: Stack) -> None:
             messages=FRANCE,
             max_tokens=16,
             stream=True,
-            stream_options={"include_usage": True},
+            # vLLM's `continuous_usage_stats`, as guidellm streams (issue 42 item 4).
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
             # vLLM's extension fields, as `vllm bench serve --ignore-eos` sends them.
             extra_body={"ignore_eos": True, "top_k": 1, "min_tokens": 16},
         )
     )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text
-    usage = [c.usage for c in chunks if c.usage is not None]
-    assert len(usage) == 1
-    assert usage[0].completion_tokens == 16  # ignore_eos ran it to max_tokens
+    usage = [c.usage for c in chunks]
+    assert all(u is not None for u in usage), usage
+    *so_far, final = [u for u in usage if u is not None]
+    assert final.completion_tokens == 16  # ignore_eos ran it to max_tokens
+    # vLLM's own counts, chunk by chunk, up to the final's.
+    counted = [u.completion_tokens for u in so_far]
+    assert counted == sorted(counted)
+    assert counted[-1] == 16
+    assert {u.prompt_tokens for u in so_far} == {final.prompt_tokens}
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
 
 

@@ -609,6 +609,7 @@ class OpenAIApi:
                         after,
                         event_ids=event_ids,
                         hold=model in self._streams.routes(),
+                        continuous_usage=options is not None and options.continuous_usage_stats,
                     )
                     return SseResponse(
                         self._streams, client, disconnect, sse, head, on_end, self._keepalive_s

@@ -94,6 +94,8 @@ def to_chat_request(body: OpenAIRequest, limits: RequestLimits) -> ChatRequest |
         "top_p": body.top_p,
         **{name: getattr(body, name) for name in SAMPLING_FIELDS},
         "logprobs": logprobs,
+        # vLLM's continuous usage: the deltas must say what they cover.
+        "delta_tokens": _continuous_usage(body) or None,
     }
     if isinstance(body, ChatCompletionRequest):
         messages = [_message(m) for m in body.messages]
@@ -111,6 +113,18 @@ def to_chat_request(body: OpenAIRequest, limits: RequestLimits) -> ChatRequest |
         return ChatRequest.model_validate(fields, context={"limits": limits})
     except ValidationError as exc:
         return invalid(error_message(exc), _param(exc))
+
+
+def _continuous_usage(body: OpenAIRequest) -> bool:
+    """vLLM's `stream_options.continuous_usage_stats`, which counts only with `include_usage`
+    on a stream, as in vLLM."""
+    options = body.stream_options
+    return (
+        body.stream
+        and options is not None
+        and options.include_usage
+        and options.continuous_usage_stats
+    )
 
 
 def _param(exc: ValidationError) -> str | None:
@@ -158,13 +172,7 @@ def _unsupported(body: OpenAIRequest) -> HttpError | None:
             " (send n requests instead)",
             "n",
         )
-    checks: list[tuple[bool, str, str]] = [
-        (
-            body.stream_options is not None and body.stream_options.continuous_usage_stats,
-            "stream_options",
-            "continuous_usage_stats is not supported; include_usage is",
-        ),
-    ]
+    checks: list[tuple[bool, str, str]] = []
     if not isinstance(body, ChatCompletionRequest):
         prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
         token_ids = any(not isinstance(p, str) for p in prompts)
@@ -296,6 +304,9 @@ class SseStream:
     `hold`: every delta is held until the answer ends, as a tool answer's are: a route's
     answer may be replaced by a later model of its cascade (a `reset`, ADR 0059), and text
     sent over this API cannot be taken back.
+    `continuous_usage`: vLLM's `stream_options.continuous_usage_stats` (with `include_usage`):
+    every chunk carries the usage so far, from the token counts the deltas carry (a stream
+    resumed on another edge counts from where it resumed).
     """
 
     ident: Identity
@@ -303,8 +314,12 @@ class SseStream:
     after: EventId | None = None
     hold: bool = False
     event_ids: bool = True
+    continuous_usage: bool = False
     ended: bool = False
     cancel: bool = False
+    _prompt_tokens: int = 0  # from the first delta that says
+    _completion_tokens: int = 0  # the deltas' so far
+    _prompt_told: bool = False
     _attempt: int = 0
     _last_seq: int = -1
     _texted: bool = False  # the client holds text of attempt `_attempt`
@@ -338,7 +353,10 @@ class SseStream:
             return []
         if isinstance(frame, ErrorFrame):
             return self._error(frame_error(frame))
+        self._note_prompt(frame)  # before the role chunk, which has it, as vLLM's has
         out = self._opening()
+        if isinstance(frame, DeltaFrame):
+            self._completion_tokens += frame.tokens or 0
         if isinstance(frame, DeltaFrame) and (self.ident.tools is not None or self.hold):
             self._held.append(frame)
             return out
@@ -357,6 +375,21 @@ class SseStream:
             out.append(event(self._usage_chunk(usage_of(frame)), self._id()))
         out.append(DONE)
         return out
+
+    def _note_prompt(self, frame: ServerFrame) -> None:
+        """The prompt's tokens, from the first delta that carries them (the attempt's first)."""
+        if self._prompt_told or not isinstance(frame, DeltaFrame):
+            return
+        if frame.prompt_tokens is not None:
+            self._prompt_told, self._prompt_tokens = True, frame.prompt_tokens
+
+    def _usage_so_far(self) -> Usage | None:
+        if not (self.continuous_usage and self.include_usage):
+            return None
+        prompt, completion = self._prompt_tokens, self._completion_tokens
+        return Usage(
+            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+        )
 
     def restarting(self) -> list[bytes]:
         """The edge drains: an `error` event (`edge_restarting`) that ends this connection's
@@ -418,6 +451,7 @@ class SseStream:
             model=i.model,
             system_fingerprint=i.variant,
             choices=[choice],
+            usage=self._usage_so_far(),
         )
 
     def _chat_chunk(
@@ -431,6 +465,7 @@ class SseStream:
             model=i.model,
             system_fingerprint=i.variant,
             choices=[choice],
+            usage=self._usage_so_far(),
         )
 
     def _usage_chunk(self, usage: Usage) -> ChatCompletionChunk | Completion:

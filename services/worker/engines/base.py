@@ -91,6 +91,9 @@ class EngineDelta:
     text: str
     tokens: int
     logprobs: tuple[TokenLogprob, ...] | None = None
+    # On a stream's first output: the prompt's tokens, as the engine counts them (the OpenAI
+    # API's `continuous_usage_stats`); None on the others.
+    prompt_tokens: int | None = None
 
 
 @dataclass(frozen=True)

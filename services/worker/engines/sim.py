@@ -155,7 +155,7 @@ class _Sequence:
             tokens += nxt.tokens
             logprobs.extend(nxt.logprobs or ())
         given = tuple(logprobs) if out.logprobs is not None else None
-        return EngineDelta("".join(texts), tokens, given)
+        return EngineDelta("".join(texts), tokens, given, out.prompt_tokens)
 
     def fail(self) -> None:
         self.finished = True
@@ -527,7 +527,8 @@ class SimEngine:
         if not seq.done:
             piece, top = seq.plan.pieces[seq.position], seq.request.logprobs
             given = None if top is None else (token_logprob(piece, seq.position, top),)
-            seq.put(EngineDelta(piece, 1, given))
+            first = seq.prompt_tokens if seq.position == 0 else None
+            seq.put(EngineDelta(piece, 1, given, first))
             seq.position += 1
         if seq.done:
             seq.position = seq.plan.completion_tokens

@@ -64,6 +64,7 @@ class _Sequence:
     sent_chars: int = 0
     finished: bool = False
     generator: Any = None  # torch.Generator for sampled requests
+    prompt_told: bool = False  # its first output carried the prompt's tokens
 
     def finish(self, reason: FinishReason) -> None:
         if not self.finished:
@@ -473,7 +474,9 @@ class TransformersEngine:
         return None
 
     def _flush(self, seq: _Sequence, text: str, tokens: int) -> None:
-        seq.outputs.put_nowait(EngineDelta(text[seq.sent_chars :], tokens))
+        first = len(seq.prompt_ids) if not seq.prompt_told else None
+        seq.prompt_told = True
+        seq.outputs.put_nowait(EngineDelta(text[seq.sent_chars :], tokens, None, first))
         seq.sent_chars = max(seq.sent_chars, len(text))
 
     def _end(self, seq: _Sequence, reason: FinishReason) -> None:

@@ -545,10 +545,16 @@ class VllmEngine:
             async for out in stream:
                 completion = out.outputs[0]
                 tokens = len(completion.token_ids)
+                first = flight.generated == 0
                 flight.generated += tokens
                 if completion.text or tokens:
                     flight.outputs.put_nowait(
-                        EngineDelta(completion.text, tokens, self._logprobs(flight, completion))
+                        EngineDelta(
+                            completion.text,
+                            tokens,
+                            self._logprobs(flight, completion),
+                            flight.prompt_tokens if first else None,
+                        )
                     )
                 if flight.text is not None:
                     flight.text.append(completion.text)
