@@ -12,6 +12,7 @@ from pydantic import BaseModel
 
 from services.worker.heartbeat import Heartbeats
 from services.worker.settings import WorkerSettings
+from shared.messages import LEAVING_HEADER
 
 
 class FakeProducer:
@@ -91,3 +92,32 @@ async def test_a_send_that_waits_holds_back_no_other_partition() -> None:
         await beats.send()
     await until(lambda: len(liveness.stored_at) == 4)
     assert [p.sent for p in (waiting, *others)] == [1, 2, 2]
+
+
+class SlowProducer(FakeProducer):
+    """`send` queues at once; the record is stored `store_s` later; headers are kept."""
+
+    def __init__(self, store_s: float) -> None:
+        super().__init__()
+        self.store_s = store_s
+        self.headers: list[Any] = []
+
+    async def send(self, topic: str, value: bytes, **options: Any) -> asyncio.Future[None]:
+        self.sent += 1
+        self.headers.append(options.get("headers"))
+        stored: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        asyncio.get_running_loop().call_later(self.store_s, stored.set_result, None)
+        return stored
+
+
+async def test_the_leaving_beat_goes_to_every_partition_even_behind_an_unsettled_beat() -> None:
+    """make upgrade-check (stop 58): a drained worker's leaving beat went nowhere while its
+    last ordinary beats were still on their way (each partition holds back a beat behind an
+    unsettled one), and the schedulers took it for dead after its silence."""
+    producers = {p: SlowProducer(store_s=0.2) for p in (0, 1, 2)}
+    beats = heartbeats(cast(Any, producers), FakeLiveness())
+    await beats.send()  # ordinary beats, unsettled for 0.2 s
+    await beats.leave()
+    for producer in producers.values():
+        assert producer.headers[0] is None
+        assert producer.headers[-1] == [(LEAVING_HEADER, b"1")], producer.headers

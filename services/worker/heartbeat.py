@@ -145,8 +145,14 @@ class Heartbeats:
 
     async def leave(self) -> None:
         """The drained worker's last beat (with `LEAVING_HEADER`), waited for: the
-        schedulers see it go, not die. Called once `run` is cancelled."""
+        schedulers see it go, not die. Called once `run` is cancelled. The beats still on
+        their way are waited for first (each for at most `UNSETTLED_AT_MOST_S`): a partition
+        holds back a beat behind an unsettled one, and the leaving beat must go to every
+        partition (`make upgrade-check` saw it go nowhere, and the worker taken for dead)."""
         self._leaving = True
+        pending = [delivery for delivery, _ in self._unsettled.values()]
+        if pending:
+            await asyncio.wait(pending)
         await self.send_stored()
 
     async def send_stored(self) -> None:
