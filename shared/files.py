@@ -76,7 +76,7 @@ def _chunk_key(file_id: str, n: int) -> bytes:
 
 
 class FileStore:
-    """Writes, finds, reads and deletes files; `table` is the edge's view of every file."""
+    """Writes, finds, reads and deletes files; its table is the edge's view of every file."""
 
     def __init__(self, settings: TokenbusSettings, topics: Topics, producer: RenewingProducer):
         self._settings = settings
@@ -111,10 +111,7 @@ class FileStore:
     ) -> FileObject:
         """Write `source` (`size` bytes, already validated) as a new file of `tenant`."""
         file_id = new_file_id()
-        partitions = sorted(await self._producer.partitions_for(self._topics.file_chunks))
-        partition = partitions[
-            int(hashlib.sha256(file_id.encode()).hexdigest(), 16) % len(partitions)
-        ]
+        partition = await self._producer.partition_for(self._topics.file_chunks, file_id.encode())
         digest = hashlib.sha256()
         pending = []
         source.seek(0)
@@ -194,28 +191,25 @@ class FileStore:
         try:
             tp = TopicPartition(self._topics.file_chunks, stored.partition)
             consumer.assign([tp])
-            wanted = list(stored.offsets)
+            wanted = list(stored.offsets)  # ascending: written in order on one partition
             digest = hashlib.sha256()
+            consumer.seek(tp, wanted[0])
+            deadline = time.monotonic() + READ_TIMEOUT_S  # renewed by each chunk read
             while wanted:
-                consumer.seek(tp, wanted[0])
-                deadline = time.monotonic() + READ_TIMEOUT_S
-                got: list[bytes] = []
-                while not got:
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(
-                            f"no chunk of {stored.file.id} within {READ_TIMEOUT_S} s"
-                        )
-                    fetched = await consumer.getmany(tp, timeout_ms=FETCH_MS)
-                    for record in fetched.get(tp, []):
-                        if not wanted or record.offset < wanted[0]:
-                            continue
-                        if record.offset > wanted[0] or record.value is None:
-                            raise FileGone(stored.file.id)  # compacted away: deleted meanwhile
-                        digest.update(record.value)
-                        got.append(record.value)
-                        wanted.pop(0)
-                for chunk in got:
-                    yield chunk
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no chunk of {stored.file.id} within {READ_TIMEOUT_S} s")
+                fetched = await consumer.getmany(tp, timeout_ms=FETCH_MS)
+                for record in fetched.get(tp, []):
+                    if record.offset < wanted[0]:
+                        continue  # another file's chunk between this one's
+                    if record.offset > wanted[0] or record.value is None:
+                        raise FileGone(stored.file.id)  # compacted away: deleted meanwhile
+                    digest.update(record.value)
+                    wanted.pop(0)
+                    deadline = time.monotonic() + READ_TIMEOUT_S
+                    yield record.value
+                    if not wanted:
+                        break
             if digest.hexdigest() != stored.sha256:
                 raise FileGone(stored.file.id)
         finally:

@@ -79,3 +79,14 @@ async def test_sixteen_streams_carry_at_most_one_record_per_three_tokens(
     # time), beyond how late this shared machine fired the flush timer.
     added = run.worker_gap_over_engine_ms["max"]
     assert added <= run.flush_ms + run.worker_flush_lateness_ms["max"] + 2.0
+
+
+def test_counts_cover_every_token_once_even_past_a_chunk_not_sent() -> None:
+    """`continuous_usage_stats` (issue 42): a chunk taken but not sent (a token whose text is
+    not whole yet) leaves its counts to the next chunk sent; the prompt's come once."""
+    c = Coalescer(flush_seconds=0.020, flush_tokens=1)
+    assert c.add("", 1, 0.0, prompt_tokens=7) == ""  # taken, nothing to send
+    assert c.add("é", 1, 0.001) == "é"
+    assert c.counts() == (2, 7)
+    assert c.add("x", 1, 0.002) == "x"
+    assert c.counts() == (1, None)

@@ -25,7 +25,10 @@ class Coalescer:
     _parts: list[str] = field(default_factory=list)
     _logprobs: list[TokenLogprob] | None = None  # None: no buffered delta carried any
     _tokens: int = 0
-    _prompt_tokens: int | None = None  # the engine's count, from its first output
+    # What `counts` reports next: generated tokens since its last call, and the prompt's
+    # (the engine's first output says it) if it came since.
+    _uncounted: int = 0
+    _prompt_tokens: int | None = None
     _since: float | None = None
     _last_token: float | None = None
     _step: float | None = None  # the engine's latest gap between tokens
@@ -33,10 +36,6 @@ class Coalescer:
     last_overdue: float = 0.0  # how far past its flush time the last chunk left (loop lag)
     # The logprobs of the last chunk taken: its deltas' in order, or None if none had any.
     last_logprobs: list[TokenLogprob] | None = None
-    # The generated tokens of the last chunk taken, and the prompt's where one of its
-    # deltas carried them (the stream's first).
-    last_tokens: int = 0
-    last_prompt_tokens: int | None = None
 
     def add(
         self,
@@ -63,6 +62,7 @@ class Coalescer:
             self._since = now
         self._parts.append(text)
         self._tokens += tokens
+        self._uncounted += tokens
         if prompt_tokens is not None:
             self._prompt_tokens = prompt_tokens
         if logprobs is not None:
@@ -89,12 +89,18 @@ class Coalescer:
         text = "".join(self._parts)
         self._sent_any = self._sent_any or bool(text)
         self.last_logprobs, self._logprobs = self._logprobs, None
-        self.last_tokens, self.last_prompt_tokens = self._tokens, self._prompt_tokens
         self._parts.clear()
         self._tokens = 0
-        self._prompt_tokens = None
         self._since = None
         return text
+
+    def counts(self) -> tuple[int, int | None]:
+        """For the chunk being sent: the generated tokens since the last call, and the
+        prompt's if they came since. A chunk taken but not sent (no text, no logprobs) leaves
+        its counts to the next one sent."""
+        counted = self._uncounted, self._prompt_tokens
+        self._uncounted, self._prompt_tokens = 0, None
+        return counted
 
 
 async def with_flushes(

@@ -103,9 +103,6 @@ class RequestState:
     _timer: asyncio.TimerHandle | None = None
     _ended: asyncio.Future[EngineFinish] | None = None  # push mode: the run waits on it
     _frames: DeltaFrames = field(init=False)
-    # Token counts of chunks taken but not sent (`_unsent`), for the next one sent.
-    _held_tokens: int = 0
-    _held_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         self._frames = DeltaFrames(self.request.request_id, self.request.attempt)
@@ -141,9 +138,7 @@ class RequestState:
         chunk = self.coalescer.add(out.text, out.tokens, now, out.logprobs, out.prompt_tokens)
         if chunk is not None and self._worth_sending(chunk):
             self._publish(chunk)
-        elif chunk is not None:
-            self._unsent()
-        elif self._timer is None:
+        elif chunk is None and self._timer is None:
             self._arm()
 
     def pushed(self) -> asyncio.Future[EngineFinish]:
@@ -178,8 +173,6 @@ class RequestState:
         rest = self.coalescer.take(time.time())
         if rest is not None and self._worth_sending(rest):
             self._publish(rest)
-        elif rest is not None:
-            self._unsent()
 
     def final(
         self, finish: EngineFinish | None, failure: ErrorResult | None
@@ -248,22 +241,11 @@ class RequestState:
         is not whole yet): they are not lost with an empty chunk."""
         return bool(chunk) or bool(self.coalescer.last_logprobs)
 
-    def _unsent(self) -> None:
-        """A chunk taken but not worth sending (no text, no logprobs): its token counts go
-        with the next one sent."""
-        coalescer = self.coalescer
-        self._held_tokens += coalescer.last_tokens
-        if coalescer.last_prompt_tokens is not None:
-            self._held_prompt_tokens = coalescer.last_prompt_tokens
-
     def _publish(self, text: str) -> None:
         coalescer = self.coalescer
-        self._unsent()  # this chunk's counts, with any held
-        tokens: int | None = self._held_tokens
-        prompt_tokens = self._held_prompt_tokens
-        self._held_tokens, self._held_prompt_tokens = 0, None
-        if not self.request.delta_tokens:  # not asked: a reader from before them stays whole
-            tokens = prompt_tokens = None
+        counted = coalescer.counts()
+        # Not asked: left out, so a reader from before them stays whole.
+        tokens, prompt_tokens = counted if self.request.delta_tokens else (None, None)
         self.gaps.chunk(time.monotonic(), coalescer.last_wait, coalescer.last_overdue)
         self.writer.send_encoded(
             self._frames.encode(self.seq, text, coalescer.last_logprobs, tokens, prompt_tokens)
@@ -291,10 +273,7 @@ class RequestState:
             self._arm()  # the buffer left meanwhile and filled again: wait for its own time
             return
         chunk = self.coalescer.take(now)
-        if chunk is None:
-            return
-        if not self._worth_sending(chunk):
-            self._unsent()
+        if chunk is None or not self._worth_sending(chunk):
             return
         # A fenced or failed writer: the run sees it at its next chunk or its final record.
         with contextlib.suppress(Fenced, ReplyFailed):

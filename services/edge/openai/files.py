@@ -39,6 +39,8 @@ PURPOSES = ("batch",)  # what files are for here: a batch's input
 UPLOAD_RETRY_AFTER_MS = 2000
 # The form's other fields (`purpose`) are a few bytes.
 MAX_FIELD_BYTES = 1024
+# What a body may hold beside the file: the form's boundaries, part headers and fields.
+FORM_SLACK_BYTES = 64 * 1024
 
 
 class _TooLarge(Exception):
@@ -71,7 +73,7 @@ class FilesApi:
         if store is None:
             return error_response(_unavailable())
         declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > self._max_bytes + 64 * 1024:
+        if declared.isdigit() and int(declared) > self._max_bytes + FORM_SLACK_BYTES:
             return error_response(too_large(self._max_bytes))
         if self._uploads.locked():
             return error_response(
@@ -132,7 +134,7 @@ class FilesApi:
         size = 0
         async for chunk in stream:
             size += len(chunk)
-            if size > self._max_bytes + 64 * 1024:  # the form's own lines beside the file
+            if size > self._max_bytes + FORM_SLACK_BYTES:
                 raise _TooLarge
             yield chunk
 
