@@ -9,7 +9,6 @@ written through one edge is seen through any other at once.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import secrets
 import time
@@ -17,13 +16,14 @@ from collections.abc import AsyncGenerator
 from typing import IO, Literal
 
 import structlog
-from aiokafka import AIOKafkaConsumer, TopicPartition
-from pydantic import BaseModel, ConfigDict, ValidationError
+from aiokafka import TopicPartition
+from pydantic import BaseModel, ConfigDict
 
 from shared.kafka import make_consumer
 from shared.producers import RenewingProducer
 from shared.records import read
 from shared.settings import TokenbusSettings
+from shared.tables import READ_TIMEOUT_S, Table
 from shared.topics import Topics
 
 log = structlog.get_logger()
@@ -32,9 +32,6 @@ log = structlog.get_logger()
 # aiokafka's largest request (1 MiB), with room for the key and headers.
 CHUNK_BYTES = 512 * 1024
 FETCH_MS = 500
-# How long a read of the table or of a file's chunks may take before it is given up on
-# (the caller answers 503: the broker is away).
-READ_TIMEOUT_S = 30.0
 
 
 class FileObject(BaseModel):
@@ -47,7 +44,7 @@ class FileObject(BaseModel):
     bytes: int
     created_at: int
     filename: str
-    purpose: Literal["batch"]
+    purpose: Literal["batch", "batch_output"]  # a batch's input; its output or errors
     status: Literal["processed"] = "processed"
     expires_at: int | None = None
     status_details: str | None = None
@@ -82,35 +79,28 @@ class FileStore:
         self._settings = settings
         self._topics = topics
         self._producer = producer
-        self._table: dict[str, tuple[int, StoredFile]] = {}  # id -> (its record's offset, it)
-        self._reader: AIOKafkaConsumer | None = None
-        self._lock = asyncio.Lock()
-
-    async def _table_reader(self) -> AIOKafkaConsumer:
-        """The table's consumer, started on the first call that needs it (an edge that is
-        never asked about files never reads them)."""
-        if self._reader is None:
-            reader = make_consumer(
-                self._settings,
-                group_id=None,
-                client_id="tokenbus-files",
-                fetch_max_wait_ms=FETCH_MS,
-            )
-            await reader.start()
-            reader.assign([TopicPartition(self._topics.files, 0)])
-            await reader.seek_to_beginning()
-            self._reader = reader
-        return self._reader
+        # id -> its record: the edge's view of every file.
+        self._table = Table(
+            settings, topics.files, 1, lambda _, v: read(StoredFile, v), "tokenbus-files"
+        )
 
     async def stop(self) -> None:
-        if self._reader is not None:
-            await self._reader.stop()
+        await self._table.stop()
 
     async def put(
-        self, tenant: str, filename: str, source: IO[bytes], size: int, lines: int
+        self,
+        tenant: str,
+        filename: str,
+        source: IO[bytes],
+        size: int,
+        lines: int,
+        *,
+        file_id: str | None = None,
+        purpose: Literal["batch", "batch_output"] = "batch",
     ) -> FileObject:
-        """Write `source` (`size` bytes, already validated) as a new file of `tenant`."""
-        file_id = new_file_id()
+        """Write `source` (`size` bytes, already validated) as a file of `tenant`: a new one,
+        or `file_id` (written again: the same file, replaced whole)."""
+        file_id = file_id or new_file_id()
         partition = await self._producer.partition_for(self._topics.file_chunks, file_id.encode())
         digest = hashlib.sha256()
         pending = []
@@ -129,7 +119,7 @@ class FileStore:
                 bytes=size,
                 created_at=int(time.time()),
                 filename=filename,
-                purpose="batch",
+                purpose=purpose,
             ),
             tenant=tenant,
             lines=lines,
@@ -140,44 +130,21 @@ class FileStore:
         sent = await self._producer.send(
             self._topics.files, stored.model_dump_json().encode(), key=file_id.encode(), partition=0
         )
-        self._table[file_id] = ((await sent).offset, stored)
+        self._table.put(file_id, 0, (await sent).offset, stored)
         log.info("file.stored", file_id=file_id, tenant=tenant, bytes=size, lines=lines)
         return stored.file
 
     async def find(self, tenant: str, file_id: str) -> StoredFile | None:
         """The file `file_id` if `tenant` owns it (another tenant's is as good as absent)."""
-        await self.catch_up()
-        _, stored = self._table.get(file_id, (0, None))
+        await self._table.catch_up()
+        stored = self._table.get(file_id)
         return stored if stored is not None and stored.tenant == tenant else None
 
     async def owned(self, tenant: str) -> list[StoredFile]:
         """`tenant`'s files, newest first (by their records' order on the bus)."""
-        await self.catch_up()
-        mine = sorted((o, s) for o, s in self._table.values() if s.tenant == tenant)
+        await self._table.catch_up()
+        mine = sorted((o, s) for _, o, s in self._table.rows.values() if s.tenant == tenant)
         return [s for _, s in reversed(mine)]
-
-    async def catch_up(self) -> None:
-        """Read `tokenbus.files` up to its end as it is now (read-your-writes across edges)."""
-        tp = TopicPartition(self._topics.files, 0)
-        async with self._lock, asyncio.timeout(READ_TIMEOUT_S):
-            reader = await self._table_reader()
-            end = (await reader.end_offsets([tp]))[tp]
-            while await reader.position(tp) < end:
-                fetched = await reader.getmany(tp, timeout_ms=FETCH_MS)
-                for record in fetched.get(tp, []):
-                    self._apply(record.key, record.value, record.offset)
-
-    def _apply(self, key: bytes | None, value: bytes | None, offset: int) -> None:
-        if key is None:
-            return
-        file_id = key.decode()
-        if value is None:
-            self._table.pop(file_id, None)
-            return
-        try:
-            self._table[file_id] = (offset, read(StoredFile, value))
-        except ValidationError as exc:  # not a file record: nothing to show, nothing lost
-            log.warning("files.bad_record", offset=offset, error=str(exc)[:200])
 
     async def content(self, stored: StoredFile) -> AsyncGenerator[bytes, None]:
         """The file's bytes, chunk by chunk, read from where its record says they are."""
@@ -232,7 +199,7 @@ class FileStore:
         await (
             await self._producer.send(self._topics.files, None, key=file_id.encode(), partition=0)
         )
-        self._table.pop(file_id, None)
+        self._table.drop(file_id)
         log.info("file.deleted", file_id=file_id, tenant=stored.tenant)
 
 

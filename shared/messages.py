@@ -287,6 +287,14 @@ Bias = Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
 
 
+class BatchRef(Model):
+    """The OpenAI batch line a request answers (ADR 0075): set by the edge running the
+    batch, never by a client; it names the request's trace and metrics."""
+
+    batch_id: str = Field(pattern=r"^batch_[0-9a-f]{1,64}$")
+    custom_id: str = Field(min_length=1, max_length=512)
+
+
 class ChatRequest(Model):
     """What a client asks for; the body of a `chat.request` frame.
 
@@ -410,6 +418,12 @@ class ChatRequest(Model):
         description="Pins the variant of `model` that runs it ('baseline': the workers without"
         " a variant) instead of the rollout's choice; held while no worker of it is live, never"
         " run elsewhere, never cached. Over the edge only keys with the pin_variant scope may.",
+    )
+    batch_line: BatchRef | None = Field(
+        default=None,
+        exclude_if=_unset,
+        description="The batch and custom_id this request answers (set by the edge that runs"
+        " the batch); unset: no batch's.",
     )
     # Bounded so every service can turn it into a float deadline (~24.8 days at most).
     deadline_ms: int | None = Field(

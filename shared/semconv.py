@@ -45,6 +45,9 @@ BATCH_ID: Final = "tokenbus.batch.id"
 BATCH_SIZE: Final = "tokenbus.batch.size"
 BATCH_REASON: Final = "tokenbus.batch.reason"  # why the bus left: full | timeout | ...
 BATCH_FILL_RATIO: Final = "tokenbus.batch.fill_ratio"
+# An OpenAI batch's line (ADR 0075), not the scheduler's batch above.
+OPENAI_BATCH_ID: Final = "tokenbus.openai_batch.id"
+OPENAI_BATCH_CUSTOM_ID: Final = "tokenbus.openai_batch.custom_id"
 WORKER_ID: Final = "tokenbus.worker.id"
 VARIANT: Final = "tokenbus.variant"  # the variant of the model that answered (ADR 0054)
 CASCADE_ESCALATED_TO: Final = "tokenbus.cascade.escalated_to"  # the next model (ADR 0059)

@@ -108,6 +108,24 @@ class Topics:
         return f"{self.prefix}.file-chunks"
 
     @property
+    def batch_jobs(self) -> str:
+        """Compacted: one record per OpenAI batch, keyed by its id, and its cancel, keyed
+        `<id>/cancel` (ADR 0075)."""
+        return f"{self.prefix}.batch-jobs"
+
+    @property
+    def batch_outcomes(self) -> str:
+        """Compacted: each batch line's outcome, keyed `<batch id>/<line>`, on its batch's
+        partition number (ADR 0075)."""
+        return f"{self.prefix}.batch-outcomes"
+
+    @property
+    def batch_runners(self) -> str:
+        """The edges' consumer group that shares out `batch_jobs`' partitions: the member
+        holding one runs its batches (ADR 0075)."""
+        return f"{self.prefix}.batch-runners"
+
+    @property
     def variants(self) -> str:
         """Compacted log of each model's rollout (variants and shares), keyed by model name
         (ADR 0054)."""
@@ -171,6 +189,9 @@ class Topics:
             # One small record per file; the content's chunks, a file's all on one partition.
             self.files: 1,
             self.file_chunks: 4,
+            # One runner (an edge) per partition runs its batches: as many as may run apart.
+            self.batch_jobs: 4,
+            self.batch_outcomes: 4,
             self.variants: 1,
             self.verdicts: 1,
             self.scores: 3,
@@ -193,6 +214,9 @@ class Topics:
             # Files are kept until deleted (tombstones), as OpenAI keeps them (ADR 0074).
             self.files: {"cleanup.policy": "compact"},
             self.file_chunks: {"cleanup.policy": "compact", "max.message.bytes": str(1 << 20)},
+            # Batches and their lines' outcomes are kept until a batch's files are written.
+            self.batch_jobs: {"cleanup.policy": "compact"},
+            self.batch_outcomes: {"cleanup.policy": "compact"},
             # The latest rollout of each model, kept for ever: a restart forgets nothing.
             self.variants: {"cleanup.policy": "compact"},
             # The latest verdicts of each model; the schedulers rewrite them every few seconds.

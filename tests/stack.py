@@ -200,6 +200,9 @@ class Stack:
             TOKENBUS_EDGE_KEYS_FILE=str(self.keys_file),
             TOKENBUS_WORKER_SIM_TOKEN_RATE="200",
             TOKENBUS_LOG_LEVEL="INFO",
+            # A test's edges run no batch (ADR 0075) unless it asks: a shared stack's edges
+            # come and go with the modules that start them, and would take a batch along.
+            TOKENBUS_EDGE_BATCH_RUNNER="false",
             PYTHONPATH=str(ROOT),
         )
         env.update(self.env_overrides)

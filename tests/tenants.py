@@ -63,7 +63,14 @@ FILES: dict[str, dict[str, object]] = {
     "files-other": dict(UNLIMITED),
 }
 
+# tests/test_batches_api.py: the batches' owner and a tenant that must not see them.
+BATCHES: dict[str, dict[str, object]] = {
+    "batch-owner": dict(UNLIMITED),
+    "batch-other": dict(UNLIMITED),
+}
+
 SHARED_STACK_TENANTS: dict[str, dict[str, object]] = {
+    **BATCHES,
     **FILES,
     **QUOTAS,
     **TOKEN_COUNTS,

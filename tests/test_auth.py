@@ -206,6 +206,6 @@ def test_a_resume_token_is_checked_under_the_tenant_id_of_the_key_that_signed_it
     g = Guard(settings, settings.resume_keys())
     principal = g.keys.lookup(key)
     assert principal is not None
-    assert g.tenant_id(principal) == tenant_id(new.encode(), "acme")
-    assert g.tenant_id(principal, "old") == tenant_id(old.encode(), "acme")
-    assert g.tenant_id(principal, "unknown") == g.tenant_id(principal)
+    assert g.tenant_id(principal.tenant) == tenant_id(new.encode(), "acme")
+    assert g.tenant_id(principal.tenant, "old") == tenant_id(old.encode(), "acme")
+    assert g.tenant_id(principal.tenant, "unknown") == g.tenant_id(principal.tenant)

@@ -37,10 +37,12 @@ def edges(stack: Stack) -> Iterator[Edges]:
         yield Edges(stack, port)
 
 
-def batch_file(lines: int, pad: int = 0, url: str = "/v1/chat/completions") -> bytes:
+def batch_file(
+    lines: int, pad: int = 0, url: str = "/v1/chat/completions", model: str = "sim-8b"
+) -> bytes:
     rows = []
     for i in range(lines):
-        body: dict[str, object] = {"model": "sim", "max_tokens": 8}
+        body: dict[str, object] = {"model": model, "max_tokens": 8}
         if url == "/v1/completions":
             body["prompt"] = f"Line {i}. " + "x" * pad
         else:

@@ -177,6 +177,15 @@ def grants(topics: Topics) -> dict[str, list[Grant]]:
             _topic(topics.workers, read, why="heartbeats: the models `/v1/models` lists"),
             _topic(topics.files, read, write, why="the uploaded files' records (ADR 0074)"),
             _topic(topics.file_chunks, read, write, why="the uploaded files' content (ADR 0074)"),
+            _topic(topics.batch_jobs, read, write, why="the batches and their cancels (ADR 0075)"),
+            _topic(topics.batch_outcomes, read, write, why="each batch line's outcome (ADR 0075)"),
+            Grant(
+                Resource.GROUP,
+                topics.batch_runners,
+                Pattern.LITERAL,
+                (read,),
+                why="the batch runners' group: which edge runs which batches (ADR 0075)",
+            ),
             _topic(
                 topics.result_leases,
                 read,

@@ -9,6 +9,7 @@ from typing import Any
 
 from tokenbus import (
     acl_table,
+    batch_cli,
     bench,
     config,
     eval_cli,
@@ -75,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
         models_cli.register,
         eval_cli.register,
         schema.register,
+        batch_cli.register,
     ):
         register(commands)
     return parser

@@ -15,11 +15,21 @@ from typing import Any
 from pydantic import BaseModel, TypeAdapter
 
 from services.edge.leases import LeaseRecord
+from shared.batch_jobs import (
+    BatchCancel,
+    BatchError,
+    BatchErrors,
+    BatchJob,
+    BatchObject,
+    LineOutcome,
+    RequestCounts,
+)
 from shared.files import FileObject, StoredFile
 from shared.kafka import encode
 from shared.messages import (
     OUTCOME_TTFT_BOUNDS_S,
     Batch,
+    BatchRef,
     CacheEntry,
     CancelRecord,
     Capabilities,
@@ -93,6 +103,9 @@ KINDS: dict[str, Kind] = {
         Kind("verdicts", "ModelVerdicts", ModelVerdicts),
         Kind("shadow_score", "ShadowScore", ShadowScore),
         Kind("stored_file", "StoredFile", StoredFile),
+        Kind("batch_job", "BatchJob", BatchJob),
+        Kind("batch_cancel", "BatchCancel", BatchCancel),
+        Kind("line_outcome", "LineOutcome", LineOutcome),
     )
 }
 
@@ -141,6 +154,9 @@ def samples() -> list[Sample]:
         ("verdicts", _verdicts()),
         ("shadow_score", _shadow_score()),
         ("stored_file", _stored_file()),
+        ("batch_job", _batch_job()),
+        ("batch_cancel", BatchCancel(at=int(AT))),
+        ("line_outcome", _line_outcome()),
     ]
     return [Sample(KINDS[name], record) for name, record in records]
 
@@ -209,6 +225,7 @@ def _queued(request_id: str, **fields: Any) -> QueuedRequest:
         cache=False,
         conversation_id="conv-1",
         variant="canary",
+        batch_line=BatchRef(batch_id="batch_1a", custom_id="req-4"),
         deadline_ms=30_000,
         tenant="acme",
         reply_to=ReplyTo(topic="tokenbus.results", partition=1),
@@ -371,6 +388,54 @@ def _stored_file() -> StoredFile:
         sha256="e" * 64,
         partition=2,
         offsets=[40, 41],
+    )
+
+
+def _batch_job() -> BatchJob:
+    at = int(AT)
+    return BatchJob(
+        batch=BatchObject(
+            id="batch_1",
+            object="batch",
+            endpoint="/v1/chat/completions",
+            errors=BatchErrors(
+                object="list",
+                data=[
+                    BatchError(code="invalid_file", message="gone", param="input_file_id", line=3)
+                ],
+            ),
+            input_file_id="file-1",
+            completion_window="24h",
+            status="completed",
+            output_file_id="file-1-output",
+            error_file_id="file-1-errors",
+            created_at=at,
+            in_progress_at=at + 1,
+            expires_at=at + 86400,
+            finalizing_at=at + 60,
+            completed_at=at + 61,
+            failed_at=at + 62,
+            expired_at=at + 63,
+            cancelling_at=at + 64,
+            cancelled_at=at + 65,
+            request_counts=RequestCounts(total=12, completed=11, failed=1),
+            metadata={"job": "nightly"},
+        ),
+        tenant="acme",
+        plan="gold",
+    )
+
+
+def _line_outcome() -> LineOutcome:
+    return LineOutcome(
+        line=4,
+        ok=True,
+        output={
+            "id": "batch_req_1",
+            "custom_id": "req-4",
+            "response": {"status_code": 200, "request_id": "r1", "body": {"object": "x"}},
+            "error": None,
+        },
     )
 
 

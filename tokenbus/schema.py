@@ -27,6 +27,7 @@ from pydantic import TypeAdapter
 from pydantic.json_schema import JsonSchemaMode
 
 from services.edge.leases import LeaseRecord
+from shared.batch_jobs import BatchCancel, BatchJob, LineOutcome
 from shared.dead_letters import HEADERS as DEAD_LETTER_HEADERS
 from shared.dead_letters import REQUIRED as DEAD_LETTER_REQUIRED
 from shared.files import StoredFile
@@ -128,6 +129,9 @@ SCHEMAS: dict[str, tuple[Any, JsonSchemaMode]] = {
     "ShadowScore": (ShadowScore, "serialization"),
     "ModelVerdicts": (ModelVerdicts, "serialization"),
     "StoredFile": (StoredFile, "serialization"),
+    "BatchJob": (BatchJob, "serialization"),
+    "BatchCancel": (BatchCancel, "serialization"),
+    "LineOutcome": (LineOutcome, "serialization"),
 }
 
 REQUEST = Message(
@@ -224,6 +228,35 @@ FILE_CHUNK = Message(
     "Up to 512 KiB of a file's bytes, as uploaded; a tombstone deletes it.",
     "FileChunk",
     "`<file id>/<n>`, n the chunk's number, six digits (UTF-8).",
+    headers={},
+)
+BATCH_JOB = Message(
+    "batchJob",
+    "Batch",
+    "One batch of the Batch API: OpenAI's batch object (its status, request_counts and"
+    " files as they are now), its tenant and plan. Written by the edge that creates it, then"
+    " only by the edge running it; a Kafka application may follow a batch's progress here.",
+    "BatchJob",
+    "The batch id (UTF-8).",
+    headers={},
+)
+BATCH_CANCEL = Message(
+    "batchCancel",
+    "Batch cancel",
+    "A cancel of the batch its key names: the runner stops the batch's lines and ends it"
+    " `cancelled`.",
+    "BatchCancel",
+    "`<batch id>/cancel` (UTF-8), on the batch record's partition.",
+    headers={},
+)
+LINE_OUTCOME = Message(
+    "lineOutcome",
+    "Batch line outcome",
+    "One line of a batch answered: its line of the output file (`ok`) or of the error file,"
+    " in OpenAI's shape (`custom_id`, `response` with `status_code` and `body`, `error`)."
+    " The latest record of a key is the line's outcome.",
+    "LineOutcome",
+    "`<batch id>/<line>`, line its place in the input from 0, six digits (UTF-8).",
     headers={},
 )
 ROLLOUT = Message(
@@ -376,6 +409,27 @@ def channels(topics: Topics) -> tuple[Channel, ...]:
             ("edge",),
             ("edge",),
             parts[topics.file_chunks],
+        ),
+        Channel(
+            "batchJobs",
+            topics.batch_jobs,
+            "Compacted: one record per batch, and its cancel; the edges share its partitions"
+            " out as the group `tokenbus.batch-runners`, and the holder of one runs its batches"
+            " (docs/decisions/0075-batches-run-by-the-edges-from-records-on-the-bus.md).",
+            (BATCH_JOB, BATCH_CANCEL),
+            ("edge",),
+            ("edge",),
+            parts[topics.batch_jobs],
+        ),
+        Channel(
+            "batchOutcomes",
+            topics.batch_outcomes,
+            "Compacted: each batch line's outcome, on its batch's partition number; the"
+            " output and error files are written from it when the batch ends (ADR 0075).",
+            (LINE_OUTCOME,),
+            ("edge",),
+            ("edge",),
+            parts[topics.batch_outcomes],
         ),
         Channel(
             "variants",

@@ -27,12 +27,15 @@ from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket
 
 from services.edge.auth import Guard
+from services.edge.batch_job import BatchParts
+from services.edge.batch_runner import BatchRunner
 from services.edge.budget import ByteBudget
 from services.edge.chat_socket import ChatSocket
 from services.edge.drain import drain
 from services.edge.gateway import Gateway
 from services.edge.metrics import EdgeMetrics
 from services.edge.models import ModelDirectory
+from services.edge.openai.batches import BatchesApi
 from services.edge.openai.edge_streams import EdgeStreams
 from services.edge.openai.files import FilesApi
 from services.edge.openai.request_ids import RequestIds
@@ -42,6 +45,7 @@ from services.edge.page import SecurityHeaders
 from services.edge.runtime import running
 from services.edge.settings import EdgeSettings
 from services.edge.telemetry import EdgeTelemetry
+from shared.batch_jobs import BatchJobs
 from shared.files import FileStore
 from shared.health import Readiness, health_routes
 from shared.metrics import EdgeRequestMetrics
@@ -71,6 +75,7 @@ class Edge:
         self.guard = Guard(settings, self.resume_keys)
         self.gateway: Gateway | None = None  # None until the lifespan reached Kafka
         self.files: FileStore | None = None  # the uploaded files (ADR 0074), as the gateway
+        self.batches: BatchJobs | None = None  # the batches (ADR 0075), as the gateway
         # The weight of frames queued for all clients, WebSockets and HTTP (outbox.py).
         self.outbox_budget = ByteBudget(settings.edge_outbox_budget_bytes)
         # The OpenAI-compatible API (services/edge/openai/): the models workers advertise.
@@ -88,12 +93,33 @@ class Edge:
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
         async with running(self, on_lease_lost=self._lease_lost) as gateway:
-            files = FileStore(self.settings, self.topics, gateway.link.producer)
-            self.gateway, self.files = gateway, files
+            producer = gateway.link.producer
+            files = FileStore(self.settings, self.topics, producer)
+            batches = BatchJobs(self.settings, self.topics, producer)
+            runner = None
+            if self.settings.edge_batch_runner:
+                parts = BatchParts(
+                    self.settings,
+                    self.topics,
+                    gateway,
+                    files,
+                    producer,
+                    self.settings.limits(),
+                    asyncio.Semaphore(self.settings.edge_batch_window),
+                    self.settings.edge_batch_progress_s,
+                )
+                runner = asyncio.create_task(
+                    BatchRunner(parts, self.edge_id).run(), name="batch-runner"
+                )
+            self.gateway, self.files, self.batches = gateway, files, batches
             try:
                 yield
             finally:
-                self.gateway = self.files = None
+                self.gateway = self.files = self.batches = None
+                if runner is not None:
+                    runner.cancel()
+                    await asyncio.gather(runner, return_exceptions=True)
+                await batches.stop()
                 await files.stop()
 
     def start_drain(self) -> asyncio.Task[int] | None:
@@ -159,6 +185,7 @@ def build_app(edge: Edge) -> Starlette:
         uploads=settings.edge_file_uploads,
         upload_s=settings.edge_file_upload_s,
     )
+    batches = BatchesApi(edge.openai, lambda: edge.batches, lambda: edge.files)
     return Starlette(
         routes=[
             Route("/", edge.index),
@@ -175,6 +202,10 @@ def build_app(edge: Edge) -> Starlette:
             Route("/v1/files/{file_id}", files.retrieve, methods=["GET"]),
             Route("/v1/files/{file_id}", files.delete, methods=["DELETE"]),
             Route("/v1/files/{file_id}/content", files.content, methods=["GET"]),
+            Route("/v1/batches", batches.create, methods=["POST"]),
+            Route("/v1/batches", batches.list, methods=["GET"]),
+            Route("/v1/batches/{batch_id}", batches.retrieve, methods=["GET"]),
+            Route("/v1/batches/{batch_id}/cancel", batches.cancel, methods=["POST"]),
         ],
         middleware=[
             Middleware(SecurityHeaders),  # the chat page's CSP (page.py)

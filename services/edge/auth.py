@@ -263,15 +263,15 @@ class Guard:
     def left_pending(self) -> None:
         self.pending -= 1
 
-    def tenant_id(self, principal: Principal, kid: str | None = None) -> str:
-        """The tenant id under resume key `kid` (default: the signing key).
+    def tenant_id(self, tenant: str, kid: str | None = None) -> str:
+        """The id of `tenant` (its name) under resume key `kid` (default: the signing key).
 
         Rotating the signing key changes the ids new requests carry; a resume token names
         the key it was signed with, so its tenant is checked under that key (`kid`).
         """
         keys = self._resume_keys
         key = keys.keys.get(kid or keys.signing_kid) or keys.keys[keys.signing_kid]
-        return tenant_id(key.get_secret_value().encode(), principal.tenant)
+        return tenant_id(key.get_secret_value().encode(), tenant)
 
     def open_socket(self, principal: Principal) -> Close | None:
         refusal = self.quotas.open_socket(principal.tenant, principal.limits)
@@ -489,6 +489,6 @@ class SocketAuth:
             self._guard.left_pending()
             self._pending = False
         self.principal = principal
-        self.tenant = self._guard.tenant_id(principal)
+        self.tenant = self._guard.tenant_id(principal.tenant)
         self._guard.watch(self, self._on_revoked)
         return None

@@ -175,18 +175,61 @@ class Gateway:
         `request` was validated under `self.limits` (as `parse_client_frame` and the OpenAI
         translation do). `parent`: headers that may carry the caller's `traceparent`.
         """
-        if self.draining:
-            client.send(self.link.overloaded(RESTARTING, client_id=request.client_id))
-            return None
-        if unknown := self.models.unknown(request, time.time()):
-            _, message = unknown
+        request_id = uuid.uuid4().hex
+        if request.batch_line is not None:  # only a batch's runner names its line
             client.send(
                 ErrorFrame(
-                    code=ErrorCode.invalid_request, message=message, client_id=request.client_id
+                    code=ErrorCode.invalid_request,
+                    message="batch_line: set by the edge that runs a batch, not by a client",
+                    client_id=request.client_id,
                 )
             )
             return None
+        if refused := self._refused(request, request_id, parent):
+            client.send(refused)
+            return None
+        if refused := self.guard.admit(principal, request, request_id):
+            client.send(refused)
+            return None
+        tenant = self.guard.tenant_id(principal.tenant)
+        return await self.open_stream(
+            request,
+            request_id=request_id,
+            tenant=tenant,
+            client=client,
+            parent=parent,
+            plan=principal.plan,
+        )
+
+    async def submit_line(
+        self, request: ChatRequest, *, tenant: str, plan: str | None, client: Client
+    ) -> ResultStream | None:
+        """A batch's line (batch_runner.py), for the batch's `tenant` (its name): as `submit`,
+        but not charged to the tenant's interactive quotas (a batch is checked as a whole
+        when it is created)."""
         request_id = uuid.uuid4().hex
+        if refused := self._refused(request, request_id, None):
+            client.send(refused)
+            return None
+        return await self.open_stream(
+            request,
+            request_id=request_id,
+            tenant=self.guard.tenant_id(tenant),
+            client=client,
+            plan=plan,
+        )
+
+    def _refused(
+        self, request: ChatRequest, request_id: str, parent: Mapping[str, str] | None
+    ) -> ErrorFrame | None:
+        """Why the request is refused before anything of it reaches Kafka, whoever asks."""
+        if self.draining:
+            return self.link.overloaded(RESTARTING, client_id=request.client_id)
+        if unknown := self.models.unknown(request, time.time()):
+            _, message = unknown
+            return ErrorFrame(
+                code=ErrorCode.invalid_request, message=message, client_id=request.client_id
+            )
         # Invalid before it is charged: a request no batch could hold or no worker run is
         # the client's error (`invalid_request`, naming the limit), never a quota's, which
         # would tell it to retry what can never succeed.
@@ -199,24 +242,10 @@ class Gateway:
                 parent=parent,
             )
             self.telemetry.end(flight, outcome=outcome)
-            client.send(
-                ErrorFrame(
-                    code=ErrorCode.invalid_request, message=message, client_id=request.client_id
-                )
+            return ErrorFrame(
+                code=ErrorCode.invalid_request, message=message, client_id=request.client_id
             )
-            return None
-        if refused := self.guard.admit(principal, request, request_id):
-            client.send(refused)
-            return None
-        tenant = self.guard.tenant_id(principal)
-        return await self.open_stream(
-            request,
-            request_id=request_id,
-            tenant=tenant,
-            client=client,
-            parent=parent,
-            plan=principal.plan,
-        )
+        return None
 
     def _invalid(self, request: ChatRequest) -> tuple[str, str] | None:
         """(outcome, message) if no batch could ever hold the request or no worker run it."""
@@ -254,7 +283,11 @@ class Gateway:
         """
         tier = request.priority or Tier.interactive
         flight = self.telemetry.begin(
-            request_id, tier=tier.value, max_tokens=request.max_tokens, parent=parent
+            request_id,
+            tier=tier.value,
+            max_tokens=request.max_tokens,
+            parent=parent,
+            batch=request.batch_line,
         )
         prompt_tokens = request.prompt_token_bound()  # never below the real count
         try:
@@ -349,7 +382,7 @@ class Gateway:
         """
         request_id: str | None = None
         began = time.monotonic()
-        tenant = self.guard.tenant_id(principal, token_kid(frame.resume_token))
+        tenant = self.guard.tenant_id(principal.tenant, token_kid(frame.resume_token))
         try:
             claims = check_resume(
                 frame.resume_token,

@@ -279,6 +279,23 @@ class EdgeSettings(KeysSettings):
         gt=0,
         description="An upload must arrive whole within this (else 408, connection closed).",
     )
+    edge_batch_runner: bool = Field(
+        default=True,
+        description="Run OpenAI batches: the edge joins the batch runners' group and runs the"
+        " batches of the partitions it is given (ADR 0075). false: it only takes and shows them.",
+    )
+    edge_batch_window: int = Field(
+        default=64,
+        ge=1,
+        le=4096,
+        description="A runner's batch lines in flight at once, all its batches together: each"
+        " is a background-tier request on the bus; the scheduler keeps interactive ones ahead.",
+    )
+    edge_batch_progress_s: float = Field(
+        default=1.0,
+        gt=0,
+        description="A running batch's request_counts are written at most this often.",
+    )
     edge_max_connections_per_ip: int = Field(
         default=0,
         ge=0,

@@ -26,7 +26,7 @@ from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode, Tracer
 from services.edge.protocol import DeltaFrame, DoneFrame, ErrorFrame, ServerFrame
 from shared import semconv
 from shared.kafka import Headers
-from shared.messages import QueuedRequest, RequestRecord
+from shared.messages import BatchRef, QueuedRequest, RequestRecord
 from shared.metrics import EdgeRequestMetrics, edge_metrics
 from shared.telemetry import extract, has_trace, inject, record_span, sent_at, tracer
 
@@ -85,6 +85,7 @@ class EdgeTelemetry:
         tier: str,
         max_tokens: int | None,
         parent: Mapping[str, str] | None = None,
+        batch: BatchRef | None = None,
     ) -> InFlight:
         """A request frame was read: open its root span (continuing `parent`'s trace, if any,
         and if trusted; else linked to it)."""
@@ -97,6 +98,9 @@ class EdgeTelemetry:
         }
         if max_tokens is not None:
             attributes[semconv.GEN_AI_REQUEST_MAX_TOKENS] = max_tokens
+        if batch is not None:  # an OpenAI batch's line: its trace names the batch
+            attributes[semconv.OPENAI_BATCH_ID] = batch.batch_id
+            attributes[semconv.OPENAI_BATCH_CUSTOM_ID] = batch.custom_id
         root = self.tracer.start_span(
             semconv.SPAN_CHAT,
             context=parent_ctx,

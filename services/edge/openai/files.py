@@ -71,7 +71,7 @@ class FilesApi:
             return error_response(principal)
         store = self._store()
         if store is None:
-            return error_response(_unavailable())
+            return error_response(unavailable())
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > self._max_bytes + FORM_SLACK_BYTES:
             return error_response(too_large(self._max_bytes))
@@ -125,7 +125,7 @@ class FilesApi:
                 stored = await store.put(principal.tenant, filename, source, size, lines)
             except (KafkaError, TimeoutError) as exc:
                 log.warning("file.store_failed", tenant=principal.tenant, error=repr(exc))
-                return error_response(_unavailable())
+                return error_response(unavailable())
             return JSONResponse(stored.model_dump())
         finally:
             await form.close()
@@ -148,7 +148,7 @@ class FilesApi:
             files = [s.file for s in await store.owned(principal.tenant)]
         except (KafkaError, TimeoutError) as exc:
             log.warning("file.read_failed", error=repr(exc))
-            return error_response(_unavailable())
+            return error_response(unavailable())
         if purpose is not None:
             files = [f for f in files if f.purpose == purpose]
         if request.query_params.get("order") == "asc":
@@ -157,7 +157,7 @@ class FilesApi:
         if after is not None:
             ids = [f.id for f in files]
             files = files[ids.index(after) + 1 :] if after in ids else []
-        limit = _limit(request.query_params.get("limit"))
+        limit = page_limit(request.query_params.get("limit"))
         if isinstance(limit, HttpError):
             return error_response(limit)
         page = files[:limit]
@@ -187,7 +187,7 @@ class FilesApi:
         except (KafkaError, TimeoutError, FileGone) as exc:
             log.warning("file.read_failed", file_id=stored.file.id, error=repr(exc))
             await chunks.aclose()
-            return error_response(_unavailable())
+            return error_response(unavailable())
 
         async def body() -> AsyncIterator[bytes]:
             try:
@@ -212,7 +212,7 @@ class FilesApi:
             await store.delete(stored)
         except (KafkaError, TimeoutError) as exc:
             log.warning("file.delete_failed", file_id=stored.file.id, error=repr(exc))
-            return error_response(_unavailable())
+            return error_response(unavailable())
         return JSONResponse({"id": stored.file.id, "object": "file", "deleted": True})
 
     async def _owner(self, request: Request) -> tuple[Principal, FileStore] | HttpError:
@@ -221,7 +221,7 @@ class FilesApi:
             return principal
         store = self._store()
         if store is None:
-            return _unavailable()
+            return unavailable()
         return principal, store
 
     async def _file(self, request: Request) -> tuple[StoredFile, FileStore] | HttpError:
@@ -235,13 +235,13 @@ class FilesApi:
             stored = await store.find(principal.tenant, file_id)
         except (KafkaError, TimeoutError) as exc:
             log.warning("file.read_failed", file_id=file_id, error=repr(exc))
-            return _unavailable()
+            return unavailable()
         if stored is None:
             return http_error(ErrorCode.not_found, f"No such File object: {file_id}", param="id")
         return stored, store
 
 
-def _limit(value: str | None) -> int | HttpError:
+def page_limit(value: str | None) -> int | HttpError:
     if value is None:
         return 10_000
     if not value.isdigit() or not 1 <= int(value) <= 10_000:
@@ -249,7 +249,7 @@ def _limit(value: str | None) -> int | HttpError:
     return int(value)
 
 
-def _unavailable() -> HttpError:
+def unavailable() -> HttpError:
     return http_error(
         ErrorCode.overloaded,
         "files are not reachable now (the broker is away); try again",
