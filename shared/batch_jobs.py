@@ -102,6 +102,8 @@ class BatchJob(BaseModel):
     batch: BatchObject
     tenant: str  # its owner's name: only it may see or cancel the batch
     plan: str | None = None  # the creating key's plan, stamped on its lines' requests
+    # Its input's token bound: counted against the tenant's batch_tokens_per_day.
+    tokens: int | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class BatchCancel(BaseModel):
@@ -179,6 +181,7 @@ class BatchJobs:
         input_file_id: str,
         endpoint: Endpoint,
         metadata: dict[str, str] | None,
+        tokens: int | None = None,
     ) -> BatchObject:
         now = int(time.time())
         batch = BatchObject(
@@ -189,7 +192,7 @@ class BatchJobs:
             expires_at=now + WINDOWS["24h"],
             metadata=metadata,
         )
-        job = BatchJob(batch=batch, tenant=tenant, plan=plan)
+        job = BatchJob(batch=batch, tenant=tenant, plan=plan, tokens=tokens)
         key = batch.id.encode()
         partition = await self._producer.partition_for(self._topic, key)
         sent = await self._producer.send_and_wait(
@@ -215,6 +218,16 @@ class BatchJobs:
             if isinstance(v, BatchJob) and v.tenant == tenant
         ]
         return sorted(mine, key=lambda b: (b.created_at, b.id), reverse=True)
+
+    async def spent(self, tenant: str, since: float) -> list[tuple[int, int]]:
+        """(created_at, tokens) of each of `tenant`'s batches created since `since`: what its
+        batch quota has counted, across every edge (the table is the bus's)."""
+        await self._table.catch_up()
+        return sorted(
+            (v.batch.created_at, v.tokens or 0)
+            for _, _, v in self._table.rows.values()
+            if isinstance(v, BatchJob) and v.tenant == tenant and v.batch.created_at >= since
+        )
 
     async def cancel(self, batch_id: str) -> None:
         """Write the batch's cancel, on its record's partition (found, so in the table)."""

@@ -17,7 +17,7 @@ from typing import IO, Literal
 
 import structlog
 from aiokafka import TopicPartition
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from shared.kafka import make_consumer
 from shared.producers import RenewingProducer
@@ -62,6 +62,8 @@ class StoredFile(BaseModel):
     sha256: str
     partition: int  # of `tokenbus.file-chunks`: all its chunks are on it
     offsets: list[int]  # each chunk's, in order
+    # Its requests' token bound (prompt bound + max_tokens each): what a batch of it may use.
+    tokens: int | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 def new_file_id() -> str:
@@ -97,6 +99,7 @@ class FileStore:
         *,
         file_id: str | None = None,
         purpose: Literal["batch", "batch_output"] = "batch",
+        tokens: int | None = None,
     ) -> FileObject:
         """Write `source` (`size` bytes, already validated) as a file of `tenant`: a new one,
         or `file_id` (written again: the same file, replaced whole)."""
@@ -126,6 +129,7 @@ class FileStore:
             sha256=digest.hexdigest(),
             partition=partition,
             offsets=offsets,
+            tokens=tokens,
         )
         sent = await self._producer.send(
             self._topics.files, stored.model_dump_json().encode(), key=file_id.encode(), partition=0

@@ -67,6 +67,7 @@ FILES: dict[str, dict[str, object]] = {
 BATCHES: dict[str, dict[str, object]] = {
     "batch-owner": dict(UNLIMITED),
     "batch-other": dict(UNLIMITED),
+    "batch-quota": {**UNLIMITED, "batch_tokens_per_day": 300},
 }
 
 SHARED_STACK_TENANTS: dict[str, dict[str, object]] = {

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from services.edge.openai.batch_lines import MAX_LINES, check_lines
+from services.edge.openai.batch_lines import MAX_LINES, Checked, check_lines
 from services.edge.openai.errors import HttpError
 from shared.messages import RequestLimits
 
@@ -45,7 +45,11 @@ def test_vllms_run_batch_example_file_passes_unchanged() -> None:
         b'{"custom_id": "request-2", "method": "POST", "url": "/v1/completions", "body": '
         b'{"model": "m", "prompt": "Once upon a time", "max_tokens": 16}}'
     )
-    assert check_lines(io.BytesIO(vllm_example), LIMITS) == 2
+    checked = check_lines(io.BytesIO(vllm_example), LIMITS)
+    assert isinstance(checked, Checked)
+    assert checked.lines == 2
+    # Each line's prompt bound + its max tokens, as a request is charged.
+    assert checked.tokens > 1000 + 16
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ refused with OpenAI's errors."""
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import os
 import signal
@@ -22,6 +23,8 @@ import pytest
 from openai.types import Batch
 
 from bench.ports import free_port
+from services.edge.openai.batch_lines import Checked, check_lines
+from shared.messages import RequestLimits
 from tests.chat_client import openai_sdk
 from tests.stack import Stack, wait_until
 from tests.test_files_api import batch_file
@@ -328,3 +331,36 @@ def test_the_cli_submits_follows_and_downloads_a_batch(runners: Runners, tmp_pat
     assert "Cannot cancel a batch with status 'completed'" in refused.stderr
     missing = cli("status", "batch_0")
     assert (missing.returncode, "No such Batch object" in missing.stderr) == (1, True)
+
+
+def test_batch_tokens_per_day_holds_across_edges_and_apart_from_interactive_limits(
+    runners: Runners,
+) -> None:
+    """The tenant's batch quota (300 tokens a day, tests/tenants.py) counts each batch's
+    input when it is created, from the batches on the bus: two small batches through one
+    edge fill it, a third through the other edge is 429 with a retry hint, a file larger
+    than the whole allowance is 400, and the tenant's chat is not charged for any of it."""
+    content = batch_file(2)
+    checked = check_lines(io.BytesIO(content), RequestLimits())
+    assert isinstance(checked, Checked)
+    assert 2 * checked.tokens <= 300 < 3 * checked.tokens  # the quota holds two
+    first, second = runners.sdk("batch-quota"), runners.sdk("batch-quota", key=RUNNERS[1])
+    file = first.files.create(file=("in.jsonl", content), purpose="batch")
+    for client in (first, first):
+        client.batches.create(
+            input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+    with pytest.raises(openai.RateLimitError, match="batch_tokens_per_day") as refused:
+        second.batches.create(
+            input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+    assert int(refused.value.response.headers["retry-after-ms"]) > 3600 * 1000
+    big = first.files.create(file=("big.jsonl", batch_file(10)), purpose="batch")
+    with pytest.raises(openai.BadRequestError, match="whole allowance"):
+        second.batches.create(
+            input_file_id=big.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+    answer = second.chat.completions.create(
+        model="sim-8b", messages=[{"role": "user", "content": "still here"}], max_tokens=4
+    )
+    assert answer.choices[0].message.content

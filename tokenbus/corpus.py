@@ -388,6 +388,7 @@ def _stored_file() -> StoredFile:
         sha256="e" * 64,
         partition=2,
         offsets=[40, 41],
+        tokens=3200,
     )
 
 
@@ -423,6 +424,7 @@ def _batch_job() -> BatchJob:
         ),
         tenant="acme",
         plan="gold",
+        tokens=3200,
     )
 
 

@@ -55,6 +55,14 @@ class TenantLimits(Model):
         " tool call) in flight at once: each is a grammar the engine compiles.",
     )
 
+    batch_tokens_per_day: int | None = Field(
+        default=None,
+        ge=1,
+        description="Tokens the tenant's batches may ask for in 24 hours (each line's prompt"
+        " bound + max_tokens, counted when a batch is created, across every edge); apart from"
+        " the interactive limits, which batch lines are not charged to. Unset: no limit.",
+    )
+
     @property
     def request_burst(self) -> int:
         return self.burst if self.burst is not None else max(1, math.ceil(self.rps))

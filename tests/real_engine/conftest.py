@@ -137,7 +137,11 @@ def bus(bootstrap: str, log_dir: Path, local_engine: LocalEngine) -> Iterator[St
         prefix=new_prefix(),
         log_dir=log_dir,
         workers=workers,
-        env_overrides={"TOKENBUS_EDGE_DISCONNECT_GRACE_S": "3", "TOKENBUS_LOG_FORMAT": "json"},
+        env_overrides={
+            "TOKENBUS_EDGE_DISCONNECT_GRACE_S": "3",
+            "TOKENBUS_LOG_FORMAT": "json",
+            "TOKENBUS_EDGE_BATCH_RUNNER": "true",  # test_bus.py runs a batch on the model
+        },
     )
     try:
         stack.start()

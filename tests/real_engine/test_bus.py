@@ -637,6 +637,66 @@ def check_continued(bus: Stack, struck: Struck) -> None:
     assert struck.usage.completion_tokens == struck.asked
 
 
+SYSTEM = {"role": "system", "content": "You are a helpful assistant."}
+BATCH_ENDED = ("completed", "failed", "expired", "cancelled")
+
+
+def test_a_batch_of_vllms_run_batch_lines_completes_on_the_model(bus: Stack) -> None:
+    """Issue 39: the `openai` SDK uploads vLLM's own `run_batch` example lines (both
+    endpoints, `max_completion_tokens` as vLLM's example has it), creates each batch, polls it
+    to `completed` and reads the model's answers, one per custom_id, from its output file."""
+    client = sdk(bus)
+    chat_lines = [
+        {
+            "custom_id": f"request-{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "model": MODEL_NAME,
+                "messages": [SYSTEM, *messages],
+                "max_completion_tokens": 24,
+                "temperature": 0,
+            },
+        }
+        for i, messages in enumerate([FRANCE, [{"role": "user", "content": "Hello world!"}]])
+    ]
+    text_lines = [
+        {
+            "custom_id": "text-0",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"model": MODEL_NAME, "prompt": "The capital of France is", "max_tokens": 8},
+        }
+    ]
+    answers: dict[str, dict[str, Any]] = {}
+    for endpoint, lines in (("/v1/chat/completions", chat_lines), ("/v1/completions", text_lines)):
+        content = "\n".join(json.dumps(line) for line in lines).encode()
+        uploaded = client.files.create(file=("batch.jsonl", content), purpose="batch")
+        batch = client.batches.create(
+            input_file_id=uploaded.id,
+            endpoint=endpoint,  # type: ignore[arg-type]
+            completion_window="24h",
+        )
+        wait_until(
+            lambda b=batch.id: client.batches.retrieve(b).status in BATCH_ENDED,
+            300,
+            "the batch ended",
+            1.0,
+        )
+        done = client.batches.retrieve(batch.id)
+        assert done.status == "completed", done
+        assert done.error_file_id is None
+        assert done.output_file_id is not None
+        output = client.files.content(done.output_file_id).read().decode().splitlines()
+        for row in map(json.loads, output):
+            assert row["response"]["status_code"] == 200, row
+            answers[row["custom_id"]] = row["response"]["body"]
+    assert sorted(answers) == ["request-0", "request-1", "text-0"]
+    assert "Paris" in answers["request-0"]["choices"][0]["message"]["content"]
+    assert answers["request-1"]["usage"]["completion_tokens"] <= 24
+    assert "Paris" in answers["text-0"]["choices"][0]["text"]
+
+
 def restart(bus: Stack, key: str) -> None:
     """Start the worker `key` again, as its supervisor would: its model loads while the
     answer goes on elsewhere (`loaded_again` waits for it)."""

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from services.edge.auth import request_tokens
 from services.edge.openai.errors import HttpError, invalid
 from services.edge.openai.schema import ChatCompletionRequest, CompletionRequest
 from services.edge.openai.translate import to_chat_request
@@ -35,10 +37,19 @@ class BatchLine(BaseModel):
     body: dict[str, Any]
 
 
-def check_lines(lines: Iterable[bytes], limits: RequestLimits) -> int | HttpError:
-    """The number of requests in the file, or the 400 naming its first bad line."""
+@dataclass(frozen=True)
+class Checked:
+    """A good file: its requests, and the tokens they may use (each one's prompt bound +
+    max_tokens, as a request is charged: what a batch's quota counts)."""
+
+    lines: int
+    tokens: int
+
+
+def check_lines(lines: Iterable[bytes], limits: RequestLimits) -> Checked | HttpError:
+    """What the file holds, or the 400 naming its first bad line."""
     seen: set[str] = set()
-    count = 0
+    count = tokens = 0
     for number, raw in enumerate(lines, start=1):
         if not raw.strip():
             continue  # a blank line, as vLLM's run_batch skips them
@@ -47,14 +58,17 @@ def check_lines(lines: Iterable[bytes], limits: RequestLimits) -> int | HttpErro
             return invalid(
                 f"line {number}: a batch file holds at most {MAX_LINES} requests", "file"
             )
-        if refused := _check_line(raw, number, limits, seen):
-            return refused
+        checked = _check_line(raw, number, limits, seen)
+        if isinstance(checked, HttpError):
+            return checked
+        tokens += checked
     if count == 0:
         return invalid("the file holds no request: one JSON request per line", "file")
-    return count
+    return Checked(count, tokens)
 
 
-def _check_line(raw: bytes, number: int, limits: RequestLimits, seen: set[str]) -> HttpError | None:
+def _check_line(raw: bytes, number: int, limits: RequestLimits, seen: set[str]) -> HttpError | int:
+    """The line's token bound, or why it is refused."""
     try:
         data = json.loads(raw)
     except RecursionError:
@@ -81,4 +95,4 @@ def _check_line(raw: bytes, number: int, limits: RequestLimits, seen: set[str]) 
     asked = to_chat_request(body, limits)
     if isinstance(asked, HttpError):
         return invalid(f"line {number}: {asked.body.error.message}", "file")
-    return None
+    return request_tokens(asked)

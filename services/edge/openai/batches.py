@@ -9,6 +9,7 @@ another tenant's key gets 404, as for a batch that does not exist.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -85,12 +86,15 @@ class BatchesApi:
                         "input_file_id",
                     )
                 )
+            if refused := await _over_quota(jobs, principal, stored.tokens or 0):
+                return error_response(refused)
             batch = await jobs.create(
                 principal.tenant,
                 principal.plan,
                 input_file_id=asked.input_file_id,
                 endpoint=asked.endpoint,  # type: ignore[arg-type]
                 metadata=asked.metadata,
+                tokens=stored.tokens,
             )
         except (KafkaError, TimeoutError) as exc:
             log.warning("batch.create_failed", tenant=principal.tenant, error=repr(exc))
@@ -184,6 +188,42 @@ class BatchesApi:
         if batch is None:
             return http_error(ErrorCode.not_found, f"No such Batch object: {batch_id}", param="id")
         return batch, jobs
+
+
+DAY_S = 24 * 3600
+
+
+async def _over_quota(jobs: BatchJobs, principal: Principal, tokens: int) -> HttpError | None:
+    """The tenant's `batch_tokens_per_day`, counted over its batches of the last 24 hours as
+    the bus has them (so it holds across every edge): 429 with when a batch will have left
+    the window, or 400 for a batch larger than the whole allowance."""
+    limit = principal.limits.batch_tokens_per_day
+    if limit is None:
+        return None
+    if tokens > limit:
+        return invalid(
+            f"batch_tokens_per_day: the file's requests may use {tokens} tokens, above the"
+            f" tenant's whole allowance of {limit} a day; split it",
+            "input_file_id",
+        )
+    now = time.time()
+    counted = await jobs.spent(principal.tenant, now - DAY_S)
+    used = sum(t for _, t in counted)
+    if used + tokens <= limit:
+        return None
+    # The oldest batches leave the window first: wait until enough of them have.
+    freed, wait_s = 0, float(DAY_S)
+    for created_at, spent in counted:
+        freed += spent
+        if used - freed + tokens <= limit:
+            wait_s = max(1.0, created_at + DAY_S - now)
+            break
+    return http_error(
+        ErrorCode.rate_limited,
+        f"rate_limited (batch_tokens_per_day): this batch may use {tokens} tokens and the"
+        f" tenant's batches of the last 24 hours {used} of {limit}",
+        retry_after_ms=int(wait_s * 1000),
+    )
 
 
 async def _create_body(request: Request) -> CreateBatch | HttpError:

@@ -116,13 +116,15 @@ class FilesApi:
             if size == 0:
                 return error_response(invalid("the file is empty", "file"))
             source.seek(0)
-            lines = await asyncio.to_thread(check_lines, source, self._streams.limits)
-            if isinstance(lines, HttpError):
-                log.info("file.refused", tenant=principal.tenant, reason=lines.body.error.message)
-                return error_response(lines)
+            checked = await asyncio.to_thread(check_lines, source, self._streams.limits)
+            if isinstance(checked, HttpError):
+                log.info("file.refused", tenant=principal.tenant, reason=checked.body.error.message)
+                return error_response(checked)
             filename = (upload.filename or "upload.jsonl")[:256]
             try:
-                stored = await store.put(principal.tenant, filename, source, size, lines)
+                stored = await store.put(
+                    principal.tenant, filename, source, size, checked.lines, tokens=checked.tokens
+                )
             except (KafkaError, TimeoutError) as exc:
                 log.warning("file.store_failed", tenant=principal.tenant, error=repr(exc))
                 return error_response(unavailable())
