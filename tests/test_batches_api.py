@@ -88,6 +88,14 @@ def ran(stack: Stack, key: str, batch_id: str) -> bool:
     )
 
 
+def metric(text: str, name: str) -> float:
+    """The value of the sample `name` (with its labels) in a /metrics text; 0 if absent."""
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
 def lines_of(client: openai.OpenAI, file_id: str | None) -> list[dict[str, object]]:
     if file_id is None:
         return []
@@ -133,6 +141,11 @@ def test_a_batch_runs_to_completed_and_answers_every_custom_id_once(
         assert body["usage"]["completion_tokens"] <= 8
     assert done.output_file_id is not None
     assert client.files.retrieve(done.output_file_id).purpose == "batch_output"
+    ok = sum(
+        metric(runners.stack.edge_metrics(k), 'tokenbus_edge_batch_lines_total{outcome="ok"}')
+        for k in RUNNERS
+    )
+    assert ok >= 40
     # Each line went on the bus as a background request naming its batch and custom_id.
     asked = [json.loads(v) for v in asyncio.run(runners.stack.read_requests())]
     mine = [r for r in asked if (r.get("batch_line") or {}).get("batch_id") == batch.id]
@@ -166,6 +179,9 @@ def test_a_runner_killed_mid_batch_is_taken_over_and_nothing_is_answered_twice(
     wait_until(some_done, 120, "30 lines answered", interval=0.2)
     victim = running_on()
     assert victim is not None
+    # Its progress on the running edge's /metrics, for the dashboard's "Batch progress".
+    gauge = f'tokenbus_edge_batch_progress{{batch_id="{batch.id}",state="total"}} {lines}.0'
+    assert gauge in runners.stack.edge_metrics(victim)
     survivor = next(k for k in RUNNERS if k != victim)
     runners.stack.stop_service(victim, signal.SIGKILL)
     try:

@@ -88,6 +88,7 @@ def test_the_dashboard_shows_what_an_operator_needs() -> None:
         "TTFT", "TPOT", "Queue depth", "Queue wait", "Batch size", "Batch fill", "Tokens/s",
         "Errors by code", "Consumer lag", "Worker slots", "Variant shares",
         "Variant TTFT p99", "Variant error rate", "Variant quality score", "rollbacks",
+        "Batch progress", "Batch lines/s",
     ):  # fmt: skip
         assert needed in titles, needed
     tiers = [q for title, q in dashboard_queries() if title.startswith(("TTFT", "TPOT"))]

@@ -107,6 +107,7 @@ class Edge:
                     self.settings.limits(),
                     asyncio.Semaphore(self.settings.edge_batch_window),
                     self.settings.edge_batch_progress_s,
+                    self.metrics,
                 )
                 runner = asyncio.create_task(
                     BatchRunner(parts, self.edge_id).run(), name="batch-runner"

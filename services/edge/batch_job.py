@@ -10,6 +10,7 @@ outcome replaces the first, so every line is in the files once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import tempfile
 import time
@@ -22,6 +23,7 @@ from aiokafka import TopicPartition
 
 from services.edge.batch_line import Asked, GaveUp, LineAsker, custom_id_of, expired
 from services.edge.gateway import Gateway
+from services.edge.metrics import EdgeMetrics
 from shared.batch_jobs import (
     BatchError,
     BatchErrors,
@@ -56,6 +58,7 @@ class BatchParts:
     limits: RequestLimits
     window: asyncio.Semaphore  # lines in flight on this runner, all batches together
     progress_s: float  # the batch record's counts are written at most this often
+    metrics: EdgeMetrics
 
 
 @dataclass
@@ -72,6 +75,14 @@ class BatchRun:
         return self.job.batch.id
 
     async def run(self) -> None:
+        try:
+            await self._run()
+        finally:
+            for state in ("total", "completed", "failed"):
+                with contextlib.suppress(KeyError):  # never shown: it failed before
+                    self.parts.metrics.batch_progress.remove(self.batch_id, state)
+
+    async def _run(self) -> None:
         batch = self.job.batch
         log.info("batch.run", batch_id=batch.id, status=batch.status, partition=self.partition)
         stored = await self.parts.files.find(self.job.tenant, batch.input_file_id)
@@ -207,6 +218,10 @@ class BatchRun:
             partition=self.partition,
         )
         self.done[n] = asked.ok
+        expired_line = (asked.output.get("error") or {}).get("code") == "batch_expired"
+        kind = "ok" if asked.ok else "expired" if expired_line else "failed"
+        self.parts.metrics.batch_lines.labels(kind).inc()
+        self._show()
         if time.monotonic() - self._shown_at >= self.parts.progress_s:
             self._shown_at = time.monotonic()
             await self._write(request_counts=self._counts())
@@ -222,9 +237,19 @@ class BatchRun:
             partition=self.partition,
         )
 
+    def _show(self) -> None:
+        counts, gauge = self._counts(), self.parts.metrics.batch_progress
+        for state, value in (
+            ("total", counts.total),
+            ("completed", counts.completed),
+            ("failed", counts.failed),
+        ):
+            gauge.labels(self.batch_id, state).set(value)
+
     async def _read_outcomes(self) -> None:
         async for outcome in self._outcomes():
             self.done[outcome.line] = outcome.ok
+        self._show()
         if self.done:
             log.info("batch.resumed", batch_id=self.batch_id, answered=len(self.done))
 

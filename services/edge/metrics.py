@@ -83,6 +83,19 @@ class EdgeMetrics:
             "Records resume replays read, with readers of their own",
             registry=r,
         )
+        self.batch_lines = Counter(
+            "tokenbus_edge_batch_lines",
+            "OpenAI batch lines this edge's runner answered, by outcome (ok, failed, expired)",
+            ["outcome"],
+            registry=r,
+        )
+        self.batch_progress = Gauge(
+            "tokenbus_edge_batch_progress",
+            "Each batch this edge runs now: its lines (total, completed, failed); gone when"
+            " it ends here or its partition moves to another edge",
+            ["batch_id", "state"],
+            registry=r,
+        )
         self.disconnect_cancels = Counter(
             "tokenbus_edge_disconnect_cancels",
             "Requests cancelled because their socket dropped and no resume came",
