@@ -8,7 +8,7 @@ PYTHON ?= $(shell for p in python3.13 python3.12 python3.11 python3; do \
 	$$p -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null && { echo $$p; break; }; \
 	done)
 
-.PHONY: venv run check unit test chaos upgrade-check lint bench bench-capacity bench-policies bench-static bench-affinity bench-cache bench-cold-start bench-cascade bench-real bench-vllm-serve profile
+.PHONY: venv run check unit test chaos upgrade-check lint bench bench-capacity bench-policies bench-static bench-affinity bench-cache bench-cold-start bench-cascade bench-batch bench-real bench-vllm-serve profile
 
 venv: $(VENV)/.installed
 
@@ -67,7 +67,7 @@ lint: venv
 # (and its JSON under bench/out/, its plot under docs/img/); each starts a private broker
 # unless KAFKA_BOOTSTRAP_SERVERS is set. ~12-15 min on 2 cores.
 bench: bench-capacity bench-static bench-affinity bench-cache bench-cold-start bench-cascade \
-	bench-real bench-vllm-serve
+	bench-batch bench-real bench-vllm-serve
 
 # The capacity benchmark (issue 12) in docs/benchmarks.md: `fixed` and `direct` on the fast
 # constant profile climb a rate ladder; CPU per request of every process from /proc; the
@@ -118,6 +118,12 @@ bench-cascade: venv
 # requests straight to AsyncLLM and through tokenbus (1, 4 and 16 clients), then the
 # smollm2-cpu sim profile on the same stack, checked against the real engine. ~6 min; the
 # first run also installs vLLM's CPU build and the model (cached).
+# Chat beside an OpenAI batch (issue 39): TTFT with and without it, its throughput against
+# the capacity chat leaves idle, on the sim (~4 min).
+bench-batch: venv
+	$(VENV)/bin/tokenbus bench batch --json bench/out/batch.json \
+		--plot docs/img/batch.png --docs docs/benchmarks.md $(BENCH_ARGS)
+
 bench-real: venv
 	$(VENV)/bin/tokenbus bench real --json bench/out/real.json \
 		--plot docs/img/real_engine.png --docs docs/benchmarks.md

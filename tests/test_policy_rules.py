@@ -123,6 +123,29 @@ def test_interactive_rides_first_when_slots_are_scarce() -> None:
     assert summary(policy.plan(clock.now, workers(1))) == [("w0", "background", "timeout", ["b0"])]
 
 
+def test_background_leaves_the_interactive_reserve_free_until_it_has_aged() -> None:
+    """Issue 39: with a quarter of each worker kept for interactive arrivals, background
+    takes 6 of 8 free slots (its batch fills, from its own lane too, no further), interactive
+    takes the last two, and background that has aged takes them again."""
+    clock = FakeClock()
+    policy = Policy[str](config(interactive_reserve=0.25, fill_from_other_tier=True))
+    for i in range(12):
+        add(policy, f"b{i}", BG, clock)
+    clock.advance_ms(210)  # due
+    plan = policy.plan(clock.now, workers(8, total=8))
+    assert summary(plan) == [("w0", "background", "full", [f"b{i}" for i in range(6)])]
+    assert summary(policy.plan(clock.now, workers(2, total=8))) == []
+    add(policy, "i0", INT, clock)
+    add(policy, "i1", INT, clock)
+    clock.advance_ms(20)
+    assert summary(policy.plan(clock.now, workers(2, total=8))) == [
+        ("w0", "interactive", "timeout", ["i0", "i1"])
+    ]
+    clock.advance_ms(1000)  # the rest of the background has aged: the reserve is theirs too
+    plan = policy.plan(clock.now, workers(2, total=8))
+    assert summary(plan) == [("w0", "background", "timeout", ["b6", "b7"])]
+
+
 def test_aged_background_outranks_interactive() -> None:
     clock, policy = FakeClock(), Policy[str](config())
     add(policy, "b-old", BG, clock)

@@ -201,6 +201,30 @@ def register(commands: Subcommands) -> None:
     cold.add_argument("--docs", type=Path, default=None, help="Markdown file to update")
     cold.add_argument("--log-dir", type=Path, default=Path("bench/out/logs"))
     cold.set_defaults(handler=_cold_start)
+    batch = actions.add_parser(
+        "batch",
+        help="chat beside an OpenAI batch: interactive TTFT with and without a saturating"
+        " batch, and the batch's throughput against the capacity chat leaves idle"
+        " (make bench-batch, ~4 min)",
+    )
+    # A simulated GPU slow enough that it, not the 2 cores running everything, is full.
+    batch.add_argument("--profile", default="llama3-70b-fp8-h200", help="sim profile")
+    batch.add_argument("--prompt-tokens", type=int, default=60, help="each request's prompt")
+    batch.add_argument("--max-tokens", type=int, default=64, help="each request's answer")
+    batch.add_argument("--window", type=int, default=128, help="batch lines in flight")
+    batch.add_argument(
+        "--reserve", type=float, default=0.25, help="the scheduler's interactive reserve"
+    )
+    batch.add_argument("--load", type=float, default=0.5, help="interactive share of capacity")
+    batch.add_argument("--duration", type=float, default=40.0, help="interactive phase, s")
+    batch.add_argument("--saturate-lines", type=int, default=600, help="the capacity batch")
+    batch.add_argument("--seed", type=int, default=7)
+    batch.add_argument("--json", type=Path, default=Path("bench/out/batch.json"))
+    batch.add_argument("--plot", type=Path, default=None, help="PNG of TTFT and lines/s")
+    batch.add_argument("--docs", type=Path, default=None, help="Markdown file to update")
+    batch.add_argument("--log-dir", type=Path, default=Path("bench/out/logs"))
+    batch.set_defaults(handler=_batch)
+
     cascade = actions.add_parser(
         "cascade",
         help="cascades: the share a small model answers, the GPU-seconds saved and the quality"
@@ -480,6 +504,12 @@ def _capacity(args: argparse.Namespace) -> int:
         print(f"tokenbus bench: error: stacks failed: {', '.join(failed)}", file=sys.stderr)
         return 1
     return 0
+
+
+def _batch(args: argparse.Namespace) -> int:
+    from bench import batch
+
+    return batch.run(args, _command())
 
 
 def _cascade(args: argparse.Namespace) -> int:

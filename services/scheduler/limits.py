@@ -46,6 +46,9 @@ class PolicyConfig:
     - `fair_share`: inside a lane, tenants share it by weighted fair queuing on tokens
       (fairness.py); off, requests ride in arrival order.
     - `tenant_weights`: a tenant's share relative to others; unnamed tenants weigh 1.
+    - `interactive_reserve`: the share of each worker's slots background requests that have
+      not aged may not take: kept free for interactive arrivals, so a batch filling the
+      capacity chat leaves does not make chat wait for a slot (issue 39). 0: none.
     - `unserved_hold_s`: a lane (a model, a variant) that no live worker has served for
       this long has its waiting requests answered (`overloaded`) rather than held for ever:
       a pin to a variant no worker declares, a model whose pool cannot start (issue 37, N3).
@@ -60,6 +63,7 @@ class PolicyConfig:
     fair_share: bool = True
     tenant_weights: Mapping[str, float] = field(default_factory=dict)
     unserved_hold_s: float = 600.0
+    interactive_reserve: float = 0.0
 
     def __post_init__(self) -> None:
         missing = [t for t in Tier if t not in self.tiers]
@@ -69,6 +73,8 @@ class PolicyConfig:
             raise ValueError("background_aging_ms must be at least the background max_wait_ms")
         if not 0.0 <= self.background_min_share <= 1.0:
             raise ValueError("background_min_share must lie in [0, 1]")
+        if not 0.0 <= self.interactive_reserve < 1.0:
+            raise ValueError("interactive_reserve must lie in [0, 1)")
         if list(self.bucket_edges) != sorted(set(self.bucket_edges)):
             raise ValueError("bucket_edges must be strictly increasing")
         if any(not 0 < w < float("inf") for w in self.tenant_weights.values()):

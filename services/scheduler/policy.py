@@ -198,6 +198,15 @@ class Policy(Generic[T]):
             if best is None:
                 return
             (rank, _, _), lane, reason = best
+            # Unaged background leaves each worker's reserve to interactive arrivals.
+            room = {
+                w: n - self._reserved(w, rank)
+                for w, n in free.items()
+                if serves_lane(models.get(w), lane.key) and n > self._reserved(w, rank)
+            }
+            if not room:
+                held.stuck.add(lane.key)
+                continue
             limits = lane.limits
             admit = (lambda p: p.arrived <= aged_before) if rank == AGED else None
             # Passengers held for their full last server (routing.py) stay in the lane: the
@@ -219,7 +228,6 @@ class Policy(Generic[T]):
             # loaded, the batch whole unless its worker has too little room; or by prefix
             # affinity, perhaps holding some. A batch splits into one part per worker, each
             # within every limit (ADR 0034).
-            room = {w: n for w, n in free.items() if serves_lane(models.get(w), lane.key)}
             totals = {w: n for w, n in self._totals.items() if serves_lane(models.get(w), lane.key)}
             hold_until = [self.router.hold_until(p.tier, p.arrived, p.deadline_at) for p in chosen]
             where = self.router.route(
@@ -259,7 +267,12 @@ class Policy(Generic[T]):
             # With prefix routing, only riders that prefer this worker (or have no key).
             admit = self._prefers(d.worker_id) if self.router.mode == "prefix" else None
             for lane in lanes:
-                room = min(limits.max_batch_size - len(d.passengers), free.get(d.worker_id, 0))
+                spare = free.get(d.worker_id, 0)
+                if lane.key.tier is Tier.background:
+                    spare -= self._reserved(
+                        d.worker_id, self._rank(lane.key.tier, lane.head(), aged_before)
+                    )
+                room = min(limits.max_batch_size - len(d.passengers), spare)
                 budget = limits.max_batch_tokens - d.tokens
                 if room <= 0 or budget <= 0:
                     break
@@ -318,6 +331,13 @@ class Policy(Generic[T]):
         if tier is Tier.interactive:
             return INTERACTIVE
         return AGED if head.arrived <= aged_before else BACKGROUND
+
+    def _reserved(self, worker: str, rank: int) -> int:
+        """Slots of `worker` a lane of `rank` may not take: the interactive reserve, for
+        background that has not aged (aged background outranks it, as it does interactive)."""
+        if rank != BACKGROUND or self.config.interactive_reserve <= 0:
+            return 0
+        return math.ceil(self.config.interactive_reserve * self._totals.get(worker, 0))
 
     @staticmethod
     def _use(free: dict[str, int], worker: str, n: int) -> None:

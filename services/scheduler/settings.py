@@ -57,6 +57,13 @@ class SchedulerSettings(TokenbusSettings):
         description="Aged background outranks interactive only while background has had"
         " less than this share of recent dispatches (overload then falls on background).",
     )
+    scheduler_interactive_reserve: float = Field(
+        default=0.0,
+        ge=0,
+        lt=1,
+        description="Share of each worker's slots that background requests (a batch's lines)"
+        " may not take until they have aged: kept free for interactive arrivals. 0: none.",
+    )
     scheduler_fill_from_other_tier: bool = Field(
         default=True, description="Fill spare room in a leaving batch from the other tier."
     )
@@ -277,6 +284,7 @@ class SchedulerSettings(TokenbusSettings):
             fair_share=self.scheduler_fair_share,
             tenant_weights=dict(self.scheduler_tenant_weights),
             unserved_hold_s=self.scheduler_unserved_hold_s,
+            interactive_reserve=self.scheduler_interactive_reserve,
         )
 
     def canary_rule(self) -> CanaryRule:
