@@ -11,6 +11,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+import structlog
 from pydantic import ValidationError
 
 from services.edge.gateway import Gateway
@@ -24,9 +25,15 @@ from services.edge.protocol import AcceptedFrame, ErrorFrame
 from shared.batch_jobs import BatchJob
 from shared.messages import BatchRef, ErrorCode, RequestLimits, Tier, error_message
 
+log = structlog.get_logger()
+
 EXPIRED_MESSAGE = "This request could not be executed before the completion window expired."
 # A line refused for now (the edge is busy or restarting) is asked again after this.
 RETRY_S = 1.0
+# A line whose answer ended in a server error (`internal`: a stream given up after a broker
+# outage, say; `overloaded`) is asked again, this many times in all; then the error is its
+# outcome, as OpenAI's error file has it.
+MAX_ASKS = 3
 
 
 @dataclass(frozen=True)
@@ -90,16 +97,18 @@ class LineAsker:
         chat = to_chat_request(body, self._limits)
         if isinstance(chat, HttpError):
             return _failed(line.custom_id, chat)
-        left_ms = int((batch.expires_at - time.time()) * 1000)
-        if left_ms <= 0:
-            return expired(line.custom_id)
         ref = BatchRef(batch_id=batch.id, custom_id=line.custom_id)
-        request = chat.model_copy(
-            update={"priority": Tier.background, "deadline_ms": left_ms, "batch_line": ref}
-        )
         kind: Kind = "chat" if line.url == "/v1/chat/completions" else "text"
         model = body.model or next(iter(self._gateway.models.served(time.time())), "tokenbus")
+        asks = 0
         while True:
+            left_ms = int((batch.expires_at - time.time()) * 1000)
+            if left_ms <= 0:
+                return expired(line.custom_id)
+            request = chat.model_copy(
+                update={"priority": Tier.background, "deadline_ms": left_ms, "batch_line": ref}
+            )
+            asks += 1
             client = HttpClient()
             await self._gateway.submit_line(
                 request, tenant=self._job.tenant, plan=self._job.plan, client=client
@@ -131,6 +140,9 @@ class LineAsker:
                     if answer.result is None:
                         continue
                     self._gateway.written(frame, stream)
+                    if asks < MAX_ASKS and _transient(frame):
+                        log.info("batch.line_asked_again", custom_id=line.custom_id, asks=asks)
+                        break  # asked again, under a new request id
                     return _answered(line.custom_id, answer, frame)
             finally:
                 if answer is not None:
@@ -156,6 +168,13 @@ class LineAsker:
         if get.done() and not get.cancelled():
             return get.result()
         raise GaveUp  # the edge drains: its streams are let go of
+
+
+def _transient(final: object) -> bool:
+    return isinstance(final, ErrorFrame) and final.code in (
+        ErrorCode.internal,
+        ErrorCode.overloaded,
+    )
 
 
 def _answered(custom_id: str, answer: Answer, final: object) -> Asked:
