@@ -119,10 +119,13 @@ bench-cascade: venv
 # smollm2-cpu sim profile on the same stack, checked against the real engine. ~6 min; the
 # first run also installs vLLM's CPU build and the model (cached).
 # Chat beside an OpenAI batch (issue 39): TTFT with and without it, its throughput against
-# the capacity chat leaves idle, on the sim (~4 min).
+# the capacity chat leaves idle, on the sim (~3 min) and on SmolLM2 on vLLM's CPU build.
 bench-batch: venv
 	$(VENV)/bin/tokenbus bench batch --json bench/out/batch.json \
 		--plot docs/img/batch.png --docs docs/benchmarks.md $(BENCH_ARGS)
+	$(VENV)/bin/tokenbus bench batch --engine vllm --window 32 --saturate-lines 48 \
+		--max-tokens 32 --duration 60 --json bench/out/batch_vllm.json \
+		--plot docs/img/batch_vllm.png --docs docs/benchmarks.md $(BENCH_ARGS)
 
 bench-real: venv
 	$(VENV)/bin/tokenbus bench real --json bench/out/real.json \

@@ -287,9 +287,15 @@ def test_each_service_gets_only_what_it_uses() -> None:
     # Only the edge makes and removes topics; every other topic change is the admin's.
     makers = {a.principal for a in acls if a.operation in (Operation.CREATE, Operation.DELETE)}
     assert makers == {"User:edge"}
+    # Batches (ADR 0075): the edges run them, as a group; no other service reads them.
+    for topic in (topics.batch_jobs, topics.batch_outcomes):
+        assert may("edge", read, topic)
+        assert may("edge", write, topic)
+        assert not any(may(r, read, topic) for r in ("ingest", "scheduler", "worker"))
     # Groups: each consuming service its own; the scheduler also worker groups (recovery).
     groups = {(a.principal, a.name) for a in acls if a.resource is Resource.GROUP}
     assert groups == {
+        ("User:edge", "p.batch-runners"),
         ("User:ingest", "p.ingest"),
         ("User:scheduler", "p.scheduler"),
         ("User:scheduler", "p.worker."),

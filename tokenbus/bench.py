@@ -207,6 +207,11 @@ def register(commands: Subcommands) -> None:
         " batch, and the batch's throughput against the capacity chat leaves idle"
         " (make bench-batch, ~4 min)",
     )
+    batch.add_argument(
+        "--engine", choices=("sim", "vllm"), default="sim", help="vllm: SmolLM2 on vLLM's CPU build"
+    )
+    batch.add_argument("--model", default=None, help="default: sim-8b, or smollm2 on vLLM")
+    batch.add_argument("--max-num-seqs", type=int, default=16, help="vllm: sequences at once")
     # A simulated GPU slow enough that it, not the 2 cores running everything, is full.
     batch.add_argument("--profile", default="llama3-70b-fp8-h200", help="sim profile")
     batch.add_argument("--prompt-tokens", type=int, default=60, help="each request's prompt")
@@ -509,6 +514,8 @@ def _capacity(args: argparse.Namespace) -> int:
 def _batch(args: argparse.Namespace) -> int:
     from bench import batch
 
+    if args.model is None:
+        args.model = "smollm2" if args.engine == "vllm" else batch.SIM_MODEL
     return batch.run(args, _command())
 
 
