@@ -209,3 +209,19 @@ def test_a_resume_token_is_checked_under_the_tenant_id_of_the_key_that_signed_it
     assert g.tenant_id(principal.tenant) == tenant_id(new.encode(), "acme")
     assert g.tenant_id(principal.tenant, "old") == tenant_id(old.encode(), "acme")
     assert g.tenant_id(principal.tenant, "unknown") == g.tenant_id(principal.tenant)
+
+
+def test_a_limit_left_unset_is_not_written_so_an_older_edge_reads_the_keys_file(
+    tmp_path: Path,
+) -> None:
+    """A keys file is read strictly (a misspelt limit is an error), so a limit added in a
+    release (`batch_tokens_per_day`, issue 39) is written only where it is set: the file
+    `tokenbus keys` writes today stays one the previous release's edges take (make
+    upgrade-check found its edge refusing every key when the new limit was written null)."""
+    path = tmp_path / "keys.json"
+    keys, _, _ = keyfile.add_key(keyfile.KeysFile(), "acme", {}, 0.0)
+    keyfile.save(path, keys)
+    assert "batch_tokens_per_day" not in path.read_text()
+    keys, _, _ = keyfile.add_key(keys, "big", {"batch_tokens_per_day": 10}, 0.0)
+    keyfile.save(path, keys)
+    assert keyfile.load(path).tenants["big"].batch_tokens_per_day == 10

@@ -58,6 +58,8 @@ class TenantLimits(Model):
     batch_tokens_per_day: int | None = Field(
         default=None,
         ge=1,
+        # Unset, not written: a keys file an older edge reads stays one it takes (ADR 0072).
+        exclude_if=lambda v: v is None,
         description="Tokens the tenant's batches may ask for in 24 hours (each line's prompt"
         " bound + max_tokens, counted when a batch is created, across every edge); apart from"
         " the interactive limits, which batch lines are not charged to. Unset: no limit.",
