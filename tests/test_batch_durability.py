@@ -20,6 +20,7 @@ from bench.ports import free_port
 from tests.chat_client import openai_sdk
 from tests.conftest import FaultableBroker
 from tests.stack import SERVICES, Stack, wait_until
+from tests.test_batches_api import ran_last
 
 pytestmark = pytest.mark.integration
 
@@ -66,13 +67,8 @@ class Runners:
         return self.stack.edge_ready(self.ports[key])
 
     def running(self, batch_id: str) -> str | None:
-        """The runner edge that ran the batch last (its log says `batch.run` for it)."""
-        last: tuple[str, str] | None = None
-        for key in RUNNERS:
-            for line in self.stack.log(key).read_text().splitlines():
-                if "batch.run" in line and batch_id in line and (last is None or line > last[1]):
-                    last = (key, line)  # lines start with their ISO timestamp
-        return None if last is None else last[0]
+        """The runner edge that ran the batch last."""
+        return ran_last(self.stack, RUNNERS, batch_id)
 
 
 @pytest.fixture

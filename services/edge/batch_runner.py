@@ -38,8 +38,11 @@ class Partition:
 
     def apply(self, key: str, value: bytes | None) -> None:
         batch_id, _, what = key.partition("/")
-        if value is None:
-            self.jobs.pop(batch_id, None)
+        if value is None:  # a tombstone: of the cancel, or of the batch
+            if what == CANCEL:
+                self.cancels.discard(batch_id)
+            else:
+                self.jobs.pop(batch_id, None)
             return
         record = parse(key, value)
         if what == CANCEL and isinstance(record, BatchCancel):

@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse, Response
 from services.edge.keys import Principal
 from services.edge.openai.batch_lines import ENDPOINTS
 from services.edge.openai.errors import HttpError, http_error, invalid
-from services.edge.openai.files import page_limit, unavailable
+from services.edge.openai.files import listing, unavailable
 from services.edge.openai.routes import Streams, error_response, read_body
 from services.edge.openai.schema import ErrorBody, ErrorDetail
 from shared.batch_jobs import ENDED, WINDOWS, BatchJobs, BatchObject
@@ -112,7 +112,7 @@ class BatchesApi:
         found = await self._batch(request)
         if isinstance(found, HttpError):
             return error_response(found)
-        batch, jobs = found
+        batch, jobs, tenant = found
         if batch.status in ("cancelling", "cancelled"):
             return JSONResponse(batch.model_dump())
         if batch.status in ENDED:
@@ -125,7 +125,7 @@ class BatchesApi:
             return error_response(HttpError(409, ErrorBody(error=detail)))
         try:
             await jobs.cancel(batch.id)
-            cancelled = await jobs.find(self._tenant(request), batch.id)
+            cancelled = await jobs.find(tenant, batch.id)
         except (KafkaError, TimeoutError) as exc:
             log.warning("batch.cancel_failed", batch_id=batch.id, error=repr(exc))
             return error_response(unavailable())
@@ -137,32 +137,15 @@ class BatchesApi:
         if isinstance(found, HttpError):
             return error_response(found)
         principal, jobs, _ = found
-        limit = page_limit(request.query_params.get("limit"))
-        if isinstance(limit, HttpError):
-            return error_response(limit)
         try:
             batches = await jobs.owned(principal.tenant)
         except (KafkaError, TimeoutError) as exc:
             log.warning("batch.read_failed", error=repr(exc))
             return error_response(unavailable())
-        after = request.query_params.get("after")
-        if after is not None:
-            ids = [b.id for b in batches]
-            batches = batches[ids.index(after) + 1 :] if after in ids else []
-        page = batches[:limit]
-        body: dict[str, Any] = {
-            "object": "list",
-            "data": [b.model_dump() for b in page],
-            "first_id": page[0].id if page else None,
-            "last_id": page[-1].id if page else None,
-            "has_more": len(batches) > len(page),
-        }
+        body = listing(batches, request.query_params)
+        if isinstance(body, HttpError):
+            return error_response(body)
         return JSONResponse(body)
-
-    def _tenant(self, request: Request) -> str:
-        principal = self._streams.authenticate(request.headers)
-        assert not isinstance(principal, HttpError)
-        return principal.tenant
 
     def _caller(self, request: Request) -> tuple[Principal, BatchJobs, FileStore] | HttpError:
         principal = self._streams.authenticate(request.headers)
@@ -173,8 +156,9 @@ class BatchesApi:
             return unavailable()
         return principal, jobs, files
 
-    async def _batch(self, request: Request) -> tuple[BatchObject, BatchJobs] | HttpError:
-        """The batch the path names, if the caller's tenant owns it; else 404."""
+    async def _batch(self, request: Request) -> tuple[BatchObject, BatchJobs, str] | HttpError:
+        """The batch the path names, its table and its tenant, if the caller's tenant owns
+        it; else 404."""
         found = self._caller(request)
         if isinstance(found, HttpError):
             return found
@@ -187,7 +171,7 @@ class BatchesApi:
             return unavailable()
         if batch is None:
             return http_error(ErrorCode.not_found, f"No such Batch object: {batch_id}", param="id")
-        return batch, jobs
+        return batch, jobs, principal.tenant
 
 
 DAY_S = 24 * 3600
@@ -232,9 +216,9 @@ async def _create_body(request: Request) -> CreateBatch | HttpError:
         return raw
     try:
         asked = CreateBatch.model_validate(json.loads(raw))
-    except (ValueError, RecursionError) as exc:
-        if isinstance(exc, ValidationError):
-            return invalid(error_message(exc))
+    except ValidationError as exc:
+        return invalid(error_message(exc))
+    except (ValueError, RecursionError):
         return invalid("body: not valid JSON")
     if asked.endpoint not in ENDPOINTS:
         known = " or ".join(ENDPOINTS)

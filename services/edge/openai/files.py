@@ -10,8 +10,8 @@ tenant's key gets 404, as for a file that does not exist.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from typing import IO, Any
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
+from typing import IO, Any, Protocol
 
 import structlog
 from aiokafka.errors import KafkaError
@@ -155,21 +155,9 @@ class FilesApi:
             files = [f for f in files if f.purpose == purpose]
         if request.query_params.get("order") == "asc":
             files.reverse()
-        after = request.query_params.get("after")
-        if after is not None:
-            ids = [f.id for f in files]
-            files = files[ids.index(after) + 1 :] if after in ids else []
-        limit = page_limit(request.query_params.get("limit"))
-        if isinstance(limit, HttpError):
-            return error_response(limit)
-        page = files[:limit]
-        body: dict[str, Any] = {
-            "object": "list",
-            "data": [f.model_dump() for f in page],
-            "first_id": page[0].id if page else None,
-            "last_id": page[-1].id if page else None,
-            "has_more": len(files) > len(page),
-        }
+        body = listing(files, request.query_params)
+        if isinstance(body, HttpError):
+            return error_response(body)
         return JSONResponse(body)
 
     async def retrieve(self, request: Request) -> Response:
@@ -241,6 +229,33 @@ class FilesApi:
         if stored is None:
             return http_error(ErrorCode.not_found, f"No such File object: {file_id}", param="id")
         return stored, store
+
+
+class Listed(Protocol):
+    @property
+    def id(self) -> str: ...
+
+    def model_dump(self) -> dict[str, Any]: ...
+
+
+def listing(items: Sequence[Listed], query: Mapping[str, str]) -> dict[str, Any] | HttpError:
+    """OpenAI's list page of `items` (in the order shown): those after `after`, at most
+    `limit`, with the ids that page on."""
+    after = query.get("after")
+    if after is not None:
+        ids = [item.id for item in items]
+        items = items[ids.index(after) + 1 :] if after in ids else []
+    limit = page_limit(query.get("limit"))
+    if isinstance(limit, HttpError):
+        return limit
+    page = items[:limit]
+    return {
+        "object": "list",
+        "data": [item.model_dump() for item in page],
+        "first_id": page[0].id if page else None,
+        "last_id": page[-1].id if page else None,
+        "has_more": len(items) > len(page),
+    }
 
 
 def page_limit(value: str | None) -> int | HttpError:
